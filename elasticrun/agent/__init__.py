@@ -1,0 +1,1 @@
+"""Per-node agent: rendezvous loop, worker group supervision, logs, failure reports."""

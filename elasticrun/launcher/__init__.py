@@ -1,0 +1,1 @@
+"""Command line: torchrun-compatible flags, subcommands, and wiring."""

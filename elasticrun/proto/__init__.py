@@ -1,0 +1,1 @@
+"""The store service definition and its generated stubs."""

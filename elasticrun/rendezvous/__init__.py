@@ -1,0 +1,1 @@
+"""The rendezvous protocol over a small key-value store interface, and its stores."""

@@ -1,0 +1,1 @@
+"""What training scripts import; the only subpackage that may import torch."""
