@@ -1,0 +1,109 @@
+"""The error hierarchy of elasticrun.
+
+Every module raises one of these, with the facts a user needs to act (which host, which
+flag, what was expected). They are turned into a one-line message and an exit code only
+at the CLI edge (`elasticrun.launcher.cli`), never earlier.
+"""
+
+from __future__ import annotations
+
+
+class ElasticrunError(Exception):
+    """Base of every error elasticrun raises on purpose.
+
+    `exit_code` is what the CLI exits with when this error reaches it.
+    """
+
+    exit_code: int = 1
+
+
+class UsageError(ElasticrunError):
+    """The user asked for something impossible: a bad flag, value or combination."""
+
+    exit_code = 2
+
+
+# --- store ---------------------------------------------------------------------------
+
+
+class StoreError(ElasticrunError):
+    """A key-value store operation failed."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store could not be reached (within the deadline) at `endpoint`."""
+
+    def __init__(self, endpoint: str, cause: str) -> None:
+        super().__init__(f"store at {endpoint} is unreachable: {cause}")
+        self.endpoint = endpoint
+        self.cause = cause
+
+
+class StoreAuthError(StoreError):
+    """The store refused us: missing or wrong token, bad credentials, TLS mismatch."""
+
+    exit_code = 2
+
+
+class StoreLimitError(StoreError):
+    """A request exceeded a bound of the store (key size, value size, key count)."""
+
+
+class StoreTimeoutError(StoreError):
+    """A waiting store operation (get-with-wait, wait) ran past its timeout."""
+
+
+class LeaseExpiredError(StoreError):
+    """The lease is gone: it expired or was revoked, and its keys with it."""
+
+    def __init__(self, lease_id: int) -> None:
+        super().__init__(f"lease {lease_id:x} has expired or was revoked")
+        self.lease_id = lease_id
+
+
+class CompactedError(StoreError):
+    """A watch asked for history that the store no longer keeps; re-read and re-watch."""
+
+    def __init__(self, requested: int, oldest: int) -> None:
+        super().__init__(
+            f"revision {requested} has been compacted (oldest kept: {oldest})"
+        )
+        self.requested = requested
+        self.oldest = oldest
+
+
+# --- rendezvous ----------------------------------------------------------------------
+
+
+class RendezvousError(ElasticrunError):
+    """The rendezvous could not give this node a place in the job."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The job has ended (successfully or not); no new round will open."""
+
+    def __init__(self, run_id: str, outcome: str, detail: str = "") -> None:
+        msg = f"rendezvous '{run_id}' is closed ({outcome})"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+        self.run_id = run_id
+        self.outcome = outcome
+        self.detail = detail
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """No round this node could join formed within the join timeout."""
+
+
+class SpecMismatchError(RendezvousError):
+    """This node's job spec differs from the one the running job was started with."""
+
+    exit_code = 2
+
+
+# --- workers -------------------------------------------------------------------------
+
+
+class WorkerStartError(ElasticrunError):
+    """A worker process could not be started at all (missing script, bad interpreter)."""
+
+    exit_code = 2

@@ -1,0 +1,84 @@
+"""What the agent sees of a rendezvous: an `Assignment` per round, and the handler.
+
+The agent knows the rendezvous only through `RendezvousHandler`; the elastic rendezvous
+(over any `Store`) and the static one implement it, and backends know nothing of the
+agent.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """This node's place in one round of the job.
+
+    Global ranks of this node's workers are `rank_offset + local_rank`.
+    """
+
+    round: int
+    node_rank: int
+    node_count: int
+    rank_offset: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    #: worker-failure restarts the job has used so far (TORCHELASTIC_RESTART_COUNT)
+    restart_count: int
+
+
+class RendezvousHandler(abc.ABC):
+    """One node's handle on the job's rendezvous.
+
+    The agent's loop is: `next_round()`, start workers, then wait for the first of
+    (workers ended, `round_ended()`, a signal), and report what happened with
+    `request_restart()`, `fail()`, `finish()` or `leave()`.
+    """
+
+    #: the job's id (`--rdzv-id`)
+    run_id: str
+
+    @abc.abstractmethod
+    async def next_round(self) -> Assignment:
+        """Wait until this node is placed in a round it has not run yet.
+
+        Raises RendezvousClosedError when the job has ended, RendezvousTimeoutError
+        when no round took this node within the join timeout (the message says what
+        was missing).
+        """
+
+    @abc.abstractmethod
+    async def round_ended(self) -> str:
+        """Return (with a reason) as soon as the current round is superseded.
+
+        A node joined or left, another node's workers failed and it asked for a
+        restart, the job was stopped or failed elsewhere, or this node lost its
+        membership (its lease expired): in every case this node's workers must stop now.
+        """
+
+    @abc.abstractmethod
+    async def request_restart(self, reason: str) -> None:
+        """Ask for a new round with the same members after a worker failure here.
+
+        The new round's `restart_count` is one higher; membership changes never
+        raise it.
+        """
+
+    @abc.abstractmethod
+    async def fail(self, report: str) -> None:
+        """End the job for every node: this node's failure is beyond the budget."""
+
+    @abc.abstractmethod
+    async def finish(self) -> None:
+        """This node's workers all succeeded: close the job and leave."""
+
+    @abc.abstractmethod
+    async def leave(self, reason: str) -> None:
+        """Leave the job on purpose (SIGTERM, drain): the others continue without us."""
+
+    @property
+    def waiting_status(self) -> str:
+        """What the handler is waiting for right now, for the agent's log."""
+        return ""
