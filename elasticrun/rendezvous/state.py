@@ -1,0 +1,205 @@
+"""The records the rendezvous keeps in the store, their keys, and their JSON form.
+
+Everything stored is versioned JSON (never pickle), so any tool (`elasticrun status`,
+`etcdctl get`) can read it, and a newer agent can refuse a record it does not understand.
+
+Key layout, one prefix per job (`/elasticrun/<run_id>/`):
+
+    nodes/<node_id>   NodeInfo, bound to the node's lease: vanishes when the node dies
+    restart           RestartRequest, written by a node whose workers failed
+    job/round         Round: the current round (or the job's end), written by the leader
+    job/leader        the leader's node id, bound to its lease
+    job/master        Master: MASTER_ADDR/PORT of the current round, by its node rank 0
+    job/spec          the job spec digest; a node with another spec is refused
+    job/state         LeaderState: what the leader waits for, for waiting nodes and status
+
+Only the leader watches `nodes/` and `restart`; every node watches `job/`. A membership
+change therefore costs O(1) events per node, which is what lets one round span
+thousands of nodes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from elasticrun.errors import RendezvousError
+
+FORMAT_VERSION = 1
+
+
+def job_prefix(run_id: str) -> str:
+    """The store prefix that holds everything of one job."""
+    return f"/elasticrun/{run_id}/"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The store keys of one job."""
+
+    run_id: str
+
+    @property
+    def prefix(self) -> str:
+        return job_prefix(self.run_id)
+
+    @property
+    def nodes(self) -> str:
+        return self.prefix + "nodes/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+    @property
+    def restart(self) -> str:
+        return self.prefix + "restart"
+
+    @property
+    def job(self) -> str:
+        return self.prefix + "job/"
+
+    @property
+    def round(self) -> str:
+        return self.job + "round"
+
+    @property
+    def leader(self) -> str:
+        return self.job + "leader"
+
+    @property
+    def master(self) -> str:
+        return self.job + "master"
+
+    @property
+    def spec(self) -> str:
+        return self.job + "spec"
+
+    @property
+    def state(self) -> str:
+        return self.job + "state"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What a node says about itself when it registers."""
+
+    node_id: str
+    host: str
+    addr: str  # the address other nodes reach this node's workers at
+    nproc: int
+    pid: int
+    started_at: float  # wall-clock time, for display only
+
+
+@dataclass(frozen=True, slots=True)
+class Participant:
+    """A node's place in a round: the order of participants is the node rank."""
+
+    node_id: str
+    addr: str
+    nproc: int
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One round of the job, as the leader decided it.
+
+    A round with no participants stops every group without starting one: it is what the
+    leader writes when a node is lost and fewer than `min` remain. A round with `closed`
+    set is the job's end ("succeeded", "failed", "stopped"); `detail` says why.
+    """
+
+    number: int
+    participants: tuple[Participant, ...]
+    restart_count: int
+    reason: str
+    opened_at: float  # wall-clock time
+    closed: str = ""
+    detail: str = ""
+
+    def rank_of(self, node_id: str) -> int | None:
+        """The node rank of `node_id` in this round, or None when it is not in it."""
+        for rank, p in enumerate(self.participants):
+            if p.node_id == node_id:
+                return rank
+        return None
+
+    @property
+    def world_size(self) -> int:
+        return sum(p.nproc for p in self.participants)
+
+
+@dataclass(frozen=True, slots=True)
+class RestartRequest:
+    """A node asks for a new round with the same members after a worker failure."""
+
+    round: int
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Master:
+    """Where round `round`'s workers meet (their MASTER_ADDR and MASTER_PORT)."""
+
+    round: int
+    addr: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderState:
+    """The leader's latest decision reason, published for waiting nodes and `status`."""
+
+    leader: str
+    reason: str
+    registered: int
+    at: float
+    waiting: tuple[str, ...] = field(default=())
+
+
+# --- JSON codec ----------------------------------------------------------------------
+
+
+def encode(record: object) -> bytes:
+    """A record as versioned JSON bytes."""
+    body = asdict(record)  # type: ignore[call-overload]
+    body["v"] = FORMAT_VERSION
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _load(raw: bytes, what: str) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise RendezvousError(f"unreadable {what} record in the store: {e}") from None
+    if not isinstance(body, dict) or body.pop("v", None) != FORMAT_VERSION:
+        raise RendezvousError(
+            f"the {what} record in the store has another format version; "
+            "is another elasticrun version using the same --rdzv-id?"
+        )
+    return body
+
+
+def decode_node(raw: bytes) -> NodeInfo:
+    return NodeInfo(**_load(raw, "node"))
+
+
+def decode_round(raw: bytes) -> Round:
+    body = _load(raw, "round")
+    body["participants"] = tuple(Participant(**p) for p in body["participants"])
+    return Round(**body)
+
+
+def decode_restart(raw: bytes) -> RestartRequest:
+    return RestartRequest(**_load(raw, "restart"))
+
+
+def decode_master(raw: bytes) -> Master:
+    return Master(**_load(raw, "master"))
+
+
+def decode_state(raw: bytes) -> LeaderState:
+    body = _load(raw, "state")
+    body["waiting"] = tuple(body.get("waiting", ()))
+    return LeaderState(**body)
