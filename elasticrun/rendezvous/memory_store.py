@@ -1,0 +1,370 @@
+"""The in-process store: the etcd v3 model held in one asyncio event loop.
+
+It serves `--standalone` runs directly and is the engine behind the gRPC store server.
+Every method runs to completion without suspending (nothing in it awaits), so each
+call is atomic with respect to every other task on the loop: no locks are needed, and
+compare-and-put is a plain read-compare-write.
+
+History for watches is a ring of write batches, one per revision. Every write bumps the
+revision by exactly one, so the batches in the ring have consecutive revisions and the
+batch of revision r sits at index `r - oldest`. A watcher is only a cursor into that
+ring plus a wake-up event: writes wake the watchers whose key they touch, and each
+watcher reads the ring from its cursor. A watcher that falls behind the ring (or asks
+for a revision before it) gets CompactedError, as etcd's watchers do after compaction.
+
+Leases expire by themselves: one timer on the loop fires at the earliest deadline of a
+heap of (deadline, lease id). Keep-alives push a new entry and leave the old one to be
+skipped when it surfaces, so a keep-alive is O(log n) and never reschedules the timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import heapq
+import secrets
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from elasticrun.errors import (
+    CompactedError,
+    LeaseExpiredError,
+    StoreLimitError,
+    StoreUnavailableError,
+    UsageError,
+)
+from elasticrun.rendezvous.store import (
+    EventType,
+    KeyValue,
+    RangeResult,
+    Store,
+    WatchEvent,
+)
+
+#: A round record at 1,000 nodes is ~100 KB; leave room for ten times that.
+DEFAULT_MAX_VALUE_BYTES = 1 << 20
+DEFAULT_MAX_KEY_BYTES = 4096
+DEFAULT_MAX_KEYS = 100_000
+#: Bytes of watch history kept (keys + values + a fixed cost per event).
+DEFAULT_HISTORY_BYTES = 64 << 20
+_EVENT_OVERHEAD_BYTES = 64
+
+
+@dataclass(slots=True)
+class _Lease:
+    id: int
+    ttl: float
+    deadline: float
+    keys: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True, eq=False)
+class _Watcher:
+    key: str
+    prefix: bool
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class MemoryStore(Store):
+    """An etcd-like store in the memory of this process, bounded in size.
+
+    `max_key_bytes`, `max_value_bytes` and `max_keys` bound what a writer can make the
+    store hold (StoreLimitError past them); `history_bytes` bounds the watch history.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_key_bytes: int = DEFAULT_MAX_KEY_BYTES,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        max_keys: int = DEFAULT_MAX_KEYS,
+        history_bytes: int = DEFAULT_HISTORY_BYTES,
+    ) -> None:
+        self.endpoint = "memory"
+        self.max_key_bytes = max_key_bytes
+        self.max_value_bytes = max_value_bytes
+        self.max_keys = max_keys
+        self.history_bytes = history_bytes
+        self._kvs: dict[str, KeyValue] = {}
+        self._sorted_keys: list[str] = []
+        self._revision = 0
+        self._ring: deque[tuple[WatchEvent, ...]] = deque()
+        self._ring_sizes: deque[int] = deque()
+        self._ring_bytes = 0
+        self._exact_watchers: dict[str, set[_Watcher]] = {}
+        self._prefix_watchers: set[_Watcher] = set()
+        self._leases: dict[int, _Lease] = {}
+        self._expiry_heap: list[tuple[float, int]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._closed = False
+
+    # --- reads ---------------------------------------------------------------------
+
+    @property
+    def revision(self) -> int:
+        """The store revision: that of the latest write, 0 before any."""
+        return self._revision
+
+    def __len__(self) -> int:
+        return len(self._kvs)
+
+    async def get(self, key: str) -> KeyValue | None:
+        self._check_open()
+        return self._kvs.get(key)
+
+    async def get_prefix(self, prefix: str) -> RangeResult:
+        self._check_open()
+        return RangeResult(
+            tuple(self._kvs[k] for k in self._keys_with_prefix(prefix)), self._revision
+        )
+
+    # --- writes --------------------------------------------------------------------
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        self._check_open()
+        self._put(key, value, lease)
+        return self._revision
+
+    async def compare_and_put(
+        self, key: str, value: bytes, *, expected_mod_revision: int, lease: int = 0
+    ) -> bool:
+        self._check_open()
+        current = self._kvs.get(key)
+        if (current.mod_revision if current else 0) != expected_mod_revision:
+            return False
+        self._put(key, value, lease)
+        return True
+
+    async def delete(self, key: str) -> bool:
+        self._check_open()
+        return self._delete([key]) == 1
+
+    async def compare_and_delete(self, key: str, *, expected_mod_revision: int) -> bool:
+        self._check_open()
+        current = self._kvs.get(key)
+        if current is None or current.mod_revision != expected_mod_revision:
+            return False
+        return self._delete([key]) == 1
+
+    async def delete_prefix(self, prefix: str) -> int:
+        self._check_open()
+        return self._delete(list(self._keys_with_prefix(prefix)))
+
+    # --- leases --------------------------------------------------------------------
+
+    async def grant_lease(self, ttl: float) -> int:
+        self._check_open()
+        if not ttl > 0:
+            raise UsageError(f"a lease TTL must be positive, got {ttl}")
+        lease_id = 0
+        while lease_id == 0 or lease_id in self._leases:
+            lease_id = secrets.randbits(63)  # random: an old id never names a new lease
+        lease = _Lease(lease_id, ttl, asyncio.get_running_loop().time() + ttl)
+        self._leases[lease_id] = lease
+        self._push_deadline(lease)
+        return lease_id
+
+    async def keep_alive(self, lease: int) -> None:
+        self._check_open()
+        held = self._live_lease(lease)
+        held.deadline = asyncio.get_running_loop().time() + held.ttl
+        self._push_deadline(held)
+
+    async def revoke_lease(self, lease: int) -> None:
+        self._check_open()
+        held = self._leases.get(lease)
+        if held is not None:
+            self._end_lease(held)
+
+    def lease_ttl(self, lease: int) -> float:
+        """The lease's TTL in seconds (for keep-alive replies); LeaseExpiredError if gone."""
+        return self._live_lease(lease).ttl
+
+    # --- watch ---------------------------------------------------------------------
+
+    async def watch(
+        self, key: str, *, start_revision: int, prefix: bool = False
+    ) -> AsyncIterator[WatchEvent]:
+        self._check_open()
+        watcher = _Watcher(key, prefix)
+        self._add_watcher(watcher)
+        cursor = max(start_revision, 1)
+        try:
+            while True:
+                if self._closed:
+                    raise StoreUnavailableError(self.endpoint, "the store was closed")
+                if cursor > self._revision:
+                    watcher.wake.clear()
+                    await watcher.wake.wait()
+                    continue
+                oldest = self._revision - len(self._ring) + 1
+                if cursor < oldest:
+                    raise CompactedError(cursor, oldest)
+                batch = self._ring[cursor - oldest]
+                cursor += 1
+                for event in batch:
+                    if event.key == key or (prefix and event.key.startswith(key)):
+                        yield event
+        finally:
+            self._remove_watcher(watcher)
+
+    async def close(self) -> None:
+        """Stop the expiry timer and end every open watch with StoreUnavailableError."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for watcher in [*self._prefix_watchers, *self._all_exact_watchers()]:
+            watcher.wake.set()
+
+    # --- internals -----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreUnavailableError(self.endpoint, "the store was closed")
+
+    def _keys_with_prefix(self, prefix: str) -> Iterable[str]:
+        keys = self._sorted_keys
+        i = bisect.bisect_left(keys, prefix)
+        while i < len(keys) and keys[i].startswith(prefix):
+            yield keys[i]
+            i += 1
+
+    def _live_lease(self, lease: int) -> _Lease:
+        held = self._leases.get(lease)
+        if held is None:
+            raise LeaseExpiredError(lease)
+        return held
+
+    def _put(self, key: str, value: bytes, lease: int) -> None:
+        self._check_key(key)
+        if len(value) > self.max_value_bytes:
+            raise StoreLimitError(
+                f"value of {len(value)} bytes for key {key!r} is over the store's "
+                f"limit of {self.max_value_bytes} bytes (max_value_bytes)"
+            )
+        held = self._live_lease(lease) if lease else None
+        current = self._kvs.get(key)
+        if current is None and len(self._kvs) >= self.max_keys:
+            raise StoreLimitError(
+                f"the store holds its maximum of {self.max_keys} keys (max_keys); "
+                f"cannot create {key!r}"
+            )
+        self._revision += 1
+        rev = self._revision
+        if current is None:
+            kv = KeyValue(key, value, rev, rev, 1, lease)
+            bisect.insort(self._sorted_keys, key)
+        else:
+            kv = KeyValue(key, value, current.create_revision, rev, current.version + 1, lease)
+            if current.lease and current.lease != lease:
+                self._unbind(key, current.lease)
+        if held is not None:
+            held.keys.add(key)
+        self._kvs[key] = kv
+        self._record((WatchEvent(EventType.PUT, key, value, rev),))
+
+    def _check_key(self, key: str) -> None:
+        # A str of n characters encodes to at most 4n bytes: skip encoding short keys.
+        if len(key) * 4 > self.max_key_bytes and len(key.encode()) > self.max_key_bytes:
+            raise StoreLimitError(
+                f"key {key[:64]!r}... is over the store's limit of "
+                f"{self.max_key_bytes} bytes (max_key_bytes)"
+            )
+
+    def _delete(self, keys: list[str]) -> int:
+        """Delete the existing ones among `keys` at one new revision."""
+        keys = [k for k in keys if k in self._kvs]
+        if not keys:
+            return 0
+        self._revision += 1
+        rev = self._revision
+        for key in keys:
+            kv = self._kvs.pop(key)
+            del self._sorted_keys[bisect.bisect_left(self._sorted_keys, key)]
+            if kv.lease:
+                self._unbind(key, kv.lease)
+        self._record(tuple(WatchEvent(EventType.DELETE, k, b"", rev) for k in keys))
+        return len(keys)
+
+    def _unbind(self, key: str, lease: int) -> None:
+        held = self._leases.get(lease)
+        if held is not None:
+            held.keys.discard(key)
+
+    def _record(self, batch: tuple[WatchEvent, ...]) -> None:
+        """Append the batch of the new revision to the ring and wake its watchers."""
+        size = sum(len(e.key) + len(e.value) + _EVENT_OVERHEAD_BYTES for e in batch)
+        self._ring.append(batch)
+        self._ring_sizes.append(size)
+        self._ring_bytes += size
+        while self._ring_bytes > self.history_bytes and len(self._ring) > 1:
+            self._ring.popleft()
+            self._ring_bytes -= self._ring_sizes.popleft()
+        for event in batch:
+            for watcher in self._exact_watchers.get(event.key, ()):
+                watcher.wake.set()
+        for watcher in self._prefix_watchers:
+            if not watcher.wake.is_set() and any(
+                e.key.startswith(watcher.key) for e in batch
+            ):
+                watcher.wake.set()
+
+    def _add_watcher(self, watcher: _Watcher) -> None:
+        if watcher.prefix:
+            self._prefix_watchers.add(watcher)
+        else:
+            self._exact_watchers.setdefault(watcher.key, set()).add(watcher)
+
+    def _remove_watcher(self, watcher: _Watcher) -> None:
+        if watcher.prefix:
+            self._prefix_watchers.discard(watcher)
+            return
+        watchers = self._exact_watchers.get(watcher.key)
+        if watchers is not None:
+            watchers.discard(watcher)
+            if not watchers:
+                del self._exact_watchers[watcher.key]
+
+    def _all_exact_watchers(self) -> Iterable[_Watcher]:
+        for watchers in self._exact_watchers.values():
+            yield from watchers
+
+    def _end_lease(self, lease: _Lease) -> None:
+        del self._leases[lease.id]
+        self._delete(sorted(lease.keys))
+
+    def _push_deadline(self, lease: _Lease) -> None:
+        heap = self._expiry_heap
+        heapq.heappush(heap, (lease.deadline, lease.id))
+        # Keep-alives leave stale entries behind; rebuild before they dominate.
+        if len(heap) > 2 * len(self._leases) + 64:
+            heap[:] = [(held.deadline, held.id) for held in self._leases.values()]
+            heapq.heapify(heap)
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        if self._closed or not self._expiry_heap:
+            return
+        at = self._expiry_heap[0][0]
+        if self._timer is not None:
+            if self._timer_at <= at:
+                return  # an earlier wake-up re-arms for the rest
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_at(at, self._expire_due)
+        self._timer_at = at
+
+    def _expire_due(self) -> None:
+        self._timer = None
+        now = asyncio.get_running_loop().time()
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            held = self._leases.get(lease_id)
+            if held is not None and held.deadline <= now:
+                self._end_lease(held)
+        self._arm_timer()
