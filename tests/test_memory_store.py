@@ -59,6 +59,21 @@ async def test_history_ring_is_bounded_and_keeps_recent_revisions() -> None:
     await store.close()
 
 
+async def test_idle_watch_survives_unrelated_traffic_past_the_ring() -> None:
+    store = MemoryStore(history_bytes=10_000)
+    watch = store.watch("quiet", start_revision=1)
+    pending = asyncio.ensure_future(anext(watch))
+    await asyncio.sleep(0)  # let the watch go to sleep on its key
+    for i in range(200):
+        await store.put("busy", b"x" * 100 + str(i).encode())
+    rev = await store.put("quiet", b"news")
+    async with asyncio.timeout(10):
+        event = await pending
+    assert (event.value, event.revision) == (b"news", rev)
+    await watch.aclose()
+    await store.close()
+
+
 async def test_many_leases_expire_on_one_timer() -> None:
     store = MemoryStore()
     leases = [await store.grant_lease(0.05 + i * 0.01) for i in range(20)]

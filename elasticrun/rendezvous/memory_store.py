@@ -9,8 +9,11 @@ History for watches is a ring of write batches, one per revision. Every write bu
 revision by exactly one, so the batches in the ring have consecutive revisions and the
 batch of revision r sits at index `r - oldest`. A watcher is only a cursor into that
 ring plus a wake-up event: writes wake the watchers whose key they touch, and each
-watcher reads the ring from its cursor. A watcher that falls behind the ring (or asks
-for a revision before it) gets CompactedError, as etcd's watchers do after compaction.
+watcher reads the ring from its cursor. A sleeping watcher is told the revision that
+woke it, so it skips the writes in between (none of them were its) and an idle watch
+survives any amount of unrelated traffic. A watcher that falls behind the ring on its
+own keys (or asks for a revision before it) gets CompactedError, as etcd's watchers do
+after compaction.
 
 Leases expire by themselves: one timer on the loop fires at the earliest deadline of a
 heap of (deadline, lease id). Keep-alives push a new entry and leave the old one to be
@@ -64,6 +67,8 @@ class _Watcher:
     key: str
     prefix: bool
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the first revision that touched this watcher's keys since it last slept
+    woken_at: int = 0
 
 
 class MemoryStore(Store):
@@ -198,6 +203,7 @@ class MemoryStore(Store):
                 if cursor > self._revision:
                     watcher.wake.clear()
                     await watcher.wake.wait()
+                    cursor = max(cursor, watcher.woken_at)
                     continue
                 oldest = self._revision - len(self._ring) + 1
                 if cursor < oldest:
@@ -305,14 +311,21 @@ class MemoryStore(Store):
         while self._ring_bytes > self.history_bytes and len(self._ring) > 1:
             self._ring.popleft()
             self._ring_bytes -= self._ring_sizes.popleft()
+        rev = self._revision
         for event in batch:
             for watcher in self._exact_watchers.get(event.key, ()):
-                watcher.wake.set()
+                self._wake(watcher, rev)
         for watcher in self._prefix_watchers:
             if not watcher.wake.is_set() and any(
                 e.key.startswith(watcher.key) for e in batch
             ):
-                watcher.wake.set()
+                self._wake(watcher, rev)
+
+    @staticmethod
+    def _wake(watcher: _Watcher, revision: int) -> None:
+        if not watcher.wake.is_set():
+            watcher.woken_at = revision
+            watcher.wake.set()
 
     def _add_watcher(self, watcher: _Watcher) -> None:
         if watcher.prefix:
