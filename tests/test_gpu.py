@@ -57,6 +57,7 @@ class FakeNvml:
         self.gpus = gpus
         self.init_error = init_error
         self.xids: deque[tuple[int, int]] = deque()
+        self.xid_error: int | None = None
         self.watched: list[int] = []
         self.ecc_reads = 0
         self.shut_down = False
@@ -115,6 +116,8 @@ class FakeNvml:
         self.watched.append(index)
 
     def next_xid(self) -> tuple[int, int] | None:
+        if self.xid_error is not None:
+            raise NvmlCallError(self.xid_error, f"error {self.xid_error}")
         return self.xids.popleft() if self.xids else None
 
 
@@ -249,11 +252,24 @@ def test_critical_xid_marks_the_gpu_for_the_session() -> None:
     assert gpus.check([0]).ok
 
 
-def test_health_and_facts_as_json() -> None:
-    nvml = FakeNvml([FakeGpu("GPU-aa", ecc=[1]), FakeGpu("GPU-bb", handle_error=NVML_ERROR_GPU_IS_LOST)])
+def test_failing_xid_events_are_a_problem() -> None:
+    nvml = fake(2)
     gpus = open_gpus(nvml)
+    nvml.xid_error = NVML_ERROR_GPU_IS_LOST
+    nvml.gpus[1].handle_error = NVML_ERROR_GPU_IS_LOST
+    assert [(p.index, p.kind) for p in gpus.check([0, 1]).problems] == [
+        (1, ProblemKind.LOST),
+        (None, ProblemKind.NVML_ERROR),
+    ]
+
+
+def test_health_and_facts_as_json() -> None:
+    lost = FakeGpu("GPU-bb", handle_error=NVML_ERROR_GPU_IS_LOST)
+    gpus = open_gpus(FakeNvml([FakeGpu("GPU-aa", ecc=[1]), lost]))
     facts = json.loads(json.dumps([f.to_dict() for f in gpus.facts([0, 1])]))
     health = json.loads(json.dumps(gpus.check([0, 1]).to_dict()))
+    ecc = "GPU 0: 1 volatile uncorrectable ECC errors"
+    gone = "GPU 1: fallen off the bus (error 15)"
     assert facts == [
         {"index": 0, "uuid": "GPU-aa", "name": "NVIDIA H100 80GB HBM3",
          "memory_used_bytes": 3 << 30, "memory_total_bytes": 80 << 30,
@@ -263,11 +279,11 @@ def test_health_and_facts_as_json() -> None:
     ]
     assert health == {
         "ok": False,
-        "reason": "GPU 0: 1 volatile uncorrectable ECC errors; GPU 1: fallen off the bus (error 15)",
+        "reason": f"{ecc}; {gone}",
         "checked": [0, 1],
         "problems": [
-            {"index": 0, "kind": "ecc-uncorrected", "reason": "GPU 0: 1 volatile uncorrectable ECC errors"},
-            {"index": 1, "kind": "lost", "reason": "GPU 1: fallen off the bus (error 15)"},
+            {"index": 0, "kind": "ecc-uncorrected", "reason": ecc},
+            {"index": 1, "kind": "lost", "reason": gone},
         ],
     }
 
@@ -332,11 +348,24 @@ def test_parse_visible_devices(value: str | None, visible: tuple[int, ...]) -> N
     assert parse_visible_devices(value, uuids) == visible
 
 
-@given(st.text(alphabet="0123456789,-GPU ", max_size=20), st.integers(0, 8))
+@given(st.text(alphabet="0123456789,-GPU ²١", max_size=20), st.integers(0, 8))
 def test_parse_visible_devices_names_each_existing_gpu_at_most_once(value: str, n: int) -> None:
     visible = parse_visible_devices(value, [f"GPU-{i}" for i in range(n)])
     assert len(set(visible)) == len(visible)
     assert all(0 <= i < n for i in visible)
+
+
+@given(st.text(alphabet="0123456789, x²", max_size=12), st.integers(0, 6))
+def test_pick_devices_gives_distinct_visible_devices_or_a_usage_error(
+    requested: str, n: int
+) -> None:
+    visible = tuple(range(10, 10 + n))
+    try:
+        picked = pick_devices(visible, requested, unhealthy=set())
+    except UsageError as e:
+        assert str(e).startswith(f"--gpus={requested}")
+    else:
+        assert picked and len(set(picked)) == len(picked) and set(picked) <= set(visible)
 
 
 def test_pick_devices() -> None:

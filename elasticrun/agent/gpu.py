@@ -304,7 +304,7 @@ def parse_visible_devices(value: str | None, uuids: Sequence[str | None]) -> tup
 
 
 def _device_of(token: str, uuids: Sequence[str | None]) -> int | None:
-    if token.isdigit():
+    if token.isdecimal():
         index = int(token)
         return index if index < len(uuids) else None
     if not token.startswith("GPU-"):
@@ -326,7 +326,7 @@ def pick_devices(
         return tuple(i for i in visible if i not in unhealthy)
     picked: list[int] = []
     for token in (t.strip() for t in requested.split(",")):
-        if not token.isdigit() or int(token) >= len(visible):
+        if not token.isdecimal() or int(token) >= len(visible):
             raise UsageError(
                 f"{GPUS_FLAG}={requested}: {token!r} is not a visible GPU; "
                 f"this node shows {len(visible)} (0 to {len(visible) - 1})"
@@ -391,12 +391,9 @@ class Gpus:
         nvml = self._nvml
         if nvml is None:
             return GpuHealth((), (self._fault,) if self._fault else (), self._note)
-        # Kept for the session: a GPU that raised a critical Xid needs a reset.
-        while (event := nvml.next_xid()) is not None:
-            if event[1] in CRITICAL_XIDS:
-                self._xids.setdefault(event[0], []).append(event[1])
+        xid_failure = self._collect_xids(nvml)  # first: its findings count in this check
         problems = [p for i in devices for p in self._check_device(nvml, i)]
-        return GpuHealth(tuple(devices), tuple(problems), self._note)
+        return GpuHealth(tuple(devices), tuple(problems + xid_failure), self._note)
 
     def facts(self, devices: Sequence[int]) -> tuple[GpuFacts, ...]:
         """Per-GPU facts for `status`."""
@@ -431,6 +428,17 @@ class Gpus:
             if not devices:
                 await asyncio.get_running_loop().create_future()
             await asyncio.sleep(interval)
+
+    def _collect_xids(self, nvml: Nvml) -> list[GpuProblem]:
+        # Kept for the session: a GPU that raised a critical Xid needs a reset.
+        try:
+            while (event := nvml.next_xid()) is not None:
+                if event[1] in CRITICAL_XIDS:
+                    self._xids.setdefault(event[0], []).append(event[1])
+        except NvmlCallError as e:
+            # Reading events fails when a GPU is lost; this node cannot be trusted.
+            return [GpuProblem(None, ProblemKind.NVML_ERROR, f"NVML Xid events: {e.reason}")]
+        return []
 
     def _check_device(self, nvml: Nvml, i: int) -> list[GpuProblem]:
         problems = []
