@@ -1,0 +1,316 @@
+"""The per-node agent: join a round, run the workers, and act on how the round ends.
+
+One loop over a `RendezvousHandler`: `next_round()`, start the worker group, wait for
+the first of (a worker failed or all succeeded, the round ended elsewhere, a signal to
+the agent, an extra watch), stop the workers, then act. What to do is decided by one
+small pure function, `decide()`, which holds the whole restart policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import signal
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from elasticrun.agent.env import worker_env
+from elasticrun.agent.failures import (
+    FailureReport,
+    describe_exit,
+    make_failure,
+    make_report,
+    read_error_file,
+)
+from elasticrun.agent.output import WorkerOutput, plan_streams
+from elasticrun.agent.processes import WorkerGroup
+from elasticrun.agent.spec import WorkerSpec, WorkerState
+from elasticrun.errors import RendezvousClosedError, WorkerStartError
+from elasticrun.rendezvous.api import Assignment, RendezvousHandler
+
+logger = logging.getLogger("elasticrun.agent")
+
+#: torchrun exits 1 alike for failed workers, a spent budget and a signal to the agent
+EXIT_FAILURE = 1
+#: the exit code of an agent that finds the job already closed, by outcome
+_CLOSED_EXIT_CODES = {"succeeded": 0, "failed": EXIT_FAILURE, "stopped": EXIT_FAILURE}
+#: the signals torchrun handles (TORCHELASTIC_SIGNALS_TO_HANDLE's default)
+_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: how long output still in the pipes may take to arrive once the workers are reaped
+_DRAIN_TIMEOUT = 5.0
+
+#: An extra reason to stop: a coroutine that returns (with the reason) when this node
+#: must stop its workers and leave the job, e.g. a GPU health watch. Called once per round.
+Watch = Callable[[], Awaitable[str]]
+
+T = TypeVar("T")
+
+
+class Outcome(enum.Enum):
+    """How one attempt of the worker group ended."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ROUND_ENDED = "round ended"
+    SIGNALLED = "signalled"
+    WATCH = "watch fired"
+
+
+class Action(enum.Enum):
+    """What the agent does next."""
+
+    FINISH = "finish"
+    RESTART = "restart"
+    FAIL = "fail"
+    NEXT_ROUND = "next round"
+    LEAVE = "leave"
+
+
+def decide(outcome: Outcome, restart_count: int, max_restarts: int) -> Action:
+    """The restart policy, whole.
+
+    Only worker failures spend the budget; a round ended by others (a node joined or
+    left) never does. A signal or a watch makes this node leave, and the others go on.
+    """
+    match outcome:
+        case Outcome.SUCCEEDED:
+            return Action.FINISH
+        case Outcome.FAILED:
+            return Action.RESTART if restart_count < max_restarts else Action.FAIL
+        case Outcome.ROUND_ENDED:
+            return Action.NEXT_ROUND
+        case Outcome.SIGNALLED | Outcome.WATCH:
+            return Action.LEAVE
+
+
+@dataclass(frozen=True, slots=True)
+class AgentResult:
+    """How the agent ended, for the launcher: exit with `exit_code`."""
+
+    state: WorkerState
+    exit_code: int
+    message: str
+    #: the failure report when workers failed beyond the budget (already logged)
+    report: FailureReport | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    outcome: Outcome
+    reason: str
+    report: FailureReport | None
+
+
+class Agent:
+    """Runs this node's workers round after round until the job ends for this node."""
+
+    def __init__(
+        self, spec: WorkerSpec, handler: RendezvousHandler, *, watches: Sequence[Watch] = ()
+    ) -> None:
+        self.spec = spec
+        self.handler = handler
+        self.watches = tuple(watches)
+        self._signal: signal.Signals | None = None
+        self._signalled = asyncio.Event()
+        self._attempts = 0
+        self._state = WorkerState.INIT
+        root = spec.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
+        #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/
+        self.run_dir = root / f"{spec.run_id}_{spec.node_id}"
+
+    async def run(self) -> AgentResult:
+        """Run until the job ends for this node; signals to the agent are handled here."""
+        loop = asyncio.get_running_loop()
+        for sig in _HANDLED_SIGNALS:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            return await self._run()
+        finally:
+            for sig in _HANDLED_SIGNALS:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._signal is None:
+            logger.warning("agent received %s: stopping workers, leaving the job", sig.name)
+            self._signal = sig
+            self._signalled.set()
+
+    async def _wait_signal(self) -> None:
+        await self._signalled.wait()
+
+    async def _run(self) -> AgentResult:
+        logger.info("worker logs and error files go under %s", self.run_dir)
+        while True:
+            self._set_state(WorkerState.INIT, self.handler.waiting_status or "next round")
+            try:
+                assignment = await _first_of(self.handler.next_round(), self._wait_signal())
+            except RendezvousClosedError as e:
+                return self._closed(e)
+            if assignment is None:
+                reason = f"the agent received {self._signal_name()}"
+                await self.handler.leave(reason)
+                return self._end(WorkerState.STOPPED, EXIT_FAILURE, reason)
+            try:
+                attempt = await self._run_attempt(assignment)
+            except WorkerStartError as e:
+                await self.handler.leave(str(e))
+                raise
+            action = decide(
+                attempt.outcome, assignment.restart_count, self.spec.max_restarts
+            )
+            match action:
+                case Action.FINISH:
+                    await self.handler.finish()
+                    return self._end(WorkerState.SUCCEEDED, 0, "all workers succeeded")
+                case Action.RESTART:
+                    self._set_state(
+                        WorkerState.STOPPED,
+                        f"{attempt.reason}; restarting "
+                        f"({assignment.restart_count + 1}/{self.spec.max_restarts})",
+                    )
+                    await self.handler.request_restart(attempt.reason)
+                case Action.FAIL:
+                    report = attempt.report
+                    text = report.text if report is not None else attempt.reason
+                    logger.error("%s", text)
+                    await self.handler.fail(text)
+                    return self._end(
+                        WorkerState.FAILED,
+                        EXIT_FAILURE,
+                        f"{attempt.reason}; no restarts left "
+                        f"(--max-restarts={self.spec.max_restarts})",
+                        report,
+                    )
+                case Action.NEXT_ROUND:
+                    self._set_state(WorkerState.STOPPED, attempt.reason)
+                case Action.LEAVE:
+                    await self.handler.leave(attempt.reason)
+                    return self._end(WorkerState.STOPPED, EXIT_FAILURE, attempt.reason)
+
+    async def _run_attempt(self, assignment: Assignment) -> _Attempt:
+        """Start the workers for `assignment`, wait for the first ending, stop them."""
+        spec = self.spec
+        attempt_dir = self.run_dir / f"attempt_{self._attempts}"
+        self._attempts += 1
+        envs, error_files = {}, {}
+        for local_rank in range(spec.nproc_per_node):
+            worker_dir = attempt_dir / str(local_rank)
+            worker_dir.mkdir(parents=True, exist_ok=True)
+            error_files[local_rank] = worker_dir / "error.json"
+            error_files[local_rank].unlink(missing_ok=True)
+            envs[local_rank] = worker_env(
+                spec, assignment, local_rank, os.environ, error_files[local_rank]
+            )
+        group = await WorkerGroup.start(spec.entrypoint, envs)
+        outputs = {
+            local_rank: WorkerOutput(
+                proc.stdout,
+                proc.stderr,
+                assignment.rank_offset + local_rank,
+                plan_streams(spec, local_rank, attempt_dir / str(local_rank)),
+            )
+            for local_rank, proc in group.procs.items()
+            if proc.stdout is not None and proc.stderr is not None
+        }
+        last_rank = assignment.rank_offset + spec.nproc_per_node - 1
+        self._set_state(
+            WorkerState.HEALTHY,
+            f"round {assignment.round}: node rank {assignment.node_rank}/"
+            f"{assignment.node_count}, ranks {assignment.rank_offset}-{last_rank} of "
+            f"{assignment.world_size}, restart {assignment.restart_count}/"
+            f"{spec.max_restarts}, master {assignment.master_addr}:"
+            f"{assignment.master_port}",
+        )
+        try:
+            outcome, reason = await _first_of(
+                self._workers_done(group),
+                self._round_ended(),
+                self._signalled_outcome(),
+                *(self._watched(watch) for watch in self.watches),
+            )
+        finally:
+            await group.stop(self._signal or signal.SIGTERM, grace=spec.stop_grace)
+            await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in outputs.values()))
+        if outcome is not Outcome.FAILED:
+            return _Attempt(outcome, reason, None)
+        failures = [
+            make_failure(
+                e,
+                node_id=spec.node_id,
+                node_rank=assignment.node_rank,
+                rank_offset=assignment.rank_offset,
+                error_file=error_files[e.local_rank],
+                error=read_error_file(error_files[e.local_rank]),
+                stderr_tail=list(outputs[e.local_rank].stderr_tail),
+            )
+            for e in group.exits.values()
+            if e.failed
+        ]
+        report = make_report(
+            failures, title=f"job '{spec.run_id}' failed: {' '.join(spec.entrypoint)}"
+        )
+        root = report.root_cause
+        reason = f"worker rank {root.global_rank} failed with {describe_exit(root.returncode)}"
+        return _Attempt(outcome, reason, report)
+
+    async def _workers_done(self, group: WorkerGroup) -> tuple[Outcome, str]:
+        exits = await group.wait()
+        if any(e.failed for e in exits):
+            return Outcome.FAILED, "a worker failed"
+        return Outcome.SUCCEEDED, "all workers succeeded"
+
+    async def _round_ended(self) -> tuple[Outcome, str]:
+        return Outcome.ROUND_ENDED, await self.handler.round_ended()
+
+    async def _signalled_outcome(self) -> tuple[Outcome, str]:
+        await self._signalled.wait()
+        return Outcome.SIGNALLED, f"the agent received {self._signal_name()}"
+
+    async def _watched(self, watch: Watch) -> tuple[Outcome, str]:
+        return Outcome.WATCH, await watch()
+
+    def _signal_name(self) -> str:
+        return self._signal.name if self._signal is not None else "a signal"
+
+    def _closed(self, e: RendezvousClosedError) -> AgentResult:
+        state = {
+            "succeeded": WorkerState.SUCCEEDED,
+            "failed": WorkerState.FAILED,
+        }.get(e.outcome, WorkerState.STOPPED)
+        return self._end(state, _CLOSED_EXIT_CODES.get(e.outcome, EXIT_FAILURE), str(e))
+
+    def _end(
+        self,
+        state: WorkerState,
+        exit_code: int,
+        message: str,
+        report: FailureReport | None = None,
+    ) -> AgentResult:
+        self._set_state(state, message)
+        return AgentResult(state, exit_code, message, report)
+
+    def _set_state(self, state: WorkerState, reason: str) -> None:
+        level = logging.WARNING if state is WorkerState.FAILED else logging.INFO
+        logger.log(level, "workers %s -> %s: %s", self._state.value, state.value, reason)
+        self._state = state
+
+
+async def _first_of(*awaitables: Awaitable[T]) -> T:
+    """The result of whichever awaitable finishes first; the others are cancelled.
+
+    When several finish together, the earliest in argument order wins.
+    """
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    winner = next(t for t in tasks if t.done() and not t.cancelled())
+    return winner.result()

@@ -1,0 +1,66 @@
+"""The environment of one worker: torchrun's variables, so scripts run unchanged.
+
+Checked against torchrun 2.13 (`python -m torch.distributed.run --standalone`), variable
+by variable. Two deliberate differences:
+
+- `TORCHELASTIC_USE_AGENT_STORE` is "False": torchrun's workers share the agent's
+  long-lived TCPStore, which keeps stale keys from one round to the next. Ours create a
+  fresh TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it) in every round.
+- `TORCHELASTIC_SIGNALS_TO_HANDLE` is not set: torchrun sets it in its own process for its
+  own signal handling, and workers only inherit it by accident.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from elasticrun.agent.spec import WorkerSpec
+from elasticrun.rendezvous.api import Assignment
+
+
+def worker_env(
+    spec: WorkerSpec,
+    assignment: Assignment,
+    local_rank: int,
+    base_env: Mapping[str, str],
+    error_file: Path,
+) -> dict[str, str]:
+    """The complete environment of local rank `local_rank` in this round.
+
+    `base_env` is the agent's own environment (passed in so this stays pure);
+    `spec.extra_env` goes on top of it and the torchrun variables on top of both.
+    """
+    global_rank = assignment.rank_offset + local_rank
+    env = dict(base_env)
+    env.update(spec.extra_env)
+    if "OMP_NUM_THREADS" not in env and spec.nproc_per_node > 1:
+        # torchrun's default: N workers each using every core would oversubscribe them.
+        env["OMP_NUM_THREADS"] = "1"
+    env.update(
+        {
+            "RANK": str(global_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(assignment.world_size),
+            "LOCAL_WORLD_SIZE": str(spec.nproc_per_node),
+            "GROUP_RANK": str(assignment.node_rank),
+            "GROUP_WORLD_SIZE": str(assignment.node_count),
+            # One role per job, so role ranks are the global ranks (as in torchrun).
+            "ROLE_RANK": str(global_rank),
+            "ROLE_WORLD_SIZE": str(assignment.world_size),
+            "ROLE_NAME": spec.role,
+            "MASTER_ADDR": assignment.master_addr,
+            "MASTER_PORT": str(assignment.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(assignment.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": spec.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_ERROR_FILE": str(error_file),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get(
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
+            ),
+            "ELASTICRUN_NODE_ID": spec.node_id,
+            "ELASTICRUN_ROUND": str(assignment.round),
+        }
+    )
+    return env

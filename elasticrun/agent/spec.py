@@ -1,0 +1,85 @@
+"""What one node's agent runs (`WorkerSpec`) and where its worker group stands.
+
+The launcher builds a `WorkerSpec` from the parsed flags (torchrun strings such as
+`--redirects 0:3,1:0` are parsed there); everything here is already typed.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elasticrun.errors import UsageError
+
+
+class Std(enum.IntFlag):
+    """Which of a worker's streams a setting applies to; the values are torchrun's."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+class WorkerState(enum.Enum):
+    """Where this node's worker group stands, as the agent logs and reports it."""
+
+    INIT = "init"  # waiting for a round
+    HEALTHY = "healthy"  # workers running
+    STOPPED = "stopped"  # workers stopped by the agent (round ended, signal, leave)
+    SUCCEEDED = "succeeded"  # every worker exited 0
+    FAILED = "failed"  # a worker failed and the restart budget is spent
+
+    def is_terminal(self) -> bool:
+        """Whether the agent is done: no round follows this state."""
+        return self in (WorkerState.SUCCEEDED, WorkerState.FAILED)
+
+
+def default_node_id() -> str:
+    """A node id unique on this host and across restarts of the agent: host_pid."""
+    return f"{socket.gethostname()}_{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything the agent needs to run this node's workers, round after round.
+
+    `entrypoint` is the complete argv of one worker (the launcher puts the interpreter,
+    `-u`, and the script or module in front of the user's arguments); every local rank
+    runs the same argv and tells itself apart by its environment.
+    """
+
+    run_id: str
+    entrypoint: tuple[str, ...]
+    nproc_per_node: int
+    node_id: str = field(default_factory=default_node_id)
+    role: str = "default"
+    max_restarts: int = 0
+    #: seconds between SIGTERM and SIGKILL when stopping workers (torchrun: 30)
+    stop_grace: float = 30.0
+    #: local rank -> streams that go to log files only, not to the console
+    redirects: Mapping[int, Std] = field(default_factory=dict)
+    #: local rank -> streams that go to the console and to log files
+    tee: Mapping[int, Std] = field(default_factory=dict)
+    #: root of the per-attempt log folders; None: a fresh temporary folder
+    log_dir: Path | None = None
+    #: local ranks whose output reaches the console; None: every rank
+    local_ranks_filter: frozenset[int] | None = None
+    #: added to every worker's environment (the torchrun variables still win)
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.entrypoint:
+            raise UsageError("no worker command: give a training script or --module")
+        if self.nproc_per_node < 1:
+            raise UsageError(
+                f"--nproc-per-node must be at least 1, got {self.nproc_per_node}"
+            )
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.stop_grace < 0:
+            raise UsageError(f"the stop grace period must be >= 0, got {self.stop_grace}")

@@ -1,0 +1,90 @@
+"""`--rdzv-backend=static`: a fixed place in a fixed-size job, no elasticity.
+
+As torchrun's static backend: every node is told its rank and the master address on the
+command line, nothing is negotiated, and a restart after a worker failure is decided
+locally (the workers meet again at MASTER_ADDR:MASTER_PORT). It needs no store, which also
+makes it the handler the agent's own tests run on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from elasticrun.errors import RendezvousClosedError, RendezvousError, UsageError
+from elasticrun.rendezvous.api import Assignment, RendezvousHandler
+
+logger = logging.getLogger("elasticrun.rendezvous")
+
+
+class StaticRendezvous(RendezvousHandler):
+    """One fixed assignment; each restart request yields it again, one restart later."""
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        node_rank: int,
+        nnodes: int,
+        nproc_per_node: int,
+        master_addr: str,
+        master_port: int,
+    ) -> None:
+        if nnodes < 1:
+            raise UsageError(f"--nnodes must be at least 1, got {nnodes}")
+        if not 0 <= node_rank < nnodes:
+            raise UsageError(
+                f"--node-rank must be in [0, {nnodes - 1}] for --nnodes={nnodes}, "
+                f"got {node_rank}"
+            )
+        if not 0 < master_port < 65536:
+            raise UsageError(f"--master-port must be in [1, 65535], got {master_port}")
+        self.run_id = run_id
+        self._next: Assignment | None = Assignment(
+            round=0,
+            node_rank=node_rank,
+            node_count=nnodes,
+            rank_offset=node_rank * nproc_per_node,
+            world_size=nnodes * nproc_per_node,
+            master_addr=master_addr,
+            master_port=master_port,
+            restart_count=0,
+        )
+        self._current: Assignment | None = None
+        self._closed: RendezvousClosedError | None = None
+
+    async def next_round(self) -> Assignment:
+        if self._closed is not None:
+            raise self._closed
+        if self._next is None:
+            raise RendezvousError(
+                f"static rendezvous '{self.run_id}': no new round without a restart "
+                "request"
+            )
+        self._current, self._next = self._next, None
+        return self._current
+
+    async def round_ended(self) -> str:
+        """Never: membership is fixed, so nothing here ends a round."""
+        never: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        return await never
+
+    async def request_restart(self, reason: str) -> None:
+        if self._current is None:
+            raise RendezvousError("request_restart() before any round")
+        self._next = dataclasses.replace(
+            self._current,
+            round=self._current.round + 1,
+            restart_count=self._current.restart_count + 1,
+        )
+        logger.info("static rendezvous: restart requested: %s", reason)
+
+    async def fail(self, report: str) -> None:
+        self._closed = RendezvousClosedError(self.run_id, "failed", report)
+
+    async def finish(self) -> None:
+        self._closed = RendezvousClosedError(self.run_id, "succeeded")
+
+    async def leave(self, reason: str) -> None:
+        self._closed = RendezvousClosedError(self.run_id, "stopped", reason)
