@@ -373,6 +373,7 @@ class Gpus:
         self._xids: dict[int, list[int]] = {}
 
     def close(self) -> None:
+        """Shut NVML down: pynvml counts its inits, so each `open_gpus` needs one close."""
         if self._nvml is not None:
             self._nvml.shutdown()
             self._nvml = None
