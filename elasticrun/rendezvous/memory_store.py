@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import heapq
 import secrets
 from collections import deque
@@ -87,6 +88,9 @@ class MemoryStore(Store):
         history_bytes: int = DEFAULT_HISTORY_BYTES,
     ) -> None:
         self.endpoint = "memory"
+        #: Names this store's history: a watcher resuming elsewhere compares it to know
+        #: whether the revisions it saw still mean anything there.
+        self.history_id = secrets.randbits(64)
         self.max_key_bytes = max_key_bytes
         self.max_value_bytes = max_value_bytes
         self.max_keys = max_keys
@@ -192,6 +196,15 @@ class MemoryStore(Store):
     async def watch(
         self, key: str, *, start_revision: int, prefix: bool = False
     ) -> AsyncIterator[WatchEvent]:
+        async with contextlib.aclosing(self.watch_batches(key, start_revision, prefix)) as it:
+            async for batch in it:
+                for event in batch:
+                    yield event
+
+    async def watch_batches(
+        self, key: str, start_revision: int, prefix: bool
+    ) -> AsyncIterator[list[WatchEvent]]:
+        """Like `watch`, one non-empty list per revision: what the server sends as a reply."""
         self._check_open()
         watcher = _Watcher(key, prefix)
         self._add_watcher(watcher)
@@ -210,9 +223,12 @@ class MemoryStore(Store):
                     raise CompactedError(cursor, oldest)
                 batch = self._ring[cursor - oldest]
                 cursor += 1
-                for event in batch:
-                    if event.key == key or (prefix and event.key.startswith(key)):
-                        yield event
+                if prefix:
+                    mine = [e for e in batch if e.key.startswith(key)]
+                else:
+                    mine = [e for e in batch if e.key == key]
+                if mine:
+                    yield mine
         finally:
             self._remove_watcher(watcher)
 
