@@ -1,0 +1,100 @@
+"""Worker processes: start, wait for exits, stop with escalation, reap, start errors."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from elasticrun.agent.processes import WorkerGroup
+from elasticrun.errors import WorkerStartError
+from tests.agent_helpers import read_lines_until, wait_pid_gone, write_script
+
+
+def _argv(script: Path) -> list[str]:
+    return [sys.executable, "-u", str(script)]
+
+
+async def test_success_records_every_exit(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "ok.py", "print('hi')\n")
+    group = await WorkerGroup.start(_argv(script), {0: {}, 1: {}})
+    try:
+        exits = await group.wait()
+    finally:
+        await group.stop(grace=5)
+    assert sorted(e.local_rank for e in exits) == [0, 1]
+    assert all(e.returncode == 0 and not e.failed for e in exits)
+
+
+async def test_a_failure_returns_at_once_and_stop_terminates_the_rest(
+    tmp_path: Path,
+) -> None:
+    script = write_script(
+        tmp_path,
+        "w.py",
+        """
+        import os, sys, time
+        if os.environ["ROLE"] == "fail":
+            sys.exit(7)
+        time.sleep(300)
+        """,
+    )
+    group = await WorkerGroup.start(
+        _argv(script), {0: {"ROLE": "sleep"}, 1: {"ROLE": "fail"}}
+    )
+    try:
+        exits = await group.wait()
+        assert [(e.local_rank, e.returncode, e.failed) for e in exits] == [(1, 7, True)]
+    finally:
+        await group.stop(grace=10)
+    sleeper = group.exits[0]
+    assert sleeper.returncode == -signal.SIGTERM
+    assert sleeper.stopped and not sleeper.failed
+
+
+_IGNORES_SIGTERM = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print(f"ready {child.pid}", flush=True)
+time.sleep(300)
+"""
+
+
+async def test_stop_escalates_to_sigkill_and_kills_the_whole_process_group(
+    tmp_path: Path,
+) -> None:
+    script = write_script(tmp_path, "stubborn.py", _IGNORES_SIGTERM)
+    group = await WorkerGroup.start(_argv(script), {0: {}})
+    try:
+        proc = group.procs[0]
+        assert proc.stdout is not None
+        (line,) = await read_lines_until(proc.stdout, 1, "ready")
+        grandchild = int(line.split()[1])
+    finally:
+        await group.stop(grace=0.2)
+    assert group.exits[0].returncode == -signal.SIGKILL
+    await wait_pid_gone(grandchild)
+
+
+async def test_stop_still_kills_and_reaps_when_cancelled(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "stubborn.py", _IGNORES_SIGTERM)
+    group = await WorkerGroup.start(_argv(script), {0: {}})
+    proc = group.procs[0]
+    assert proc.stdout is not None
+    await read_lines_until(proc.stdout, 1, "ready")
+    stopping = asyncio.create_task(group.stop(grace=300))
+    await asyncio.sleep(0)  # let stop() send SIGTERM and begin its grace period
+    stopping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    assert proc.returncode == -signal.SIGKILL
+    assert group.exits[0].stopped
+
+
+async def test_missing_executable_is_a_start_error(tmp_path: Path) -> None:
+    with pytest.raises(WorkerStartError, match="no-such-binary"):
+        await WorkerGroup.start([str(tmp_path / "no-such-binary")], {0: {}})
