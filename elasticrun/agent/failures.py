@@ -174,7 +174,8 @@ def make_report(failures: Sequence[WorkerFailure], *, title: str) -> FailureRepo
         f"  time      : {_format_time(root.time)}",
         f"  traceback (from {root.traceback_source}):",
     ]
-    lines += [f"    {line}" for line in (root.traceback or "(none: no error file, nothing on stderr)").splitlines()]
+    traceback = root.traceback or "(none: no error file, nothing on stderr)"
+    lines += [f"    {line}" for line in traceback.splitlines()]
     if others:
         lines += ["-" * 72, "Other failures:"]
         lines += [
