@@ -13,10 +13,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from elasticrun.errors import CompactedError, LeaseExpiredError
+from elasticrun.rendezvous.grpc_store import GrpcStore
 from elasticrun.rendezvous.memory_store import MemoryStore
+from elasticrun.rendezvous.server import StoreServer
 from elasticrun.rendezvous.store import EventType, Store, WatchEvent
 
-STORE_KINDS = ["memory"]
+STORE_KINDS = ["memory", "grpc"]
 #: Small enough that a test outruns it with a few dozen writes.
 HISTORY_BYTES = 16 * 1024
 #: Bounds every wait on the store in these tests; far above any healthy latency.
@@ -34,6 +36,14 @@ async def store(store_kind: str) -> AsyncIterator[Store]:
         s = MemoryStore(history_bytes=HISTORY_BYTES)
         yield s
         await s.close()
+    elif store_kind == "grpc":
+        server = StoreServer("127.0.0.1", 0, engine=MemoryStore(history_bytes=HISTORY_BYTES))
+        await server.start()
+        client = GrpcStore(server.endpoint)
+        yield client
+        await client.close()
+        await server.stop()
+        await server.engine.close()
 
 
 @pytest.fixture

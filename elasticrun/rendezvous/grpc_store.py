@@ -1,0 +1,478 @@
+"""Clients of the built-in store server: `GrpcStore` (async, the rendezvous's Store) and
+`C10dClient` (blocking, the c10d operations for workers and the CLI).
+
+Every call carries a deadline (`timeout`). A call that finds the server unreachable is
+retried with backoff until that deadline (the channel reconnects on its own, quickly),
+then fails with StoreUnavailableError naming host:port and the last cause. Watches
+survive a dropped stream by resuming from the revision after the last one delivered;
+a watch that reconnects to a server holding a different history (it restarted and lost
+its memory) gets CompactedError, so the caller re-reads instead of missing changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from elasticrun.errors import (
+    CompactedError,
+    ElasticrunError,
+    LeaseExpiredError,
+    StoreAuthError,
+    StoreError,
+    StoreLimitError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+    UsageError,
+)
+from elasticrun.proto import store_pb2 as pb
+from elasticrun.proto import store_pb2_grpc as pb_grpc
+from elasticrun.rendezvous.server import MAX_REPLY_BYTES, TOKEN_METADATA_KEY, bearer
+from elasticrun.rendezvous.store import (
+    EventType,
+    KeyValue,
+    RangeResult,
+    Store,
+    WatchEvent,
+)
+
+DEFAULT_TIMEOUT = 10.0
+_FIRST_BACKOFF = 0.05
+_MAX_BACKOFF = 1.0
+
+#: Reconnect fast (grpc's default backoff grows to two minutes); ping idle connections
+#: so that a dead server is noticed by a quiet watch too.
+CLIENT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+    ("grpc.max_send_message_length", -1),
+]
+
+_TLS_MARKERS = ("ssl", "handshake", "certificate", "tsi_")
+
+_T = TypeVar("_T")
+
+
+def grpc_target(endpoint: str) -> str:
+    """Check `host:port` (`[v6]:port` too) and return it as a gRPC target."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(
+            f"malformed store endpoint {endpoint!r}: expected host:port, e.g. node0:29400"
+        )
+    return endpoint
+
+
+def _is_tls_failure(details: str) -> bool:
+    lowered = details.lower()
+    return any(marker in lowered for marker in _TLS_MARKERS)
+
+
+def _retryable(error: grpc.RpcError) -> bool:
+    return error.code() is grpc.StatusCode.UNAVAILABLE and not _is_tls_failure(
+        error.details() or ""
+    )
+
+
+def _stream_retryable(error: grpc.RpcError) -> bool:
+    """A stream we did not cancel ourselves was cancelled by a stopping server."""
+    return _retryable(error) or error.code() is grpc.StatusCode.CANCELLED
+
+
+def _error_from(error: grpc.RpcError, endpoint: str, lease: int = 0) -> ElasticrunError:
+    """The one translation of a gRPC status into our errors, for both clients."""
+    code, details = error.code(), error.details() or ""
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return StoreAuthError(f"the store at {endpoint} refused us: {details}")
+    if _is_tls_failure(details):
+        return StoreAuthError(
+            f"TLS with the store at {endpoint} failed (is the CA right, and does the "
+            f"server speak TLS?): {details}"
+        )
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return StoreLimitError(f"the store at {endpoint} refused the request: {details}")
+    if code is grpc.StatusCode.NOT_FOUND and lease:
+        return LeaseExpiredError(lease)
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return UsageError(f"the store at {endpoint} refused the request: {details}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return StoreUnavailableError(endpoint, details or code.name)
+    return StoreError(f"the store at {endpoint} failed: {code.name}: {details}")
+
+
+def _credentials(tls_ca: bytes | None) -> grpc.ChannelCredentials | None:
+    return grpc.ssl_channel_credentials(root_certificates=tls_ca) if tls_ca else None
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return ((TOKEN_METADATA_KEY, bearer(token)),) if token else ()
+
+
+def _key_value(kv: pb.KeyValue) -> KeyValue:
+    return KeyValue(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease)
+
+
+_EVENT_TYPES = {pb.WatchEvent.PUT: EventType.PUT, pb.WatchEvent.DELETE: EventType.DELETE}
+
+
+class GrpcStore(Store):
+    """The Store interface over the built-in store server at `endpoint` (host:port).
+
+    `token` is sent with every call; `tls_ca` (PEM) makes the client speak TLS and
+    trust that CA. `timeout` bounds every call, including the retries of a call that
+    found the server unreachable.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._target = grpc_target(endpoint)
+        self._metadata = _metadata(token)
+        self._tls_ca = tls_ca
+        self._channel: grpc.aio.Channel | None = None
+        self._stub_cache: pb_grpc.StoreStub | None = None
+        self._keepalive: _KeepAliveStream | None = None
+
+    # --- plumbing ------------------------------------------------------------------
+
+    @property
+    def _stub(self) -> pb_grpc.StoreStub:
+        # Created on first use, inside the loop that will run it.
+        if self._stub_cache is None:
+            creds = _credentials(self._tls_ca)
+            if creds is None:
+                self._channel = grpc.aio.insecure_channel(self._target, options=CLIENT_OPTIONS)
+            else:
+                self._channel = grpc.aio.secure_channel(
+                    self._target, creds, options=CLIENT_OPTIONS
+                )
+            self._stub_cache = pb_grpc.StoreStub(self._channel)
+        return self._stub_cache
+
+    async def _call(
+        self, method: Callable[..., Awaitable[_T]], request: object, *, lease: int = 0
+    ) -> _T:
+        """One unary call under the deadline, retried with backoff while unreachable."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        delay = _FIRST_BACKOFF
+        while True:
+            try:
+                return await method(
+                    request, timeout=max(deadline - loop.time(), 0.0), metadata=self._metadata
+                )
+            except grpc.aio.AioRpcError as e:
+                if not _retryable(e) or loop.time() + delay >= deadline:
+                    raise self._final_error(e, lease) from None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _MAX_BACKOFF)
+
+    def _final_error(self, error: grpc.RpcError, lease: int = 0) -> ElasticrunError:
+        translated = _error_from(error, self.endpoint, lease)
+        if isinstance(translated, StoreUnavailableError):
+            return StoreUnavailableError(
+                self.endpoint, f"{translated.cause} (gave up after {self.timeout:g} s)"
+            )
+        return translated
+
+    # --- reads and writes ----------------------------------------------------------
+
+    async def get(self, key: str) -> KeyValue | None:
+        reply = await self._call(self._stub.Range, pb.RangeRequest(key=key))
+        return _key_value(reply.kvs[0]) if reply.kvs else None
+
+    async def get_prefix(self, prefix: str) -> RangeResult:
+        reply = await self._call(self._stub.Range, pb.RangeRequest(key=prefix, prefix=True))
+        return RangeResult(tuple(_key_value(kv) for kv in reply.kvs), reply.revision)
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        reply = await self._call(
+            self._stub.Put, pb.PutRequest(key=key, value=value, lease=lease), lease=lease
+        )
+        return reply.revision
+
+    async def compare_and_put(
+        self, key: str, value: bytes, *, expected_mod_revision: int, lease: int = 0
+    ) -> bool:
+        request = pb.CompareAndPutRequest(
+            key=key, value=value, expected_mod_revision=expected_mod_revision, lease=lease
+        )
+        return (await self._call(self._stub.CompareAndPut, request, lease=lease)).succeeded
+
+    async def delete(self, key: str) -> bool:
+        reply = await self._call(self._stub.DeleteRange, pb.DeleteRangeRequest(key=key))
+        return reply.deleted > 0
+
+    async def compare_and_delete(self, key: str, *, expected_mod_revision: int) -> bool:
+        request = pb.CompareAndDeleteRequest(key=key, expected_mod_revision=expected_mod_revision)
+        return (await self._call(self._stub.CompareAndDelete, request)).succeeded
+
+    async def delete_prefix(self, prefix: str) -> int:
+        request = pb.DeleteRangeRequest(key=prefix, prefix=True)
+        return (await self._call(self._stub.DeleteRange, request)).deleted
+
+    # --- leases --------------------------------------------------------------------
+
+    async def grant_lease(self, ttl: float) -> int:
+        reply = await self._call(self._stub.LeaseGrant, pb.LeaseGrantRequest(ttl_seconds=ttl))
+        return reply.lease
+
+    async def keep_alive(self, lease: int) -> None:
+        """Keep the lease alive over the shared keep-alive stream (reopened as needed)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        delay = _FIRST_BACKOFF
+        while True:
+            if self._keepalive is None or self._keepalive.broken is not None:
+                self._keepalive = _KeepAliveStream(
+                    self._stub.LeaseKeepAlive(metadata=self._metadata)
+                )
+            try:
+                async with asyncio.timeout_at(deadline):
+                    reply = await self._keepalive.send(lease)
+            except TimeoutError:
+                raise StoreUnavailableError(
+                    self.endpoint, f"no keep-alive reply within {self.timeout:g} s"
+                ) from None
+            except grpc.aio.AioRpcError as e:
+                if not _stream_retryable(e) or loop.time() + delay >= deadline:
+                    raise self._final_error(e, lease) from None
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, _MAX_BACKOFF)
+                continue
+            if reply.expired:
+                raise LeaseExpiredError(lease)
+            return
+
+    async def revoke_lease(self, lease: int) -> None:
+        await self._call(self._stub.LeaseRevoke, pb.LeaseRevokeRequest(lease=lease))
+
+    # --- watch ---------------------------------------------------------------------
+
+    async def watch(
+        self, key: str, *, start_revision: int, prefix: bool = False
+    ) -> AsyncIterator[WatchEvent]:
+        loop = asyncio.get_running_loop()
+        cursor = max(start_revision, 1)
+        history_id: int | None = None
+        lost_since: float | None = None  # when the stream broke, while reconnecting
+        delay = _FIRST_BACKOFF
+        while True:
+            call = self._stub.Watch(
+                pb.WatchRequest(key=key, prefix=prefix, start_revision=cursor),
+                metadata=self._metadata,
+            )
+            try:
+                async for reply in call:
+                    if history_id is None:
+                        history_id = reply.store_id
+                    elif reply.store_id != history_id:
+                        # A different server memory: none of our revisions exist there.
+                        raise CompactedError(cursor, 0)
+                    lost_since, delay = None, _FIRST_BACKOFF
+                    if reply.compact_revision:
+                        raise CompactedError(cursor, reply.compact_revision)
+                    for event in reply.events:
+                        yield WatchEvent(
+                            _EVENT_TYPES[event.type], event.key, event.value, event.revision
+                        )
+                    if reply.events:
+                        cursor = reply.events[-1].revision + 1
+                error: grpc.RpcError | None = None
+            except grpc.aio.AioRpcError as e:
+                if not _stream_retryable(e):
+                    raise self._final_error(e) from None
+                error = e
+            finally:
+                call.cancel()
+            # The stream ended or broke: resume from `cursor` until the deadline.
+            now = loop.time()
+            lost_since = now if lost_since is None else lost_since
+            if now - lost_since + delay >= self.timeout:
+                cause = error.details() if error is not None else "the watch stream ended"
+                raise StoreUnavailableError(
+                    self.endpoint, f"{cause} (watch lost for {self.timeout:g} s)"
+                )
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _MAX_BACKOFF)
+
+    async def close(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.close()
+            self._keepalive = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+            self._stub_cache = None
+
+
+class _KeepAliveStream:
+    """One LeaseKeepAlive stream: requests go out in order, replies come back in order."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self._call = call
+        self._waiting: collections.deque[asyncio.Future[pb.LeaseKeepAliveReply]] = (
+            collections.deque()
+        )
+        self._write_lock = asyncio.Lock()
+        self.broken: grpc.RpcError | None = None
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def send(self, lease: int) -> pb.LeaseKeepAliveReply:
+        future: asyncio.Future[pb.LeaseKeepAliveReply] = (
+            asyncio.get_running_loop().create_future()
+        )
+        async with self._write_lock:
+            if self.broken is not None:
+                raise self.broken
+            self._waiting.append(future)
+            try:
+                await self._call.write(pb.LeaseKeepAliveRequest(lease=lease))
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+                # The call ended under us: this stream is done, the caller opens another.
+                self._waiting.remove(future)
+                future.cancel()
+                self.broken = e if isinstance(e, grpc.aio.AioRpcError) else _ended()
+                raise self.broken from None
+        return await future
+
+    async def _read(self) -> None:
+        try:
+            async for reply in self._call:
+                future = self._waiting.popleft()
+                if not future.done():  # its sender may have given up
+                    future.set_result(reply)
+            self.broken = _ended()
+        except grpc.aio.AioRpcError as e:
+            self.broken = e
+        for future in self._waiting:
+            if not future.done():
+                future.set_exception(self.broken)
+        self._waiting.clear()
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._reader.cancel()
+
+
+def _ended() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="the keep-alive stream ended",
+    )
+
+
+class C10dClient:
+    """The c10d operations of the store server, blocking (for workers and the CLI).
+
+    Keys are str, values bytes; waiting calls take their own timeout in seconds (0: no
+    limit) on top of `timeout`, which bounds reaching the server.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        target = grpc_target(endpoint)
+        creds = _credentials(tls_ca)
+        if creds is None:
+            self._channel = grpc.insecure_channel(target, options=CLIENT_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(target, creds, options=CLIENT_OPTIONS)
+        self._stub = pb_grpc.C10dStoreStub(self._channel)
+        self._metadata = _metadata(token)
+
+    def _call(self, method: Callable[..., _T], request: object, wait: float = 0.0) -> _T:
+        """One call under the deadline (plus `wait` for waiting calls), with retries."""
+        deadline = time.monotonic() + self.timeout + wait
+        delay = _FIRST_BACKOFF
+        while True:
+            try:
+                return method(
+                    request,
+                    timeout=max(deadline - time.monotonic(), 0.0),
+                    metadata=self._metadata,
+                )
+            except grpc.RpcError as e:
+                if not _retryable(e) or time.monotonic() + delay >= deadline:
+                    raise _error_from(e, self.endpoint) from None
+            time.sleep(delay)
+            delay = min(2 * delay, _MAX_BACKOFF)
+
+    def _timed_out(self, keys: list[str], timeout: float) -> StoreTimeoutError:
+        return StoreTimeoutError(
+            f"keys {keys} did not all appear in the store at {self.endpoint} "
+            f"within {timeout:g} s"
+        )
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call(self._stub.Set, pb.SetRequest(key=key, value=value))
+
+    def get(self, key: str, timeout: float) -> bytes:
+        """The key's value, once it exists (StoreTimeoutError past `timeout`)."""
+        reply = self._call(self._stub.Get, pb.GetRequest(key=key, timeout_seconds=timeout), timeout)
+        if reply.timed_out:
+            raise self._timed_out([key], timeout)
+        return reply.value
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call(self._stub.Add, pb.AddRequest(key=key, amount=amount)).value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        request = pb.CompareSetRequest(key=key, expected=expected, desired=desired)
+        return self._call(self._stub.CompareSet, request).value
+
+    def wait(self, keys: list[str], timeout: float) -> None:
+        reply = self._call(
+            self._stub.Wait, pb.WaitRequest(keys=keys, timeout_seconds=timeout), timeout
+        )
+        if reply.timed_out:
+            raise self._timed_out(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(self._stub.Check, pb.CheckRequest(keys=keys)).ready
+
+    def num_keys(self) -> int:
+        return self._call(self._stub.NumKeys, pb.NumKeysRequest()).count
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(self._stub.DeleteKey, pb.DeleteKeyRequest(key=key)).deleted
+
+    def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
+        reply = self._call(
+            self._stub.MultiGet, pb.MultiGetRequest(keys=keys, timeout_seconds=timeout), timeout
+        )
+        if reply.timed_out:
+            raise self._timed_out(keys, timeout)
+        return list(reply.values)
+
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        self._call(self._stub.MultiSet, pb.MultiSetRequest(keys=keys, values=values))
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,505 @@
+"""The built-in store server: a `MemoryStore` served over gRPC (grpc.aio).
+
+The agent on the `--rdzv-endpoint` host embeds it in its own event loop; a dedicated
+host runs it alone with `elasticrun store serve`. Two services share the engine: the
+etcd-like `Store` the rendezvous uses and the c10d operations workers use.
+
+Security: with a token, every call must carry `authorization: Bearer <token>`
+(compared in constant time, never logged) or gets UNAUTHENTICATED; with a certificate
+and key, the server speaks TLS only. State lives in memory and is never pickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar, cast
+
+import grpc
+
+from elasticrun.errors import (
+    CompactedError,
+    ElasticrunError,
+    LeaseExpiredError,
+    StoreLimitError,
+    StoreUnavailableError,
+    UsageError,
+)
+from elasticrun.proto import store_pb2 as pb
+from elasticrun.proto import store_pb2_grpc as pb_grpc
+from elasticrun.rendezvous.memory_store import MemoryStore
+from elasticrun.rendezvous.store import EventType, KeyValue
+
+logger = logging.getLogger(__name__)
+
+#: The call metadata that carries the token: `authorization: Bearer <token>`.
+TOKEN_METADATA_KEY = "authorization"
+#: Replies can carry many keys (a prefix range of a large job); requests are bounded
+#: by the engine's key and value limits plus this much framing.
+MAX_REPLY_BYTES = 256 << 20
+_REQUEST_SLACK_BYTES = 64 << 10
+#: How long in-flight calls may finish when the server stops.
+DEFAULT_STOP_GRACE = 2.0
+
+#: Pings keep idle connections (a quiet watch) alive through NATs and reveal dead
+#: peers; the server must accept the client's pace.
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not share it
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_send_message_length", MAX_REPLY_BYTES),
+]
+
+_T = TypeVar("_T")
+
+
+def bearer(token: str) -> str:
+    """The metadata value that carries `token`."""
+    return f"Bearer {token}"
+
+
+@dataclass(frozen=True, slots=True)
+class TlsKeyPair:
+    """The server's certificate chain and private key, PEM-encoded."""
+
+    cert: bytes
+    key: bytes
+
+
+class StoreServer:
+    """The gRPC store server, run in the caller's event loop.
+
+    It serves `engine` when given (and leaves it open on stop, so a new server can
+    serve the same history) or a `MemoryStore` of its own (closed on stop).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        engine: MemoryStore | None = None,
+        token: str | None = None,
+        tls: TlsKeyPair | None = None,
+    ) -> None:
+        self.host = host
+        self.engine = engine if engine is not None else MemoryStore()
+        self._owns_engine = engine is None
+        self._requested_port = port
+        self._token = token
+        self._tls = tls
+        self._server: grpc.aio.Server | None = None
+        self._streams: set[asyncio.Task[object]] = set()
+        self._stopping = False
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        """`host:port` as clients dial it (the bound port once started)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port or self._requested_port}"
+
+    async def start(self) -> None:
+        """Listen on host:port (port 0: any free port, then see `port`)."""
+        max_request = self.engine.max_key_bytes + self.engine.max_value_bytes
+        interceptors = [_TokenInterceptor(self._token)] if self._token else []
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                *SERVER_OPTIONS,
+                ("grpc.max_receive_message_length", max_request + _REQUEST_SLACK_BYTES),
+            ],
+        )
+        pb_grpc.add_StoreServicer_to_server(_StoreService(self), server)
+        pb_grpc.add_C10dStoreServicer_to_server(_C10dService(self), server)
+        address = f"{'[' + self.host + ']' if ':' in self.host else self.host}:{self._requested_port}"
+        try:
+            if self._tls is not None:
+                creds = grpc.ssl_server_credentials([(self._tls.key, self._tls.cert)])
+                self.port = server.add_secure_port(address, creds)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise UsageError(
+                f"the store cannot listen on {address}: the port is in use or the "
+                f"address is not one of this host's ({e}); choose another host or port"
+            ) from e
+        if self.port == 0:  # older grpc reports a failed bind this way
+            raise UsageError(
+                f"the store cannot listen on {address}: the port is in use or the "
+                "address is not one of this host's; choose another host or port"
+            )
+        await server.start()
+        self._server = server
+        logger.info(
+            "store serving on %s (%s, %s)",
+            self.endpoint,
+            "TLS" if self._tls else "plaintext",
+            "token required" if self._token else "no token",
+        )
+
+    async def stop(self, grace: float = DEFAULT_STOP_GRACE) -> None:
+        """Stop: end watches and waits at once (clients resume), let calls finish."""
+        if self._server is None:
+            return
+        self._stopping = True
+        for task in list(self._streams):
+            task.cancel()
+        await self._server.stop(grace)
+        self._server = None
+        if self._owns_engine:
+            await self.engine.close()
+        logger.info("store on %s stopped", self.endpoint)
+
+    async def wait_closed(self) -> None:
+        """Return when the server has stopped."""
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    @contextlib.asynccontextmanager
+    async def _long_call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Track a call that may run for long (watch, wait) so that stop() can end it."""
+        task = cast("asyncio.Task[object]", asyncio.current_task())  # grpc.aio: always one
+        self._streams.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the store server is stopping")
+        except StoreUnavailableError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            self._streams.discard(task)
+
+
+# --- error translation ---------------------------------------------------------------
+
+
+def _status_of(error: ElasticrunError) -> grpc.StatusCode:
+    if isinstance(error, StoreLimitError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, LeaseExpiredError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, UsageError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, StoreUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.FAILED_PRECONDITION
+
+
+_Handler = Callable[..., Awaitable[_T]]
+
+
+def _unary(fn: _Handler[_T]) -> _Handler[_T]:
+    """Turn our errors raised by a unary handler into a gRPC status with the message."""
+
+    @functools.wraps(fn)
+    async def handler(self: object, request: object, context: grpc.aio.ServicerContext) -> _T:
+        try:
+            return await fn(self, request, context)
+        except ElasticrunError as e:
+            await context.abort(_status_of(e), str(e))
+            raise  # unreachable: abort raises
+
+    return handler
+
+
+# --- the etcd-like service -----------------------------------------------------------
+
+
+def _kv_message(kv: KeyValue) -> pb.KeyValue:
+    return pb.KeyValue(
+        key=kv.key,
+        value=kv.value,
+        create_revision=kv.create_revision,
+        mod_revision=kv.mod_revision,
+        version=kv.version,
+        lease=kv.lease,
+    )
+
+
+_EVENT_TYPES = {EventType.PUT: pb.WatchEvent.PUT, EventType.DELETE: pb.WatchEvent.DELETE}
+
+
+class _StoreService(pb_grpc.StoreServicer):
+    def __init__(self, server: StoreServer) -> None:
+        self._server = server
+        self._engine = server.engine
+
+    @_unary
+    async def Range(self, request: pb.RangeRequest, context: object) -> pb.RangeReply:
+        if request.prefix:
+            result = await self._engine.get_prefix(request.key)
+            return pb.RangeReply(kvs=[_kv_message(kv) for kv in result.kvs], revision=result.revision)
+        kv = await self._engine.get(request.key)
+        return pb.RangeReply(
+            kvs=[_kv_message(kv)] if kv else [], revision=self._engine.revision
+        )
+
+    @_unary
+    async def Put(self, request: pb.PutRequest, context: object) -> pb.PutReply:
+        revision = await self._engine.put(request.key, request.value, lease=request.lease)
+        return pb.PutReply(revision=revision)
+
+    @_unary
+    async def DeleteRange(
+        self, request: pb.DeleteRangeRequest, context: object
+    ) -> pb.DeleteRangeReply:
+        if request.prefix:
+            deleted = await self._engine.delete_prefix(request.key)
+        else:
+            deleted = int(await self._engine.delete(request.key))
+        return pb.DeleteRangeReply(deleted=deleted)
+
+    @_unary
+    async def CompareAndPut(
+        self, request: pb.CompareAndPutRequest, context: object
+    ) -> pb.CompareReply:
+        done = await self._engine.compare_and_put(
+            request.key,
+            request.value,
+            expected_mod_revision=request.expected_mod_revision,
+            lease=request.lease,
+        )
+        return pb.CompareReply(succeeded=done)
+
+    @_unary
+    async def CompareAndDelete(
+        self, request: pb.CompareAndDeleteRequest, context: object
+    ) -> pb.CompareReply:
+        done = await self._engine.compare_and_delete(
+            request.key, expected_mod_revision=request.expected_mod_revision
+        )
+        return pb.CompareReply(succeeded=done)
+
+    @_unary
+    async def LeaseGrant(
+        self, request: pb.LeaseGrantRequest, context: object
+    ) -> pb.LeaseGrantReply:
+        return pb.LeaseGrantReply(lease=await self._engine.grant_lease(request.ttl_seconds))
+
+    async def LeaseKeepAlive(
+        self,
+        request_iterator: AsyncIterator[pb.LeaseKeepAliveRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.LeaseKeepAliveReply]:
+        async with self._server._long_call(context):
+            async for request in request_iterator:
+                try:
+                    await self._engine.keep_alive(request.lease)
+                    ttl = self._engine.lease_ttl(request.lease)
+                except LeaseExpiredError:
+                    yield pb.LeaseKeepAliveReply(lease=request.lease, expired=True)
+                else:
+                    yield pb.LeaseKeepAliveReply(lease=request.lease, ttl_seconds=ttl)
+
+    @_unary
+    async def LeaseRevoke(
+        self, request: pb.LeaseRevokeRequest, context: object
+    ) -> pb.LeaseRevokeReply:
+        await self._engine.revoke_lease(request.lease)
+        return pb.LeaseRevokeReply()
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchReply]:
+        history_id = self._engine.history_id
+        async with self._server._long_call(context):
+            yield pb.WatchReply(store_id=history_id)
+            batches = self._engine.watch_batches(
+                request.key, request.start_revision, request.prefix
+            )
+            try:
+                async with contextlib.aclosing(batches):
+                    async for batch in batches:
+                        yield pb.WatchReply(
+                            store_id=history_id,
+                            events=[
+                                pb.WatchEvent(
+                                    type=_EVENT_TYPES[e.type],
+                                    key=e.key,
+                                    value=e.value,
+                                    revision=e.revision,
+                                )
+                                for e in batch
+                            ],
+                        )
+            except CompactedError as e:
+                yield pb.WatchReply(store_id=history_id, compact_revision=e.oldest)
+
+
+# --- the c10d operations -------------------------------------------------------------
+
+
+class _C10dService(pb_grpc.C10dStoreServicer):
+    """torch.distributed.Store semantics over the engine.
+
+    Engine calls never suspend, so a read followed by a write with no other await in
+    between (add, compare_set) is atomic, as TCPStore's single-threaded daemon is.
+    Values of `add` are decimal ASCII, as TCPStore stores them.
+    """
+
+    def __init__(self, server: StoreServer) -> None:
+        self._server = server
+        self._engine = server.engine
+
+    async def _await_key(self, key: str) -> None:
+        if await self._engine.get(key) is not None:
+            return
+        watch = self._engine.watch(key, start_revision=self._engine.revision + 1)
+        async with contextlib.aclosing(watch):
+            async for event in watch:
+                if event.type is EventType.PUT:
+                    return
+
+    async def _await_keys(
+        self, keys: list[str], timeout: float, context: grpc.aio.ServicerContext
+    ) -> list[bytes] | None:
+        """The keys' values once they all exist, None past `timeout` (0: no limit)."""
+        async with self._server._long_call(context):
+            try:
+                async with asyncio.timeout(timeout if timeout > 0 else None):
+                    while True:
+                        for key in keys:
+                            await self._await_key(key)
+                        # One pass with no suspension: a consistent snapshot.
+                        kvs = [await self._engine.get(key) for key in keys]
+                        if all(kv is not None for kv in kvs):
+                            return [kv.value for kv in kvs if kv is not None]
+            except TimeoutError:
+                return None
+
+    @_unary
+    async def Set(self, request: pb.SetRequest, context: object) -> pb.SetReply:
+        await self._engine.put(request.key, request.value)
+        return pb.SetReply()
+
+    @_unary
+    async def Get(
+        self, request: pb.GetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetReply:
+        values = await self._await_keys([request.key], request.timeout_seconds, context)
+        if values is None:
+            return pb.GetReply(timed_out=True)
+        return pb.GetReply(value=values[0])
+
+    @_unary
+    async def Add(self, request: pb.AddRequest, context: object) -> pb.AddReply:
+        kv = await self._engine.get(request.key)
+        try:
+            value = (int(kv.value) if kv else 0) + request.amount
+        except ValueError:
+            raise UsageError(
+                f"cannot add to key {request.key!r}: its value is not an integer"
+            ) from None
+        await self._engine.put(request.key, str(value).encode())
+        return pb.AddReply(value=value)
+
+    @_unary
+    async def CompareSet(
+        self, request: pb.CompareSetRequest, context: object
+    ) -> pb.CompareSetReply:
+        kv = await self._engine.get(request.key)
+        if kv is None:
+            if request.expected:
+                return pb.CompareSetReply(value=request.expected)  # as TCPStore does
+            await self._engine.put(request.key, request.desired)
+            return pb.CompareSetReply(value=request.desired)
+        if kv.value == request.expected:
+            await self._engine.put(request.key, request.desired)
+            return pb.CompareSetReply(value=request.desired)
+        return pb.CompareSetReply(value=kv.value)
+
+    @_unary
+    async def Wait(
+        self, request: pb.WaitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WaitReply:
+        values = await self._await_keys(list(request.keys), request.timeout_seconds, context)
+        return pb.WaitReply(timed_out=values is None)
+
+    @_unary
+    async def Check(self, request: pb.CheckRequest, context: object) -> pb.CheckReply:
+        return pb.CheckReply(
+            ready=all([await self._engine.get(key) is not None for key in request.keys])
+        )
+
+    @_unary
+    async def NumKeys(self, request: pb.NumKeysRequest, context: object) -> pb.NumKeysReply:
+        return pb.NumKeysReply(count=len(self._engine))
+
+    @_unary
+    async def DeleteKey(
+        self, request: pb.DeleteKeyRequest, context: object
+    ) -> pb.DeleteKeyReply:
+        return pb.DeleteKeyReply(deleted=await self._engine.delete(request.key))
+
+    @_unary
+    async def MultiGet(
+        self, request: pb.MultiGetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MultiGetReply:
+        values = await self._await_keys(list(request.keys), request.timeout_seconds, context)
+        if values is None:
+            return pb.MultiGetReply(timed_out=True)
+        return pb.MultiGetReply(values=values)
+
+    @_unary
+    async def MultiSet(self, request: pb.MultiSetRequest, context: object) -> pb.MultiSetReply:
+        if len(request.keys) != len(request.values):
+            raise UsageError(
+                f"multi_set got {len(request.keys)} keys but {len(request.values)} values"
+            )
+        for key, value in zip(request.keys, request.values):
+            await self._engine.put(key, value)
+        return pb.MultiSetReply()
+
+
+# --- authentication ------------------------------------------------------------------
+
+
+class _TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Reject every call that does not carry the token, before any handler runs."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = bearer(token).encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        given = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else value
+        if handler is None or hmac.compare_digest(given, self._expected):
+            return handler
+        return _refusal_like(handler)
+
+
+async def _refuse(request: object, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(
+        grpc.StatusCode.UNAUTHENTICATED,
+        "missing or wrong store token (set it with --token-file or ELASTICRUN_STORE_TOKEN)",
+    )
+
+
+def _refusal_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as `handler` that refuses the call."""
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(_refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(_refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(_refuse)
+    return grpc.unary_unary_rpc_method_handler(_refuse)
+
