@@ -130,7 +130,7 @@ class StoreServer:
         except RuntimeError as e:
             raise UsageError(
                 f"the store cannot listen on {address}: the port is in use or the "
-                f"address is not one of this host's ({e}); choose another host or port"
+                "address is not one of this host's; choose another host or port"
             ) from e
         if self.port == 0:  # older grpc reports a failed bind this way
             raise UsageError(
@@ -139,7 +139,7 @@ class StoreServer:
             )
         await server.start()
         self._server = server
-        logger.info(
+        logger.debug(
             "store serving on %s (%s, %s)",
             self.endpoint,
             "TLS" if self._tls else "plaintext",
@@ -157,7 +157,7 @@ class StoreServer:
         self._server = None
         if self._owns_engine:
             await self.engine.close()
-        logger.info("store on %s stopped", self.endpoint)
+        logger.debug("store on %s stopped", self.endpoint)
 
     async def wait_closed(self) -> None:
         """Return when the server has stopped."""

@@ -1,0 +1,401 @@
+"""The gRPC store server and its clients, over real loopback connections."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import ipaddress
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from elasticrun.errors import (
+    CompactedError,
+    LeaseExpiredError,
+    StoreAuthError,
+    StoreLimitError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+    UsageError,
+)
+from elasticrun.launcher import store_cmd
+from elasticrun.rendezvous.grpc_store import C10dClient, GrpcStore
+from elasticrun.rendezvous.memory_store import MemoryStore
+from elasticrun.rendezvous.server import StoreServer, TlsKeyPair
+from elasticrun.rendezvous.store import EventType, WatchEvent
+
+EVENT_WAIT = 10.0
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[StoreServer]:
+    s = StoreServer("127.0.0.1", 0)
+    await s.start()
+    yield s
+    await s.stop()
+
+
+async def next_events(it: AsyncIterator[WatchEvent], n: int) -> list[WatchEvent]:
+    async with asyncio.timeout(EVENT_WAIT):
+        return [await anext(it) for _ in range(n)]
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- many clients -------------------------------------------------------------------
+
+
+async def test_concurrent_clients_cas_race(server: StoreServer) -> None:
+    clients = [GrpcStore(server.endpoint) for _ in range(4)]
+
+    async def increment(client: GrpcStore) -> None:
+        for _ in range(10):
+            while True:
+                kv = await client.get("n")
+                if await client.compare_and_put(
+                    "n",
+                    str(int(kv.value) + 1 if kv else 1).encode(),
+                    expected_mod_revision=kv.mod_revision if kv else 0,
+                ):
+                    break
+
+    await asyncio.gather(*(increment(c) for c in clients for _ in range(2)))
+    kv = await clients[0].get("n")
+    assert kv is not None and kv.value == b"80"
+    for c in clients:
+        await c.close()
+
+
+async def test_lease_expiry_seen_by_another_client(server: StoreServer) -> None:
+    owner, watcher = GrpcStore(server.endpoint), GrpcStore(server.endpoint)
+    lease = await owner.grant_lease(0.5)
+    rev = await owner.put("nodes/a", b"", lease=lease)
+    await owner.keep_alive(lease)
+    await owner.close()  # the owner goes away; its lease runs out
+    watch = watcher.watch("nodes/", start_revision=rev + 1, prefix=True)
+    (event,) = await next_events(watch, 1)
+    assert (event.type, event.key) == (EventType.DELETE, "nodes/a")
+    await watch.aclose()
+    await watcher.close()
+
+
+# --- resumption ---------------------------------------------------------------------
+
+
+async def test_watch_resumes_without_loss_when_the_server_restarts() -> None:
+    engine = MemoryStore()
+    first = StoreServer("127.0.0.1", 0, engine=engine)
+    await first.start()
+    port = first.port
+    client = GrpcStore(first.endpoint)
+    lease = await client.grant_lease(60)
+    watch = client.watch("k", start_revision=1)
+    await client.put("k", b"1")
+    assert [e.value for e in await next_events(watch, 1)] == [b"1"]
+    await first.stop()
+    await engine.put("k", b"2")  # written while no server runs: must not be lost
+    second = StoreServer("127.0.0.1", port, engine=engine)
+    await second.start()
+    await client.put("k", b"3")
+    assert [e.value for e in await next_events(watch, 2)] == [b"2", b"3"]
+    await client.keep_alive(lease)  # over a new keep-alive stream
+    await watch.aclose()
+    await client.close()
+    await second.stop()
+    await engine.close()
+
+
+async def test_watch_on_a_server_that_lost_its_memory_is_compacted() -> None:
+    first = StoreServer("127.0.0.1", 0)
+    await first.start()
+    client = GrpcStore(first.endpoint)
+    watch = client.watch("k", start_revision=1)
+    await client.put("k", b"1")
+    await next_events(watch, 1)
+    lease = await client.grant_lease(60)
+    await first.stop()
+    second = StoreServer("127.0.0.1", first.port)
+    await second.start()
+    with pytest.raises(CompactedError):
+        await next_events(watch, 1)
+    with pytest.raises(LeaseExpiredError):
+        await client.keep_alive(lease)
+    await client.close()
+    await second.stop()
+
+
+# --- bounds -------------------------------------------------------------------------
+
+
+async def test_limits_are_clear_errors() -> None:
+    server = StoreServer(
+        "127.0.0.1", 0, engine=MemoryStore(max_key_bytes=64, max_value_bytes=1024, max_keys=2)
+    )
+    await server.start()
+    client = GrpcStore(server.endpoint)
+    with pytest.raises(StoreLimitError, match="max_value_bytes"):
+        await client.put("k", b"x" * 1025)
+    with pytest.raises(StoreLimitError, match="max_key_bytes"):
+        await client.put("k" * 65, b"")
+    with pytest.raises(StoreLimitError):  # over the message bound: refused by gRPC itself
+        await client.put("k", b"x" * (1 << 20))
+    await client.put("a", b"")
+    await client.put("b", b"")
+    with pytest.raises(StoreLimitError, match="max_keys"):
+        await client.put("c", b"")
+    await client.close()
+    await server.stop()
+    await server.engine.close()
+
+
+# --- token ----------------------------------------------------------------------------
+
+
+async def test_token_missing_wrong_and_right() -> None:
+    server = StoreServer("127.0.0.1", 0, token="s3cret-token")
+    await server.start()
+    for token in (None, "wrong"):
+        client = GrpcStore(server.endpoint, token=token)
+        with pytest.raises(StoreAuthError) as info:
+            await client.put("k", b"")
+        assert "s3cret-token" not in str(info.value)
+        with pytest.raises(StoreAuthError):
+            await client.keep_alive(1)
+        with pytest.raises(StoreAuthError):
+            await next_events(client.watch("k", start_revision=1), 1)
+        await client.close()
+        c10d = C10dClient(server.endpoint, token=token)
+        with pytest.raises(StoreAuthError):
+            await asyncio.to_thread(c10d.set, "k", b"")
+        c10d.close()
+    client = GrpcStore(server.endpoint, token="s3cret-token")
+    await client.put("k", b"v")
+    kv = await client.get("k")
+    assert kv is not None and kv.value == b"v"
+    await client.close()
+    await server.stop()
+
+
+# --- TLS ------------------------------------------------------------------------------
+
+
+def _ca_and_server_cert(tmp: Path) -> tuple[bytes, TlsKeyPair]:
+    """A fresh CA and a certificate it signed for 127.0.0.1 / localhost."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test CA")])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pair = TlsKeyPair(
+        cert=cert.public_bytes(serialization.Encoding.PEM),
+        key=key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+    )
+    return ca_cert.public_bytes(serialization.Encoding.PEM), pair
+
+
+async def test_tls_right_ca_wrong_ca_and_plaintext(tmp_path: Path) -> None:
+    ca, pair = _ca_and_server_cert(tmp_path)
+    other_ca, _ = _ca_and_server_cert(tmp_path)
+    server = StoreServer("127.0.0.1", 0, tls=pair)
+    await server.start()
+    client = GrpcStore(server.endpoint, tls_ca=ca)
+    await client.put("k", b"over TLS")
+    c10d = C10dClient(server.endpoint, tls_ca=ca)
+    assert await asyncio.to_thread(c10d.get, "k", 5) == b"over TLS"
+    c10d.close()
+    await client.close()
+    stranger = GrpcStore(server.endpoint, tls_ca=other_ca, timeout=2)
+    with pytest.raises(StoreAuthError, match=server.endpoint):
+        await stranger.get("k")
+    await stranger.close()
+    plaintext = GrpcStore(server.endpoint, timeout=1)
+    with pytest.raises((StoreAuthError, StoreUnavailableError), match=server.endpoint):
+        await plaintext.get("k")
+    await plaintext.close()
+    await server.stop()
+
+
+# --- unreachable and wrong addresses -----------------------------------------------
+
+
+async def test_unreachable_store_names_host_port_and_cause() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    client = GrpcStore(endpoint, timeout=1)
+    with pytest.raises(StoreUnavailableError, match=endpoint) as info:
+        await client.put("k", b"")
+    assert info.value.endpoint == endpoint and info.value.cause
+    with pytest.raises(StoreUnavailableError, match=endpoint):
+        await next_events(client.watch("k", start_revision=1), 1)
+    with pytest.raises(StoreUnavailableError, match=endpoint):
+        await client.keep_alive(1)
+    await client.close()
+    c10d = C10dClient(endpoint, timeout=1)
+    with pytest.raises(StoreUnavailableError, match=endpoint):
+        c10d.num_keys()
+    c10d.close()
+
+
+async def test_wrong_addresses() -> None:
+    for malformed in ("no-port", "host:", ":29400", "host:99999", "host:http"):
+        with pytest.raises(UsageError, match="malformed store endpoint"):
+            GrpcStore(malformed)
+    client = GrpcStore("no-such-host.invalid:29400", timeout=1)
+    with pytest.raises(StoreUnavailableError, match="no-such-host.invalid:29400"):
+        await client.get("k")
+    await client.close()
+
+
+async def test_port_in_use_is_a_usage_error(server: StoreServer) -> None:
+    second = StoreServer("127.0.0.1", server.port)
+    with pytest.raises(UsageError, match=f"127.0.0.1:{server.port}"):
+        await second.start()
+
+
+# --- the c10d operations -------------------------------------------------------------
+
+
+async def test_c10d_operations(server: StoreServer) -> None:
+    c10d = C10dClient(server.endpoint)
+
+    def ops() -> None:
+        c10d.set("a", b"1")
+        assert c10d.get("a", 5) == b"1"
+        assert c10d.add("count", 2) == 2
+        assert c10d.add("count", 3) == 5
+        assert c10d.get("count", 5) == b"5"
+        assert c10d.compare_set("cs", b"x", b"y") == b"x"  # absent, expected non-empty
+        assert not c10d.check(["cs"])
+        assert c10d.compare_set("cs", b"", b"first") == b"first"
+        assert c10d.compare_set("cs", b"wrong", b"second") == b"first"
+        assert c10d.compare_set("cs", b"first", b"second") == b"second"
+        c10d.multi_set(["m1", "m2"], [b"v1", b"v2"])
+        assert c10d.multi_get(["m1", "m2"], 5) == [b"v1", b"v2"]
+        assert c10d.check(["a", "m1"]) and not c10d.check(["a", "absent"])
+        assert c10d.num_keys() == 5
+        assert c10d.delete_key("a") and not c10d.delete_key("a")
+        with pytest.raises(StoreTimeoutError, match="absent"):
+            c10d.wait(["absent"], 0.2)
+        with pytest.raises(StoreTimeoutError):
+            c10d.get("absent", 0.2)
+        with pytest.raises(UsageError, match="not an integer"):
+            c10d.add("m1", 1)
+
+    await asyncio.to_thread(ops)
+    c10d.close()
+
+
+async def test_c10d_get_waits_for_a_later_set(server: StoreServer) -> None:
+    waiter, setter = C10dClient(server.endpoint), C10dClient(server.endpoint)
+    pending = asyncio.ensure_future(asyncio.to_thread(waiter.get, "late", 30))
+    store = GrpcStore(server.endpoint)
+    async with asyncio.timeout(EVENT_WAIT):  # the waiter's Get is parked on the server
+        while not server.engine._exact_watchers.get("late"):
+            await asyncio.sleep(0.01)
+    await asyncio.to_thread(setter.set, "late", b"here")
+    async with asyncio.timeout(EVENT_WAIT):
+        assert await pending == b"here"
+    waiter.close()
+    setter.close()
+    await store.close()
+
+
+# --- the standalone command ------------------------------------------------------------
+
+
+def test_serve_config_checks_flags(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    store_cmd.register(parser.add_subparsers())
+    token_file = tmp_path / "token"
+    token_file.write_text("abc\n")
+    args = parser.parse_args(["store", "serve", "--port", "0", "--token-file", str(token_file)])
+    assert store_cmd.serve_config(args, {}).token == "abc"
+    args = parser.parse_args(["store", "serve"])
+    assert store_cmd.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "env"}).token == "env"
+    assert store_cmd.serve_config(args, {}).token is None
+    for bad in (
+        ["--tls-cert", "c.pem"],
+        ["--token-file", str(tmp_path / "missing")],
+        ["--port", "70000"],
+        ["--tls-cert", str(tmp_path / "c"), "--tls-key", str(tmp_path / "k")],
+    ):
+        with pytest.raises(UsageError):
+            store_cmd.serve_config(parser.parse_args(["store", "serve", *bad]), {})
+
+
+async def test_store_serve_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("tok-8f3a")
+    code = (
+        "import argparse, sys; from elasticrun.launcher import store_cmd; "
+        "p = argparse.ArgumentParser(); store_cmd.register(p.add_subparsers()); "
+        "a = p.parse_args(sys.argv[1:]); sys.exit(a.run(a))"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, "store", "serve", "--host", "127.0.0.1", "--port", "0",
+        "--token-file", str(token_file),
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        async with asyncio.timeout(30):
+            banner = (await proc.stdout.readline()).decode()  # type: ignore[union-attr]
+        assert "serving on 127.0.0.1:" in banner, banner
+        endpoint = banner.split()[-1]
+        client = GrpcStore(endpoint, token="tok-8f3a")
+        await client.put("k", b"v")
+        await client.close()
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            assert await proc.wait() == 0
+        stderr = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+        assert "tok-8f3a" not in stderr + banner
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
