@@ -13,12 +13,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from elasticrun.errors import CompactedError, LeaseExpiredError
+from elasticrun.rendezvous.etcd_store import EtcdStore
 from elasticrun.rendezvous.grpc_store import GrpcStore
 from elasticrun.rendezvous.memory_store import MemoryStore
 from elasticrun.rendezvous.server import StoreServer
 from elasticrun.rendezvous.store import EventType, Store, WatchEvent
 
-STORE_KINDS = ["memory", "grpc"]
+STORE_KINDS = ["memory", "grpc", "etcd"]
 #: Small enough that a test outruns it with a few dozen writes.
 HISTORY_BYTES = 16 * 1024
 #: Bounds every wait on the store in these tests; far above any healthy latency.
@@ -31,7 +32,7 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def store(store_kind: str) -> AsyncIterator[Store]:
+async def store(store_kind: str, request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     if store_kind == "memory":
         s = MemoryStore(history_bytes=HISTORY_BYTES)
         yield s
@@ -44,11 +45,26 @@ async def store(store_kind: str) -> AsyncIterator[Store]:
         await client.close()
         await server.stop()
         await server.engine.close()
+    elif store_kind == "etcd":
+        cluster = request.getfixturevalue("etcd_server")
+        client = EtcdStore(cluster.endpoints)
+        await client.delete_prefix("")  # the server is shared by the whole session
+        yield client
+        await client.close()
 
 
 @pytest.fixture
-def compact_history(store_kind: str) -> Callable[[Store], Awaitable[None]]:
+def compact_history(
+    store_kind: str, request: pytest.FixtureRequest
+) -> Callable[[Store], Awaitable[None]]:
     """An action that makes revision 1 unavailable to watchers of `store`."""
+    if store_kind == "etcd":
+        cluster = request.getfixturevalue("etcd_server")
+
+        async def compact(store: Store) -> None:
+            await asyncio.to_thread(cluster.compact)
+
+        return compact
 
     async def outrun_ring(store: Store) -> None:
         for i in range(2 * HISTORY_BYTES // 1024):

@@ -1,0 +1,755 @@
+"""The etcd v3 backend of the Store interface (`--rdzv-backend=etcd`).
+
+It speaks the etcd v3 gRPC API through the generated stubs that `etcd-sdk-python`
+(`pyetcd`) ships. We do not use pyetcd's client object: it authenticates once, on one
+endpoint, at construction, never renews an expired token, leaves retries to the caller,
+and replaces gRPC errors with detail-less exceptions. What this module adds instead:
+
+- failover: an operation that finds its endpoint unavailable moves on to the next one,
+  until the store's `timeout` runs out (then StoreUnavailableError naming every endpoint
+  and what each said);
+- auth: a token per user, fetched lazily and fetched again when a member no longer
+  knows it (simple tokens live in each member's memory and expire when idle);
+- one table (`_ERROR_TABLE`) that turns gRPC statuses into our errors;
+- the blocking gRPC calls run on the store's own threads, so the event loop never
+  waits on etcd, and an etcd outage cannot starve the loop's default executor (which
+  asyncio also uses for DNS lookups);
+- watches: one stream per watch on its own thread, handing responses to the loop, and
+  re-created from the next undelivered revision on another endpoint when it breaks.
+
+Settings from `--rdzv-conf` (see `etcd_store_from_conf`): `ca_cert`, `client_cert`,
+`client_key` (TLS), `user` with `password_file` or `password_env` (auth). The password
+itself is never accepted on the command line and never appears in a message.
+
+Leases: etcd counts TTLs in whole seconds (`grant_lease` rounds up) and raises any TTL
+below its minimum, 1.5 election timeouts rounded up to a second (2 s with etcd's
+default flags), to that minimum. A new raft leader also extends every lease by its TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import math
+import os
+import threading
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+from pyetcd import etcdrpc
+from pyetcd.etcdrpc import kv_pb2
+
+from elasticrun.errors import (
+    CompactedError,
+    LeaseExpiredError,
+    StoreAuthError,
+    StoreError,
+    StoreLimitError,
+    StoreUnavailableError,
+    UsageError,
+)
+from elasticrun.rendezvous.store import (
+    EventType,
+    KeyValue,
+    RangeResult,
+    Store,
+    WatchEvent,
+)
+
+_T = TypeVar("_T")
+
+DEFAULT_PORT = 2379
+#: Seconds one operation may take, failover and retries included.
+DEFAULT_TIMEOUT = 10.0
+#: The `--rdzv-conf` keys this backend reads; the launcher may reject others.
+ETCD_CONF_KEYS = frozenset(
+    {"ca_cert", "client_cert", "client_key", "user", "password_file", "password_env"}
+)
+
+_Metadata = tuple[tuple[str, str], ...]
+_Rpc = Callable[["_Stubs", float, _Metadata], _T]
+
+_CHANNEL_OPTIONS = (
+    # Pings find a member that vanished without closing the connection (a partition).
+    # etcd refuses pings more frequent than every 5 s by default.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    # A restarted member must become usable again within a second, not minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+)
+#: etcd closes a watch stream whose member lost its leader when this is set, instead of
+#: leaving it silent; the watch then resumes on a member that has one.
+_REQUIRE_LEADER: _Metadata = (("hasleader", "true"),)
+_RETRY_PAUSE_FIRST = 0.05
+_RETRY_PAUSE_MAX = 0.5
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+class _Kind(enum.Enum):
+    TRANSIENT = "try another endpoint"
+    TOKEN_EXPIRED = "authenticate again"
+    AUTH_REQUIRED = "credentials missing"
+    AUTH_FAILED = "credentials refused"
+    AUTH_DISABLED = "credentials given to an etcd without auth"
+    TLS = "TLS handshake failed"
+    NOT_ETCD = "not an etcd v3 server"
+    LEASE_GONE = "lease not found"
+    COMPACTED = "revision compacted"
+    LIMIT = "over a limit"
+    OTHER = "other"
+
+
+#: (status code, text in the details or "" for any, kind): the first match wins.
+_ERROR_TABLE: tuple[tuple[grpc.StatusCode, str, _Kind], ...] = (
+    (grpc.StatusCode.UNAVAILABLE, "http1", _Kind.NOT_ETCD),
+    (grpc.StatusCode.UNAVAILABLE, "ssl", _Kind.TLS),
+    (grpc.StatusCode.UNAVAILABLE, "handshake", _Kind.TLS),
+    (grpc.StatusCode.UNAVAILABLE, "certificate", _Kind.TLS),
+    (grpc.StatusCode.UNAVAILABLE, "", _Kind.TRANSIENT),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "", _Kind.TRANSIENT),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests", _Kind.TRANSIENT),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "", _Kind.LIMIT),
+    (grpc.StatusCode.UNAUTHENTICATED, "invalid auth token", _Kind.TOKEN_EXPIRED),
+    (grpc.StatusCode.INVALID_ARGUMENT, "revision of auth store is old", _Kind.TOKEN_EXPIRED),
+    (grpc.StatusCode.INVALID_ARGUMENT, "user name is empty", _Kind.AUTH_REQUIRED),
+    (grpc.StatusCode.INVALID_ARGUMENT, "authentication failed", _Kind.AUTH_FAILED),
+    (grpc.StatusCode.INVALID_ARGUMENT, "too large", _Kind.LIMIT),
+    (grpc.StatusCode.INVALID_ARGUMENT, "too many operations", _Kind.LIMIT),
+    (grpc.StatusCode.UNAUTHENTICATED, "", _Kind.AUTH_FAILED),
+    (grpc.StatusCode.PERMISSION_DENIED, "", _Kind.AUTH_FAILED),
+    (grpc.StatusCode.FAILED_PRECONDITION, "authentication is not enabled", _Kind.AUTH_DISABLED),
+    (grpc.StatusCode.NOT_FOUND, "lease not found", _Kind.LEASE_GONE),
+    (grpc.StatusCode.OUT_OF_RANGE, "compacted", _Kind.COMPACTED),
+    (grpc.StatusCode.UNIMPLEMENTED, "", _Kind.NOT_ETCD),
+)
+
+
+def _classify(code: grpc.StatusCode, details: str) -> _Kind:
+    text = details.lower()
+    for table_code, needle, kind in _ERROR_TABLE:
+        if code == table_code and needle in text:
+            return kind
+    return _Kind.OTHER
+
+
+def _rpc_facts(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    # Every RpcError grpc raises from a call is also a grpc.Call carrying these.
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+    return code, details
+
+
+def _store_error(
+    kind: _Kind, details: str, endpoint: str, *, user: str | None, lease: int
+) -> StoreError:
+    """The error a user sees for a final (not retried) failure at `endpoint`."""
+    conf = "--rdzv-conf"
+    if kind is _Kind.TLS:
+        return StoreAuthError(
+            f"TLS handshake with etcd at {endpoint} failed ({details}): check ca_cert, "
+            f"client_cert and client_key in {conf} against the etcd server's certificates"
+        )
+    if kind is _Kind.NOT_ETCD:
+        return StoreError(
+            f"{endpoint} is not an etcd v3 server ({details}): --rdzv-backend=etcd needs "
+            f"etcd >= 3.4 and --rdzv-endpoint naming its client port (usually {DEFAULT_PORT})"
+        )
+    if kind is _Kind.AUTH_REQUIRED:
+        return StoreAuthError(
+            f"etcd at {endpoint} requires authentication: set user and password_file "
+            f"or password_env in {conf}"
+        )
+    if kind in (_Kind.AUTH_FAILED, _Kind.TOKEN_EXPIRED):
+        who = f"user {user!r}" if user is not None else "an anonymous client"
+        return StoreAuthError(
+            f"etcd at {endpoint} refused {who} ({details}): check user and "
+            f"password_file/password_env in {conf} and the user's role on the key prefix"
+        )
+    if kind is _Kind.AUTH_DISABLED:
+        return StoreAuthError(
+            f"etcd at {endpoint} has authentication disabled but {conf} sets user "
+            f"{user!r}: remove user and password_file/password_env, or enable auth on etcd"
+        )
+    if kind is _Kind.LEASE_GONE:
+        return LeaseExpiredError(lease)
+    if kind is _Kind.LIMIT:
+        return StoreLimitError(f"etcd at {endpoint} refused a request over a limit: {details}")
+    return StoreError(f"etcd at {endpoint} failed: {details}")
+
+
+# --- configuration --------------------------------------------------------------------
+
+
+def parse_endpoints(spec: str) -> tuple[str, ...]:
+    """Split `--rdzv-endpoint` ("h1:2379,h2,[::1]:2379") into host:port strings."""
+    endpoints = []
+    for item in (part.strip() for part in spec.split(",")):
+        if "://" in item:
+            raise UsageError(
+                f"--rdzv-endpoint={spec!r}: give host:port without a scheme; "
+                "for TLS set ca_cert (and client_cert, client_key) in --rdzv-conf"
+            )
+        try:
+            parts = urllib.parse.urlsplit("//" + item)
+            host, port = parts.hostname, parts.port or DEFAULT_PORT
+        except ValueError:
+            host = None
+        if not host or parts.path or parts.query or parts.fragment or "@" in item:
+            raise UsageError(
+                f"--rdzv-endpoint={spec!r}: {item!r} is not host[:port] "
+                "(e.g. --rdzv-endpoint=etcd1:2379,etcd2:2379,etcd3:2379)"
+            )
+        endpoints.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    return tuple(endpoints)
+
+
+def _read_file(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} file {path!r}: {exc.strerror}") from None
+
+
+def etcd_store_from_conf(
+    endpoint: str, conf: Mapping[str, str], *, timeout: float = DEFAULT_TIMEOUT
+) -> EtcdStore:
+    """Build the store from `--rdzv-endpoint` and the `--rdzv-conf` keys.
+
+    Keys read (others are left to the rendezvous): `ca_cert` (PEM file of the CA that
+    signed etcd's certificate: turns TLS on), `client_cert` and `client_key` (PEM files,
+    together, for etcd's --client-cert-auth), `user` with exactly one of
+    `password_file` (a file holding the password) or `password_env` (the name of an
+    environment variable holding it).
+    """
+    if "password" in conf:
+        raise UsageError(
+            "--rdzv-conf password=... would put the etcd password on the command line: "
+            "use password_file=<path> or password_env=<VARIABLE> instead"
+        )
+    user = conf.get("user")
+    password_file, password_env = conf.get("password_file"), conf.get("password_env")
+    if password_file is not None and password_env is not None:
+        raise UsageError("--rdzv-conf: give password_file or password_env, not both")
+    password = None
+    if password_file is not None:
+        password = _read_file(password_file, "password_file").decode().rstrip("\r\n")
+    elif password_env is not None:
+        password = os.environ.get(password_env)
+        if password is None:
+            raise UsageError(
+                f"--rdzv-conf password_env={password_env}: that environment variable is not set"
+            )
+    return EtcdStore(
+        parse_endpoints(endpoint),
+        ca_cert=conf.get("ca_cert"),
+        cert_key=conf.get("client_key"),
+        cert_cert=conf.get("client_cert"),
+        user=user,
+        password=password,
+        timeout=timeout,
+    )
+
+
+# --- the blocking side ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Stubs:
+    """The etcd services on one endpoint's channel."""
+
+    endpoint: str
+    channel: grpc.Channel
+    kv: etcdrpc.KVStub
+    lease: etcdrpc.LeaseStub
+    watch: etcdrpc.WatchStub
+    auth: etcdrpc.AuthStub
+
+    @classmethod
+    def open(cls, endpoint: str, credentials: grpc.ChannelCredentials | None) -> _Stubs:
+        if credentials is None:
+            channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+        else:
+            channel = grpc.secure_channel(endpoint, credentials, options=_CHANNEL_OPTIONS)
+        return cls(
+            endpoint,
+            channel,
+            etcdrpc.KVStub(channel),
+            etcdrpc.LeaseStub(channel),
+            etcdrpc.WatchStub(channel),
+            etcdrpc.AuthStub(channel),
+        )
+
+
+
+@dataclass(slots=True)
+class _Attempts:
+    """One operation's tries: its deadline, why each endpoint failed, the next pause."""
+
+    endpoint_list: str
+    endpoint_count: int
+    deadline: float
+    causes: dict[str, str] = field(default_factory=dict)
+    in_a_row: int = 0
+    pause: float = _RETRY_PAUSE_FIRST
+    renewed_token: bool = False
+
+    def remaining(self) -> float:
+        """Seconds left, or StoreUnavailableError with every endpoint's last failure."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            cause = "; ".join(f"{ep}: {why}" for ep, why in self.causes.items())
+            raise StoreUnavailableError(self.endpoint_list, cause or "timed out")
+        return left
+
+    def failed(self, endpoint: str, details: str) -> None:
+        """Note the failure; once every endpoint failed in a row, pause (bounded)."""
+        self.causes[endpoint] = details
+        self.in_a_row += 1
+        if self.in_a_row % self.endpoint_count == 0:
+            time.sleep(max(0.0, min(self.pause, self.deadline - time.monotonic())))
+            self.pause = min(self.pause * 2, _RETRY_PAUSE_MAX)
+
+
+class _Cluster:
+    """Blocking, thread-safe access to the etcd members: failover, auth, error mapping."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        credentials: grpc.ChannelCredentials | None,
+        user: str | None,
+        password: str | None,
+        timeout: float,
+    ) -> None:
+        self.endpoint_list = ",".join(endpoints)
+        self.timeout = timeout
+        self.user = user
+        self._password = password
+        self._stubs = [_Stubs.open(ep, credentials) for ep in endpoints]
+        # One hung member must not use up the whole deadline before failover.
+        self.attempt_timeout = max(1.0, timeout / len(endpoints))
+        self._lock = threading.Lock()
+        self._current = 0
+        self._token: str | None = None
+
+    def attempts(self) -> _Attempts:
+        return _Attempts(self.endpoint_list, len(self._stubs), time.monotonic() + self.timeout)
+
+    def current(self) -> _Stubs:
+        return self._stubs[self._current]
+
+    def call(self, rpc: _Rpc[_T], *, lease: int = 0) -> _T:
+        """Run `rpc` on the current endpoint, failing over until the deadline."""
+        attempts = self.attempts()
+        while True:
+            timeout = min(attempts.remaining(), self.attempt_timeout)
+            stubs = self.current()
+            try:
+                return rpc(stubs, timeout, self.metadata(stubs, timeout))
+            except grpc.RpcError as exc:
+                code, details = _rpc_facts(exc)
+                self.recover(stubs, code, details, attempts, lease=lease)
+
+    def recover(
+        self,
+        stubs: _Stubs,
+        code: grpc.StatusCode,
+        details: str,
+        attempts: _Attempts,
+        *,
+        lease: int = 0,
+    ) -> None:
+        """Get ready for the next attempt after a failure on `stubs`, or raise."""
+        kind = _classify(code, details)
+        if kind is _Kind.TRANSIENT:
+            self._fail_over(stubs)
+            attempts.failed(stubs.endpoint, details)
+            return
+        if kind is _Kind.TOKEN_EXPIRED and self.user is not None and not attempts.renewed_token:
+            attempts.renewed_token = True
+            self._token = None
+            return
+        raise self.error(kind, details, stubs.endpoint, lease=lease)
+
+    def metadata(self, stubs: _Stubs, timeout: float) -> _Metadata:
+        """The token header, authenticating on `stubs` first when there is none."""
+        if self.user is None:
+            return ()
+        token = self._token
+        if token is None:
+            request = etcdrpc.AuthenticateRequest(name=self.user, password=self._password)
+            token = stubs.auth.Authenticate(request, timeout=timeout).token
+            self._token = token
+        return (("token", token),)
+
+    def error(self, kind: _Kind, details: str, endpoint: str, *, lease: int = 0) -> StoreError:
+        return _store_error(kind, details, endpoint, user=self.user, lease=lease)
+
+    def _fail_over(self, failed: _Stubs) -> None:
+        """Move to the next endpoint, unless another thread already moved past `failed`."""
+        with self._lock:
+            if self._stubs[self._current] is failed:
+                self._current = (self._current + 1) % len(self._stubs)
+
+    def close(self) -> None:
+        for stubs in self._stubs:
+            stubs.channel.close()
+
+
+_Delivery = tuple[WatchEvent, ...] | StoreError
+
+
+class _WatchStream:
+    """One etcd watch, run on its own thread and resumed across broken streams.
+
+    The events of each response go to `deliver` as one tuple, in order; a final error
+    goes to `deliver` as the exception. The next revision to ask for advances as events
+    are received: everything received is delivered, so a stream re-created from there
+    (on whichever member is up) loses and repeats nothing.
+    """
+
+    def __init__(
+        self,
+        cluster: _Cluster,
+        request: etcdrpc.WatchCreateRequest,
+        deliver: Callable[[_Delivery], None],
+    ) -> None:
+        self._cluster = cluster
+        self._request = request
+        self._requested = request.start_revision
+        self._deliver = deliver
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._call: grpc.Call | None = None
+        self._thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the watch; the thread finishes on its own, promptly."""
+        with self._lock:
+            self._stopped.set()
+            if self._call is not None:
+                self._call.cancel()
+
+    def _run(self) -> None:
+        try:
+            self._follow()
+        except StoreError as exc:
+            if not self._stopped.is_set():
+                self._deliver(exc)
+        except Exception as exc:  # a bug here must end the watch, not hang its reader
+            if not self._stopped.is_set():
+                self._deliver(StoreError(f"watch on etcd at {self._cluster.endpoint_list} failed: {exc!r}"))
+            raise
+
+    def _requests(self) -> Iterator[etcdrpc.WatchRequest]:
+        yield etcdrpc.WatchRequest(create_request=self._request)
+        self._stopped.wait()  # keeps the request side open for as long as we watch
+
+    def _open(self, stubs: _Stubs, metadata: _Metadata) -> grpc.Call | None:
+        with self._lock:
+            if self._stopped.is_set():
+                return None
+            self._call = stubs.watch.Watch(self._requests(), metadata=metadata)
+            return self._call
+
+    def _follow(self) -> None:
+        cluster = self._cluster
+        attempts = cluster.attempts()
+        while True:
+            timeout = min(attempts.remaining(), cluster.attempt_timeout)
+            stubs = cluster.current()
+            try:
+                call = self._open(stubs, cluster.metadata(stubs, timeout) + _REQUIRE_LEADER)
+                if call is None:
+                    return
+                # A member that never answers is cut off like one that refuses.
+                timer = threading.Timer(timeout, call.cancel)
+                timer.start()
+                try:
+                    created = next(call, None)
+                finally:
+                    timer.cancel()
+                if created is not None:
+                    self._take(created, stubs.endpoint, first=True)
+                    attempts = cluster.attempts()
+                    for response in call:
+                        self._take(response, stubs.endpoint, first=False)
+                code, details = grpc.StatusCode.UNAVAILABLE, "the watch stream ended"
+            except grpc.RpcError as exc:
+                code, details = _rpc_facts(exc)
+                if code == grpc.StatusCode.CANCELLED:  # by our timer, or by stop()
+                    code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a watch"
+            if self._stopped.is_set():
+                return
+            cluster.recover(stubs, code, details, attempts)
+
+    def _take(self, response: etcdrpc.WatchResponse, endpoint: str, *, first: bool) -> None:
+        if response.compact_revision:
+            raise CompactedError(self._requested, response.compact_revision)
+        if response.canceled or (first and not response.created):
+            reason = response.cancel_reason or "etcd cancelled the watch"
+            raise self._cluster.error(_classify_cancel(reason), reason, endpoint)
+        if response.events:
+            events = tuple(_event(e) for e in response.events)
+            self._request.start_revision = events[-1].revision + 1
+            self._deliver(events)
+
+
+def _classify_cancel(reason: str) -> _Kind:
+    """Watch cancel reasons are the texts of etcd's gRPC errors, without their codes."""
+    text = reason.lower()
+    if "permission denied" in text or "auth" in text:
+        return _Kind.AUTH_FAILED
+    return _Kind.OTHER
+
+
+def _event(event: kv_pb2.Event) -> WatchEvent:
+    kv = event.kv
+    if event.type == kv_pb2.Event.DELETE:
+        return WatchEvent(EventType.DELETE, kv.key.decode(), b"", kv.mod_revision)
+    return WatchEvent(EventType.PUT, kv.key.decode(), kv.value, kv.mod_revision)
+
+
+def _key_value(kv: kv_pb2.KeyValue) -> KeyValue:
+    return KeyValue(
+        kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease
+    )
+
+
+def _prefix_range(prefix: str) -> tuple[bytes, bytes]:
+    """etcd's [key, range_end) for every key starting with `prefix` ("" = every key)."""
+    start = prefix.encode()
+    end = bytearray(start)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    if not end:
+        return start or b"\0", b"\0"
+    end[-1] += 1
+    return start, bytes(end)
+
+
+def _channel_credentials(
+    ca_cert: str | None, cert_key: str | None, cert_cert: str | None
+) -> grpc.ChannelCredentials | None:
+    if (cert_key is None) != (cert_cert is None):
+        raise UsageError("--rdzv-conf: give client_cert and client_key together, or neither")
+    if ca_cert is None and cert_cert is None:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_file(ca_cert, "ca_cert") if ca_cert else None,
+        private_key=_read_file(cert_key, "client_key") if cert_key else None,
+        certificate_chain=_read_file(cert_cert, "client_cert") if cert_cert else None,
+    )
+
+
+# --- the asyncio side -----------------------------------------------------------------
+
+
+class EtcdStore(Store):
+    """The Store interface over an etcd v3 cluster, for use from asyncio.
+
+    `endpoints` are "host:port" client endpoints of the cluster's members, tried in
+    order on failure. TLS is on when `ca_cert` (or a client certificate) is given;
+    `user` and `password` authenticate. `timeout` bounds each operation, failover
+    included. Keys are used as given: the caller namespaces them.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        ca_cert: str | None = None,
+        cert_key: str | None = None,
+        cert_cert: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        if not endpoints:
+            raise UsageError("--rdzv-endpoint: name at least one etcd endpoint (host:port)")
+        if (user is None) != (password is None):
+            raise UsageError(
+                "--rdzv-conf: etcd auth needs user together with password_file or password_env"
+            )
+        self.endpoint = ",".join(endpoints)
+        self._cluster = _Cluster(
+            endpoints, _channel_credentials(ca_cert, cert_key, cert_cert), user, password, timeout
+        )
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="etcd")
+        self._watches: set[_WatchStream] = set()
+        self._closed = False
+
+    async def _run(self, rpc: _Rpc[_T], *, lease: int = 0) -> _T:
+        """`rpc` through the cluster (failover, auth, errors), on the store's threads."""
+        if self._closed:
+            raise StoreUnavailableError(self.endpoint, "this store client is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, functools.partial(self._cluster.call, rpc, lease=lease)
+        )
+
+    async def get(self, key: str) -> KeyValue | None:
+        request = etcdrpc.RangeRequest(key=key.encode())
+        response = await self._run(lambda s, t, m: s.kv.Range(request, timeout=t, metadata=m))
+        return _key_value(response.kvs[0]) if response.kvs else None
+
+    async def get_prefix(self, prefix: str) -> RangeResult:
+        start, end = _prefix_range(prefix)
+        request = etcdrpc.RangeRequest(key=start, range_end=end)
+        response = await self._run(lambda s, t, m: s.kv.Range(request, timeout=t, metadata=m))
+        return RangeResult(tuple(_key_value(kv) for kv in response.kvs), response.header.revision)
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        request = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
+        response = await self._run(
+            lambda s, t, m: s.kv.Put(request, timeout=t, metadata=m), lease=lease
+        )
+        return int(response.header.revision)
+
+    async def compare_and_put(
+        self, key: str, value: bytes, *, expected_mod_revision: int, lease: int = 0
+    ) -> bool:
+        raw = key.encode()
+        request = etcdrpc.TxnRequest(
+            compare=[_unchanged_since(raw, expected_mod_revision)],
+            success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=raw, value=value, lease=lease))],
+            failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=raw))],
+        )
+        tries = 0
+
+        def txn(stubs: _Stubs, timeout: float, metadata: _Metadata) -> bool:
+            nonlocal tries
+            tries += 1
+            response = stubs.kv.Txn(request, timeout=timeout, metadata=metadata)
+            if response.succeeded or tries == 1:
+                return bool(response.succeeded)
+            # A retry after a lost reply: the earlier try may be the write now in place.
+            kvs = response.responses[0].response_range.kvs
+            return bool(kvs) and (kvs[0].value, kvs[0].lease) == (value, lease) and (
+                kvs[0].mod_revision > expected_mod_revision
+            )
+
+        return await self._run(txn, lease=lease)
+
+    async def delete(self, key: str) -> bool:
+        request = etcdrpc.DeleteRangeRequest(key=key.encode())
+        response = await self._run(
+            lambda s, t, m: s.kv.DeleteRange(request, timeout=t, metadata=m)
+        )
+        return response.deleted > 0
+
+    async def compare_and_delete(self, key: str, *, expected_mod_revision: int) -> bool:
+        raw = key.encode()
+        request = etcdrpc.TxnRequest(
+            compare=[_unchanged_since(raw, expected_mod_revision)],
+            success=[etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=raw))],
+        )
+        response = await self._run(lambda s, t, m: s.kv.Txn(request, timeout=t, metadata=m))
+        return bool(response.succeeded and response.responses[0].response_delete_range.deleted)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        start, end = _prefix_range(prefix)
+        request = etcdrpc.DeleteRangeRequest(key=start, range_end=end)
+        response = await self._run(
+            lambda s, t, m: s.kv.DeleteRange(request, timeout=t, metadata=m)
+        )
+        return int(response.deleted)
+
+    async def grant_lease(self, ttl: float) -> int:
+        request = etcdrpc.LeaseGrantRequest(TTL=max(1, math.ceil(ttl)))
+        response = await self._run(
+            lambda s, t, m: s.lease.LeaseGrant(request, timeout=t, metadata=m)
+        )
+        if response.error:
+            raise StoreError(f"etcd at {self.endpoint} refused a lease: {response.error}")
+        return int(response.ID)
+
+    async def keep_alive(self, lease: int) -> None:
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease)
+
+        def refresh(stubs: _Stubs, timeout: float, metadata: _Metadata) -> int:
+            call = stubs.lease.LeaseKeepAlive(iter([request]), timeout=timeout, metadata=metadata)
+            try:
+                response = next(call, None)
+            finally:
+                call.cancel()
+            return -1 if response is None else int(response.TTL)
+
+        ttl = await self._run(refresh, lease=lease)
+        if ttl < 0:
+            raise StoreUnavailableError(self.endpoint, "a lease keep-alive got no answer")
+        if ttl == 0:
+            raise LeaseExpiredError(lease)
+
+    async def revoke_lease(self, lease: int) -> None:
+        request = etcdrpc.LeaseRevokeRequest(ID=lease)
+        try:
+            await self._run(
+                lambda s, t, m: s.lease.LeaseRevoke(request, timeout=t, metadata=m), lease=lease
+            )
+        except LeaseExpiredError:
+            pass  # already gone: the outcome the caller wanted
+
+    async def watch(
+        self, key: str, *, start_revision: int, prefix: bool = False
+    ) -> AsyncIterator[WatchEvent]:
+        if self._closed:
+            raise StoreUnavailableError(self.endpoint, "this store client is closed")
+        start, end = _prefix_range(key) if prefix else (key.encode(), b"")
+        request = etcdrpc.WatchCreateRequest(key=start, range_end=end, start_revision=start_revision)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[_Delivery] = asyncio.Queue()
+
+        def deliver(item: _Delivery) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                stream.stop()
+
+        stream = _WatchStream(self._cluster, request, deliver)
+        self._watches.add(stream)
+        stream.start()
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, StoreError):
+                    raise item
+                for event in item:
+                    yield event
+        finally:
+            stream.stop()
+            self._watches.discard(stream)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for stream in list(self._watches):
+            stream.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._cluster.close()
+
+
+def _unchanged_since(key: bytes, mod_revision: int) -> etcdrpc.Compare:
+    """The compare for "key's mod_revision is `mod_revision`" (0: the key is absent)."""
+    if mod_revision == 0:
+        return etcdrpc.Compare(
+            key=key, target=etcdrpc.Compare.CREATE, result=etcdrpc.Compare.EQUAL, create_revision=0
+        )
+    return etcdrpc.Compare(
+        key=key, target=etcdrpc.Compare.MOD, result=etcdrpc.Compare.EQUAL, mod_revision=mod_revision
+    )
