@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-from elasticrun.agent.agent import Action, Agent, Outcome, decide
+from elasticrun.agent.agent import Action, Agent, AgentResult, Outcome, decide
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.errors import RendezvousClosedError, WorkerStartError
 from tests.agent_helpers import (
@@ -44,9 +45,8 @@ def test_policy(
     assert decide(outcome, restart_count, max_restarts) is action
 
 
-async def _run(spec: WorkerSpec, **kwargs: object) -> tuple[Agent, object]:
-    handler = static_for(spec)
-    agent = Agent(spec, handler, **kwargs)  # type: ignore[arg-type]
+async def _run(spec: WorkerSpec) -> tuple[Agent, AgentResult]:
+    agent = Agent(spec, static_for(spec))
     return agent, await agent.run()
 
 
@@ -65,8 +65,8 @@ async def test_restarts_increment_the_restart_count_until_success(tmp_path: Path
     )
     spec = make_spec(script, max_restarts=3, log_dir=tmp_path / "logs")
     agent, result = await _run(spec)
-    assert result.state is WorkerState.SUCCEEDED  # type: ignore[attr-defined]
-    assert result.exit_code == 0  # type: ignore[attr-defined]
+    assert result.state is WorkerState.SUCCEEDED
+    assert result.exit_code == 0
     assert seen.read_text().split() == ["0", "1", "2"]
     attempts = sorted(p.name for p in agent.run_dir.iterdir())
     assert attempts == ["attempt_0", "attempt_1", "attempt_2"]
@@ -88,10 +88,11 @@ async def test_exhausted_budget_exits_1_with_the_root_cause_from_stderr(
     )
     spec = make_spec(script, nproc_per_node=2, max_restarts=1, log_dir=tmp_path / "logs")
     _, result = await _run(spec)
-    assert result.state is WorkerState.FAILED  # type: ignore[attr-defined]
-    assert result.exit_code == 1  # type: ignore[attr-defined]
-    assert "--max-restarts=1" in result.message  # type: ignore[attr-defined]
-    report = result.report  # type: ignore[attr-defined]
+    assert result.state is WorkerState.FAILED
+    assert result.exit_code == 1
+    assert "--max-restarts=1" in result.message
+    report = result.report
+    assert report is not None
     root = report.root_cause
     assert (root.global_rank, root.local_rank, root.returncode) == (1, 1, 1)
     assert root.traceback_source == "stderr"
@@ -107,8 +108,9 @@ async def test_a_worker_killed_by_a_signal_is_named(tmp_path: Path) -> None:
         tmp_path, "oom.py", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
     )
     _, result = await _run(make_spec(script, log_dir=tmp_path / "logs"))
-    assert result.exit_code == 1  # type: ignore[attr-defined]
-    text = result.report.text  # type: ignore[attr-defined]
+    assert result.exit_code == 1
+    assert result.report is not None
+    text = result.report.text
     assert "exit      : SIGKILL (-9), often the out-of-memory killer" in text
 
 
@@ -127,7 +129,8 @@ async def test_traceback_comes_from_the_record_error_file(tmp_path: Path) -> Non
         """,
     )
     agent, result = await _run(make_spec(script, log_dir=tmp_path / "logs"))
-    root = result.report.root_cause  # type: ignore[attr-defined]
+    assert result.report is not None
+    root = result.report.root_cause
     assert root.traceback_source == str(agent.run_dir / "attempt_0/0/error.json")
     assert 'raise RuntimeError("recorded failure")' in root.traceback
     assert root.traceback.endswith("RuntimeError: recorded failure")
@@ -136,15 +139,24 @@ async def test_traceback_comes_from_the_record_error_file(tmp_path: Path) -> Non
 async def test_log_files_per_attempt_prefixes_and_ranks_filter(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
+    # In attempt 0, rank 0 fails only once rank 1 has written (a FIFO handshake), so
+    # both ranks have output in both attempts.
+    fifo = tmp_path / "rank1-wrote"
+    os.mkfifo(fifo)
     script = write_script(
         tmp_path,
         "talk.py",
-        """
+        f"""
         import os, sys
         n = os.environ["TORCHELASTIC_RESTART_COUNT"]
-        print(f"out {os.environ['RANK']} attempt {n}")
-        print(f"err {os.environ['RANK']} attempt {n}", file=sys.stderr)
-        sys.exit(3 if n == "0" else 0)
+        rank = os.environ["RANK"]
+        print(f"out {{rank}} attempt {{n}}", flush=True)
+        print(f"err {{rank}} attempt {{n}}", file=sys.stderr, flush=True)
+        if n == "0" and rank == "0":
+            open({str(fifo)!r}).read()  # returns once rank 1 has opened and closed it
+            sys.exit(3)
+        if n == "0":
+            open({str(fifo)!r}, "w").close()
         """,
     )
     spec = make_spec(
@@ -156,7 +168,7 @@ async def test_log_files_per_attempt_prefixes_and_ranks_filter(
         log_dir=tmp_path / "logs",
     )
     agent, result = await _run(spec)
-    assert result.exit_code == 0  # type: ignore[attr-defined]
+    assert result.exit_code == 0
     out, err = capfd.readouterr()
     assert "[1]<stdout>: out 1 attempt 0" in out
     assert "[1]<stdout>: out 1 attempt 1" in out

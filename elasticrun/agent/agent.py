@@ -30,7 +30,7 @@ from elasticrun.agent.failures import (
 from elasticrun.agent.output import WorkerOutput, plan_streams
 from elasticrun.agent.processes import WorkerGroup
 from elasticrun.agent.spec import WorkerSpec, WorkerState
-from elasticrun.errors import RendezvousClosedError, WorkerStartError
+from elasticrun.errors import RendezvousClosedError, UsageError, WorkerStartError
 from elasticrun.rendezvous.api import Assignment, RendezvousHandler
 
 logger = logging.getLogger("elasticrun.agent")
@@ -200,33 +200,39 @@ class Agent:
         envs, error_files = {}, {}
         for local_rank in range(spec.nproc_per_node):
             worker_dir = attempt_dir / str(local_rank)
-            worker_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                worker_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UsageError(
+                    f"cannot create the log folder {worker_dir}: {e.strerror} "
+                    "(check --log-dir)"
+                ) from e
             error_files[local_rank] = worker_dir / "error.json"
             error_files[local_rank].unlink(missing_ok=True)
             envs[local_rank] = worker_env(
                 spec, assignment, local_rank, os.environ, error_files[local_rank]
             )
         group = await WorkerGroup.start(spec.entrypoint, envs)
-        outputs = {
-            local_rank: WorkerOutput(
-                proc.stdout,
-                proc.stderr,
-                assignment.rank_offset + local_rank,
-                plan_streams(spec, local_rank, attempt_dir / str(local_rank)),
-            )
-            for local_rank, proc in group.procs.items()
-            if proc.stdout is not None and proc.stderr is not None
-        }
-        last_rank = assignment.rank_offset + spec.nproc_per_node - 1
-        self._set_state(
-            WorkerState.HEALTHY,
-            f"round {assignment.round}: node rank {assignment.node_rank}/"
-            f"{assignment.node_count}, ranks {assignment.rank_offset}-{last_rank} of "
-            f"{assignment.world_size}, restart {assignment.restart_count}/"
-            f"{spec.max_restarts}, master {assignment.master_addr}:"
-            f"{assignment.master_port}",
-        )
+        outputs: dict[int, WorkerOutput] = {}
         try:
+            for local_rank, proc in group.procs.items():
+                if proc.stdout is None or proc.stderr is None:
+                    raise WorkerStartError("worker started without output pipes")
+                outputs[local_rank] = WorkerOutput(
+                    proc.stdout,
+                    proc.stderr,
+                    assignment.rank_offset + local_rank,
+                    plan_streams(spec, local_rank, attempt_dir / str(local_rank)),
+                )
+            last_rank = assignment.rank_offset + spec.nproc_per_node - 1
+            self._set_state(
+                WorkerState.HEALTHY,
+                f"round {assignment.round}: node rank {assignment.node_rank}/"
+                f"{assignment.node_count}, ranks {assignment.rank_offset}-{last_rank} of "
+                f"{assignment.world_size}, restart {assignment.restart_count}/"
+                f"{spec.max_restarts}, master {assignment.master_addr}:"
+                f"{assignment.master_port}",
+            )
             outcome, reason = await _first_of(
                 self._workers_done(group),
                 self._round_ended(),

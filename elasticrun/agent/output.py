@@ -10,6 +10,7 @@ their files). The last lines of stderr stay in memory for the failure report.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from collections import deque
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from elasticrun.agent.spec import Std, WorkerSpec
+
+logger = logging.getLogger("elasticrun.agent")
 
 #: stderr lines kept per worker for the failure report
 TAIL_LINES = 200
@@ -61,13 +64,26 @@ class WorkerOutput:
         plans: dict[Std, StreamPlan],
     ) -> None:
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
+        # Files are opened here, so a log folder we cannot write to fails the start.
+        out_file = plans[Std.OUT].file.open("wb") if plans[Std.OUT].file else None
+        err_file = plans[Std.ERR].file.open("wb") if plans[Std.ERR].file else None
         self._tasks = [
             asyncio.create_task(
-                self._copy(stdout, plans[Std.OUT], f"[{global_rank}]<stdout>: ", None)
+                _copy(
+                    stdout,
+                    f"[{global_rank}]<stdout>: ".encode(),
+                    sys.stdout.buffer if plans[Std.OUT].console else None,
+                    out_file,
+                    None,
+                )
             ),
             asyncio.create_task(
-                self._copy(
-                    stderr, plans[Std.ERR], f"[{global_rank}]<stderr>: ", self.stderr_tail
+                _copy(
+                    stderr,
+                    f"[{global_rank}]<stderr>: ".encode(),
+                    sys.stderr.buffer if plans[Std.ERR].console else None,
+                    err_file,
+                    self.stderr_tail,
                 )
             ),
         ]
@@ -83,36 +99,47 @@ class WorkerOutput:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _copy(
-        self,
-        reader: asyncio.StreamReader,
-        plan: StreamPlan,
-        prefix: str,
-        tail: deque[str] | None,
-    ) -> None:
-        console: BinaryIO | None = None
-        if plan.console:
-            console = sys.stdout.buffer if tail is None else sys.stderr.buffer
-        prefix_bytes = prefix.encode()
-        log = plan.file.open("wb") if plan.file is not None else None
-        try:
-            partial = b""
-            while True:
-                chunk = await reader.read(_CHUNK)
-                if log is not None and chunk:
-                    log.write(chunk)
-                    log.flush()
-                lines, partial = _split_lines(partial + chunk, eof=not chunk)
-                if console is not None and lines:
-                    console.write(b"".join(prefix_bytes + line + b"\n" for line in lines))
-                    console.flush()
-                if tail is not None:
-                    tail.extend(line.decode(errors="replace") for line in lines)
-                if not chunk:
-                    return
-        finally:
-            if log is not None:
-                log.close()
+
+async def _copy(
+    reader: asyncio.StreamReader,
+    prefix: bytes,
+    console: BinaryIO | None,
+    log_file: BinaryIO | None,
+    tail: deque[str] | None,
+) -> None:
+    """Copy one pipe until it closes: whole prefixed lines to the console, bytes to the
+    log file, decoded lines to the tail."""
+    log = log_file
+    try:
+        partial = b""
+        while True:
+            chunk = await reader.read(_CHUNK)
+            if log is not None and chunk:
+                log = _write(log, chunk)
+            lines, partial = _split_lines(partial + chunk, eof=not chunk)
+            if console is not None and lines:
+                console = _write(console, b"".join(prefix + line + b"\n" for line in lines))
+            if tail is not None:
+                tail.extend(line.decode(errors="replace") for line in lines)
+            if not chunk:
+                return
+    finally:
+        if log_file is not None:
+            log_file.close()
+
+
+def _write(sink: BinaryIO, data: bytes) -> BinaryIO | None:
+    """Write and flush; on failure (disk full, closed console) warn and drop the sink.
+
+    The pipe must still be read to its end, or the worker would block on a full pipe.
+    """
+    try:
+        sink.write(data)
+        sink.flush()
+    except OSError as e:
+        logger.warning("worker output to %s is lost from here on: %s", sink.name, e)
+        return None
+    return sink
 
 
 def _split_lines(data: bytes, *, eof: bool) -> tuple[list[bytes], bytes]:
