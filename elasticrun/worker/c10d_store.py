@@ -1,0 +1,86 @@
+"""A `torch.distributed.Store` backed by the built-in store server.
+
+    store = C10dStore("node0:29400", token=os.environ.get("ELASTICRUN_STORE_TOKEN"))
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=n)
+
+Unlike TCPStore it needs no extra port, speaks to a server that can require a token and
+TLS, and loads nothing but bytes from the wire.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from elasticrun.rendezvous.grpc_store import DEFAULT_TIMEOUT, C10dClient
+
+#: torch's default store timeout: how long get/wait wait for a key.
+DEFAULT_WAIT = datetime.timedelta(seconds=300)
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    # torch hands values over as bytes from C++ and as str from some Python callers.
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class C10dStore(dist.Store):
+    """The c10d operations of the store server at `endpoint` (host:port).
+
+    `timeout` is how long get/wait wait for keys (torch's store timeout);
+    `connect_timeout` bounds reaching the server for each call.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+        timeout: datetime.timedelta = DEFAULT_WAIT,
+        connect_timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        self.set_timeout(timeout)
+        self._client = C10dClient(endpoint, token=token, tls_ca=tls_ca, timeout=connect_timeout)
+
+    def _wait_seconds(self, timeout: datetime.timedelta | None = None) -> float:
+        return (timeout if timeout is not None else self.timeout).total_seconds()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._client.set(key, _as_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._client.get(key, self._wait_seconds())
+
+    def add(self, key: str, amount: int) -> int:
+        return self._client.add(key, amount)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self._client.compare_set(key, _as_bytes(expected), _as_bytes(desired))
+
+    def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
+        self._client.wait(list(keys), self._wait_seconds(timeout))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self._client.check(list(keys))
+
+    def num_keys(self) -> int:
+        return self._client.num_keys()
+
+    def delete_key(self, key: str) -> bool:
+        return self._client.delete_key(key)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return self._client.multi_get(list(keys), self._wait_seconds())
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        self._client.multi_set(list(keys), [_as_bytes(v) for v in values])
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Close the connection to the server."""
+        self._client.close()

@@ -1,0 +1,93 @@
+"""torch.distributed over the built-in store, through the worker-side adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from elasticrun.errors import StoreAuthError, StoreTimeoutError
+from elasticrun.rendezvous.server import StoreServer
+from elasticrun.worker.c10d_store import C10dStore
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "adapter-token"
+
+WORKER = """
+import datetime, sys
+import torch, torch.distributed as dist
+from elasticrun.worker.c10d_store import C10dStore
+
+endpoint, token, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = C10dStore(endpoint, token=token, timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+print(f"rank {rank} sum {t.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[StoreServer]:
+    s = StoreServer("127.0.0.1", 0, token=TOKEN)
+    await s.start()
+    yield s
+    await s.stop()
+
+
+async def test_two_process_gloo_all_reduce(server: StoreServer) -> None:
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", WORKER, server.endpoint, TOKEN, str(rank),
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        for rank in range(2)
+    ]
+    try:
+        async with asyncio.timeout(90):
+            outputs = [(await p.communicate())[0].decode() for p in procs]
+        for rank, (proc, out) in enumerate(zip(procs, outputs)):
+            assert proc.returncode == 0, out
+            assert f"rank {rank} sum 3" in out, out
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+async def test_adapter_operations_through_a_prefix_store(server: StoreServer) -> None:
+    def ops() -> None:
+        store = C10dStore(server.endpoint, token=TOKEN, timeout=datetime.timedelta(seconds=5))
+        store.set("a", "text")
+        assert store.get("a") == b"text"
+        assert store.add("n", 2) == 2 and store.add("n", -1) == 1
+        assert store.compare_set("a", "text", b"bytes") == b"bytes"
+        store.multi_set(["x", "y"], [b"1", "2"])
+        assert store.multi_get(["x", "y"]) == [b"1", b"2"]
+        assert store.check(["a", "x"]) and not store.check(["absent"])
+        assert store.num_keys() == 4
+        assert store.delete_key("x")
+        with pytest.raises(StoreTimeoutError):
+            store.wait(["absent"], datetime.timedelta(seconds=0.2))
+        prefixed = dist.PrefixStore("job", store)  # C++ calling back into our Python
+        prefixed.set("k", b"v")
+        assert store.get("job/k") == b"v"
+        assert prefixed.add("c", 5) == 5
+        store.close()
+        refused = C10dStore(server.endpoint, token="wrong")
+        with pytest.raises(StoreAuthError):
+            refused.set("a", b"")
+        refused.close()
+
+    await asyncio.to_thread(ops)
