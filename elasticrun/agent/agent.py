@@ -39,8 +39,6 @@ logger = logging.getLogger("elasticrun.agent")
 EXIT_FAILURE = 1
 #: the exit code of an agent that finds the job already closed, by outcome
 _CLOSED_EXIT_CODES = {"succeeded": 0, "failed": EXIT_FAILURE, "stopped": EXIT_FAILURE}
-#: the signals torchrun handles (TORCHELASTIC_SIGNALS_TO_HANDLE's default)
-_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 #: how long output still in the pipes may take to arrive once the workers are reaped
 _DRAIN_TIMEOUT = 5.0
 
@@ -126,12 +124,12 @@ class Agent:
     async def run(self) -> AgentResult:
         """Run until the job ends for this node; signals to the agent are handled here."""
         loop = asyncio.get_running_loop()
-        for sig in _HANDLED_SIGNALS:
+        for sig in self.spec.signals_to_handle:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             return await self._run()
         finally:
-            for sig in _HANDLED_SIGNALS:
+            for sig in self.spec.signals_to_handle:
                 loop.remove_signal_handler(sig)
 
     def _on_signal(self, sig: signal.Signals) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
+import signal
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -59,8 +60,17 @@ class WorkerSpec:
     node_id: str = field(default_factory=default_node_id)
     role: str = "default"
     max_restarts: int = 0
-    #: seconds between SIGTERM and SIGKILL when stopping workers (torchrun: 30)
+    #: seconds between SIGTERM and SIGKILL when stopping workers (torchrun's
+    #: --shutdown-timeout, default 30)
     stop_grace: float = 30.0
+    #: signals that make the agent stop its workers (forwarding the same signal) and
+    #: leave (torchrun's --signals-to-handle)
+    signals_to_handle: tuple[signal.Signals, ...] = (
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+    )
     #: local rank -> streams that go to log files only, not to the console
     redirects: Mapping[int, Std] = field(default_factory=dict)
     #: local rank -> streams that go to the console and to log files
