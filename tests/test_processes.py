@@ -98,3 +98,27 @@ async def test_stop_still_kills_and_reaps_when_cancelled(tmp_path: Path) -> None
 async def test_missing_executable_is_a_start_error(tmp_path: Path) -> None:
     with pytest.raises(WorkerStartError, match="no-such-binary"):
         await WorkerGroup.start([str(tmp_path / "no-such-binary")], {0: {}})
+
+
+async def test_exit_is_seen_while_a_child_holds_the_pipes_and_stop_kills_it(
+    tmp_path: Path,
+) -> None:
+    script = write_script(
+        tmp_path,
+        "daemon.py",
+        """
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        print(f"child {child.pid}", flush=True)
+        """,
+    )
+    group = await WorkerGroup.start(_argv(script), {0: {}})
+    try:
+        proc = group.procs[0]
+        assert proc.stdout is not None
+        (line,) = await read_lines_until(proc.stdout, 1, "child")
+        exits = await group.wait()  # the child still holds stdout and stderr open
+        assert [(e.returncode, e.failed) for e in exits] == [(0, False)]
+    finally:
+        await group.stop(grace=5)
+    await wait_pid_gone(int(line.split()[1]))

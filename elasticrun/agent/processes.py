@@ -58,16 +58,39 @@ class WorkerExit:
         return self.returncode != 0 and not self.stopped
 
 
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """Reports the exit the moment the process ends.
+
+    `Process.wait()` also waits for the stdout and stderr pipes to close, which never
+    happens while a grandchild (outside the worker's group) still holds them.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=2**16, loop=loop)
+        self.exited: asyncio.Future[int] = loop.create_future()
+
+    def process_exited(self) -> None:
+        if self._transport is not None:  # read it before the base class drops it
+            returncode = self._transport.get_returncode()
+            if returncode is not None:
+                self.exited.set_result(returncode)
+        super().process_exited()
+
+
 class WorkerGroup:
     """This node's worker processes for one attempt."""
 
-    def __init__(self, procs: Mapping[int, asyncio.subprocess.Process]) -> None:
+    def __init__(
+        self,
+        procs: Mapping[int, asyncio.subprocess.Process],
+        exited: Mapping[int, asyncio.Future[int]],
+    ) -> None:
         self.procs = dict(procs)
         self.exits: dict[int, WorkerExit] = {}
         self._stopping = False
         self._watchers = {
-            local_rank: asyncio.create_task(self._watch(local_rank, proc))
-            for local_rank, proc in self.procs.items()
+            local_rank: asyncio.create_task(self._watch(local_rank, exited[local_rank]))
+            for local_rank in self.procs
         }
 
     @classmethod
@@ -80,10 +103,14 @@ class WorkerGroup:
         already started are stopped first.
         """
         procs: dict[int, asyncio.subprocess.Process] = {}
+        exits: dict[int, asyncio.Future[int]] = {}
+        loop = asyncio.get_running_loop()
         agent_pid = os.getpid()
         try:
             for local_rank, env in envs.items():
-                procs[local_rank] = await asyncio.create_subprocess_exec(
+                protocol: _ExitProtocol
+                transport, protocol = await loop.subprocess_exec(
+                    lambda: _ExitProtocol(loop),
                     *argv,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
@@ -92,19 +119,21 @@ class WorkerGroup:
                     start_new_session=True,
                     preexec_fn=lambda: _die_with_parent(agent_pid),
                 )
+                procs[local_rank] = asyncio.subprocess.Process(transport, protocol, loop)
+                exits[local_rank] = protocol.exited
         except OSError as e:
-            await cls(procs).stop(signal.SIGKILL, grace=0)
+            await cls(procs, exits).stop(signal.SIGKILL, grace=0)
             reason = e.strerror or str(e)
             if e.errno in (errno.ENOENT, errno.EACCES):
                 reason = f"{reason} (check the script path and --no-python)"
             raise WorkerStartError(f"cannot start worker '{argv[0]}': {reason}") from e
-        return cls(procs)
+        return cls(procs, exits)
 
-    async def _watch(self, local_rank: int, proc: asyncio.subprocess.Process) -> None:
-        returncode = await proc.wait()
+    async def _watch(self, local_rank: int, exited: asyncio.Future[int]) -> None:
+        returncode = await exited
         self.exits[local_rank] = WorkerExit(
             local_rank=local_rank,
-            pid=proc.pid,
+            pid=self.procs[local_rank].pid,
             returncode=returncode,
             time=time.time(),
             stopped=self._stopping,
