@@ -116,7 +116,7 @@ class Agent:
         self._signal: signal.Signals | None = None
         self._signalled = asyncio.Event()
         self._attempts = 0
-        self._state = WorkerState.INIT
+        self._state: WorkerState | None = None  # None: before the first round
         root = spec.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
         #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/
         self.run_dir = root / f"{spec.run_id}_{spec.node_id}"
@@ -144,7 +144,9 @@ class Agent:
     async def _run(self) -> AgentResult:
         logger.info("worker logs and error files go under %s", self.run_dir)
         while True:
-            self._set_state(WorkerState.INIT, self.handler.waiting_status or "next round")
+            self._set_state(
+                WorkerState.INIT, self.handler.waiting_status or "waiting for a round"
+            )
             try:
                 assignment = await _first_of(self.handler.next_round(), self._wait_signal())
             except RendezvousClosedError as e:
@@ -300,7 +302,8 @@ class Agent:
 
     def _set_state(self, state: WorkerState, reason: str) -> None:
         level = logging.WARNING if state is WorkerState.FAILED else logging.INFO
-        logger.log(level, "workers %s -> %s: %s", self._state.value, state.value, reason)
+        before = self._state.value if self._state is not None else "start"
+        logger.log(level, "workers %s -> %s: %s", before, state.value, reason)
         self._state = state
 
 
