@@ -287,11 +287,11 @@ class EtcdCluster:
         deadline = time.monotonic() + READY_TIMEOUT
         while time.monotonic() < deadline:
             if member.process is None or member.process.poll() is not None:
-                raise RuntimeError(f"etcd member {member.name} exited: {self._log_tails()}")
+                raise RuntimeError(f"etcd member {member.name} exited: {self._log_tails([index])}")
             if '"health":"true"' in self._http(index, "/health"):
                 return
             time.sleep(0.05)
-        raise TimeoutError(f"etcd member {member.name} not healthy: {self._log_tails()}")
+        raise TimeoutError(f"etcd member {member.name} not healthy: {self._log_tails([index])}")
 
     def _http(self, index: int, path: str) -> str:
         url = f"http://127.0.0.1:{self._members[index].metrics_port}{path}"
@@ -301,11 +301,12 @@ class EtcdCluster:
         except (urllib.error.URLError, OSError):
             return ""
 
-    def _log_tails(self) -> str:
+    def _log_tails(self, indexes: list[int] | None = None) -> str:
         tails = []
-        for m in self._members:
+        for i in range(len(self._members)) if indexes is None else indexes:
+            m = self._members[i]
             text = m.log_path.read_text(errors="replace") if m.log_path.exists() else ""
-            tails.append(f"--- {m.name} ---\n{text[-2000:]}")
+            tails.append(f"--- {m.name} ---\n{text[-3000:]}")
         return "\n".join(tails)
 
 

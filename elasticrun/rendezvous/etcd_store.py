@@ -112,11 +112,15 @@ class _Kind(enum.Enum):
 #: (status code, text in the details or "" for any, kind): the first match wins.
 _ERROR_TABLE: tuple[tuple[grpc.StatusCode, str, _Kind], ...] = (
     (grpc.StatusCode.UNAVAILABLE, "http1", _Kind.NOT_ETCD),
+    (grpc.StatusCode.UNAVAILABLE, "failed parsing http/2", _Kind.NOT_ETCD),
     (grpc.StatusCode.UNAVAILABLE, "ssl", _Kind.TLS),
     (grpc.StatusCode.UNAVAILABLE, "handshake", _Kind.TLS),
     (grpc.StatusCode.UNAVAILABLE, "certificate", _Kind.TLS),
+    (grpc.StatusCode.UNAVAILABLE, "tsi_", _Kind.TLS),  # e.g. our client certificate refused
     (grpc.StatusCode.UNAVAILABLE, "", _Kind.TRANSIENT),
     (grpc.StatusCode.DEADLINE_EXCEEDED, "", _Kind.TRANSIENT),
+    # Our deadline, as seen (and reported first) by the etcd server.
+    (grpc.StatusCode.UNKNOWN, "context deadline exceeded", _Kind.TRANSIENT),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests", _Kind.TRANSIENT),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "", _Kind.LIMIT),
     (grpc.StatusCode.UNAUTHENTICATED, "invalid auth token", _Kind.TOKEN_EXPIRED),
@@ -299,6 +303,7 @@ class _Attempts:
     endpoint_list: str
     endpoint_count: int
     deadline: float
+    tls: bool
     causes: dict[str, str] = field(default_factory=dict)
     in_a_row: int = 0
     pause: float = _RETRY_PAUSE_FIRST
@@ -309,6 +314,9 @@ class _Attempts:
         left = self.deadline - time.monotonic()
         if left <= 0:
             cause = "; ".join(f"{ep}: {why}" for ep, why in self.causes.items())
+            if not self.tls and "socket closed" in cause.lower():
+                # What a plain client sees of a server that wants TLS.
+                cause += " (if etcd serves clients over TLS, set ca_cert in --rdzv-conf)"
             raise StoreUnavailableError(self.endpoint_list, cause or "timed out")
         return left
 
@@ -337,6 +345,7 @@ class _Cluster:
         self.user = user
         self._password = password
         self._stubs = [_Stubs.open(ep, credentials) for ep in endpoints]
+        self._tls = credentials is not None
         # One hung member must not use up the whole deadline before failover.
         self.attempt_timeout = max(1.0, timeout / len(endpoints))
         self._lock = threading.Lock()
@@ -344,7 +353,8 @@ class _Cluster:
         self._token: str | None = None
 
     def attempts(self) -> _Attempts:
-        return _Attempts(self.endpoint_list, len(self._stubs), time.monotonic() + self.timeout)
+        deadline = time.monotonic() + self.timeout
+        return _Attempts(self.endpoint_list, len(self._stubs), deadline, self._tls)
 
     def current(self) -> _Stubs:
         return self._stubs[self._current]

@@ -1,0 +1,290 @@
+"""What only the etcd store has to show: failover, TLS, auth, clear errors, a free loop.
+
+The Store contract itself runs on etcd in `test_store_contract.py`. Every test here
+talks to real etcd processes (from `tests/etcd_support.py`) or to real servers that are
+not etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from pyetcd import etcdrpc
+
+from elasticrun.errors import (
+    LeaseExpiredError,
+    StoreAuthError,
+    StoreError,
+    StoreUnavailableError,
+    UsageError,
+)
+from elasticrun.rendezvous.etcd_store import EtcdStore, etcd_store_from_conf, parse_endpoints
+from elasticrun.rendezvous.store import EventType, WatchEvent
+from tests.etcd_support import AUTH_PASSWORD, AUTH_USER, EtcdCluster
+
+#: Bounds every wait for an event in these tests; far above any healthy latency.
+EVENT_WAIT = 30.0
+
+
+async def next_events(it: AsyncIterator[WatchEvent], n: int) -> list[WatchEvent]:
+    async with asyncio.timeout(EVENT_WAIT):
+        return [await anext(it) for _ in range(n)]
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A loopback port nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- configuration ------------------------------------------------------------------
+
+
+def test_parse_endpoints() -> None:
+    assert parse_endpoints("h1:2379, h2,[::1]:23790") == ("h1:2379", "h2:2379", "[::1]:23790")
+    for bad in ("", "h1:2379,", "h:port", "https://h1:2379", "h:99999"):
+        with pytest.raises(UsageError, match="--rdzv-endpoint"):
+            parse_endpoints(bad)
+
+
+def test_conf_refuses_a_password_on_the_command_line() -> None:
+    with pytest.raises(UsageError, match="password_file") as info:
+        etcd_store_from_conf("h:2379", {"user": "u", "password": "hunter2"})
+    assert "hunter2" not in str(info.value)
+
+
+def test_conf_password_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(UsageError, match="not both"):
+        etcd_store_from_conf("h", {"user": "u", "password_file": "f", "password_env": "V"})
+    monkeypatch.delenv("ELASTICRUN_TEST_NO_SUCH_VAR", raising=False)
+    with pytest.raises(UsageError, match="ELASTICRUN_TEST_NO_SUCH_VAR"):
+        etcd_store_from_conf("h", {"user": "u", "password_env": "ELASTICRUN_TEST_NO_SUCH_VAR"})
+    with pytest.raises(UsageError, match="password_file"):
+        etcd_store_from_conf("h", {"user": "u", "password_file": str(tmp_path / "missing")})
+    with pytest.raises(UsageError, match="user together with"):
+        etcd_store_from_conf("h", {"password_env": "HOME"})
+    with pytest.raises(UsageError, match="client_cert and client_key"):
+        etcd_store_from_conf("h", {"client_cert": "c.pem"})
+
+
+# --- leases ------------------------------------------------------------------------
+
+
+async def test_lease_ttl_is_rounded_up_to_whole_seconds(etcd_server: EtcdCluster) -> None:
+    async with EtcdStore(etcd_server.endpoints) as store:
+        lease = await store.grant_lease(1.2)
+        with grpc.insecure_channel(etcd_server.endpoints[0]) as channel:
+            info = etcdrpc.LeaseStub(channel).LeaseTimeToLive(
+                etcdrpc.LeaseTimeToLiveRequest(ID=lease), timeout=EVENT_WAIT
+            )
+        assert info.grantedTTL == 2
+        await store.revoke_lease(lease)
+        with pytest.raises(LeaseExpiredError):
+            await store.keep_alive(lease)
+
+
+# --- failover on a 3-member cluster ---------------------------------------------------
+
+
+async def test_failover_keeps_writes_and_the_watch_going(etcd_trio: EtcdCluster) -> None:
+    """Stop the member the client uses, then the raft leader: no error, no lost event."""
+    async with EtcdStore(etcd_trio.endpoints) as store:  # talks to member 0 first
+        start = await store.put("fo/00", b"0")
+        watch = store.watch("fo/", start_revision=start, prefix=True)
+        assert [e.key for e in await next_events(watch, 1)] == ["fo/00"]
+
+        await asyncio.to_thread(etcd_trio.stop_member, 0)
+        for i in range(1, 6):
+            await store.put(f"fo/{i:02}", str(i).encode())
+        await asyncio.to_thread(etcd_trio.start_member, 0)
+
+        leader = await asyncio.to_thread(etcd_trio.leader_index)
+        await asyncio.to_thread(etcd_trio.stop_member, leader)
+        for i in range(6, 11):
+            await store.put(f"fo/{i:02}", str(i).encode())
+        lease = await store.grant_lease(5)
+        await store.keep_alive(lease)
+
+        events = await next_events(watch, 10)
+        assert [(e.type, e.key, e.value) for e in events] == [
+            (EventType.PUT, f"fo/{i:02}", str(i).encode()) for i in range(1, 11)
+        ]
+        revisions = [e.revision for e in events]
+        assert revisions == sorted(set(revisions))
+        await watch.aclose()
+
+
+async def test_majority_lost_is_reported_as_unavailable(etcd_trio: EtcdCluster) -> None:
+    async with EtcdStore(etcd_trio.endpoints, timeout=2.0) as store:
+        start = await store.put("ml/key", b"before")
+        watch = store.watch("ml/", start_revision=start, prefix=True)
+        await next_events(watch, 1)
+
+        await asyncio.to_thread(etcd_trio.stop_member, 1)
+        await asyncio.to_thread(etcd_trio.stop_member, 2)
+
+        with pytest.raises(StoreUnavailableError) as info:
+            async with asyncio.timeout(EVENT_WAIT):
+                await store.put("ml/key", b"after")
+        for endpoint in etcd_trio.endpoints:
+            assert endpoint in str(info.value)
+        with pytest.raises(StoreUnavailableError):
+            await next_events(watch, 1)
+
+
+# --- TLS and auth ----------------------------------------------------------------------
+
+
+async def test_tls_with_the_right_ca_and_client_certificate(etcd_tls: EtcdCluster) -> None:
+    tls = etcd_tls.tls
+    assert tls is not None
+    conf = {"ca_cert": tls.ca_cert, "client_cert": tls.client_cert, "client_key": tls.client_key}
+    async with etcd_store_from_conf(",".join(etcd_tls.endpoints), conf) as store:
+        revision = await store.put("tls/key", b"v")
+        watch = store.watch("tls/key", start_revision=revision)
+        assert [e.value for e in await next_events(watch, 1)] == [b"v"]
+        await watch.aclose()
+
+
+@pytest.mark.parametrize(
+    "case", ["wrong CA", "no client certificate", "TLS to a plain server"]
+)
+async def test_tls_mismatch_fails_clearly(
+    case: str, etcd_tls: EtcdCluster, etcd_server: EtcdCluster
+) -> None:
+    tls = etcd_tls.tls
+    assert tls is not None
+    endpoints, conf = etcd_tls.endpoints, {
+        "ca_cert": tls.other_ca_cert, "client_cert": tls.client_cert, "client_key": tls.client_key
+    }
+    if case == "no client certificate":
+        conf = {"ca_cert": tls.ca_cert}
+    elif case == "TLS to a plain server":
+        endpoints, conf = etcd_server.endpoints, {"ca_cert": tls.ca_cert}
+    async with etcd_store_from_conf(",".join(endpoints), conf, timeout=5.0) as store:
+        with pytest.raises(StoreAuthError, match="TLS handshake.*ca_cert"):
+            await store.get("tls/key")
+
+
+async def test_plain_client_to_a_tls_server_hints_at_ca_cert(etcd_tls: EtcdCluster) -> None:
+    async with EtcdStore(etcd_tls.endpoints, timeout=1.0) as store:
+        with pytest.raises(StoreUnavailableError, match="ca_cert"):
+            await store.get("tls/key")
+
+
+async def test_auth_with_the_right_password(
+    etcd_auth: EtcdCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    password_file = tmp_path / "password"
+    password_file.write_text(AUTH_PASSWORD + "\n")
+    monkeypatch.setenv("ELASTICRUN_TEST_ETCD_PASSWORD", AUTH_PASSWORD)
+    endpoint = ",".join(etcd_auth.endpoints)
+    for conf in (
+        {"user": AUTH_USER, "password_file": str(password_file)},
+        {"user": AUTH_USER, "password_env": "ELASTICRUN_TEST_ETCD_PASSWORD"},
+    ):
+        async with etcd_store_from_conf(endpoint, conf) as store:
+            lease = await store.grant_lease(5)
+            revision = await store.put("auth/key", b"v", lease=lease)
+            watch = store.watch("auth/key", start_revision=revision)
+            assert [e.value for e in await next_events(watch, 1)] == [b"v"]
+            await store.revoke_lease(lease)
+            assert [e.type for e in await next_events(watch, 1)] == [EventType.DELETE]
+            await watch.aclose()
+
+
+async def test_auth_token_forgotten_by_a_restarted_member_is_renewed(
+    etcd_auth: EtcdCluster,
+) -> None:
+    async with EtcdStore(etcd_auth.endpoints, user=AUTH_USER, password=AUTH_PASSWORD) as store:
+        await store.put("auth/renew", b"1")
+        await asyncio.to_thread(etcd_auth.stop_member, 0)
+        await asyncio.to_thread(etcd_auth.start_member, 0)
+        await store.put("auth/renew", b"2")
+        kv = await store.get("auth/renew")
+        assert kv is not None and kv.value == b"2"
+
+
+@pytest.mark.parametrize("password", ["wrong-password", None])
+async def test_auth_failure_is_clear_and_keeps_the_password_secret(
+    etcd_auth: EtcdCluster, password: str | None
+) -> None:
+    user = AUTH_USER if password else None
+    async with EtcdStore(etcd_auth.endpoints, user=user, password=password) as store:
+        with pytest.raises(StoreAuthError, match="password_file") as info:
+            await store.put("auth/key", b"v")
+    assert "wrong-password" not in str(info.value)
+    assert AUTH_PASSWORD not in str(info.value)
+
+
+# --- servers that are not (reachable) etcd ----------------------------------------------
+
+
+async def test_unreachable_etcd_names_the_endpoints(closed_port: int) -> None:
+    endpoints = [f"127.0.0.1:{closed_port}", "127.0.0.2:1"]
+    async with EtcdStore(endpoints, timeout=1.0) as store:
+        with pytest.raises(StoreUnavailableError) as info:
+            await store.get("k")
+    assert info.value.endpoint == ",".join(endpoints)
+    assert all(ep in info.value.cause for ep in endpoints)
+
+
+@pytest.fixture
+def http1_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.fixture
+def grpc_server_without_etcd() -> Iterator[str]:
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        server = grpc.server(executor)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        yield f"127.0.0.1:{port}"
+        server.stop(None).wait()
+
+
+@pytest.mark.parametrize("server", ["http1_server", "grpc_server_without_etcd"])
+async def test_a_server_that_is_not_etcd_v3_is_named(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    endpoint = request.getfixturevalue(server)
+    async with EtcdStore([endpoint], timeout=5.0) as store:
+        with pytest.raises(StoreError, match=f"{endpoint} is not an etcd v3 server"):
+            await store.get("k")
+
+
+# --- the event loop ---------------------------------------------------------------------
+
+
+async def test_a_hanging_call_does_not_stall_the_event_loop() -> None:
+    """A server that accepts connections and never answers: the loop keeps running."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # the kernel completes connections; nobody ever answers them
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        async with EtcdStore([endpoint], timeout=1.0) as store:
+            call = asyncio.ensure_future(store.put("k", b"v"))
+            ticks_while_pending = 0
+            while not call.done():
+                await asyncio.sleep(0.01)
+                ticks_while_pending += not call.done()
+            with pytest.raises(StoreUnavailableError):
+                await call
+    assert ticks_while_pending > 0
