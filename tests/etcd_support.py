@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import random
 import shutil
 import signal
 import socket
@@ -41,15 +42,24 @@ READY_TIMEOUT = 20.0
 #: The password of the `root` user of the `etcd_auth` server.
 AUTH_USER, AUTH_PASSWORD = "root", "s3cret-Pa55word"
 
-requires_etcd = pytest.mark.skipif(
-    ETCD_BINARY is None, reason="etcd is not installed: run scripts/install_etcd.sh"
-)
+_PORT_RANGE = (20000, 32767)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port below the kernel's ephemeral range.
+
+    A member keeps its ports across a restart; a port from the ephemeral range could be
+    taken meanwhile as the local port of some outgoing connection.
+    """
+    for _ in range(1000):
+        port = random.randint(*_PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free loopback port in {_PORT_RANGE}")
 
 
 @dataclass(frozen=True)
@@ -119,8 +129,9 @@ def make_tls_files(directory: Path) -> TlsFiles:
         path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         return str(path), subject_name
 
-    ca_key, other_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    server_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_key, other_key, server_key, client_key = (
+        ec.generate_private_key(ec.SECP256R1()) for _ in range(4)
+    )
     ca_cert, ca_name = issue("elasticrun test CA", ca_key, None, "ca.pem")
     other_ca_cert, _ = issue("some other CA", other_key, None, "other-ca.pem")
     server_cert, _ = issue("etcd", server_key, (ca_name, ca_key), "server.pem", server=True)
@@ -159,7 +170,9 @@ class EtcdCluster:
         self.tls = tls
         # etcd fsyncs every write: memory-backed storage keeps the tests fast.
         shm = Path("/dev/shm")
-        self._root = Path(tempfile.mkdtemp(prefix="etcd-test-", dir=shm if shm.is_dir() else None))
+        self._root = Path(
+            tempfile.mkdtemp(prefix="etcd-test-", dir=shm if shm.is_dir() else None)
+        )
         self._members = [
             _Member(
                 name=f"m{i}",
@@ -215,7 +228,9 @@ class EtcdCluster:
         with self._channel(0) as channel:
             auth = etcdrpc.AuthStub(channel)
             auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name="root"), timeout=READY_TIMEOUT)
-            auth.UserAdd(etcdrpc.AuthUserAddRequest(name=user, password=password), timeout=READY_TIMEOUT)
+            auth.UserAdd(
+                etcdrpc.AuthUserAddRequest(name=user, password=password), timeout=READY_TIMEOUT
+            )
             auth.UserGrantRole(
                 etcdrpc.AuthUserGrantRoleRequest(user=user, role="root"), timeout=READY_TIMEOUT
             )
@@ -225,8 +240,11 @@ class EtcdCluster:
         """Compact the history up to the current revision; return that revision."""
         with self._channel(self.running()[0]) as channel:
             kv = etcdrpc.KVStub(channel)
-            revision = int(kv.Range(etcdrpc.RangeRequest(key=b"\0"), timeout=READY_TIMEOUT).header.revision)
-            kv.Compact(etcdrpc.CompactionRequest(revision=revision, physical=True), timeout=READY_TIMEOUT)
+            current = kv.Range(etcdrpc.RangeRequest(key=b"\0"), timeout=READY_TIMEOUT)
+            revision = int(current.header.revision)
+            kv.Compact(
+                etcdrpc.CompactionRequest(revision=revision, physical=True), timeout=READY_TIMEOUT
+            )
         return revision
 
     def close(self) -> None:

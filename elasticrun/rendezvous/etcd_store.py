@@ -295,7 +295,6 @@ class _Stubs:
         )
 
 
-
 @dataclass(slots=True)
 class _Attempts:
     """One operation's tries: its deadline, why each endpoint failed, the next pause."""
@@ -437,7 +436,6 @@ class _WatchStream:
     ) -> None:
         self._cluster = cluster
         self._request = request
-        self._requested = request.start_revision
         self._deliver = deliver
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -462,7 +460,8 @@ class _WatchStream:
                 self._deliver(exc)
         except Exception as exc:  # a bug here must end the watch, not hang its reader
             if not self._stopped.is_set():
-                self._deliver(StoreError(f"watch on etcd at {self._cluster.endpoint_list} failed: {exc!r}"))
+                where = self._cluster.endpoint_list
+                self._deliver(StoreError(f"watch on etcd at {where} failed: {exc!r}"))
             raise
 
     def _requests(self) -> Iterator[etcdrpc.WatchRequest]:
@@ -509,7 +508,7 @@ class _WatchStream:
 
     def _take(self, response: etcdrpc.WatchResponse, endpoint: str, *, first: bool) -> None:
         if response.compact_revision:
-            raise CompactedError(self._requested, response.compact_revision)
+            raise CompactedError(self._request.start_revision, response.compact_revision)
         if response.canceled or (first and not response.created):
             reason = response.cancel_reason or "etcd cancelled the watch"
             raise self._cluster.error(_classify_cancel(reason), reason, endpoint)
@@ -636,7 +635,11 @@ class EtcdStore(Store):
         raw = key.encode()
         request = etcdrpc.TxnRequest(
             compare=[_unchanged_since(raw, expected_mod_revision)],
-            success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=raw, value=value, lease=lease))],
+            success=[
+                etcdrpc.RequestOp(
+                    request_put=etcdrpc.PutRequest(key=raw, value=value, lease=lease)
+                )
+            ],
             failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=raw))],
         )
         tries = 0
@@ -720,7 +723,9 @@ class EtcdStore(Store):
         if self._closed:
             raise StoreUnavailableError(self.endpoint, "this store client is closed")
         start, end = _prefix_range(key) if prefix else (key.encode(), b"")
-        request = etcdrpc.WatchCreateRequest(key=start, range_end=end, start_revision=start_revision)
+        request = etcdrpc.WatchCreateRequest(
+            key=start, range_end=end, start_revision=start_revision
+        )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[_Delivery] = asyncio.Queue()
 
@@ -761,5 +766,8 @@ def _unchanged_since(key: bytes, mod_revision: int) -> etcdrpc.Compare:
             key=key, target=etcdrpc.Compare.CREATE, result=etcdrpc.Compare.EQUAL, create_revision=0
         )
     return etcdrpc.Compare(
-        key=key, target=etcdrpc.Compare.MOD, result=etcdrpc.Compare.EQUAL, mod_revision=mod_revision
+        key=key,
+        target=etcdrpc.Compare.MOD,
+        result=etcdrpc.Compare.EQUAL,
+        mod_revision=mod_revision,
     )
