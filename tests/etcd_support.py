@@ -43,6 +43,7 @@ READY_TIMEOUT = 20.0
 AUTH_USER, AUTH_PASSWORD = "root", "s3cret-Pa55word"
 
 _PORT_RANGE = (20000, 32767)
+_handed_out: set[int] = set()
 
 
 def _free_port() -> int:
@@ -53,11 +54,14 @@ def _free_port() -> int:
     """
     for _ in range(1000):
         port = random.randint(*_PORT_RANGE)
+        if port in _handed_out:  # free now, but promised to a member not started yet
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        _handed_out.add(port)
         return port
     raise RuntimeError(f"no free loopback port in {_PORT_RANGE}")
 

@@ -270,6 +270,15 @@ async def test_a_server_that_is_not_etcd_v3_is_named(
             await store.get("k")
 
 
+async def test_a_wrong_endpoint_in_the_list_is_skipped(
+    http1_server: str, etcd_server: EtcdCluster
+) -> None:
+    async with EtcdStore([http1_server, *etcd_server.endpoints]) as store:
+        revision = await store.put("skip/key", b"v")
+        kv = await store.get("skip/key")
+        assert kv is not None and kv.mod_revision == revision
+
+
 # --- the event loop ---------------------------------------------------------------------
 
 

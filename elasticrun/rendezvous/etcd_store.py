@@ -104,7 +104,6 @@ class _Kind(enum.Enum):
     TLS = "TLS handshake failed"
     NOT_ETCD = "not an etcd v3 server"
     LEASE_GONE = "lease not found"
-    COMPACTED = "revision compacted"
     LIMIT = "over a limit"
     OTHER = "other"
 
@@ -133,9 +132,13 @@ _ERROR_TABLE: tuple[tuple[grpc.StatusCode, str, _Kind], ...] = (
     (grpc.StatusCode.PERMISSION_DENIED, "", _Kind.AUTH_FAILED),
     (grpc.StatusCode.FAILED_PRECONDITION, "authentication is not enabled", _Kind.AUTH_DISABLED),
     (grpc.StatusCode.NOT_FOUND, "lease not found", _Kind.LEASE_GONE),
-    (grpc.StatusCode.OUT_OF_RANGE, "compacted", _Kind.COMPACTED),
     (grpc.StatusCode.UNIMPLEMENTED, "", _Kind.NOT_ETCD),
 )
+
+
+#: Failures of one member's setup: the others may be fine, so fail over; give up at once
+#: only when every endpoint failed this way.
+_WRONG_ENDPOINT = frozenset({_Kind.TLS, _Kind.NOT_ETCD})
 
 
 def _classify(code: grpc.StatusCode, details: str) -> _Kind:
@@ -307,6 +310,8 @@ class _Attempts:
     in_a_row: int = 0
     pause: float = _RETRY_PAUSE_FIRST
     renewed_token: bool = False
+    #: the error of each endpoint found to be no (usable) etcd server
+    wrong: dict[str, StoreError] = field(default_factory=dict)
 
     def remaining(self) -> float:
         """Seconds left, or StoreUnavailableError with every endpoint's last failure."""
@@ -381,7 +386,11 @@ class _Cluster:
     ) -> None:
         """Get ready for the next attempt after a failure on `stubs`, or raise."""
         kind = _classify(code, details)
-        if kind is _Kind.TRANSIENT:
+        if kind in _WRONG_ENDPOINT:
+            attempts.wrong[stubs.endpoint] = self.error(kind, details, stubs.endpoint)
+            if len(attempts.wrong) == attempts.endpoint_count:
+                raise next(iter(attempts.wrong.values()))
+        if kind is _Kind.TRANSIENT or kind in _WRONG_ENDPOINT:
             self._fail_over(stubs)
             attempts.failed(stubs.endpoint, details)
             return
