@@ -334,6 +334,15 @@ class EtcdCluster:
 
 # --- fixtures ------------------------------------------------------------------------
 
+_ETCD_FIXTURES = frozenset({"etcd_server", "etcd_trio", "etcd_tls", "etcd_auth"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that uses an etcd fixture `etcd`, so `-m "not etcd"` skips them."""
+    for item in items:
+        if _ETCD_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.etcd)
+
 
 def _started(cluster: EtcdCluster) -> Iterator[EtcdCluster]:
     try:

@@ -19,7 +19,7 @@ from elasticrun.rendezvous.memory_store import MemoryStore
 from elasticrun.rendezvous.server import StoreServer
 from elasticrun.rendezvous.store import EventType, Store, WatchEvent
 
-STORE_KINDS = ["memory", "grpc", "etcd"]
+STORE_KINDS = ["memory", "grpc", pytest.param("etcd", marks=pytest.mark.etcd)]
 #: Small enough that a test outruns it with a few dozen writes.
 HISTORY_BYTES = 16 * 1024
 #: Bounds every wait on the store in these tests; far above any healthy latency.
