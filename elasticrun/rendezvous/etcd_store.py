@@ -90,6 +90,10 @@ _CHANNEL_OPTIONS = (
 _REQUIRE_LEADER: _Metadata = (("hasleader", "true"),)
 _RETRY_PAUSE_FIRST = 0.05
 _RETRY_PAUSE_MAX = 0.5
+#: A request a follower forwarded to a leader that just died is never answered: etcd
+#: only gives up on it after 5 s. So the first try of an operation is cut short, and
+#: each try that runs out doubles the next one, for a slow but healthy cluster.
+_FIRST_ATTEMPT_TIMEOUT = 1.0
 
 
 # --- errors ---------------------------------------------------------------------------
@@ -309,12 +313,16 @@ class _Attempts:
     causes: dict[str, str] = field(default_factory=dict)
     in_a_row: int = 0
     pause: float = _RETRY_PAUSE_FIRST
+    attempt_timeout: float = _FIRST_ATTEMPT_TIMEOUT
     renewed_token: bool = False
     #: the error of each endpoint found to be no (usable) etcd server
     wrong: dict[str, StoreError] = field(default_factory=dict)
 
-    def remaining(self) -> float:
-        """Seconds left, or StoreUnavailableError with every endpoint's last failure."""
+    def next_timeout(self) -> float:
+        """The deadline of the next try, or StoreUnavailableError when time is up."""
+        return min(self._remaining(), self.attempt_timeout)
+
+    def _remaining(self) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:
             cause = "; ".join(f"{ep}: {why}" for ep, why in self.causes.items())
@@ -324,9 +332,11 @@ class _Attempts:
             raise StoreUnavailableError(self.endpoint_list, cause or "timed out")
         return left
 
-    def failed(self, endpoint: str, details: str) -> None:
+    def failed(self, endpoint: str, details: str, *, timed_out: bool) -> None:
         """Note the failure; once every endpoint failed in a row, pause (bounded)."""
         self.causes[endpoint] = details
+        if timed_out:
+            self.attempt_timeout *= 2
         self.in_a_row += 1
         if self.in_a_row % self.endpoint_count == 0:
             time.sleep(max(0.0, min(self.pause, self.deadline - time.monotonic())))
@@ -350,8 +360,6 @@ class _Cluster:
         self._password = password
         self._stubs = [_Stubs.open(ep, credentials) for ep in endpoints]
         self._tls = credentials is not None
-        # One hung member must not use up the whole deadline before failover.
-        self.attempt_timeout = max(1.0, timeout / len(endpoints))
         self._lock = threading.Lock()
         self._current = 0
         self._token: str | None = None
@@ -367,7 +375,7 @@ class _Cluster:
         """Run `rpc` on the current endpoint, failing over until the deadline."""
         attempts = self.attempts()
         while True:
-            timeout = min(attempts.remaining(), self.attempt_timeout)
+            timeout = attempts.next_timeout()
             stubs = self.current()
             try:
                 return rpc(stubs, timeout, self.metadata(stubs, timeout))
@@ -392,7 +400,9 @@ class _Cluster:
                 raise next(iter(attempts.wrong.values()))
         if kind is _Kind.TRANSIENT or kind in _WRONG_ENDPOINT:
             self._fail_over(stubs)
-            attempts.failed(stubs.endpoint, details)
+            attempts.failed(
+                stubs.endpoint, details, timed_out=code != grpc.StatusCode.UNAVAILABLE
+            )
             return
         if kind is _Kind.TOKEN_EXPIRED and self.user is not None and not attempts.renewed_token:
             attempts.renewed_token = True
@@ -488,7 +498,7 @@ class _WatchStream:
         cluster = self._cluster
         attempts = cluster.attempts()
         while True:
-            timeout = min(attempts.remaining(), cluster.attempt_timeout)
+            timeout = attempts.next_timeout()
             stubs = cluster.current()
             try:
                 call = self._open(stubs, cluster.metadata(stubs, timeout) + _REQUIRE_LEADER)
