@@ -52,7 +52,7 @@ def closed_port() -> int:
 
 def test_parse_endpoints() -> None:
     assert parse_endpoints("h1:2379, h2,[::1]:23790") == ("h1:2379", "h2:2379", "[::1]:23790")
-    for bad in ("", "h1:2379,", "h:port", "https://h1:2379", "h:99999"):
+    for bad in ("", "h1:2379,", "h:port", "https://h1:2379", "h:99999", "h:0", "u@h:1"):
         with pytest.raises(UsageError, match="--rdzv-endpoint"):
             parse_endpoints(bad)
 

@@ -155,9 +155,9 @@ def _classify(code: grpc.StatusCode, details: str) -> _Kind:
 
 def _rpc_facts(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     # Every RpcError grpc raises from a call is also a grpc.Call carrying these.
-    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
-    return code, details
+    if isinstance(exc, grpc.Call):
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.UNKNOWN, str(exc)
 
 
 def _store_error(
@@ -212,10 +212,12 @@ def parse_endpoints(spec: str) -> tuple[str, ...]:
             )
         try:
             parts = urllib.parse.urlsplit("//" + item)
-            host, port = parts.hostname, parts.port or DEFAULT_PORT
-        except ValueError:
-            host = None
-        if not host or parts.path or parts.query or parts.fragment or "@" in item:
+            host, port = parts.hostname or "", parts.port
+            port = DEFAULT_PORT if port is None else port
+            extra = parts.path or parts.query or parts.fragment or parts.username
+        except ValueError:  # a port that is no number in 0..65535
+            host, extra = "", True
+        if not host or extra or port == 0:
             raise UsageError(
                 f"--rdzv-endpoint={spec!r}: {item!r} is not host[:port] "
                 "(e.g. --rdzv-endpoint=etcd1:2379,etcd2:2379,etcd3:2379)"
