@@ -98,26 +98,32 @@ async def test_lease_ttl_is_rounded_up_to_whole_seconds(etcd_server: EtcdCluster
 
 async def test_failover_keeps_writes_and_the_watch_going(etcd_trio: EtcdCluster) -> None:
     """Stop the member the client uses, then the raft leader: no error, no lost event."""
-    async with EtcdStore(etcd_trio.endpoints) as store:  # talks to member 0 first
+    store = EtcdStore(etcd_trio.endpoints)  # talks to member 0 first
+    writer = EtcdStore(etcd_trio.endpoints[1:])  # writes on while member 0 is stopped
+    async with store, writer:
         start = await store.put("fo/00", b"0")
         watch = store.watch("fo/", start_revision=start, prefix=True)
         assert [e.key for e in await next_events(watch, 1)] == ["fo/00"]
 
+        async def write(keys: range, via: EtcdStore) -> None:
+            for i in keys:
+                await via.put(f"fo/{i:02}", str(i).encode())
+
+        writing = asyncio.create_task(write(range(1, 21), writer))
         await asyncio.to_thread(etcd_trio.stop_member, 0)
-        for i in range(1, 6):
-            await store.put(f"fo/{i:02}", str(i).encode())
+        await writing
+        await write(range(21, 26), store)
         await asyncio.to_thread(etcd_trio.start_member, 0)
 
         leader = await asyncio.to_thread(etcd_trio.leader_index)
         await asyncio.to_thread(etcd_trio.stop_member, leader)
-        for i in range(6, 11):
-            await store.put(f"fo/{i:02}", str(i).encode())
+        await write(range(26, 31), store)
         lease = await store.grant_lease(5)
         await store.keep_alive(lease)
 
-        events = await next_events(watch, 10)
+        events = await next_events(watch, 30)
         assert [(e.type, e.key, e.value) for e in events] == [
-            (EventType.PUT, f"fo/{i:02}", str(i).encode()) for i in range(1, 11)
+            (EventType.PUT, f"fo/{i:02}", str(i).encode()) for i in range(1, 31)
         ]
         revisions = [e.revision for e in events]
         assert revisions == sorted(set(revisions))
