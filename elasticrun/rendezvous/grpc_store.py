@@ -407,19 +407,26 @@ class C10dClient:
         self._stub = pb_grpc.C10dStoreStub(self._channel)
         self._metadata = _metadata(token)
 
-    def _call(self, method: Callable[..., _T], request: object, wait: float = 0.0) -> _T:
-        """One call under the deadline (plus `wait` for waiting calls), with retries."""
-        deadline = time.monotonic() + self.timeout + wait
+    def _call(
+        self, method: Callable[..., _T], request: object, wait: float | None = None
+    ) -> _T:
+        """One call, retried with backoff while the server is unreachable.
+
+        `wait` is how long the server may hold a waiting call (0: no limit); the
+        deadline is that plus `timeout`, and the retries stop after `timeout`.
+        """
+        start = time.monotonic()
+        deadline = None if wait == 0 else start + self.timeout + (wait or 0.0)
         delay = _FIRST_BACKOFF
         while True:
             try:
                 return method(
                     request,
-                    timeout=max(deadline - time.monotonic(), 0.0),
+                    timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0),
                     metadata=self._metadata,
                 )
             except grpc.RpcError as e:
-                if not _retryable(e) or time.monotonic() + delay >= deadline:
+                if not _retryable(e) or time.monotonic() + delay >= start + self.timeout:
                     raise _error_from(e, self.endpoint) from None
             time.sleep(delay)
             delay = min(2 * delay, _MAX_BACKOFF)

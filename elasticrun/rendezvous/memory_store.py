@@ -26,6 +26,7 @@ import asyncio
 import bisect
 import contextlib
 import heapq
+import math
 import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
@@ -165,8 +166,8 @@ class MemoryStore(Store):
 
     async def grant_lease(self, ttl: float) -> int:
         self._check_open()
-        if not ttl > 0:
-            raise UsageError(f"a lease TTL must be positive, got {ttl}")
+        if not 0 < ttl < math.inf:
+            raise UsageError(f"a lease TTL must be a positive number of seconds, got {ttl}")
         lease_id = 0
         while lease_id == 0 or lease_id in self._leases:
             lease_id = secrets.randbits(63)  # random: an old id never names a new lease
