@@ -21,6 +21,7 @@ thousands of nodes.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from elasticrun.errors import RendezvousError
@@ -203,3 +204,12 @@ def decode_state(raw: bytes) -> LeaderState:
     body = _load(raw, "state")
     body["waiting"] = tuple(body.get("waiting", ()))
     return LeaderState(**body)
+
+
+def encode_spec(spec: Mapping[str, object]) -> bytes:
+    """The job spec as stored in job/spec: what every node of the job must agree on."""
+    return json.dumps({"v": FORMAT_VERSION, "spec": dict(spec)}, sort_keys=True).encode()
+
+
+def decode_spec(raw: bytes) -> dict[str, object]:
+    return dict(_load(raw, "spec")["spec"])

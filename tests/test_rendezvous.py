@@ -1,0 +1,208 @@
+"""The elastic rendezvous protocol, several nodes in one event loop over a real store.
+
+These tests drive `ElasticRendezvous` instances the way agents do, without worker
+processes: formation, scale-up, graceful leave, lease expiry, restart requests, close
+and spec checks. The multi-process agent tests (tests/test_elastic_agents.py) cover
+the same protocol end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from elasticrun.errors import RendezvousClosedError, RendezvousTimeoutError, SpecMismatchError
+from elasticrun.rendezvous.decide import RendezvousSettings
+from elasticrun.rendezvous.elastic import ElasticRendezvous
+from elasticrun.rendezvous.memory_store import MemoryStore
+from elasticrun.rendezvous.state import NodeInfo
+from elasticrun.rendezvous.store import Store
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def settings(min_nodes: int, max_nodes: int, **kw: float) -> RendezvousSettings:
+    base: dict = dict(last_call=0.2, heartbeat_ttl=1.0, join_timeout=10.0, closed_ttl=1.0)
+    base.update(kw)
+    return RendezvousSettings(run_id="job", min_nodes=min_nodes, max_nodes=max_nodes, **base)
+
+
+def make_node(store: Store, name: str, s: RendezvousSettings, spec: dict | None = None) -> ElasticRendezvous:
+    me = NodeInfo(node_id=name, host="localhost", addr="127.0.0.1", nproc=2, pid=os.getpid(), started_at=0.0)
+    return ElasticRendezvous(store, s, me, spec=spec or {"entrypoint": ["train.py"]})
+
+
+@pytest.fixture
+async def store():
+    s = MemoryStore()
+    yield s
+    await s.close()
+
+
+async def test_formation_assigns_ranks_and_a_shared_master(store):
+    s = settings(2, 3)
+    a, b = make_node(store, "a", s), make_node(store, "b", s)
+    ra, rb = await asyncio.gather(a.next_round(), b.next_round())
+    assert {ra.node_rank, rb.node_rank} == {0, 1}
+    assert ra.world_size == rb.world_size == 4
+    assert (ra.master_addr, ra.master_port) == (rb.master_addr, rb.master_port)
+    assert sorted([ra.rank_offset, rb.rank_offset]) == [0, 2]
+    assert ra.round == rb.round == 1 and ra.restart_count == 0
+    await asyncio.gather(a.aclose(), b.aclose())
+
+
+async def test_scale_up_ends_the_round_and_keeps_ranks(store):
+    s = settings(1, 3)
+    a, b = make_node(store, "a", s), make_node(store, "b", s)
+    first = await a.next_round()
+    assert first.node_count == 1
+    ended = asyncio.ensure_future(a.round_ended())
+    rb = asyncio.ensure_future(b.next_round())
+    reason = await ended
+    assert "scale up" in reason and "b" in reason
+    second, rb = await asyncio.gather(a.next_round(), rb)
+    assert (second.node_rank, rb.node_rank) == (0, 1)
+    assert second.world_size == 4 and second.restart_count == 0
+    await asyncio.gather(a.aclose(), b.aclose())
+
+
+async def test_graceful_leave_restarts_the_others_at_once(store):
+    s = settings(1, 3, heartbeat_ttl=30.0)  # a lease expiry could not explain a quick restart
+    a, b, c = (make_node(store, n, s) for n in "abc")
+    await asyncio.gather(a.next_round(), b.next_round(), c.next_round())
+    ended = asyncio.ensure_future(a.round_ended())
+    await b.leave("SIGTERM")
+    assert "lost b" in await ended
+    again = await asyncio.gather(a.next_round(), c.next_round())
+    assert [x.node_rank for x in again] == [0, 1]
+    assert all(x.world_size == 4 for x in again)
+    await asyncio.gather(a.aclose(), c.aclose())
+
+
+async def test_dead_node_is_dropped_when_its_lease_expires(store):
+    s = settings(1, 2)
+    a, b = make_node(store, "a", s), make_node(store, "b", s)
+    await asyncio.gather(a.next_round(), b.next_round())
+    # b dies: its tasks stop and nobody revokes its lease.
+    b._lost = "killed"
+    await b.aclose()
+    assert "lost b" in await a.round_ended()
+    survivor = await a.next_round()
+    assert survivor.node_count == 1
+    await a.aclose()
+
+
+async def test_fixed_size_job_waits_for_a_replacement(store):
+    s = settings(2, 2, heartbeat_ttl=30.0)
+    a, b = make_node(store, "a", s), make_node(store, "b", s)
+    await asyncio.gather(a.next_round(), b.next_round())
+    await b.leave("preempted")
+    assert "lost b" in await a.round_ended()
+    waiting = asyncio.ensure_future(a.next_round())
+    done, _ = await asyncio.wait({waiting}, timeout=0.5)
+    assert not done, "a fixed-size job must not run below its size"
+    x = make_node(store, "x", s)
+    rx, ra = await asyncio.gather(x.next_round(), waiting)
+    assert (ra.node_rank, rx.node_rank) == (0, 1)
+    await asyncio.gather(a.aclose(), x.aclose())
+
+
+async def test_restart_request_counts_and_keeps_members(store):
+    s = settings(2, 2)
+    a, b = make_node(store, "a", s), make_node(store, "b", s)
+    await asyncio.gather(a.next_round(), b.next_round())
+    ended = asyncio.ensure_future(a.round_ended())
+    await b.request_restart("exit code 1")
+    assert "worker failure on b" in await ended
+    ra, rb = await asyncio.gather(a.next_round(), b.next_round())
+    assert ra.restart_count == rb.restart_count == 1
+    assert ra.round == 2
+    await asyncio.gather(a.aclose(), b.aclose())
+
+
+async def test_failure_closes_the_job_for_everyone_with_the_report(store):
+    s = settings(2, 2)
+    a, b = make_node(store, "a", s), make_node(store, "b", s)
+    await asyncio.gather(a.next_round(), b.next_round())
+    ended = asyncio.ensure_future(a.round_ended())
+    await b.fail("rank 3 exited with code 1")
+    assert await ended == "job failed"
+    with pytest.raises(RendezvousClosedError, match="rank 3 exited with code 1") as info:
+        await a.next_round()
+    assert info.value.outcome == "failed"
+    await a.aclose()
+
+
+async def test_success_closes_then_late_nodes_exit_and_the_id_is_reused(store):
+    s = settings(1, 2, closed_ttl=0.5)
+    a = make_node(store, "a", s)
+    await a.next_round()
+    await a.finish()
+    late = make_node(store, "late", s)
+    with pytest.raises(RendezvousClosedError) as info:
+        await late.next_round()
+    assert info.value.outcome == "succeeded"
+    # The close marker expires; a new job with the same id then starts clean.
+    fresh = make_node(store, "fresh", s, spec={"entrypoint": ["other.py"]})
+    while True:
+        try:
+            assignment = await fresh.next_round()
+            break
+        except RendezvousClosedError:
+            await store_change(store)
+    assert assignment.round == 1 and assignment.restart_count == 0
+    await fresh.aclose()
+
+
+async def store_change(store: Store) -> None:
+    """Wait for the next write to the store (here: the close marker's expiry)."""
+    rng = await store.get_prefix("/elasticrun/")
+    async for _ in store.watch("/elasticrun/", start_revision=rng.revision + 1, prefix=True):
+        return
+
+
+async def test_other_spec_is_refused_clearly(store):
+    s = settings(1, 2)
+    a = make_node(store, "a", s, spec={"entrypoint": ["train.py"], "nproc": 2})
+    await a.next_round()
+    b = make_node(store, "b", s, spec={"entrypoint": ["train.py"], "nproc": 4})
+    with pytest.raises(SpecMismatchError, match="nproc: job has 2, this node 4"):
+        await b.next_round()
+    await a.aclose()
+
+
+async def test_join_timeout_says_what_was_missing(store):
+    s = settings(3, 3, join_timeout=0.5)
+    a = make_node(store, "a", s)
+    with pytest.raises(RendezvousTimeoutError, match="1 of min 3 registered"):
+        await a.next_round()
+    await a.aclose()
+
+
+async def test_two_jobs_share_one_store(store):
+    s1 = RendezvousSettings(run_id="one", min_nodes=1, max_nodes=1, last_call=0.1)
+    s2 = RendezvousSettings(run_id="two", min_nodes=1, max_nodes=1, last_call=0.1)
+    a, b = make_node(store, "a", s1), make_node(store, "b", s2)
+    ra, rb = await asyncio.gather(a.next_round(), b.next_round())
+    assert ra.node_count == rb.node_count == 1 and ra.node_rank == rb.node_rank == 0
+    await asyncio.gather(a.aclose(), b.aclose())
+
+
+async def test_leader_loss_hands_over(store):
+    s = settings(1, 3, heartbeat_ttl=30.0)
+    a, b = make_node(store, "a", s), make_node(store, "b", s)
+    await asyncio.gather(a.next_round(), b.next_round())
+    leader, other = (a, b) if a._leader_task else (b, a)
+    await leader.leave("bye")
+    await other.round_ended()
+    solo = await other.next_round()
+    assert solo.node_count == 1
+    c = make_node(store, "c", s)
+    ended = asyncio.ensure_future(other.round_ended())
+    rc = asyncio.ensure_future(c.next_round())
+    assert "scale up" in await ended
+    again, rc = await asyncio.gather(other.next_round(), rc)
+    assert (again.node_rank, rc.node_rank) == (0, 1)
+    await asyncio.gather(other.aclose(), c.aclose())
