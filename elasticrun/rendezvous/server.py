@@ -104,8 +104,7 @@ class StoreServer:
     @property
     def endpoint(self) -> str:
         """`host:port` as clients dial it (the bound port once started)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port or self._requested_port}"
+        return _host_port(self.host, self.port or self._requested_port)
 
     async def start(self) -> None:
         """Listen on host:port (port 0: any free port, then see `port`)."""
@@ -120,19 +119,16 @@ class StoreServer:
         )
         pb_grpc.add_StoreServicer_to_server(_StoreService(self), server)
         pb_grpc.add_C10dStoreServicer_to_server(_C10dService(self), server)
-        address = f"{'[' + self.host + ']' if ':' in self.host else self.host}:{self._requested_port}"
+        address = _host_port(self.host, self._requested_port)
         try:
             if self._tls is not None:
                 creds = grpc.ssl_server_credentials([(self._tls.key, self._tls.cert)])
                 self.port = server.add_secure_port(address, creds)
             else:
                 self.port = server.add_insecure_port(address)
-        except RuntimeError as e:
-            raise UsageError(
-                f"the store cannot listen on {address}: the port is in use or the "
-                "address is not one of this host's; choose another host or port"
-            ) from e
-        if self.port == 0:  # older grpc reports a failed bind this way
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:  # grpc raises, or (older versions) returns 0
             raise UsageError(
                 f"the store cannot listen on {address}: the port is in use or the "
                 "address is not one of this host's; choose another host or port"
@@ -159,11 +155,6 @@ class StoreServer:
             await self.engine.close()
         logger.debug("store on %s stopped", self.endpoint)
 
-    async def wait_closed(self) -> None:
-        """Return when the server has stopped."""
-        if self._server is not None:
-            await self._server.wait_for_termination()
-
     @contextlib.asynccontextmanager
     async def _long_call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         """Track a call that may run for long (watch, wait) so that stop() can end it."""
@@ -179,6 +170,10 @@ class StoreServer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             self._streams.discard(task)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # --- error translation ---------------------------------------------------------------
