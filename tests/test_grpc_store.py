@@ -95,6 +95,23 @@ async def test_lease_expiry_seen_by_another_client(server: StoreServer) -> None:
     await watcher.close()
 
 
+async def test_concurrent_keep_alives_share_one_stream(server: StoreServer) -> None:
+    client = GrpcStore(server.endpoint)
+    leases = [await client.grant_lease(60) for _ in range(20)]
+    gone = leases[::4]
+    for lease in gone:
+        await client.revoke_lease(lease)
+    results = await asyncio.gather(
+        *(client.keep_alive(lease) for lease in leases * 3), return_exceptions=True
+    )
+    for lease, result in zip(leases * 3, results):
+        if lease in gone:
+            assert isinstance(result, LeaseExpiredError) and result.lease_id == lease
+        else:
+            assert result is None
+    await client.close()
+
+
 # --- resumption ---------------------------------------------------------------------
 
 

@@ -347,11 +347,20 @@ class _KeepAliveStream:
                 await self._call.write(pb.LeaseKeepAliveRequest(lease=lease))
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
                 # The call ended under us: this stream is done, the caller opens another.
-                self._waiting.remove(future)
-                future.cancel()
-                self.broken = e if isinstance(e, grpc.aio.AioRpcError) else _ended()
+                self._give_up(future, e if isinstance(e, grpc.aio.AioRpcError) else _ended())
                 raise self.broken from None
+            except asyncio.CancelledError:
+                # Whether the request went out is unknown, so replies can no longer be
+                # paired with requests: end this stream.
+                self._give_up(future, _ended())
+                raise
         return await future
+
+    def _give_up(self, future: asyncio.Future[pb.LeaseKeepAliveReply], why: grpc.RpcError) -> None:
+        self._waiting.remove(future)
+        future.cancel()
+        self.broken = why
+        self._call.cancel()
 
     async def _read(self) -> None:
         try:
