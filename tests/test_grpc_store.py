@@ -9,6 +9,7 @@ import ipaddress
 import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -416,3 +417,15 @@ async def test_store_serve_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_store_modules_do_not_import_torch() -> None:
+    code = (
+        "import sys; import elasticrun.rendezvous.server, elasticrun.rendezvous.grpc_store, "
+        "elasticrun.launcher.store_cmd; print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.stdout.strip() == "False", out.stderr
