@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from elasticrun.errors import (
     CompactedError,
+    LeaseExpiredError,
     StoreLimitError,
     StoreUnavailableError,
     UsageError,
@@ -188,3 +190,14 @@ def test_model_and_history_replay(ops: list[tuple]) -> None:  # type: ignore[typ
 
     asyncio.run(run())
 
+
+
+async def test_a_due_lease_is_expired_even_before_its_timer_runs() -> None:
+    store = MemoryStore()
+    lease = await store.grant_lease(0.05)
+    await store.put("k", b"", lease=lease)
+    time.sleep(0.1)  # block the loop past the deadline: the timer cannot run
+    with pytest.raises(LeaseExpiredError):
+        await store.keep_alive(lease)
+    assert await store.get("k") is None
+    await store.close()

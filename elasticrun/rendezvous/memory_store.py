@@ -259,6 +259,9 @@ class MemoryStore(Store):
 
     def _live_lease(self, lease: int) -> _Lease:
         held = self._leases.get(lease)
+        if held is not None and held.deadline <= asyncio.get_running_loop().time():
+            self._end_lease(held)  # due, though a busy loop has not run the timer yet
+            held = None
         if held is None:
             raise LeaseExpiredError(lease)
         return held
