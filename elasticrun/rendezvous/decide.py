@@ -69,6 +69,10 @@ def _names(nodes: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(nodes) - limit} more)" if len(nodes) > limit else "")
 
 
+def _count(n: int) -> str:
+    return f"{n} node" if n == 1 else f"{n} nodes"
+
+
 def _participant(node: SeenNode) -> Participant:
     return Participant(node_id=node.info.node_id, addr=node.info.addr, nproc=node.info.nproc)
 
@@ -128,10 +132,10 @@ def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
     if members:
         if not admitted:
             full = f" ({len(newcomers)} waiting, max {settings.max_nodes} reached)" if newcomers else ""
-            return Decision(reason=f"round {current.number} running with {len(members)} nodes{full}")  # type: ignore[union-attr]
+            return Decision(reason=f"round {current.number} running with {_count(len(members))}{full}")  # type: ignore[union-attr]
         deadline = admitted[0].seen_at + settings.last_call
         if len(group) >= settings.max_nodes or now >= deadline:
-            return open_round(group, f"scale up to {len(group)} nodes{joined}")
+            return open_round(group, f"scale up to {_count(len(group))}{joined}")
         return Decision(
             reason=f"last call for more nodes: {len(admitted)} waiting to join "
             f"{len(members)} running (max {settings.max_nodes})",
@@ -142,7 +146,7 @@ def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
         return Decision(reason=_waiting([n.info.node_id for n in newcomers], settings))
     deadline = newcomers[settings.min_nodes - 1].seen_at + settings.last_call
     if len(admitted) >= settings.max_nodes or now >= deadline:
-        return open_round(group, f"formed with {len(group)} nodes: {_names([p.node_id for p in group])}")
+        return open_round(group, f"formed with {_count(len(group))}: {_names([p.node_id for p in group])}")
     return Decision(
         reason=f"last call for more nodes: {len(newcomers)} registered "
         f"(min {settings.min_nodes}, max {settings.max_nodes})",

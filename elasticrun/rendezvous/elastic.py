@@ -116,7 +116,7 @@ class ElasticRendezvous(RendezvousHandler):
 
     @property
     def waiting_status(self) -> str:
-        return self._state.reason if self._state else "waiting for a leader"
+        return self._state.reason if self._state else "waiting for the leader's first decision"
 
     async def next_round(self) -> Assignment:
         deadline = self._clock() + self._settings.join_timeout

@@ -1,0 +1,309 @@
+"""From parsed flags to one frozen `LaunchConfig`, by one pure function.
+
+Every check of the user's input happens here (or in the dataclasses it builds) and
+fails with a `UsageError` naming the flag, so nothing later has to second-guess it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
+from elasticrun.errors import UsageError
+from elasticrun.rendezvous.decide import RendezvousSettings
+
+#: backend names as torchrun spells them -> ours
+BACKENDS = {"c10d": "c10d", "etcd": "etcd", "etcd-v2": "etcd", "static": "static"}
+DEFAULT_C10D_PORT = 29400
+DEFAULT_ETCD_PORT = 2379
+
+#: --rdzv-conf keys, with what they mean (shown in the error for an unknown key)
+RDZV_CONF_KEYS = {
+    "join_timeout": "seconds a node waits for a round before giving up (default 600)",
+    "last_call_timeout": "seconds to wait for more nodes once min are there (default 1)",
+    "heartbeat_timeout": "lease TTL: seconds until a silent node is dropped (default 5)",
+    "closed_ttl": "seconds a finished job stays closed to late agents (default 60)",
+    "is_host": "c10d: this agent hosts the store (true/false; default: when the endpoint is local)",
+    "token_file": "c10d: file with the store's token (default: $ELASTICRUN_STORE_TOKEN)",
+    "tls_ca": "c10d: CA certificate (PEM) to reach the store over TLS",
+    "tls_cert": "c10d: certificate (PEM) of the store this agent hosts",
+    "tls_key": "c10d: private key (PEM) of the store this agent hosts",
+    "store_timeout": "seconds a store call may take, retries included (default 10)",
+    "ca_cert": "etcd: CA certificate (PEM)",
+    "client_cert": "etcd: client certificate (PEM)",
+    "client_key": "etcd: client private key (PEM)",
+    "user": "etcd: user name",
+    "password_file": "etcd: file holding the password",
+    "password_env": "etcd: environment variable holding the password",
+}
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    """Where and how this node meets the others."""
+
+    backend: str  # "standalone", "static", "c10d" or "etcd"
+    endpoint: str
+    settings: RendezvousSettings
+    conf: Mapping[str, str] = field(default_factory=dict)
+    #: this node's address, as the other nodes' workers reach it
+    local_addr: str = "127.0.0.1"
+    # static backend only
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def conf_float(self, key: str, default: float) -> float:
+        return _positive(self.conf.get(key), f"--rdzv-conf {key}", default)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything one `elasticrun` launch does."""
+
+    rdzv: RendezvousConfig
+    worker: WorkerSpec
+    #: what every node of the job must agree on (stored in the job's spec record)
+    job_spec: Mapping[str, object]
+    #: the --nproc-per-node value as given ("gpu", "auto", "cpu" or a number)
+    nproc_request: str
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """`N` or `MIN:MAX` -> (min, max)."""
+    parts = value.split(":")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        numbers = []
+    if len(parts) not in (1, 2) or len(numbers) != len(parts):
+        raise UsageError(f"--nnodes must be N or MIN:MAX, got {value!r}")
+    low, high = numbers[0], numbers[-1]
+    if low < 1 or high < low:
+        raise UsageError(f"--nnodes needs 1 <= MIN <= MAX, got {value!r}")
+    return low, high
+
+
+def parse_std(value: str, flag: str, nproc: int) -> dict[int, Std]:
+    """torchrun's `3` (every local rank) or `0:3,1:0` (per local rank) -> rank -> Std."""
+    def std(text: str) -> Std:
+        try:
+            return Std(int(text))
+        except ValueError:
+            raise UsageError(f"{flag} values are 0..3 (none, out, err, all), got {value!r}") from None
+
+    if ":" not in value:
+        return {rank: std(value) for rank in range(nproc)}
+    result = {}
+    for item in value.split(","):
+        rank, _, streams = item.partition(":")
+        if not rank.strip().isdigit():
+            raise UsageError(f"{flag} must be N or RANK:N,RANK:N..., got {value!r}")
+        result[int(rank)] = std(streams)
+    return result
+
+
+def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
+    """Repeated `--rdzv-conf k=v,k2=v2` flags, merged (later ones win)."""
+    conf: dict[str, str] = {}
+    for value in values:
+        for item in filter(None, (p.strip() for p in value.split(","))):
+            key, sep, val = item.partition("=")
+            if not sep or not key:
+                raise UsageError(f"--rdzv-conf takes key=value pairs, got {item!r}")
+            if key not in RDZV_CONF_KEYS:
+                known = ", ".join(RDZV_CONF_KEYS)
+                raise UsageError(f"--rdzv-conf: unknown key {key!r} (known: {known})")
+            conf[key] = val
+    return conf
+
+
+def _positive(value: str | None, flag: str, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if number <= 0:
+        raise UsageError(f"{flag} must be a positive number of seconds, got {value!r}")
+    return number
+
+
+def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """`host[:port]` (IPv6 in brackets) -> (host, port)."""
+    host, port = endpoint, default_port
+    if endpoint.startswith("["):
+        host, _, rest = endpoint[1:].partition("]")
+        if rest:
+            port = _port(rest.removeprefix(":"), endpoint)
+    elif endpoint.count(":") == 1:
+        host, _, text = endpoint.partition(":")
+        port = _port(text, endpoint)
+    if not host or " " in host or "/" in host:
+        raise UsageError(f"--rdzv-endpoint must be host:port, got {endpoint!r}")
+    return host, port
+
+
+def _port(text: str, endpoint: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise UsageError(f"--rdzv-endpoint has a bad port: {endpoint!r} (1..65535)")
+    return int(text)
+
+
+def route_addr(host: str) -> str:
+    """The address of this host on the route towards `host` (no packet is sent)."""
+    try:
+        info = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+            s.connect(info[4])
+            return s.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
+
+
+def entrypoint(args: argparse.Namespace) -> tuple[str, ...]:
+    """The argv of one worker, checking that what it runs exists."""
+    script, rest = args.training_script, list(args.training_script_args)
+    if args.module:
+        if args.no_python:
+            raise UsageError("--module and --no-python cannot be combined")
+        return (sys.executable, "-u", "-m", script, *rest)
+    if args.no_python and not args.run_path:
+        if shutil.which(script) is None:
+            raise UsageError(f"--no-python: command not found: {script}")
+        return (script, *rest)
+    if not Path(script).is_file():
+        raise UsageError(f"training script not found: {script}")
+    return (sys.executable, "-u", script, *rest)
+
+
+def resolve_nproc(value: str) -> int:
+    """--nproc-per-node: N, `cpu`, `gpu` (every usable GPU) or `auto` (GPUs, else CPUs)."""
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    if value == "cpu":
+        return os.cpu_count() or 1
+    if value in ("gpu", "auto"):
+        from elasticrun.agent.gpu import open_gpus
+
+        gpus = open_gpus()
+        try:
+            return gpus.select(os.environ).nproc(value, os.cpu_count())
+        finally:
+            gpus.close()
+    raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu or auto; got {value!r}")
+
+
+def parse_signals(value: str) -> tuple[signal.Signals, ...]:
+    names = [n.strip().upper() for n in value.split(",") if n.strip()]
+    try:
+        return tuple(signal.Signals[n if n.startswith("SIG") else "SIG" + n] for n in names)
+    except KeyError as e:
+        raise UsageError(f"--signals-to-handle: unknown signal {e.args[0]}") from None
+
+
+def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchConfig:
+    """The whole launch, checked: the one place flags become typed configuration."""
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    backend = "standalone" if args.standalone else BACKENDS.get(args.rdzv_backend)
+    if backend is None:
+        raise UsageError(
+            f"unknown --rdzv-backend {args.rdzv_backend!r} (choose c10d, etcd or static)"
+        )
+    if backend == "standalone" and max_nodes > 1:
+        raise UsageError("--standalone runs one node; drop --nnodes or use --rdzv-backend=c10d")
+    if backend in ("c10d", "etcd") and not args.rdzv_endpoint:
+        raise UsageError(f"--rdzv-backend={backend} needs --rdzv-endpoint=host:port")
+    if backend == "static" and min_nodes != max_nodes:
+        raise UsageError("--rdzv-backend=static runs a fixed number of nodes: give --nnodes=N")
+    if backend == "static" and not 0 <= args.node_rank < max_nodes:
+        raise UsageError(f"--node-rank must be within 0..{max_nodes - 1}, got {args.node_rank}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    conf = parse_rdzv_conf(args.rdzv_conf)
+    run_id = args.rdzv_id
+    endpoint = args.rdzv_endpoint
+    if backend == "standalone":
+        run_id, endpoint = uuid.uuid4().hex[:12], "memory"
+    elif backend == "etcd":
+        for part in endpoint.split(","):
+            parse_endpoint(part.strip(), DEFAULT_ETCD_PORT)
+    elif backend == "c10d":
+        parse_endpoint(endpoint, DEFAULT_C10D_PORT)
+    if not run_id or "/" in run_id:
+        raise UsageError(f"--rdzv-id must be a non-empty name without '/', got {run_id!r}")
+
+    local_addr = args.local_addr
+    if local_addr is None:
+        if backend in ("c10d", "etcd"):
+            local_addr = route_addr(parse_endpoint(endpoint.split(",")[0], 1)[0])
+        else:
+            local_addr = "127.0.0.1"
+    probe = RendezvousConfig(backend, endpoint, RendezvousSettings(run_id, 1, 1), conf)
+    settings = RendezvousSettings(
+        run_id=run_id,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        last_call=probe.conf_float("last_call_timeout", 1.0),
+        join_timeout=probe.conf_float("join_timeout", 600.0),
+        heartbeat_ttl=probe.conf_float("heartbeat_timeout", 5.0),
+        closed_ttl=probe.conf_float("closed_ttl", 60.0),
+    )
+    rdzv = RendezvousConfig(
+        backend=backend,
+        endpoint=endpoint,
+        settings=settings,
+        conf=conf,
+        local_addr=local_addr,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
+
+    argv = entrypoint(args)
+    nproc = resolve_nproc(str(args.nproc_per_node))
+    shutdown = args.shutdown_timeout
+    if shutdown is None:
+        shutdown = _positive(environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0)
+    filter_ranks = None
+    if args.local_ranks_filter:
+        try:
+            filter_ranks = frozenset(int(r) for r in args.local_ranks_filter.split(","))
+        except ValueError:
+            raise UsageError(
+                f"--local-ranks-filter takes local ranks like 0,1,2; got {args.local_ranks_filter!r}"
+            ) from None
+    worker = WorkerSpec(
+        run_id=run_id,
+        entrypoint=argv,
+        nproc_per_node=nproc,
+        node_id=default_node_id(),
+        role=args.role,
+        max_restarts=args.max_restarts,
+        stop_grace=shutdown,
+        signals_to_handle=parse_signals(args.signals_to_handle),
+        redirects=parse_std(args.redirects, "--redirects", nproc),
+        tee=parse_std(args.tee, "--tee", nproc),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        local_ranks_filter=filter_ranks,
+    )
+    job_spec = {
+        "command": list(argv[2:] if argv[0] == sys.executable else argv),
+        "no_python": bool(args.no_python and not args.run_path),
+        "nproc_per_node": str(args.nproc_per_node),
+        "nnodes": f"{min_nodes}:{max_nodes}",
+        "max_restarts": args.max_restarts,
+        "role": args.role,
+    }
+    return LaunchConfig(rdzv=rdzv, worker=worker, job_spec=job_spec, nproc_request=str(args.nproc_per_node))
+

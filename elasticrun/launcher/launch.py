@@ -1,0 +1,151 @@
+"""Wire one launch together: the store, the rendezvous handler and the agent.
+
+For `--rdzv-backend=c10d` the agent on the endpoint's host serves the built-in store
+in-process (as torchrun's agent hosts its TCPStore) and uses its engine directly; the
+other agents connect to it. When the job ends, the hosting agent keeps serving until
+the other nodes have left, so that none of them loses the store while finishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+from elasticrun.agent.agent import Agent
+from elasticrun.errors import UsageError
+from elasticrun.launcher.config import DEFAULT_C10D_PORT, LaunchConfig, RendezvousConfig, parse_endpoint
+from elasticrun.launcher.store_cmd import load_token
+from elasticrun.rendezvous.api import RendezvousHandler
+from elasticrun.rendezvous.elastic import ElasticRendezvous
+from elasticrun.rendezvous.memory_store import MemoryStore
+from elasticrun.rendezvous.state import Keys, NodeInfo
+from elasticrun.rendezvous.static import StaticRendezvous
+from elasticrun.rendezvous.store import EventType, Store
+
+log = logging.getLogger("elasticrun")
+
+#: how long the store-hosting agent waits for the other nodes to leave after the job
+_HOST_LINGER = 300.0
+
+
+def run_launch(config: LaunchConfig) -> int:
+    """Run this node's part of the job; return the process exit code."""
+    return asyncio.run(_launch(config))
+
+
+async def _launch(config: LaunchConfig) -> int:
+    async with contextlib.AsyncExitStack() as stack:
+        handler, hosted = await _open_handler(config, stack)
+        result = await Agent(config.worker, handler).run()
+        if hosted is not None:
+            await _linger_while_nodes_remain(hosted, Keys(config.rdzv.settings.run_id))
+    return result.exit_code
+
+
+async def _open_handler(
+    config: LaunchConfig, stack: contextlib.AsyncExitStack
+) -> tuple[RendezvousHandler, Store | None]:
+    """The rendezvous handler for the configured backend, and the store we host, if any."""
+    rdzv = config.rdzv
+    if rdzv.backend == "static":
+        return (
+            StaticRendezvous(
+                rdzv.settings.run_id,
+                node_rank=rdzv.node_rank,
+                nnodes=rdzv.settings.max_nodes,
+                nproc_per_node=config.worker.nproc_per_node,
+                master_addr=rdzv.master_addr,
+                master_port=rdzv.master_port,
+            ),
+            None,
+        )
+    store, hosted = await _open_store(rdzv, stack)
+    me = NodeInfo(
+        node_id=config.worker.node_id,
+        host=socket.gethostname(),
+        addr=rdzv.local_addr,
+        nproc=config.worker.nproc_per_node,
+        pid=os.getpid(),
+        started_at=time.time(),
+    )
+    settings = rdzv.settings
+    if rdzv.backend == "standalone":
+        settings = replace(settings, last_call=0.0)
+    handler = ElasticRendezvous(store, settings, me, spec=config.job_spec)
+    stack.push_async_callback(handler.aclose)
+    return handler, hosted
+
+
+async def _open_store(rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack) -> tuple[Store, Store | None]:
+    """Connect to (or host) the store the backend names."""
+    timeout = rdzv.conf_float("store_timeout", 10.0)
+    if rdzv.backend == "standalone":
+        store = MemoryStore()
+        stack.push_async_callback(store.close)
+        return store, None
+    if rdzv.backend == "etcd":
+        from elasticrun.rendezvous.etcd_store import etcd_store_from_conf
+
+        store = etcd_store_from_conf(rdzv.endpoint, rdzv.conf, timeout=timeout)
+        stack.push_async_callback(store.close)
+        return store, None
+    from elasticrun.rendezvous.grpc_store import GrpcStore
+    from elasticrun.rendezvous.server import StoreServer, TlsKeyPair
+
+    token = load_token(rdzv.conf.get("token_file"), os.environ)
+    host, port = parse_endpoint(rdzv.endpoint, DEFAULT_C10D_PORT)
+    is_host = rdzv.conf.get("is_host", "").lower()
+    if is_host not in ("", "true", "false", "1", "0"):
+        raise UsageError(f"--rdzv-conf is_host must be true or false, got {is_host!r}")
+    if is_host not in ("false", "0"):
+        tls = None
+        if "tls_cert" in rdzv.conf or "tls_key" in rdzv.conf:
+            tls = TlsKeyPair(cert=_read(rdzv.conf, "tls_cert"), key=_read(rdzv.conf, "tls_key"))
+        server = StoreServer(host, port, token=token, tls=tls)
+        try:
+            await server.start()
+        except UsageError:
+            if is_host in ("true", "1"):
+                raise
+            log.debug("not hosting the store: %s:%d is taken or not ours", host, port)
+        else:
+            log.info("hosting the rendezvous store on %s", server.endpoint)
+            stack.push_async_callback(server.stop)
+            return server.engine, server.engine
+    tls_ca = _read(rdzv.conf, "tls_ca") if "tls_ca" in rdzv.conf else None
+    client = GrpcStore(rdzv.endpoint, token=token, tls_ca=tls_ca, timeout=timeout)
+    stack.push_async_callback(client.close)
+    return client, None
+
+
+def _read(conf: Mapping[str, str], key: str) -> bytes:
+    path = conf[key]
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read --rdzv-conf {key}={path}: {e.strerror}") from None
+
+
+async def _linger_while_nodes_remain(store: Store, keys: Keys) -> None:
+    """Serve until no node of the job is registered (or _HOST_LINGER passes)."""
+    snapshot = await store.get_prefix(keys.nodes)
+    remaining = {kv.key for kv in snapshot.kvs}
+    if not remaining:
+        return
+    log.info("keeping the store up until %d other node(s) have left", len(remaining))
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(_HOST_LINGER):
+            async for event in store.watch(keys.nodes, start_revision=snapshot.revision + 1, prefix=True):
+                if event.type is EventType.DELETE:
+                    remaining.discard(event.key)
+                else:
+                    remaining.add(event.key)
+                if not remaining:
+                    return
