@@ -30,6 +30,9 @@ _COMPAT_ONLY = {
 }
 
 
+_GRPC_ENV = {"GRPC_VERBOSITY": "NONE", "GRPC_ENABLE_FORK_SUPPORT": "0"}
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that raises UsageError (one line at the edge) instead of exiting."""
 
@@ -144,6 +147,24 @@ def _warn_compat_only(args: argparse.Namespace) -> None:
             logging.getLogger("elasticrun").warning("%s is accepted for torchrun compatibility and has no effect", flag)
 
 
+def _quiet_grpc() -> None:
+    """Load grpc with its C core quiet and without fork handlers, for this process only.
+
+    grpc reads these variables once, when it loads; they are removed again so that the
+    workers inherit the user's environment unchanged. Our own errors say what failed.
+    """
+    saved = {k: os.environ.get(k) for k in _GRPC_ENV}
+    os.environ.update(_GRPC_ENV)
+    try:
+        import grpc  # noqa: F401
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+
+
 def _setup_logging() -> None:
     level = os.environ.get("LOGLEVEL", "INFO").upper()
     logging.basicConfig(
@@ -158,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     _setup_logging()
+    _quiet_grpc()
     try:
         if argv and argv[0] in SUBCOMMANDS:
             args = subcommand_parser().parse_args(argv)
