@@ -96,10 +96,9 @@ def parse_nnodes(value: str) -> tuple[int, int]:
 def parse_std(value: str, flag: str, nproc: int) -> dict[int, Std]:
     """torchrun's `3` (every local rank) or `0:3,1:0` (per local rank) -> rank -> Std."""
     def std(text: str) -> Std:
-        try:
-            return Std(int(text))
-        except ValueError:
-            raise UsageError(f"{flag} values are 0..3 (none, out, err, all), got {value!r}") from None
+        if text.strip() not in ("0", "1", "2", "3"):
+            raise UsageError(f"{flag} values are 0..3 (none, out, err, all), got {value!r}")
+        return Std(int(text))
 
     if ":" not in value:
         return {rank: std(value) for rank in range(nproc)}
@@ -198,7 +197,7 @@ def resolve_nproc(value: str) -> int:
 
         gpus = open_gpus()
         try:
-            return gpus.select(os.environ).nproc(value, os.cpu_count())
+            return gpus.select(os.environ, None).nproc(value, os.cpu_count() or 1)
         finally:
             gpus.close()
     raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu or auto; got {value!r}")
@@ -247,6 +246,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     if local_addr is None:
         if backend in ("c10d", "etcd"):
             local_addr = route_addr(parse_endpoint(endpoint.split(",")[0], 1)[0])
+        elif backend == "standalone":
+            local_addr = "localhost"  # torchrun's MASTER_ADDR under --standalone
         else:
             local_addr = "127.0.0.1"
     probe = RendezvousConfig(backend, endpoint, RendezvousSettings(run_id, 1, 1), conf)
@@ -279,6 +280,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     if args.local_ranks_filter:
         try:
             filter_ranks = frozenset(int(r) for r in args.local_ranks_filter.split(","))
+            if min(filter_ranks) < 0:
+                raise ValueError
         except ValueError:
             raise UsageError(
                 f"--local-ranks-filter takes local ranks like 0,1,2; got {args.local_ranks_filter!r}"
