@@ -1,0 +1,55 @@
+"""The elastic benchmark's worker, the same script under both launchers.
+
+Writes one JSON line per event to $BENCH_EVENTS/<pid>.log (wall-clock `t`):
+  start  - first line of the script, before torch is imported
+  init   - the gloo process group is up
+  step   - one all_reduce done: `step N world W`
+  crash  - this worker claimed $BENCH_CRASH_FILE and exits 1 (a one-off failure)
+It steps every $BENCH_STEP_INTERVAL seconds (default 0.1) and exits 0 after
+$BENCH_MAX_SECONDS (default 300), a safety net only.
+"""
+
+import json
+import os
+import time
+
+T0 = time.time()
+_dir = os.environ["BENCH_EVENTS"]
+_out = open(os.path.join(_dir, f"{os.getpid()}.log"), "a", buffering=1)
+_node = os.environ.get("BENCH_NODE", "?")
+
+
+def event(kind, **fields):
+    _out.write(json.dumps({"t": time.time(), "ev": kind, "node": _node, "pid": os.getpid(), **fields}) + "\n")
+
+
+event("start", t_script=T0, world=int(os.environ.get("WORLD_SIZE", "0")), rank=int(os.environ.get("RANK", "-1")),
+      restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+from datetime import timedelta  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank, world = dist.get_rank(), dist.get_world_size()
+event("init", rank=rank, world=world)
+crash_file = os.environ.get("BENCH_CRASH_FILE", "")
+interval = float(os.environ.get("BENCH_STEP_INTERVAL", "0.1"))
+deadline = T0 + float(os.environ.get("BENCH_MAX_SECONDS", "300"))
+step, t = 0, torch.ones(1)
+while time.time() < deadline:
+    dist.all_reduce(t)
+    step += 1
+    event("step", step=step, world=world, rank=rank)
+    print(f"{time.time():.3f} step {step} world {world}", flush=True)
+    if crash_file:
+        try:
+            os.rename(crash_file, f"{crash_file}.taken.{os.getpid()}")
+        except FileNotFoundError:
+            pass
+        else:
+            event("crash", rank=rank, world=world)
+            os._exit(1)
+    time.sleep(interval)
+dist.destroy_process_group()
