@@ -1,0 +1,198 @@
+"""Helpers for end-to-end elastic tests: real agents (`python -m elasticrun`), real
+store servers, logs waited on by regex, and a check that nothing of a test is left.
+
+Every process a test starts carries ELASTICRUN_TEST_TAG=<tag> in its environment (the
+workers inherit it from their agent), so `tagged_pids(tag)` finds whatever is still
+alive of a test — agents and workers alike — by reading /proc, and the cleanup kills
+exactly those, by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+WORKER = Path(__file__).resolve().parent / "workers" / "train_worker.py"
+TAG_VAR = "ELASTICRUN_TEST_TAG"
+#: short rendezvous settings for tests
+RDZV_CONF = "heartbeat_timeout=2,last_call_timeout=0.5,join_timeout=60"
+#: how long one wait for a log line may take (a bound, not an expected time)
+WAIT = 60.0
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """PIDs of live (non-zombie) processes whose environment holds ELASTICRUN_TEST_TAG=tag."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and stat.rsplit(")", 1)[1].split()[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def wait_until(predicate, timeout: float = WAIT, what: str = "a condition", interval: float = 0.05):
+    """Poll `predicate` until it returns something truthy (returned) or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Proc:
+    """A child process with its combined output in a log file, waited on by regex."""
+
+    def __init__(self, name: str, argv: Sequence[str], log: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log = log
+        self._out = open(log, "wb")
+        self.popen = subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT, env=env
+        )
+        self.pid = self.popen.pid
+        self.tagged = True
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, *, count: int = 1, start: int = 0, timeout: float = WAIT) -> re.Match[str]:
+        """The `count`-th match of `pattern` (a multiline regex) in the output after `start`.
+
+        Fails (with the output) when the deadline passes or the process exits first.
+        """
+        regex = re.compile(pattern, re.MULTILINE)
+        deadline = time.monotonic() + timeout
+        while True:
+            exited = self.popen.poll() is not None
+            text = self.text()
+            matches = list(regex.finditer(text, start))
+            if len(matches) >= count:
+                return matches[count - 1]
+            if exited or time.monotonic() > deadline:
+                why = f"exited with {self.popen.returncode}" if exited else f"timed out after {timeout:g}s"
+                raise AssertionError(
+                    f"{self.name} {why} before {count} x /{pattern}/; its output:\n{text[-6000:]}"
+                )
+            time.sleep(0.05)
+
+    def mark(self) -> int:
+        """The current end of the output: `wait_for(..., start=mark)` sees only what follows."""
+        return len(self.text())
+
+    def wait_exit(self, timeout: float = WAIT) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} still running after {timeout:g}s; output:\n{self.text()[-6000:]}") from None
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+        self.popen.wait()
+        self._out.close()
+
+
+class Cluster:
+    """The processes of one test: store servers and agents, all tagged, all cleaned up."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.tag = uuid.uuid4().hex
+        self.procs: list[Proc] = []
+        self.stop_file = tmp_path / "stop"
+        self._env = dict(os.environ, **{TAG_VAR: self.tag, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"})
+
+    def start(self, name: str, argv: Sequence[str], *, tagged: bool = True) -> Proc:
+        """Start a process; `tagged` ones (agents, and so their workers) count as orphans."""
+        env = self._env if tagged else {k: v for k, v in self._env.items() if k != TAG_VAR}
+        proc = Proc(name, argv, self.tmp / f"{name}.log", env)
+        proc.tagged = tagged
+        self.procs.append(proc)
+        return proc
+
+    def store_server(self, port: int) -> Proc:
+        proc = self.start(
+            f"store{port}",
+            [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            tagged=False,
+        )
+        proc.wait_for(r"serving on")
+        return proc
+
+    def agent(
+        self,
+        name: str,
+        *,
+        backend: str,
+        endpoint: str,
+        run_id: str,
+        local_addr: str,
+        nnodes: str,
+        max_restarts: int = 0,
+        conf: str = RDZV_CONF,
+        worker_args: Sequence[str] = (),
+        extra: Sequence[str] = (),
+    ) -> Proc:
+        argv = [
+            sys.executable, "-m", "elasticrun",
+            f"--nnodes={nnodes}", "--nproc-per-node=1",
+            f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+            f"--rdzv-conf={conf}", f"--local-addr={local_addr}",
+            f"--max-restarts={max_restarts}", "--shutdown-timeout=5",
+            f"--log-dir={self.tmp / 'logs'}", *extra,
+            str(WORKER), "--stop-file", str(self.stop_file), *worker_args,
+        ]
+        return self.start(name, argv)
+
+    def stop_training(self) -> None:
+        self.stop_file.touch()
+
+    def alive(self) -> list[int]:
+        return tagged_pids(self.tag)
+
+    def assert_no_orphans(self, timeout: float = 30.0) -> None:
+        """No agent or worker of this test is left (waits a bounded time for them to go)."""
+        for proc in self.procs:
+            if proc.tagged and proc.popen.poll() is None:
+                raise AssertionError(f"{proc.name} is still running:\n{proc.text()[-3000:]}")
+        wait_until(lambda: not self.alive(), timeout, f"the end of the test's processes {self.alive()}")
+
+    def close(self) -> None:
+        """Kill whatever is left, by PID: agents and servers first, then tagged stragglers."""
+        for proc in reversed(self.procs):
+            proc.kill()
+        for pid in self.alive():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def last_step_lines(text: str, world: int) -> list[re.Match[str]]:
+    return list(re.finditer(rf"^\S*step=(\d+) rank=(\d+) world={world} .*$", text, re.MULTILINE))
+
+
+def iter_worker_pids(text: str) -> Iterator[int]:
+    for m in re.finditer(r"pid=(\d+)", text):
+        yield int(m.group(1))

@@ -1,0 +1,302 @@
+"""End-to-end elastic rendezvous: real agents (`python -m elasticrun`) as nodes on
+127.0.0.x, real gloo workers (tests/workers/train_worker.py), a real store: a
+standalone `elasticrun store serve` for c10d (so killing an agent never kills it) or
+the session's etcd server, each scenario on both backends. Issue 5's etcd cluster
+scenarios (member, leader and majority loss) run against a 3-member etcd.
+
+Every wait is for an event (a line in an agent's output, a process exit), bounded by a
+deadline; every process is killed by PID at the end, and each test checks that none of
+its agents or workers is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from tests.agent_helpers import free_port
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+#: one training step as the worker prints it, for a given world size
+STEP = (
+    r"step=(?P<step>\d+) rank=(?P<rank>\d+) world={world} group_rank=(?P<group_rank>\d+) "
+    r"restart=(?P<restart>\d+) round=(?P<round>\d+) pid=(?P<pid>\d+)"
+)
+
+
+@dataclass(frozen=True)
+class Rdzv:
+    """Where the agents of one test meet."""
+
+    backend: str
+    endpoint: str
+    conf: str
+    run_id: str
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _run_id() -> str:
+    return "e2e-" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(params=["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
+def rdzv(request: pytest.FixtureRequest, cluster: Cluster) -> Rdzv:
+    if request.param == "c10d":
+        port = free_port()
+        cluster.store_server(port)
+        return Rdzv("c10d", f"127.0.0.1:{port}", RDZV_CONF + ",is_host=false", _run_id())
+    etcd = request.getfixturevalue("etcd_server")
+    return Rdzv("etcd", etcd.endpoints[0], RDZV_CONF, _run_id())
+
+
+def start(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str, **kw) -> Proc:
+    kw.setdefault("conf", rdzv.conf)
+    return cluster.agent(
+        name,
+        backend=rdzv.backend,
+        endpoint=rdzv.endpoint,
+        run_id=kw.pop("run_id", rdzv.run_id),
+        local_addr=f"127.0.0.{addr}",
+        nnodes=nnodes,
+        **kw,
+    )
+
+
+def step(agent: Proc, world: int, *, start: int = 0, count: int = 1, **groups: object) -> re.Match[str]:
+    """The `count`-th training step at `world` in `agent`'s output after `start`."""
+    pattern = STEP.format(world=world)
+    for key, value in groups.items():
+        pattern = pattern.replace(rf"(?P<{key}>\d+)", rf"(?P<{key}>{value})")
+    return agent.wait_for(pattern, start=start, count=count)
+
+
+def finish(cluster: Cluster, *agents: Proc) -> None:
+    """Tell the workers to stop; every agent exits 0; nothing of the test is left."""
+    cluster.stop_training()
+    for agent in agents:
+        code = agent.wait_exit()
+        assert code == 0, f"{agent.name} exited {code}:\n{agent.text()[-4000:]}"
+    cluster.assert_no_orphans()
+
+
+def node_id(agent: Proc) -> str:
+    return agent.wait_for(r"logs and error files go under \S+_(?P<id>[^_/\s]+_\d+)$").group("id")
+
+
+def kill_node(agent: Proc, worker_pid: int) -> None:
+    """SIGKILL a whole node: its agent and its worker, by PID."""
+    os.kill(agent.pid, signal.SIGKILL)
+    try:
+        os.kill(worker_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    agent.wait_exit()
+    wait_until(lambda: not os.path.exists(f"/proc/{worker_pid}"), what=f"worker {worker_pid} to go")
+
+
+# --- issue 4, scenario 1: scale up ------------------------------------------------------
+
+
+def test_scale_up_two_to_three_keeps_node_ranks(cluster: Cluster, rdzv: Rdzv) -> None:
+    a = start(cluster, rdzv, "a", 2, "2:3")
+    b = start(cluster, rdzv, "b", 3, "2:3")
+    before = {p.name: step(p, 2, restart=0) for p in (a, b)}
+    assert sorted(m["group_rank"] for m in before.values()) == ["0", "1"]
+
+    c = start(cluster, rdzv, "c", 4, "2:3")
+    after = {p.name: step(p, 3) for p in (a, b, c)}
+    for name in ("a", "b"):  # survivors keep their node ranks
+        assert after[name]["group_rank"] == before[name]["group_rank"]
+        assert int(after[name]["round"]) > int(before[name]["round"])
+    assert after["c"]["group_rank"] == "2"  # the newcomer goes last
+    assert {m["restart"] for m in after.values()} == {"0"}  # scale-up is not a failure
+    finish(cluster, a, b, c)
+
+
+# --- scenario 2: a node leaves on SIGTERM -------------------------------------------------
+
+
+def test_sigterm_node_leaves_others_continue_without_spending_restarts(
+    cluster: Cluster, rdzv: Rdzv
+) -> None:
+    agents = [start(cluster, rdzv, n, i + 2, "2:3", max_restarts=0) for i, n in enumerate("abc")]
+    before = {p.name: step(p, 3) for p in agents}
+    a, b, c = agents
+    marks = {p.name: p.mark() for p in (a, b)}
+
+    c.signal(signal.SIGTERM)
+    assert c.wait_exit() != 0  # as torchrun: an agent stopped by a signal exits 1
+    c.wait_for(r"worker got SIGTERM rank=\d+ world=3")  # its worker was told, not killed
+    c.wait_for(r"leaving job .*received SIGTERM")
+
+    after = {p.name: step(p, 2, start=marks[p.name]) for p in (a, b)}
+    for m in after.values():
+        assert m["restart"] == "0"  # membership restarts are free (--max-restarts=0)
+    # survivors keep their order
+    old = sorted(("a", "b"), key=lambda n: int(before[n]["group_rank"]))
+    assert [after[n]["group_rank"] for n in old] == ["0", "1"]
+    finish(cluster, a, b)
+
+
+# --- scenario 3: a node dies (SIGKILL) --------------------------------------------------
+
+
+def test_sigkill_node_survivors_continue_after_lease_expiry(cluster: Cluster, rdzv: Rdzv) -> None:
+    agents = [start(cluster, rdzv, n, i + 2, "2:3", max_restarts=0) for i, n in enumerate("abc")]
+    before = {p.name: step(p, 3) for p in agents}
+    a, b, c = agents
+    dead = node_id(c)
+    marks = {p.name: p.mark() for p in (a, b)}
+
+    kill_node(c, int(before["c"]["pid"]))
+
+    for p in (a, b):
+        m = step(p, 2, start=marks[p.name])
+        assert m["restart"] == "0"
+    # the leader (or the one that took over from the dead one) saw the node go
+    assert any(re.search(rf"round \d+: lost {dead}", p.text()) for p in (a, b))
+    finish(cluster, a, b)
+
+
+# --- scenario 4: fixed size, a node is replaced -------------------------------------------
+
+
+def test_fixed_size_waits_for_a_replacement(cluster: Cluster, rdzv: Rdzv) -> None:
+    a = start(cluster, rdzv, "a", 2, "2")
+    b = start(cluster, rdzv, "b", 3, "2")
+    before = step(b, 2)
+    mark = a.mark()
+
+    kill_node(b, int(before["pid"]))
+    # the survivor stops its workers and waits for a second node
+    a.wait_for(r"workers healthy -> stopped", start=mark)
+    a.wait_for(r"waiting for nodes: 1 of min 2 registered \(max 2\)", start=mark)
+    assert re.search(STEP.format(world=1), a.text()) is None
+
+    c = start(cluster, rdzv, "c", 4, "2")
+    for p in (a, c):
+        step(p, 2, start=mark if p is a else 0, restart=0)
+    finish(cluster, a, c)
+
+
+# --- scenario 5: a worker failure within the budget ----------------------------------------
+
+
+def test_worker_failure_restarts_the_group_once(cluster: Cluster, rdzv: Rdzv) -> None:
+    marker = cluster.tmp / "failed-once"
+    fail = ["--fail-rank", "1", "--fail-step", "3", "--fail-marker", str(marker)]
+    a = start(cluster, rdzv, "a", 2, "2", max_restarts=1, worker_args=fail)
+    b = start(cluster, rdzv, "b", 3, "2", max_restarts=1, worker_args=fail)
+    for p in (a, b):  # every node restarts its workers, and the count is 1 everywhere
+        step(p, 2, restart=1, count=3)
+    assert marker.exists()
+    assert "injected failure at step 3" in a.text() + b.text()
+    finish(cluster, a, b)
+
+
+# --- scenario 6: the budget runs out ------------------------------------------------------
+
+
+def test_budget_exhausted_every_agent_fails_with_the_root_cause(cluster: Cluster, rdzv: Rdzv) -> None:
+    fail = ["--fail-rank", "1", "--fail-step", "2"]
+    a = start(cluster, rdzv, "a", 2, "2", max_restarts=1, worker_args=fail)
+    b = start(cluster, rdzv, "b", 3, "2", max_restarts=1, worker_args=fail)
+    for p in (a, b):
+        code = p.wait_exit()
+        assert code != 0, f"{p.name} exited 0:\n{p.text()[-4000:]}"
+        text = p.text()
+        assert re.search(r"rank\s*: 1 \(local rank 0\)", text), text[-4000:]
+        assert "exit      : exit code 1" in text, text[-4000:]
+        assert "RuntimeError: injected failure at step 2" in text, text[-4000:]
+    cluster.assert_no_orphans()
+
+
+# --- scenario 7: a closed rendezvous, and jobs sharing one store -------------------------
+
+
+async def _round_gone(rdzv: Rdzv, run_id: str) -> None:
+    """Wait until the job's closed round record expires from the store (closed_ttl)."""
+    from elasticrun.rendezvous.state import Keys
+
+    if rdzv.backend == "etcd":
+        from elasticrun.rendezvous.etcd_store import etcd_store_from_conf
+
+        store = etcd_store_from_conf(rdzv.endpoint, {}, timeout=10)
+    else:
+        from elasticrun.rendezvous.grpc_store import GrpcStore
+
+        store = GrpcStore(rdzv.endpoint, timeout=10)
+    try:
+        key = Keys(run_id).round
+        async with asyncio.timeout(30):
+            while await store.get(key) is not None:
+                await asyncio.sleep(0.1)
+    finally:
+        await store.close()
+
+
+def test_closed_rendezvous_then_fresh_job_and_two_jobs_on_one_store(cluster: Cluster, rdzv: Rdzv) -> None:
+    conf = rdzv.conf + ",closed_ttl=1"
+    first = start(cluster, rdzv, "first", 2, "1", conf=conf, worker_args=["--steps", "3"])
+    assert first.wait_exit() == 0
+    first.wait_for(r"closed \(succeeded\)")
+
+    late = start(cluster, rdzv, "late", 3, "1", conf=conf)
+    assert late.wait_exit() == 0, late.text()
+    late.wait_for(r"rendezvous '" + re.escape(rdzv.run_id) + r"' is closed \(succeeded\)")
+    assert "worker started" not in late.text()
+
+    asyncio.run(_round_gone(rdzv, rdzv.run_id))
+    again = start(cluster, rdzv, "again", 2, "1", conf=conf)
+    other = start(cluster, rdzv, "other", 3, "1", conf=conf, run_id=_run_id())
+    for p in (again, other):  # both jobs train at the same time on one store
+        m = step(p, 1, count=2)
+        assert m["round"] == "1" and m["restart"] == "0"  # a clean start
+    finish(cluster, again, other)
+
+
+# --- scenario 8: what a lone node waits for ---------------------------------------------
+
+
+def test_lone_node_says_what_it_waits_for_and_times_out(cluster: Cluster, rdzv: Rdzv) -> None:
+    conf = rdzv.conf.replace("join_timeout=60", "join_timeout=3")
+    a = start(cluster, rdzv, "a", 2, "2:3", conf=conf)
+    a.wait_for(r"waiting for nodes: 1 of min 2 registered \(max 3\)")
+    code = a.wait_exit()
+    assert code != 0
+    a.wait_for(r"join_timeout=3s.*waiting for nodes: 1 of min 2 registered \(max 3\)")
+    assert "Traceback" not in a.text()
+    assert "worker started" not in a.text()
+    cluster.assert_no_orphans()
+
+
+# --- c10d: an agent hosts the store itself ----------------------------------------------
+
+
+def test_c10d_agent_hosts_the_store(cluster: Cluster) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    rdzv = Rdzv("c10d", endpoint, RDZV_CONF, _run_id())
+    host = start(cluster, rdzv, "host", 2, "2", conf=RDZV_CONF + ",is_host=true")
+    host.wait_for(r"hosting the rendezvous store on 127\.0\.0\.1:\d+")
+    guest = start(cluster, rdzv, "guest", 3, "2", conf=RDZV_CONF + ",is_host=false")
+    for p in (host, guest):
+        step(p, 2)
+    assert "hosting the rendezvous store" not in guest.text()
+    finish(cluster, host, guest)
