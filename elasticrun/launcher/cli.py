@@ -54,12 +54,12 @@ class _EnvDefault(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-class _EnvAppend(_EnvDefault):
+class _EnvAppend(argparse.Action):
     """A repeatable flag (values merged), with PET_<NAME> as the first value."""
 
     def __init__(self, dest: str, default: object = None, **kw: object) -> None:
         env = os.environ.get("PET_" + dest.upper())
-        super().__init__(dest=dest, default=[env] if env else [], **kw)
+        super().__init__(dest=dest, default=[env] if env else [], **kw)  # type: ignore[arg-type]
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option_string: str | None = None) -> None:
         setattr(namespace, self.dest, [*getattr(namespace, self.dest), values])

@@ -300,9 +300,11 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         log_dir=Path(args.log_dir) if args.log_dir else None,
         local_ranks_filter=filter_ranks,
     )
+    no_python = bool(args.no_python and not args.run_path)
     job_spec = {
-        "command": list(argv[2:] if argv[0] == sys.executable else argv),
-        "no_python": bool(args.no_python and not args.run_path),
+        # without --no-python, argv starts with this node's interpreter and -u
+        "command": list(argv if no_python else argv[2:]),
+        "no_python": no_python,
         "nproc_per_node": str(args.nproc_per_node),
         "nnodes": f"{min_nodes}:{max_nodes}",
         "max_restarts": args.max_restarts,

@@ -1,0 +1,574 @@
+"""The command line: torchrun's flags in both spellings, PET_* defaults, bad input, output.
+
+Parsing is tested in-process through `launch_parser()` and `build_config()`; everything a
+user sees (exit codes, the one error line, console prefixes, log files) through real
+`python -m elasticrun` processes with plain-python workers from tests/workers/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from elasticrun.agent.spec import Std
+from elasticrun.errors import UsageError
+from elasticrun.launcher.cli import launch_parser
+from elasticrun.launcher.config import build_config
+
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = REPO / "tests" / "workers"
+SPEAK = WORKERS / "cli_speak.py"
+PROBE = WORKERS / "cli_env_probe.py"
+HOLD_PORT = WORKERS / "cli_hold_port.py"
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# --- helpers (also used by test_torchrun_parity.py) -----------------------------------
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without PET_*, TORCHELASTIC_* or LOGLEVEL, plus `extra`."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PET_", "TORCHELASTIC_")) and k != "LOGLEVEL"
+    }
+    env.update(extra)
+    return env
+
+
+def start_cli(
+    args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+    module: str = "elasticrun",
+) -> subprocess.Popen[str]:
+    """`python -m <module> args` in its own session (so its pid is its group id)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(env) if env is not None else clean_env(),
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    """Stop a process we started, by its pid: SIGTERM to its group, then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 45.0) -> subprocess.CompletedProcess[str]:
+    """Wait for a started CLI; on timeout stop it by pid and fail."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"{proc.args} did not finish within {timeout} s; stderr:\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_cli(
+    args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+    module: str = "elasticrun", timeout: float = 45.0,
+) -> subprocess.CompletedProcess[str]:
+    return finish(start_cli(args, env=env, cwd=cwd, module=module), timeout)
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout: float = 30.0) -> str:
+    """The content of `path` once it exists; fails early if `proc` ends first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args} exited {proc.returncode} before {path} appeared:\n"
+                        f"{proc.stderr.read() if proc.stderr else ''}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} did not appear within {timeout} s")
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def read_probes(out: Path) -> dict[int, dict[str, str]]:
+    """rank -> environment, as cli_env_probe.py wrote them."""
+    return {
+        int(p.stem.removeprefix("rank")): json.loads(p.read_text())
+        for p in sorted(out.glob("rank*.json"))
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def has_gpu() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return False
+    try:
+        return pynvml.nvmlDeviceGetCount() > 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_pet_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsing reads PET_* from this process: start every test without any."""
+    for key in list(os.environ):
+        if key.startswith("PET_"):
+            monkeypatch.delenv(key)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts; whatever is still running at the end is stopped."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        stop(proc)
+
+
+def parse(*argv: str):  # type: ignore[no-untyped-def]
+    return launch_parser().parse_args(list(argv))
+
+
+def config(*argv: str):  # type: ignore[no-untyped-def]
+    return build_config(parse(*argv), os.environ)
+
+
+# --- every torchrun flag, in both spellings ----------------------------------------------
+
+#: torchrun dest -> (a value to pass, what our parser must store). None: a boolean flag.
+SAMPLES: dict[str, tuple[str | None, object]] = {
+    "nnodes": ("2:4", "2:4"),
+    "nproc_per_node": ("3", "3"),
+    "rdzv_backend": ("c10d", "c10d"),
+    "rdzv_endpoint": ("host0:29400", "host0:29400"),
+    "rdzv_id": ("job42", "job42"),
+    "rdzv_conf": ("join_timeout=5,last_call_timeout=2", ["join_timeout=5,last_call_timeout=2"]),
+    "standalone": (None, True),
+    "max_restarts": ("4", 4),
+    "monitor_interval": ("0.5", 0.5),
+    "start_method": ("fork", "fork"),
+    "event_log_handler": ("console", "console"),
+    "role": ("trainer", "trainer"),
+    "module": (None, True),
+    "no_python": (None, True),
+    "run_path": (None, True),
+    "log_dir": ("/tmp/logs", "/tmp/logs"),
+    "redirects": ("0:3,1:1", "0:3,1:1"),
+    "tee": ("2", "2"),
+    "local_ranks_filter": ("0,1", "0,1"),
+    "duplicate_stdout_filters": ("loss", "loss"),
+    "duplicate_stderr_filters": ("warn", "warn"),
+    "node_rank": ("1", 1),
+    "master_addr": ("10.0.0.1", "10.0.0.1"),
+    "master_port": ("29555", 29555),
+    "local_addr": ("10.0.0.2", "10.0.0.2"),
+    "logs_specs": ("mylogs", "mylogs"),
+    "numa_binding": ("socket", "socket"),
+    "signals_to_handle": ("SIGTERM,SIGUSR1", "SIGTERM,SIGUSR1"),
+    "shutdown_timeout": ("7", 7.0),
+    "virtual_local_rank": (None, True),
+}
+
+
+def torchrun_options() -> list[tuple[str, str]]:
+    """(option string, dest) for every flag of torchrun 2.13's own parser."""
+    from torch.distributed.run import get_args_parser
+
+    return [
+        (option, action.dest)
+        for action in get_args_parser()._actions
+        for option in action.option_strings
+        if action.dest != "help"
+    ]
+
+
+def test_every_torchrun_flag_spelling_is_accepted_and_stored_under_torchrun_dest() -> None:
+    options = torchrun_options()
+    dests = {dest for _, dest in options}
+    assert dests == SAMPLES.keys(), "torchrun's flags changed: update SAMPLES"
+    spellings = {option for option, _ in options}
+    # both spellings exist wherever torchrun has them (its -m/-r/-t short forms too)
+    assert {"--nproc-per-node", "--nproc_per_node", "--rdzv-conf", "--rdzv_conf", "-m",
+            "--module", "-r", "-t", "--max_restarts", "--no_python"} <= spellings
+    for option, dest in options:
+        value, expected = SAMPLES[dest]
+        argv = [option] if value is None else [option, value]
+        args = parse(*argv, "train.py", "--lr", "0.1")
+        assert getattr(args, dest) == expected, option
+        assert args.training_script == "train.py", option
+        assert args.training_script_args == ["--lr", "0.1"], option
+
+
+def test_equals_form_and_script_arguments_that_look_like_flags() -> None:
+    args = parse("--nproc_per_node=2", "--rdzv-id=x", "train.py", "--nproc-per-node", "9", "-m")
+    assert args.nproc_per_node == "2" and args.rdzv_id == "x"
+    assert args.training_script_args == ["--nproc-per-node", "9", "-m"]
+    assert args.module is False
+
+
+def test_a_torchrun_command_line_with_underscores_builds_the_whole_config(tmp_path: Path) -> None:
+    cfg = config(
+        "--nnodes=1:3", "--nproc_per_node=2", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=127.0.0.1:29411", "--rdzv_id=job9", "--max_restarts=3",
+        "--rdzv_conf=join_timeout=9,heartbeat_timeout=4", "--role=trainer",
+        f"--log_dir={tmp_path}", "--redirects=0:3,1:1", "--tee=2", "--local_ranks_filter=0",
+        "--shutdown_timeout=4", "--signals_to_handle=SIGTERM,SIGUSR1",
+        str(SPEAK), "--epochs", "3",
+    )
+    assert cfg.rdzv.backend == "c10d"
+    assert cfg.rdzv.endpoint == "127.0.0.1:29411"
+    assert cfg.rdzv.local_addr == "127.0.0.1"
+    s = cfg.rdzv.settings
+    assert (s.run_id, s.min_nodes, s.max_nodes) == ("job9", 1, 3)
+    assert (s.join_timeout, s.heartbeat_ttl) == (9.0, 4.0)
+    w = cfg.worker
+    assert w.entrypoint == (sys.executable, "-u", str(SPEAK), "--epochs", "3")
+    assert (w.nproc_per_node, w.max_restarts, w.role, w.stop_grace) == (2, 3, "trainer", 4.0)
+    assert w.redirects == {0: Std.ALL, 1: Std.OUT}
+    assert w.tee == {0: Std.ERR, 1: Std.ERR}
+    assert w.local_ranks_filter == frozenset({0})
+    assert w.log_dir == tmp_path
+    assert [s.name for s in w.signals_to_handle] == ["SIGTERM", "SIGUSR1"]
+    assert cfg.job_spec["command"] == [str(SPEAK), "--epochs", "3"]
+    assert cfg.job_spec["nnodes"] == "1:3"
+
+
+def test_static_is_the_default_backend_with_torchruns_master_defaults() -> None:
+    cfg = config("--nnodes", "2", "--node_rank", "1", str(SPEAK))
+    assert cfg.rdzv.backend == "static"
+    assert (cfg.rdzv.node_rank, cfg.rdzv.master_addr, cfg.rdzv.master_port) == (1, "127.0.0.1", 29500)
+    assert cfg.rdzv.settings.run_id == "none"
+
+
+# --- PET_* environment defaults ------------------------------------------------------------
+
+
+def test_pet_environment_gives_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    monkeypatch.setenv("PET_RDZV_CONF", "join_timeout=11,last_call_timeout=2")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    monkeypatch.setenv("PET_ROLE", "trainer")
+    monkeypatch.setenv("PET_SHUTDOWN_TIMEOUT", "6")
+    cfg = config(str(SPEAK))
+    assert cfg.rdzv.backend == "standalone"
+    assert cfg.worker.nproc_per_node == 3
+    assert cfg.rdzv.settings.join_timeout == 11.0
+    assert cfg.rdzv.settings.last_call == 2.0
+    assert cfg.worker.max_restarts == 2
+    assert cfg.worker.role == "trainer"
+    assert cfg.worker.stop_grace == 6.0
+
+
+def test_flags_override_pet_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("PET_RDZV_CONF", "join_timeout=11,last_call_timeout=2")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "127.0.0.1:29412")
+    cfg = config("--nproc-per-node", "2", "--max_restarts", "0", "--rdzv-conf", "join_timeout=4",
+                 "--rdzv_backend", "static", str(SPEAK))
+    assert cfg.worker.nproc_per_node == 2
+    assert cfg.worker.max_restarts == 0
+    assert cfg.rdzv.backend == "static"
+    # --rdzv-conf merges with PET_RDZV_CONF: the flag wins where both name a key
+    assert cfg.rdzv.conf == {"join_timeout": "4", "last_call_timeout": "2"}
+    assert cfg.rdzv.settings.join_timeout == 4.0
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", True), ("0", False), ("", False)])
+def test_pet_boolean_flags(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
+    for name in ("PET_STANDALONE", "PET_MODULE", "PET_VIRTUAL_LOCAL_RANK"):
+        monkeypatch.setenv(name, value)
+    args = parse("pkg.train")
+    assert (args.standalone, args.module, args.virtual_local_rank) == (expected,) * 3
+
+
+def test_pet_environment_through_the_real_command(tmp_path: Path) -> None:
+    env = clean_env(PET_NPROC_PER_NODE="3", PET_STANDALONE="1", PET_ROLE="trainer")
+    result = run_cli([PROBE, tmp_path], env=env)
+    assert result.returncode == 0, result.stderr
+    probes = read_probes(tmp_path)
+    assert sorted(probes) == [0, 1, 2]
+    assert {p["WORLD_SIZE"] for p in probes.values()} == {"3"}
+    assert {p["ROLE_NAME"] for p in probes.values()} == {"trainer"}
+
+
+def test_repeated_rdzv_conf_flags_merge_later_wins() -> None:
+    cfg = config("--standalone", "--rdzv-conf", "join_timeout=5,heartbeat_timeout=3",
+                 "--rdzv_conf", "join_timeout=7", "--rdzv-conf", "closed_ttl=9",
+                 str(SPEAK))
+    assert cfg.rdzv.conf == {"join_timeout": "7", "heartbeat_timeout": "3", "closed_ttl": "9"}
+    s = cfg.rdzv.settings
+    assert (s.join_timeout, s.heartbeat_ttl, s.closed_ttl) == (7.0, 3.0, 9.0)
+
+
+# --- entrypoints -----------------------------------------------------------------------------
+
+
+def test_module_mode_runs_python_dash_m() -> None:
+    for flag in ("-m", "--module"):
+        cfg = config("--standalone", flag, "mypkg.train", "--lr", "1")
+        assert cfg.worker.entrypoint == (sys.executable, "-u", "-m", "mypkg.train", "--lr", "1")
+        assert cfg.job_spec["command"] == ["-m", "mypkg.train", "--lr", "1"]
+        assert cfg.job_spec["no_python"] is False
+
+
+def test_no_python_runs_the_command_itself() -> None:
+    sh = shutil.which("sh")
+    assert sh is not None
+    cfg = config("--standalone", "--no-python", "sh", "-c", "exit 0")
+    assert cfg.worker.entrypoint == ("sh", "-c", "exit 0")
+    assert cfg.job_spec["command"] == ["sh", "-c", "exit 0"]
+    assert cfg.job_spec["no_python"] is True
+    # the interpreter as a --no-python command keeps its script in the job spec
+    cfg = config("--standalone", "--no_python", sys.executable, str(SPEAK))
+    assert cfg.worker.entrypoint == (sys.executable, str(SPEAK))
+    assert cfg.job_spec["command"] == [sys.executable, str(SPEAK)]
+
+
+def test_module_and_no_python_run_for_real(tmp_path: Path) -> None:
+    mod_out, cmd_out = tmp_path / "module", tmp_path / "nopython"
+    mod_out.mkdir()
+    cmd_out.mkdir()
+    module = run_cli(["--standalone", "--nproc-per-node", "2", "-m", "tests.workers.cli_env_probe",
+                      mod_out], cwd=REPO)
+    assert module.returncode == 0, module.stderr
+    command = run_cli(["--standalone", "--nproc_per_node", "2", "--no-python", sys.executable,
+                       PROBE, cmd_out])
+    assert command.returncode == 0, command.stderr
+    assert sorted(read_probes(mod_out)) == sorted(read_probes(cmd_out)) == [0, 1]
+
+
+# --- --nproc-per-node cpu / auto / gpu -------------------------------------------------------
+
+
+def test_nproc_per_node_cpu_is_the_cpu_count() -> None:
+    assert config("--standalone", "--nproc-per-node=cpu", str(SPEAK)).worker.nproc_per_node == os.cpu_count()
+
+
+def test_nproc_per_node_auto_without_gpus_is_the_cpu_count() -> None:
+    if has_gpu():
+        pytest.skip("this host has a GPU: auto means one worker per GPU")
+    cfg = config("--standalone", "--nproc_per_node", "auto", str(SPEAK))
+    assert cfg.worker.nproc_per_node == os.cpu_count()
+    assert cfg.nproc_request == "auto"
+
+
+def test_nproc_per_node_gpu_without_gpus_is_a_usage_error() -> None:
+    if has_gpu():
+        pytest.skip("this host has a GPU")
+    with pytest.raises(UsageError, match="--nproc-per-node=gpu needs a GPU"):
+        config("--standalone", "--nproc-per-node", "gpu", str(SPEAK))
+    result = run_cli(["--standalone", "--nproc-per-node", "gpu", SPEAK])
+    assert_one_line_usage_error(result, "needs a GPU")
+
+
+# --- --standalone: a free port per job ---------------------------------------------------------
+
+
+def test_two_standalone_jobs_at_once_get_different_ports_and_both_succeed(
+    tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    go = tmp_path / "go"
+    for name in ("a", "b"):
+        procs.append(start_cli(["--standalone", "--nproc-per-node", "1", HOLD_PORT,
+                                tmp_path / f"ready_{name}", go]))
+    # each job's rank 0 listens on its MASTER_PORT while the other job is running
+    ports = {wait_for_file(tmp_path / f"ready_{n}", p) for n, p in zip("ab", procs)}
+    assert len(ports) == 2, ports
+    go.touch()
+    for proc in procs:
+        result = finish(proc)
+        assert result.returncode == 0, result.stderr
+
+
+# --- bad input: exit 2 and one line ----------------------------------------------------------------
+
+
+def assert_one_line_usage_error(result: subprocess.CompletedProcess[str], *needles: str,
+                                code: int = 2) -> None:
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("elasticrun: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0]
+    assert result.returncode == code, result.stderr
+
+
+S = str(SPEAK)
+BAD_INPUT = {
+    "nnodes zero": (["--nnodes", "0", S], ["--nnodes", "'0'"]),
+    "nnodes min above max": (["--nnodes", "3:2", S], ["--nnodes", "'3:2'"]),
+    "nnodes not numbers": (["--nnodes", "a:b", S], ["--nnodes", "'a:b'"]),
+    "nnodes three parts": (["--nnodes", "1:2:3", S], ["--nnodes", "'1:2:3'"]),
+    "unknown backend": (["--rdzv-backend", "zookeeper", S], ["--rdzv-backend", "zookeeper"]),
+    "endpoint port not a number": (["--rdzv-backend", "c10d", "--rdzv-endpoint", "host:abc", S],
+                                   ["--rdzv-endpoint", "host:abc"]),
+    "endpoint port zero": (["--rdzv-backend", "c10d", "--rdzv-endpoint", "host:0", S],
+                           ["--rdzv-endpoint", "host:0"]),
+    "endpoint without host": (["--rdzv-backend", "c10d", "--rdzv-endpoint", ":29400", S],
+                              ["--rdzv-endpoint", ":29400"]),
+    "etcd endpoint list with a bad port": (
+        ["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1:2379,h2:x", S], ["--rdzv-endpoint"]),
+    "c10d without endpoint": (["--rdzv-backend", "c10d", S], ["--rdzv-endpoint"]),
+    "etcd without endpoint": (["--rdzv-backend=etcd", S], ["--rdzv-endpoint"]),
+    "missing script": (["--standalone", "no_such_train.py"], ["no_such_train.py", "not found"]),
+    "no script at all": (["--standalone"], ["no training script"]),
+    "no-python missing command": (["--no-python", "no-such-command-xyz"],
+                                  ["no-such-command-xyz", "not found"]),
+    "module with no-python": (["-m", "--no-python", "pkg.train"], ["--module", "--no-python"]),
+    "unknown rdzv-conf key": (["--standalone", "--rdzv-conf", "join_timeot=5", S],
+                              ["join_timeot", "join_timeout"]),
+    "rdzv-conf without value": (["--standalone", "--rdzv-conf", "join_timeout", S],
+                                ["--rdzv-conf", "key=value"]),
+    "rdzv-conf without key": (["--standalone", "--rdzv-conf", "=5", S], ["--rdzv-conf"]),
+    "rdzv-conf negative timeout": (["--standalone", "--rdzv-conf", "join_timeout=-1", S],
+                                   ["join_timeout", "'-1'"]),
+    "redirects out of range": (["--redirects", "4", S], ["--redirects", "'4'"]),
+    "redirects not a number": (["-r", "all", S], ["--redirects", "'all'"]),
+    "redirects per rank bad": (["--redirects", "0:9", S], ["--redirects", "'0:9'"]),
+    "tee out of range": (["--tee", "7", S], ["--tee", "'7'"]),
+    "tee bad rank": (["-t", "a:1", S], ["--tee", "'a:1'"]),
+    "local-ranks-filter not numbers": (["--local-ranks-filter", "a,b", S],
+                                       ["--local-ranks-filter", "'a,b'"]),
+    "local-ranks-filter empty item": (["--local_ranks_filter", "0,,1", S],
+                                      ["--local-ranks-filter"]),
+    "local-ranks-filter negative": (["--local-ranks-filter=-1", S], ["--local-ranks-filter"]),
+    "negative max-restarts": (["--max-restarts", "-1", S], ["--max-restarts", "-1"]),
+    "max-restarts not a number": (["--max-restarts", "x", S], ["--max-restarts", "'x'"]),
+    "node-rank out of range": (["--nnodes", "2", "--node-rank", "2", S], ["--node-rank", "0..1"]),
+    "static elastic nnodes": (["--nnodes", "1:2", S], ["static", "--nnodes"]),
+    "standalone with several nodes": (["--standalone", "--nnodes=2:4", S], ["--standalone"]),
+    "nproc-per-node zero": (["--nproc-per-node", "0", S], ["--nproc-per-node", "'0'"]),
+    "nproc-per-node word": (["--nproc-per-node", "many", S], ["--nproc-per-node", "'many'"]),
+    "unknown start method": (["--start-method", "thread", S], ["--start-method", "thread"]),
+    "unknown signal": (["--signals-to-handle", "SIGNOPE", S], ["--signals-to-handle", "SIGNOPE"]),
+    "bad master port": (["--master-port", "70000", S], ["--master-port"]),
+    "rdzv-id with slash": (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
+                            "--rdzv-id", "a/b", S], ["--rdzv-id", "'a/b'"]),
+    "unknown flag": (["--nproc-per-nodes", "2", S], ["--nproc-per-nodes"]),
+    "store serve tls cert without key": (["store", "serve", "--tls-cert", "cert.pem"],
+                                         ["--tls-cert", "--tls-key"]),
+    "store serve tls key without cert": (["store", "serve", "--tls-key", "key.pem"],
+                                         ["--tls-cert", "--tls-key"]),
+    "store serve bad port": (["store", "serve", "--port", "70000"], ["--port", "70000"]),
+    "store without a command": (["store"], ["store_command"]),
+}
+
+
+@pytest.mark.parametrize(("argv", "needles"), list(BAD_INPUT.values()), ids=list(BAD_INPUT))
+def test_bad_input_exits_2_with_one_line(argv: list[str], needles: list[str]) -> None:
+    assert_one_line_usage_error(run_cli(argv), *needles)
+
+
+def test_store_serve_on_a_port_in_use_exits_2_naming_it(procs: list[subprocess.Popen[str]]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = start_cli(["store", "serve", "--host", "127.0.0.1", "--port", port])
+        procs.append(proc)
+        result = finish(proc, timeout=20)
+    assert_one_line_usage_error(result, f"127.0.0.1:{port}", "in use")
+
+
+def test_unreachable_store_exits_nonzero_with_one_line_naming_it() -> None:
+    port = free_port()  # nobody listens there
+    result = run_cli(
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--rdzv-conf", "is_host=false,store_timeout=2", SPEAK],
+        env=clean_env(LOGLEVEL="WARNING"),
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("elasticrun: error:")]
+    assert len(errors) == 1, result.stderr
+    assert f"127.0.0.1:{port}" in errors[0] and "unreachable" in errors[0]
+    # with the agent's INFO log off, that line is all there is
+    assert result.stderr.splitlines() == errors
+
+
+# --- worker output through the CLI -----------------------------------------------------------------
+
+
+def test_console_lines_carry_rank_and_stream() -> None:
+    result = run_cli(["--standalone", "--nproc-per-node", "2", SPEAK])
+    assert result.returncode == 0, result.stderr
+    out, err = result.stdout.splitlines(), result.stderr.splitlines()
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>: out rank={rank} attempt=0" in out
+        assert f"[{rank}]<stderr>: err rank={rank} attempt=0" in err
+    assert not any("<stderr>" in line for line in out)
+    assert not any("<stdout>" in line for line in err)
+
+
+def test_tee_with_log_dir_writes_one_folder_per_attempt(tmp_path: Path) -> None:
+    result = run_cli(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                      "--tee", "3", "--log-dir", tmp_path, SPEAK, "fail-first"])
+    assert result.returncode == 0, result.stderr
+    # tee: the console still has every line
+    for attempt in (0, 1):
+        for rank in (0, 1):
+            assert f"[{rank}]<stdout>: out rank={rank} attempt={attempt}" in result.stdout
+    (run_dir,) = tmp_path.iterdir()
+    assert sorted(p.name for p in run_dir.glob("attempt_*")) == ["attempt_0", "attempt_1"]
+    for attempt in (0, 1):
+        for rank in (0, 1):
+            worker_dir = run_dir / f"attempt_{attempt}" / str(rank)
+            assert (worker_dir / "stdout.log").read_text() == f"out rank={rank} attempt={attempt}\n"
+            assert (worker_dir / "stderr.log").read_text() == f"err rank={rank} attempt={attempt}\n"
+
+
+def test_local_ranks_filter_hides_other_ranks_on_the_console(tmp_path: Path) -> None:
+    result = run_cli(["--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "0",
+                      "--tee", "3", "--log-dir", tmp_path, SPEAK])
+    assert result.returncode == 0, result.stderr
+    assert "[0]<stdout>: out rank=0 attempt=0" in result.stdout.splitlines()
+    assert "[0]<stderr>: err rank=0 attempt=0" in result.stderr.splitlines()
+    assert "rank=1" not in result.stdout + result.stderr
+    # hidden from the console, not from its files
+    (run_dir,) = tmp_path.iterdir()
+    assert (run_dir / "attempt_0" / "1" / "stdout.log").read_text() == "out rank=1 attempt=0\n"
+
+
+def test_redirects_keep_the_console_clean(tmp_path: Path) -> None:
+    result = run_cli(["--standalone", "--nproc-per-node", "2", "--redirects", "3",
+                      "--log-dir", tmp_path, SPEAK])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    assert "rank=" not in result.stderr
+    (run_dir,) = tmp_path.iterdir()
+    for rank in (0, 1):
+        worker_dir = run_dir / "attempt_0" / str(rank)
+        assert (worker_dir / "stdout.log").read_text() == f"out rank={rank} attempt=0\n"
+        assert (worker_dir / "stderr.log").read_text() == f"err rank={rank} attempt=0\n"
