@@ -488,9 +488,30 @@ BAD_INPUT = {
 }
 
 
-@pytest.mark.parametrize(("argv", "needles"), list(BAD_INPUT.values()), ids=list(BAD_INPUT))
-def test_bad_input_exits_2_with_one_line(argv: list[str], needles: list[str]) -> None:
-    assert_one_line_usage_error(run_cli(argv), *needles)
+@pytest.fixture(scope="module")
+def bad_input_results() -> Iterator[dict[str, subprocess.CompletedProcess[str]]]:
+    """Every BAD_INPUT case run once, several at a time (each is a short process)."""
+    results: dict[str, subprocess.CompletedProcess[str]] = {}
+    cases = list(BAD_INPUT.items())
+    running: list[subprocess.Popen[str]] = []
+    try:
+        for start in range(0, len(cases), 6):
+            batch = cases[start:start + 6]
+            running = [start_cli(argv) for _, (argv, _) in batch]
+            for (name, _), proc in zip(batch, running):
+                results[name] = finish(proc, timeout=30)
+        yield results
+    finally:
+        for proc in running:
+            stop(proc)
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_exits_2_with_one_line(
+    case: str, bad_input_results: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
+    _, needles = BAD_INPUT[case]
+    assert_one_line_usage_error(bad_input_results[case], *needles)
 
 
 def test_store_serve_on_a_port_in_use_exits_2_naming_it(procs: list[subprocess.Popen[str]]) -> None:
@@ -533,14 +554,16 @@ def test_console_lines_carry_rank_and_stream() -> None:
 
 
 def test_tee_with_log_dir_writes_one_folder_per_attempt(tmp_path: Path) -> None:
+    logs, marks = tmp_path / "logs", tmp_path / "marks"
+    marks.mkdir()
     result = run_cli(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                      "--tee", "3", "--log-dir", tmp_path, SPEAK, "fail-first"])
+                      "--tee", "3", "--log-dir", logs, SPEAK, "fail-first", marks])
     assert result.returncode == 0, result.stderr
     # tee: the console still has every line
     for attempt in (0, 1):
         for rank in (0, 1):
             assert f"[{rank}]<stdout>: out rank={rank} attempt={attempt}" in result.stdout
-    (run_dir,) = tmp_path.iterdir()
+    (run_dir,) = logs.iterdir()
     assert sorted(p.name for p in run_dir.glob("attempt_*")) == ["attempt_0", "attempt_1"]
     for attempt in (0, 1):
         for rank in (0, 1):
