@@ -1,0 +1,321 @@
+"""Elastic behaviour: elasticrun against torchrun, side by side, in one run (issue 4).
+
+    python bench/bench_elastic.py                       # 3 repetitions, ~10 minutes
+    python bench/bench_elastic.py --reps 1 --only rdzv  # a quick look
+
+Several agents on this machine, one per 127.0.0.x address (`--local-addr`), one worker
+each (`--nproc-per-node=1`), the same worker script for both launchers
+(bench/workers/elastic_loop.py: gloo, one all_reduce every 0.1 s, a JSON event line per
+step with its wall-clock time and world size). Both use `--rdzv-backend=c10d` with the
+store hosted by the agent of node n1 (127.0.0.1, `--rdzv-conf is_host=true`; the other
+agents `is_host=false`), `--max-restarts=3` (with 0 neither launcher survives a lost
+peer), and otherwise default settings (elasticrun: last call 1 s, heartbeat 5 s;
+torchrun: last call 30 s, monitor interval 0.1 s). Only non-host nodes are stopped.
+
+Scenarios (t0 is taken just before the action; every wait is capped at --cap seconds):
+  rdzv-N     --nnodes=N, N agents started together (N = 2, 4, 8): time until every
+             worker has started (first line of the script, before `import torch`), and
+             until the first step at world N
+  grow       --nnodes=1:3, chained, each phase measured from its own t0:
+             formation: start n1 and n2 together -> first step at world 2
+             scale-up:  start n3 -> first step at world 3
+             crash:     one worker exits 1 once -> first step of a fresh worker process
+             sigterm:   SIGTERM to n3's agent -> first step at world 2
+  kill       --nnodes=1:3, n1..n3 stepping at world 3, then SIGKILL of n3's agent and
+             worker together (a node dies) -> first step of the survivors at world 2
+  torchrun runs `grow` a second time with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+  ("torchrun-noshare"), for scale-up.
+A phase that did not happen within the cap is recorded as such, and the rest of that
+chain is skipped (it would start from an unknown state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    LAUNCHERS,
+    WORKERS,
+    ProcessTracker,
+    base_env,
+    become_subreaper,
+    fmt,
+    free_port,
+    kill_tree,
+    loadavg,
+    machine,
+    median,
+    ratio,
+    write_json,
+)
+
+SCRIPT = WORKERS / "elastic_loop.py"
+Event = dict[str, object]
+
+
+class Events:
+    """The workers' event lines, read incrementally from one folder."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.events: list[Event] = []
+        self._offsets: dict[Path, int] = {}
+
+    def refresh(self) -> None:
+        for path in self.folder.glob("*.log"):
+            offset = self._offsets.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            for line in data[:end].splitlines():
+                self.events.append(json.loads(line))
+            self._offsets[path] = offset + end
+
+    def first(self, pred: Callable[[Event], bool], timeout: float) -> Event | None:
+        """The earliest event matching `pred`, waiting up to `timeout` for one to appear."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.refresh()
+            if any(pred(e) for e in self.events):
+                time.sleep(0.2)  # let slower files catch up, then take the earliest
+                self.refresh()
+                return min((e for e in self.events if pred(e)), key=lambda e: float(e["t"]))  # type: ignore[arg-type]
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+
+@dataclass
+class Job:
+    launcher: str  # elasticrun | torchrun | torchrun-noshare
+    nnodes: str
+    workdir: Path
+    tracker: ProcessTracker = field(default_factory=ProcessTracker)
+    port: int = field(default_factory=free_port)
+    run_id: str = field(default_factory=lambda: "bench" + uuid.uuid4().hex[:8])
+    nodes: dict[int, int] = field(default_factory=dict)  # node index -> agent pid
+
+    def __post_init__(self) -> None:
+        (self.workdir / "events").mkdir(parents=True)
+        self.events = Events(self.workdir / "events")
+        self.crash_file = self.workdir / "crash"
+
+    def start_node(self, i: int) -> None:
+        base = LAUNCHERS["torchrun" if self.launcher.startswith("torchrun") else "elasticrun"]
+        argv = [
+            *base,
+            f"--nnodes={self.nnodes}",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{self.port}",
+            f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf=is_host={'true' if i == 1 else 'false'}",
+            f"--local-addr=127.0.0.{i}",
+            "--max-restarts=3",
+            str(SCRIPT),
+        ]
+        env = base_env(BENCH_EVENTS=str(self.workdir / "events"), BENCH_NODE=f"n{i}", BENCH_CRASH_FILE=str(self.crash_file))
+        if self.launcher == "torchrun-noshare":
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        proc = self.tracker.start(argv, env=env, log=self.workdir / f"n{i}.log")
+        self.nodes[i] = proc.pid
+
+    def step_at(self, world: int, after: float, cap: float) -> float | None:
+        e = self.events.first(lambda e: e["ev"] == "step" and e["world"] == world and float(e["t"]) > after, cap)  # type: ignore[arg-type]
+        return None if e is None else float(e["t"])  # type: ignore[arg-type]
+
+
+def _spawned(job: Job, t0: float, world: int, exclude: set[object] = frozenset()) -> float | None:  # type: ignore[assignment]
+    """When the last of the `world` workers of the new round had started (its first line)."""
+    job.events.refresh()
+    first: dict[object, float] = {}
+    for e in job.events.events:
+        if e["ev"] == "start" and e["world"] == world and float(e["t_script"]) > t0 and e["pid"] not in exclude:  # type: ignore[arg-type]
+            first[e["node"]] = min(first.get(e["node"], 1e18), float(e["t_script"]))  # type: ignore[arg-type]
+    return max(first.values()) if len(first) == world else None
+
+
+def _phase(result: dict[str, object], name: str, t0: float, t1: float | None, cap: float, spawned: float | None = None, **extra: object) -> bool:
+    """Record a phase: t0 -> first step (`s`) and t0 -> all new workers started (`spawn_s`)."""
+    spawn_s = None if spawned is None else spawned - t0
+    result[name] = {"s": None if t1 is None else t1 - t0, "spawn_s": spawn_s, "cap": cap, **extra}
+    status = "did not complete within %gs" % cap if t1 is None else f"{t1 - t0:.2f} s"
+    print(f"    {name}: first step {status}; workers started {fmt(spawn_s)} s", flush=True)
+    return t1 is not None
+
+
+def run_rdzv(job: Job, n: int, cap: float) -> dict[str, object]:
+    result: dict[str, object] = {}
+    t0 = time.time()
+    for i in range(1, n + 1):
+        job.start_node(i)
+    starts: set[object] = set()
+    deadline = time.monotonic() + cap
+    t_all = None
+    while time.monotonic() < deadline:
+        job.events.refresh()
+        round_starts = [e for e in job.events.events if e["ev"] == "start" and e["world"] == n]
+        starts = {e["node"] for e in round_starts}
+        if len(starts) == n:
+            t_all = max(float(e["t_script"]) for e in round_starts)  # type: ignore[arg-type]
+            break
+        time.sleep(0.05)
+    _phase(result, "first_step", t0, job.step_at(n, t0, max(deadline - time.monotonic(), 1.0)), cap, spawned=t_all)
+    return result
+
+
+def run_grow(job: Job, cap: float) -> dict[str, object]:
+    result: dict[str, object] = {}
+    t0 = time.time()
+    job.start_node(1)
+    job.start_node(2)
+    first = job.events.first(lambda e: e["ev"] == "start", cap)
+    result["first_round_world"] = None if first is None else first["world"]
+    t1 = job.step_at(2, t0, cap)
+    if not _phase(result, "formation", t0, t1, cap, _spawned(job, t0, 2), first_round_world=result["first_round_world"]):
+        return result
+    t0 = time.time()
+    job.start_node(3)
+    t1 = job.step_at(3, t0, cap)
+    if not _phase(result, "scale_up", t0, t1, cap, _spawned(job, t0, 3)):
+        return result
+    time.sleep(0.5)
+    job.events.refresh()
+    before = {e["pid"] for e in job.events.events}
+    t0 = time.time()
+    job.crash_file.write_text("crash once")
+    crash = job.events.first(lambda e: e["ev"] == "crash", cap)
+    t1 = None
+    if crash is not None:
+        back = job.events.first(lambda e: e["ev"] == "step" and e["pid"] not in before, cap)
+        t1 = None if back is None else float(back["t"])  # type: ignore[arg-type]
+        t_crash = float(crash["t"])  # type: ignore[arg-type]
+        if not _phase(result, "crash", t_crash, t1, cap, _spawned(job, t_crash, 3, before), world_after=None if back is None else back["world"]):
+            return result
+    else:
+        _phase(result, "crash", t0, None, cap, note="no worker claimed the crash file")
+        return result
+    job.step_at(3, t1, cap)  # stepping again at 3 before the next phase
+    time.sleep(0.5)
+    t0 = time.time()
+    os.kill(job.nodes[3], signal.SIGTERM)
+    t1 = job.step_at(2, t0, cap)
+    _phase(result, "sigterm", t0, t1, cap, _spawned(job, t0, 2))
+    return result
+
+
+def run_kill(job: Job, cap: float) -> dict[str, object]:
+    result: dict[str, object] = {}
+    t0 = time.time()
+    for i in (1, 2, 3):
+        job.start_node(i)
+    t1 = job.step_at(3, t0, cap)
+    if not _phase(result, "formation_3_of_max_3", t0, t1, cap, _spawned(job, t0, 3)):
+        return result
+    time.sleep(0.5)
+    t0 = time.time()
+    kill_tree(job.nodes[3], signal.SIGKILL)
+    t1 = job.step_at(2, t0, cap)
+    _phase(result, "sigkill", t0, t1, cap, _spawned(job, t0, 2))
+    return result
+
+
+PHASES = {
+    "rdzv-2": ["first_step"],
+    "rdzv-4": ["first_step"],
+    "rdzv-8": ["first_step"],
+    "grow": ["formation", "scale_up", "crash", "sigterm"],
+    "kill": ["formation_3_of_max_3", "sigkill"],
+}
+TARGETS = {"grow/formation": "≤ 3 s", "grow/scale_up": "≤ 5 s", "kill/sigkill": "≤ 10 s", "grow/sigterm": "≤ 3 s", "grow/crash": "≤ 3 s"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cap", type=float, default=120.0, help="seconds each phase may take")
+    ap.add_argument("--only", nargs="*", default=list(PHASES), choices=list(PHASES))
+    ap.add_argument("--launchers", nargs="*", default=["elasticrun", "torchrun", "torchrun-noshare"])
+    ap.add_argument("--json", help="write every trial here")
+    args = ap.parse_args()
+    become_subreaper()
+    info = machine()
+    print(f"machine: {info}", flush=True)
+    root = Path(tempfile.mkdtemp(prefix="bench_elastic_"))
+    trials: list[dict[str, object]] = []
+    started = time.monotonic()
+    for rep in range(args.reps):
+        for scenario in args.only:
+            launchers = ["elasticrun", "torchrun"] + (["torchrun-noshare"] if scenario == "grow" else [])
+            launchers = [x for x in launchers if x in args.launchers]
+            if rep % 2:
+                launchers.reverse()
+            for launcher in launchers:
+                nnodes = scenario.split("-")[1] if scenario.startswith("rdzv") else "1:3"
+                job = Job(launcher, nnodes, root / f"rep{rep}-{scenario}-{launcher}")
+                print(f"rep {rep} {scenario} {launcher} (load {loadavg()}, {time.monotonic() - started:.0f} s in)", flush=True)
+                try:
+                    if scenario.startswith("rdzv"):
+                        res = run_rdzv(job, int(nnodes), args.cap)
+                    elif scenario == "grow":
+                        res = run_grow(job, args.cap)
+                    else:
+                        res = run_kill(job, args.cap)
+                finally:
+                    job.tracker.stop_all()
+                trials.append({"rep": rep, "scenario": scenario, "launcher": launcher, "dir": str(job.workdir),
+                               "load": loadavg(), **res})
+
+    print(f"\nall done in {time.monotonic() - started:.0f} s; load {loadavg()}; logs under {root}\n")
+    print("Cells: median seconds to the first step at the new world size / to all new workers started "
+          "(the script's first line), (runs that got there / runs).\n")
+    print("| scenario / phase | elasticrun | torchrun | torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 | ours / torchrun, first step | ours / torchrun, workers started | target |")
+    print("|---|---|---|---|---|---|---|")
+    summary: dict[str, dict[str, object]] = {}
+    for scenario in args.only:
+        for phase in PHASES[scenario]:
+            cells: dict[str, dict[str, object]] = {}
+            for launcher in ("elasticrun", "torchrun", "torchrun-noshare"):
+                rs = [t[phase] for t in trials if t["scenario"] == scenario and t["launcher"] == launcher]
+                runs = sum(1 for t in trials if t["scenario"] == scenario and t["launcher"] == launcher)
+                steps = [r["s"] for r in rs if isinstance(r, dict) and r["s"] is not None]  # type: ignore[index]
+                spawns = [r["spawn_s"] for r in rs if isinstance(r, dict) and r["spawn_s"] is not None]  # type: ignore[index]
+                cells[launcher] = {"step": median(steps), "spawn": median(spawns), "ok": len(steps), "runs": runs,
+                                   "steps": steps, "spawns": spawns}
+            summary[f"{scenario}/{phase}"] = cells
+
+            def cell(launcher: str) -> str:
+                c = cells[launcher]
+                return "—" if not c["runs"] else f"{fmt(c['step'])} / {fmt(c['spawn'])} ({c['ok']}/{c['runs']})"  # type: ignore[arg-type]
+
+            e, t = cells["elasticrun"], cells["torchrun"]
+            print(f"| {scenario} / {phase} | {cell('elasticrun')} | {cell('torchrun')} | {cell('torchrun-noshare')} | "
+                  f"{ratio(e['step'], t['step'])} | {ratio(e['spawn'], t['spawn'])} | {TARGETS.get(f'{scenario}/{phase}', '')} |")  # type: ignore[arg-type]
+    # the workers' own start-up (script start -> gloo group up), the same script under both
+    inits = []
+    for t in trials:
+        evs = Events(Path(str(t["dir"])) / "events")
+        evs.refresh()
+        start = {e["pid"]: float(e["t_script"]) for e in evs.events if e["ev"] == "start"}  # type: ignore[arg-type]
+        inits += [float(e["t"]) - start[e["pid"]] for e in evs.events if e["ev"] == "init" and e["pid"] in start]  # type: ignore[arg-type]
+    print(f"\nworker start-up (script start -> gloo group up, import torch included), all trials: "
+          f"median {fmt(median(inits))} s over {len(inits)} workers")
+    write_json(args.json, {"machine": info, "trials": trials, "summary": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
