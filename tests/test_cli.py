@@ -34,7 +34,7 @@ HOLD_PORT = WORKERS / "cli_hold_port.py"
 pytestmark = pytest.mark.timeout(60)
 
 
-# --- helpers (also used by test_torchrun_parity.py) -----------------------------------
+# --- helpers (also used by test_torchrun_parity.py) ---------------------------------------
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -163,7 +163,7 @@ def config(*argv: str):  # type: ignore[no-untyped-def]
     return build_config(parse(*argv), os.environ)
 
 
-# --- every torchrun flag, in both spellings ----------------------------------------------
+# --- every torchrun flag, in both spellings -----------------------------------------------
 
 #: torchrun dest -> (a value to pass, what our parser must store). None: a boolean flag.
 SAMPLES: dict[str, tuple[str | None, object]] = {
@@ -266,11 +266,12 @@ def test_a_torchrun_command_line_with_underscores_builds_the_whole_config(tmp_pa
 def test_static_is_the_default_backend_with_torchruns_master_defaults() -> None:
     cfg = config("--nnodes", "2", "--node_rank", "1", str(SPEAK))
     assert cfg.rdzv.backend == "static"
-    assert (cfg.rdzv.node_rank, cfg.rdzv.master_addr, cfg.rdzv.master_port) == (1, "127.0.0.1", 29500)
+    rdzv = cfg.rdzv
+    assert (rdzv.node_rank, rdzv.master_addr, rdzv.master_port) == (1, "127.0.0.1", 29500)
     assert cfg.rdzv.settings.run_id == "none"
 
 
-# --- PET_* environment defaults ------------------------------------------------------------
+# --- PET_* environment defaults -----------------------------------------------------------
 
 
 def test_pet_environment_gives_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -333,7 +334,7 @@ def test_repeated_rdzv_conf_flags_merge_later_wins() -> None:
     assert (s.join_timeout, s.heartbeat_ttl, s.closed_ttl) == (7.0, 3.0, 9.0)
 
 
-# --- entrypoints -----------------------------------------------------------------------------
+# --- entrypoints --------------------------------------------------------------------------
 
 
 def test_module_mode_runs_python_dash_m() -> None:
@@ -370,11 +371,12 @@ def test_module_and_no_python_run_for_real(tmp_path: Path) -> None:
     assert sorted(read_probes(mod_out)) == sorted(read_probes(cmd_out)) == [0, 1]
 
 
-# --- --nproc-per-node cpu / auto / gpu -------------------------------------------------------
+# --- --nproc-per-node cpu / auto / gpu ----------------------------------------------------
 
 
 def test_nproc_per_node_cpu_is_the_cpu_count() -> None:
-    assert config("--standalone", "--nproc-per-node=cpu", str(SPEAK)).worker.nproc_per_node == os.cpu_count()
+    cfg = config("--standalone", "--nproc-per-node=cpu", str(SPEAK))
+    assert cfg.worker.nproc_per_node == os.cpu_count()
 
 
 def test_nproc_per_node_auto_without_gpus_is_the_cpu_count() -> None:
@@ -394,7 +396,7 @@ def test_nproc_per_node_gpu_without_gpus_is_a_usage_error() -> None:
     assert_one_line_usage_error(result, "needs a GPU")
 
 
-# --- --standalone: a free port per job ---------------------------------------------------------
+# --- --standalone: a free port per job ----------------------------------------------------
 
 
 def test_two_standalone_jobs_at_once_get_different_ports_and_both_succeed(
@@ -413,7 +415,7 @@ def test_two_standalone_jobs_at_once_get_different_ports_and_both_succeed(
         assert result.returncode == 0, result.stderr
 
 
-# --- bad input: exit 2 and one line ----------------------------------------------------------------
+# --- bad input: exit 2 and one line -------------------------------------------------------
 
 
 def assert_one_line_usage_error(result: subprocess.CompletedProcess[str], *needles: str,
@@ -442,6 +444,11 @@ BAD_INPUT = {
                               ["--rdzv-endpoint", ":29400"]),
     "etcd endpoint list with a bad port": (
         ["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1:2379,h2:x", S], ["--rdzv-endpoint"]),
+    "endpoint with two ports": (["--rdzv-backend", "c10d", "--rdzv-endpoint", "host:1:2", S],
+                                ["--rdzv-endpoint", "host:1:2"]),
+    "c10d with an endpoint list": (
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h1:29400,h2:29400", S],
+        ["--rdzv-endpoint", "h1:29400,h2:29400", "etcd"]),
     "c10d without endpoint": (["--rdzv-backend", "c10d", S], ["--rdzv-endpoint"]),
     "etcd without endpoint": (["--rdzv-backend=etcd", S], ["--rdzv-endpoint"]),
     "missing script": (["--standalone", "no_such_train.py"], ["no_such_train.py", "not found"]),
@@ -475,6 +482,7 @@ BAD_INPUT = {
     "nproc-per-node word": (["--nproc-per-node", "many", S], ["--nproc-per-node", "'many'"]),
     "unknown start method": (["--start-method", "thread", S], ["--start-method", "thread"]),
     "unknown signal": (["--signals-to-handle", "SIGNOPE", S], ["--signals-to-handle", "SIGNOPE"]),
+    "negative shutdown timeout": (["--shutdown-timeout", "-1", S], ["--shutdown-timeout", "-1"]),
     "bad master port": (["--master-port", "70000", S], ["--master-port"]),
     "rdzv-id with slash": (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
                             "--rdzv-id", "a/b", S], ["--rdzv-id", "'a/b'"]),
@@ -539,7 +547,7 @@ def test_unreachable_store_exits_nonzero_with_one_line_naming_it() -> None:
     assert result.stderr.splitlines() == errors
 
 
-# --- worker output through the CLI -----------------------------------------------------------------
+# --- worker output through the CLI --------------------------------------------------------
 
 
 def test_console_lines_carry_rank_and_stream() -> None:

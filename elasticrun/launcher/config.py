@@ -7,6 +7,7 @@ fails with a `UsageError` naming the flag, so nothing later has to second-guess 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shutil
 import signal
@@ -148,9 +149,17 @@ def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     elif endpoint.count(":") == 1:
         host, _, text = endpoint.partition(":")
         port = _port(text, endpoint)
-    if not host or " " in host or "/" in host:
+    if not host or any(c in host for c in " /,") or (":" in host and not _is_ipv6(host)):
         raise UsageError(f"--rdzv-endpoint must be host:port, got {endpoint!r}")
     return host, port
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _port(text: str, endpoint: str) -> int:
@@ -238,6 +247,11 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         for part in endpoint.split(","):
             parse_endpoint(part.strip(), DEFAULT_ETCD_PORT)
     elif backend == "c10d":
+        if "," in endpoint:
+            raise UsageError(
+                f"--rdzv-backend=c10d takes one --rdzv-endpoint=host:port, got {endpoint!r} "
+                "(a list of endpoints is for etcd)"
+            )
         parse_endpoint(endpoint, DEFAULT_C10D_PORT)
     if not run_id or "/" in run_id:
         raise UsageError(f"--rdzv-id must be a non-empty name without '/', got {run_id!r}")
@@ -276,6 +290,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     shutdown = args.shutdown_timeout
     if shutdown is None:
         shutdown = _positive(environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0)
+    elif shutdown < 0:
+        raise UsageError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown:g}")
     filter_ranks = None
     if args.local_ranks_filter:
         try:
