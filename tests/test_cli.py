@@ -334,6 +334,21 @@ def test_repeated_rdzv_conf_flags_merge_later_wins() -> None:
     assert (s.join_timeout, s.heartbeat_ttl, s.closed_ttl) == (7.0, 3.0, 9.0)
 
 
+def test_torchruns_own_rdzv_conf_keys_are_accepted(caplog: pytest.LogCaptureFixture) -> None:
+    """torchrun command lines run unchanged: keys we have no use for only warn."""
+    cfg = config("--standalone", "--rdzv-conf",
+                 "read_timeout=60,close_timeout=10,keep_alive_interval=5,store_type=tcp",
+                 "--rdzv_conf", "use_libuv=1,join_timeout=8", str(SPEAK))
+    assert cfg.rdzv.conf == {"join_timeout": "8"}
+    for key in ("read_timeout", "close_timeout", "keep_alive_interval", "store_type", "use_libuv"):
+        assert f"--rdzv-conf {key} is accepted for torchrun compatibility" in caplog.text
+    # torchrun's etcd backends name their TLS files differently: same meaning here
+    cfg = config("--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-conf",
+                 "protocol=https,cacert=ca.pem,ssl_cert=c.pem,ssl_cert_key=k.pem", str(SPEAK))
+    assert cfg.rdzv.backend == "etcd"
+    assert cfg.rdzv.conf == {"ca_cert": "ca.pem", "client_cert": "c.pem", "client_key": "k.pem"}
+
+
 # --- entrypoints --------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import os
 import shutil
 import signal
@@ -46,6 +47,20 @@ RDZV_CONF_KEYS = {
     "password_file": "etcd: file holding the password",
     "password_env": "etcd: environment variable holding the password",
 }
+
+#: torchrun's names (its etcd backends) for keys of ours
+RDZV_CONF_ALIASES = {
+    "cacert": "ca_cert",
+    "cert": "client_cert",
+    "key": "client_key",
+    "ssl_cert": "client_cert",
+    "ssl_cert_key": "client_key",
+}
+#: torchrun's keys with no counterpart here: accepted, so its command lines run unchanged
+RDZV_CONF_TORCHRUN_ONLY = frozenset({
+    "close_timeout", "keep_alive_interval", "keep_alive_max_attempt", "read_timeout",
+    "store_type", "use_libuv", "timeout", "protocol", "etcd_prefix", "rank",
+})
 
 
 @dataclass(frozen=True)
@@ -120,6 +135,12 @@ def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
             key, sep, val = item.partition("=")
             if not sep or not key:
                 raise UsageError(f"--rdzv-conf takes key=value pairs, got {item!r}")
+            if key in RDZV_CONF_TORCHRUN_ONLY:
+                logging.getLogger("elasticrun").warning(
+                    "--rdzv-conf %s is accepted for torchrun compatibility and has no effect", key
+                )
+                continue
+            key = RDZV_CONF_ALIASES.get(key, key)
             if key not in RDZV_CONF_KEYS:
                 known = ", ".join(RDZV_CONF_KEYS)
                 raise UsageError(f"--rdzv-conf: unknown key {key!r} (known: {known})")
