@@ -366,10 +366,23 @@ class _Leader:
         self._published_at = -1e9
 
     async def run(self) -> None:
+        """Lead until cancelled (this node left or lost its lease).
+
+        A store failure (a watch that broke, a write that timed out) does not end the
+        leadership: the leader re-reads the job and goes on. Dying silently would leave
+        the leader key held by a live lease, and no round would ever be decided again.
+        """
+        while True:
+            try:
+                await self._lead()
+            except StoreError as e:
+                log.warning("leader of job '%s': store call failed (%s); re-reading", self._settings.run_id, e)
+                await asyncio.sleep(self._settings.keep_alive_interval)
+
+    async def _lead(self) -> None:
         snapshot = await self._store.get_prefix(self._keys.prefix)
-        for kv in snapshot.kvs:
-            self._apply(kv, None)
-        events: asyncio.Queue[WatchEvent] = asyncio.Queue()
+        self._resync(snapshot)
+        events: asyncio.Queue[WatchEvent | StoreError] = asyncio.Queue()
         pump = asyncio.ensure_future(self._pump(snapshot.revision + 1, events))
         try:
             awaiting_write = False
@@ -393,9 +406,24 @@ class _Leader:
             with contextlib.suppress(asyncio.CancelledError):
                 await pump
 
-    async def _pump(self, start: int, events: asyncio.Queue[WatchEvent]) -> None:
-        async for event in self._store.watch(self._keys.prefix, start_revision=start, prefix=True):
-            events.put_nowait(event)
+    async def _pump(self, start: int, events: asyncio.Queue[WatchEvent | StoreError]) -> None:
+        try:
+            async for event in self._store.watch(self._keys.prefix, start_revision=start, prefix=True):
+                events.put_nowait(event)
+        except StoreError as e:  # handed to the leader's loop, which re-reads
+            events.put_nowait(e)
+
+    def _resync(self, snapshot: RangeResult) -> None:
+        """Fold a fresh snapshot in: what vanished meanwhile goes, the rest is updated."""
+        present = {kv.key for kv in snapshot.kvs}
+        for node_id in [n for n in self._nodes if self._keys.node(n) not in present]:
+            del self._nodes[node_id]
+        if self._keys.round not in present:
+            self._round, self._round_rev = None, 0
+        if self._keys.restart not in present:
+            self._restart = None
+        for kv in snapshot.kvs:
+            self._apply(kv, None)
 
     def _view(self) -> View:
         return View(nodes=self._nodes, round=self._round, restart=self._restart)
@@ -433,7 +461,9 @@ class _Leader:
         self._published, self._published_at = decision.reason, now
         return None
 
-    def _apply_event(self, event: WatchEvent, awaiting_write: bool) -> bool:
+    def _apply_event(self, event: WatchEvent | StoreError, awaiting_write: bool) -> bool:
+        if isinstance(event, StoreError):
+            raise event
         if event.key == self._keys.round:
             awaiting_write = False
         kv = None
