@@ -300,3 +300,90 @@ def test_c10d_agent_hosts_the_store(cluster: Cluster) -> None:
         step(p, 2)
     assert "hosting the rendezvous store" not in guest.text()
     finish(cluster, host, guest)
+
+
+# --- issue 5: the agents' etcd cluster loses members ------------------------------------
+
+#: training steps to wait for after a change: with 0.1 s per step, longer than the
+#: heartbeat timeout (2 s), so a lease that was not renewed would have expired
+STEPS_AFTER = 30
+
+
+def _trio_rdzv(etcd_trio, conf: str = RDZV_CONF) -> Rdzv:
+    return Rdzv("etcd", ",".join(etcd_trio.endpoints), conf, _run_id())
+
+
+def test_etcd_member_then_leader_loss_keeps_the_workers_running(cluster: Cluster, etcd_trio) -> None:
+    rdzv = _trio_rdzv(etcd_trio)
+    a = start(cluster, rdzv, "a", 2, "2")
+    b = start(cluster, rdzv, "b", 3, "2")
+    first = {p.name: step(p, 2) for p in (a, b)}
+
+    def still_training(mark: dict[str, int]) -> None:
+        for p in (a, b):
+            m = first[p.name]
+            step(p, 2, start=mark[p.name], count=STEPS_AFTER, pid=m["pid"], round=m["round"])
+
+    # the member every agent talks to first (endpoint 0) goes away
+    mark = {p.name: p.mark() for p in (a, b)}
+    etcd_trio.stop_member(0)
+    still_training(mark)
+    etcd_trio.start_member(0)
+
+    # then the raft leader (whichever member that is now)
+    mark = {p.name: p.mark() for p in (a, b)}
+    etcd_trio.stop_member(etcd_trio.leader_index())
+    still_training(mark)
+
+    for p in (a, b):
+        text = p.text()
+        assert "healthy -> stopped" not in text, text[-4000:]
+        assert "lost its membership" not in text, text[-4000:]
+        assert len(set(re.findall(r"worker started .* pid=(\d+)", text))) == 1
+    finish(cluster, a, b)
+
+
+def test_etcd_majority_loss_agents_fail_clearly(cluster: Cluster, etcd_trio) -> None:
+    rdzv = _trio_rdzv(etcd_trio, RDZV_CONF + ",store_timeout=3")
+    a = start(cluster, rdzv, "a", 2, "2")
+    b = start(cluster, rdzv, "b", 3, "2")
+    for p in (a, b):
+        step(p, 2)
+
+    leader = etcd_trio.leader_index()
+    etcd_trio.stop_member(leader)
+    etcd_trio.stop_member((leader + 1) % 3)
+    for p in (a, b):
+        code = p.wait_exit()
+        text = p.text()
+        assert code != 0, text[-4000:]
+        assert re.search(r"lost its membership: .*store was unreachable", text), text[-4000:]
+        assert "elasticrun: error:" in text, text[-4000:]
+        assert "Traceback" not in text.replace("[rank", ""), text[-4000:]
+    cluster.assert_no_orphans()
+
+
+def test_etcd_brief_majority_loss_leader_still_decides(cluster: Cluster, etcd_trio) -> None:
+    """The leader's watch breaks while etcd has no quorum; once it is back, the leader
+    must still decide rounds (here: admit a third node), not sit dead on its key."""
+    conf = "heartbeat_timeout=8,last_call_timeout=0.5,join_timeout=60,store_timeout=1"
+    rdzv = _trio_rdzv(etcd_trio, conf)
+    a = start(cluster, rdzv, "a", 2, "2:3")
+    b = start(cluster, rdzv, "b", 3, "2:3")
+    for p in (a, b):
+        step(p, 2)
+    leader = next(p for p in (a, b) if re.search(r"leads job", p.text()))
+    mark = leader.mark()
+
+    stopped = [etcd_trio.leader_index()]
+    stopped.append((stopped[0] + 1) % 3)
+    for i in stopped:
+        etcd_trio.stop_member(i)
+    leader.wait_for(r"leader of job '[^']+': store call failed", start=mark)
+    for i in stopped:
+        etcd_trio.start_member(i)
+
+    c = start(cluster, rdzv, "c", 4, "2:3", conf=conf)
+    for p in (a, b, c):
+        step(p, 3, restart=0)
+    finish(cluster, a, b, c)
