@@ -1,7 +1,12 @@
-"""Exit with code argv[1] on global rank argv[2]; every other rank exits 0 (plain python)."""
+"""On global rank argv[2], exit with code argv[1] (or kill itself with that signal name,
+e.g. SIGKILL); every other rank exits 0 (plain python)."""
 
 import os
+import signal
 import sys
 
-code, bad_rank = int(sys.argv[1]), sys.argv[2]
-sys.exit(code if os.environ["RANK"] == bad_rank else 0)
+how, bad_rank = sys.argv[1], sys.argv[2]
+if os.environ["RANK"] == bad_rank:
+    if how.startswith("SIG"):
+        os.kill(os.getpid(), signal.Signals[how])
+    sys.exit(int(how))
