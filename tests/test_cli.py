@@ -125,15 +125,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def has_gpu() -> bool:
+def gpu_count() -> int:
+    """GPUs NVML sees on this host (0 without the library, the driver or a GPU)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
     except Exception:
-        return False
+        return 0
     try:
-        return pynvml.nvmlDeviceGetCount() > 0
+        return int(pynvml.nvmlDeviceGetCount())
     finally:
         pynvml.nvmlShutdown()
 
@@ -394,21 +395,35 @@ def test_nproc_per_node_cpu_is_the_cpu_count() -> None:
     assert cfg.worker.nproc_per_node == os.cpu_count()
 
 
-def test_nproc_per_node_auto_without_gpus_is_the_cpu_count() -> None:
-    if has_gpu():
-        pytest.skip("this host has a GPU: auto means one worker per GPU")
+def test_nproc_per_node_auto_is_the_gpu_count_else_the_cpu_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cfg = config("--standalone", "--nproc_per_node", "auto", str(SPEAK))
-    assert cfg.worker.nproc_per_node == os.cpu_count()
+    assert cfg.worker.nproc_per_node == (gpu_count() or os.cpu_count())
     assert cfg.nproc_request == "auto"
 
 
-def test_nproc_per_node_gpu_without_gpus_is_a_usage_error() -> None:
-    if has_gpu():
-        pytest.skip("this host has a GPU")
+def test_nproc_per_node_gpu_is_the_gpu_count_or_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpus = gpu_count()
+    if gpus:
+        cfg = config("--standalone", "--nproc-per-node", "gpu", str(SPEAK))
+        assert cfg.worker.nproc_per_node == gpus
+        return
     with pytest.raises(UsageError, match="--nproc-per-node=gpu needs a GPU"):
         config("--standalone", "--nproc-per-node", "gpu", str(SPEAK))
     result = run_cli(["--standalone", "--nproc-per-node", "gpu", SPEAK])
-    assert_one_line_usage_error(result, "needs a GPU")
+    assert_one_line_usage_error(result, "--nproc-per-node=gpu needs a GPU", "auto, cpu")
+
+
+def test_gpus_hidden_by_cuda_visible_devices_make_gpu_a_usage_error() -> None:
+    """With every GPU hidden (as CUDA reads "-1"), `gpu` fails even on a GPU host."""
+    result = run_cli(["--standalone", "--nproc-per-node", "gpu", SPEAK],
+                     env=clean_env(CUDA_VISIBLE_DEVICES="-1"))
+    assert_one_line_usage_error(result, "--nproc-per-node=gpu needs a GPU")
 
 
 # --- --standalone: a free port per job ----------------------------------------------------
