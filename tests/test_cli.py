@@ -7,6 +7,7 @@ user sees (exit codes, the one error line, console prefixes, log files) through 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import pytest
 from elasticrun.agent.spec import Std
 from elasticrun.errors import UsageError
 from elasticrun.launcher.cli import launch_parser
-from elasticrun.launcher.config import build_config
+from elasticrun.launcher.config import LaunchConfig, build_config
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
@@ -49,7 +50,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def start_cli(
-    args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+    args: Sequence[object], *, env: Mapping[str, str] | None = None, cwd: Path | None = None,
     module: str = "elasticrun",
 ) -> subprocess.Popen[str]:
     """`python -m <module> args` in its own session (so its pid is its group id)."""
@@ -92,7 +93,7 @@ def finish(proc: subprocess.Popen[str], timeout: float = 45.0) -> subprocess.Com
 
 
 def run_cli(
-    args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+    args: Sequence[object], *, env: Mapping[str, str] | None = None, cwd: Path | None = None,
     module: str = "elasticrun", timeout: float = 45.0,
 ) -> subprocess.CompletedProcess[str]:
     return finish(start_cli(args, env=env, cwd=cwd, module=module), timeout)
@@ -156,11 +157,11 @@ def procs() -> Iterator[list[subprocess.Popen[str]]]:
         stop(proc)
 
 
-def parse(*argv: str):  # type: ignore[no-untyped-def]
+def parse(*argv: str) -> argparse.Namespace:
     return launch_parser().parse_args(list(argv))
 
 
-def config(*argv: str):  # type: ignore[no-untyped-def]
+def config(*argv: str) -> LaunchConfig:
     return build_config(parse(*argv), os.environ)
 
 
