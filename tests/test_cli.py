@@ -271,6 +271,10 @@ def test_static_is_the_default_backend_with_torchruns_master_defaults() -> None:
     rdzv = cfg.rdzv
     assert (rdzv.node_rank, rdzv.master_addr, rdzv.master_port) == (1, "127.0.0.1", 29500)
     assert cfg.rdzv.settings.run_id == "none"
+    # as torchrun: a static --rdzv-endpoint names the master, over --master-addr/port
+    cfg = config("--nnodes", "2", "--master-port", "1234", "--rdzv_endpoint", "10.0.0.5:29777",
+                 str(SPEAK))
+    assert (cfg.rdzv.master_addr, cfg.rdzv.master_port) == ("10.0.0.5", 29777)
 
 
 # --- PET_* environment defaults -----------------------------------------------------------
@@ -480,6 +484,8 @@ BAD_INPUT = {
     "c10d with an endpoint list": (
         ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h1:29400,h2:29400", S],
         ["--rdzv-endpoint", "h1:29400,h2:29400", "etcd"]),
+    "static endpoint without port": (["--rdzv-endpoint", "localhost", S],
+                                     ["--rdzv-endpoint", "'localhost'", "host:port"]),
     "c10d without endpoint": (["--rdzv-backend", "c10d", S], ["--rdzv-endpoint"]),
     "etcd without endpoint": (["--rdzv-backend=etcd", S], ["--rdzv-endpoint"]),
     "missing script": (["--standalone", "no_such_train.py"], ["no_such_train.py", "not found"]),

@@ -262,11 +262,20 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     conf = parse_rdzv_conf(args.rdzv_conf)
     run_id = args.rdzv_id
     endpoint = args.rdzv_endpoint
+    master_addr, master_port = args.master_addr, args.master_port
     if backend == "standalone":
         run_id, endpoint = uuid.uuid4().hex[:12], "memory"
     elif backend == "etcd":
         for part in endpoint.split(","):
             parse_endpoint(part.strip(), DEFAULT_ETCD_PORT)
+    elif backend == "static" and endpoint:
+        # as torchrun: a static --rdzv-endpoint names the master, over --master-addr/port
+        master_addr, master_port = parse_endpoint(endpoint, 0)
+        if master_port == 0:
+            raise UsageError(
+                f"--rdzv-backend=static takes --rdzv-endpoint=host:port (the master's), "
+                f"got {endpoint!r}"
+            )
     elif backend == "c10d":
         if "," in endpoint:
             raise UsageError(
@@ -302,8 +311,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         conf=conf,
         local_addr=local_addr,
         node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
+        master_addr=master_addr,
+        master_port=master_port,
     )
 
     argv = entrypoint(args)
