@@ -27,6 +27,15 @@ RDZV_CONF = "heartbeat_timeout=2,last_call_timeout=0.5,join_timeout=60"
 WAIT = 60.0
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def tagged_pids(tag: str) -> list[int]:
     """PIDs of live (non-zombie) processes whose environment holds ELASTICRUN_TEST_TAG=tag."""
     needle = f"{TAG_VAR}={tag}".encode()

@@ -15,6 +15,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.agent_helpers import free_port
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, wait_until
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, pid_alive, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -97,18 +98,23 @@ def finish(cluster: Cluster, *agents: Proc) -> None:
 
 
 def node_id(agent: Proc) -> str:
-    return agent.wait_for(r"logs and error files go under \S+_(?P<id>[^_/\s]+_\d+)$").group("id")
+    """The agent's node id (the launcher's default: host_pid)."""
+    return f"{socket.gethostname()}_{agent.pid}"
 
 
-def kill_node(agent: Proc, worker_pid: int) -> None:
-    """SIGKILL a whole node: its agent and its worker, by PID."""
+def kill_node(agent: Proc, worker_pid: int, *, worker_too: bool = True) -> None:
+    """SIGKILL a node's agent and (by default) its worker, by PID; wait until both are gone.
+
+    With worker_too=False only the agent is killed: its worker must die with it.
+    """
     os.kill(agent.pid, signal.SIGKILL)
-    try:
-        os.kill(worker_pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    if worker_too:
+        try:
+            os.kill(worker_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     agent.wait_exit()
-    wait_until(lambda: not os.path.exists(f"/proc/{worker_pid}"), what=f"worker {worker_pid} to go")
+    wait_until(lambda: not pid_alive(worker_pid), what=f"worker {worker_pid} of {agent.name} to go")
 
 
 # --- issue 4, scenario 1: scale up ------------------------------------------------------
@@ -184,15 +190,16 @@ def test_fixed_size_waits_for_a_replacement(cluster: Cluster, rdzv: Rdzv) -> Non
     before = step(b, 2)
     mark = a.mark()
 
-    kill_node(b, int(before["pid"]))
+    # only b's agent is killed: its worker must not outlive it
+    kill_node(b, int(before["pid"]), worker_too=False)
     # the survivor stops its workers and waits for a second node
-    a.wait_for(r"workers healthy -> stopped", start=mark)
-    a.wait_for(r"waiting for nodes: 1 of min 2 registered \(max 2\)", start=mark)
+    stopped = a.wait_for(r"workers healthy -> stopped", start=mark).end()
+    a.wait_for(r"waiting for nodes: 1 of min 2 registered \(max 2\)", start=stopped)
     assert re.search(STEP.format(world=1), a.text()) is None
 
     c = start(cluster, rdzv, "c", 4, "2")
-    for p in (a, c):
-        step(p, 2, start=mark if p is a else 0, restart=0)
+    resumed = {p.name: step(p, 2, start=stopped if p is a else 0, restart=0) for p in (a, c)}
+    assert resumed["a"]["round"] == resumed["c"]["round"] != before["round"]
     finish(cluster, a, c)
 
 
@@ -306,7 +313,7 @@ def test_c10d_agent_hosts_the_store(cluster: Cluster) -> None:
 
 #: training steps to wait for after a change: with 0.1 s per step, longer than the
 #: heartbeat timeout (2 s), so a lease that was not renewed would have expired
-STEPS_AFTER = 30
+STEPS_AFTER = 25
 
 
 def _trio_rdzv(etcd_trio, conf: str = RDZV_CONF) -> Rdzv:
@@ -359,7 +366,7 @@ def test_etcd_majority_loss_agents_fail_clearly(cluster: Cluster, etcd_trio) -> 
         assert code != 0, text[-4000:]
         assert re.search(r"lost its membership: .*store was unreachable", text), text[-4000:]
         assert "elasticrun: error:" in text, text[-4000:]
-        assert "Traceback" not in text.replace("[rank", ""), text[-4000:]
+        assert "Traceback" not in text, text[-4000:]
     cluster.assert_no_orphans()
 
 
