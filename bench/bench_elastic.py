@@ -148,9 +148,25 @@ def _spawned(job: Job, t0: float, world: int, exclude: set[object] = frozenset()
     return max(first.values()) if len(first) == world else None
 
 
-def _phase(result: dict[str, object], name: str, t0: float, t1: float | None, cap: float, spawned: float | None = None, **extra: object) -> bool:
+def _errors(job: Job) -> list[str]:
+    """The distinct exception lines in the agents' logs (why a phase did not happen)."""
+    seen: list[str] = []
+    for log in sorted(job.workdir.glob("n*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            line = line.strip()
+            if ("Error:" in line or "error:" in line) and not line.startswith("File ") and f"{log.stem}: {line}" not in seen:
+                seen.append(f"{log.stem}: {line[:300]}")
+    return seen[-6:]
+
+
+def _phase(result: dict[str, object], name: str, t0: float, t1: float | None, cap: float, spawned: float | None = None,
+           job: Job | None = None, **extra: object) -> bool:
     """Record a phase: t0 -> first step (`s`) and t0 -> all new workers started (`spawn_s`)."""
     spawn_s = None if spawned is None else spawned - t0
+    if t1 is None and job is not None:
+        extra["errors"] = _errors(job)
+        for line in extra["errors"]:  # type: ignore[union-attr]
+            print(f"      {line}", flush=True)
     result[name] = {"s": None if t1 is None else t1 - t0, "spawn_s": spawn_s, "cap": cap, **extra}
     status = "did not complete within %gs" % cap if t1 is None else f"{t1 - t0:.2f} s"
     print(f"    {name}: first step {status}; workers started {fmt(spawn_s)} s", flush=True)
@@ -173,7 +189,7 @@ def run_rdzv(job: Job, n: int, cap: float) -> dict[str, object]:
             t_all = max(float(e["t_script"]) for e in round_starts)  # type: ignore[arg-type]
             break
         time.sleep(0.05)
-    _phase(result, "first_step", t0, job.step_at(n, t0, max(deadline - time.monotonic(), 1.0)), cap, spawned=t_all)
+    _phase(result, "first_step", t0, job.step_at(n, t0, max(deadline - time.monotonic(), 1.0)), cap, spawned=t_all, job=job)
     return result
 
 
@@ -185,12 +201,12 @@ def run_grow(job: Job, cap: float) -> dict[str, object]:
     first = job.events.first(lambda e: e["ev"] == "start", cap)
     result["first_round_world"] = None if first is None else first["world"]
     t1 = job.step_at(2, t0, cap)
-    if not _phase(result, "formation", t0, t1, cap, _spawned(job, t0, 2), first_round_world=result["first_round_world"]):
+    if not _phase(result, "formation", t0, t1, cap, _spawned(job, t0, 2), job, first_round_world=result["first_round_world"]):
         return result
     t0 = time.time()
     job.start_node(3)
     t1 = job.step_at(3, t0, cap)
-    if not _phase(result, "scale_up", t0, t1, cap, _spawned(job, t0, 3)):
+    if not _phase(result, "scale_up", t0, t1, cap, _spawned(job, t0, 3), job):
         return result
     time.sleep(0.5)
     job.events.refresh()
@@ -203,17 +219,17 @@ def run_grow(job: Job, cap: float) -> dict[str, object]:
         back = job.events.first(lambda e: e["ev"] == "step" and e["pid"] not in before, cap)
         t1 = None if back is None else float(back["t"])  # type: ignore[arg-type]
         t_crash = float(crash["t"])  # type: ignore[arg-type]
-        if not _phase(result, "crash", t_crash, t1, cap, _spawned(job, t_crash, 3, before), world_after=None if back is None else back["world"]):
+        if not _phase(result, "crash", t_crash, t1, cap, _spawned(job, t_crash, 3, before), job, world_after=None if back is None else back["world"]):
             return result
     else:
-        _phase(result, "crash", t0, None, cap, note="no worker claimed the crash file")
+        _phase(result, "crash", t0, None, cap, None, job, note="no worker claimed the crash file")
         return result
     job.step_at(3, t1, cap)  # stepping again at 3 before the next phase
     time.sleep(0.5)
     t0 = time.time()
     os.kill(job.nodes[3], signal.SIGTERM)
     t1 = job.step_at(2, t0, cap)
-    _phase(result, "sigterm", t0, t1, cap, _spawned(job, t0, 2))
+    _phase(result, "sigterm", t0, t1, cap, _spawned(job, t0, 2), job)
     return result
 
 
@@ -223,13 +239,13 @@ def run_kill(job: Job, cap: float) -> dict[str, object]:
     for i in (1, 2, 3):
         job.start_node(i)
     t1 = job.step_at(3, t0, cap)
-    if not _phase(result, "formation_3_of_max_3", t0, t1, cap, _spawned(job, t0, 3)):
+    if not _phase(result, "formation_3_of_max_3", t0, t1, cap, _spawned(job, t0, 3), job):
         return result
     time.sleep(0.5)
     t0 = time.time()
     kill_tree(job.nodes[3], signal.SIGKILL)
     t1 = job.step_at(2, t0, cap)
-    _phase(result, "sigkill", t0, t1, cap, _spawned(job, t0, 2))
+    _phase(result, "sigkill", t0, t1, cap, _spawned(job, t0, 2), job)
     return result
 
 
@@ -289,7 +305,7 @@ def main() -> int:
         for phase in PHASES[scenario]:
             cells: dict[str, dict[str, object]] = {}
             for launcher in ("elasticrun", "torchrun", "torchrun-noshare"):
-                rs = [t[phase] for t in trials if t["scenario"] == scenario and t["launcher"] == launcher]
+                rs = [t.get(phase) for t in trials if t["scenario"] == scenario and t["launcher"] == launcher]
                 runs = sum(1 for t in trials if t["scenario"] == scenario and t["launcher"] == launcher)
                 steps = [r["s"] for r in rs if isinstance(r, dict) and r["s"] is not None]  # type: ignore[index]
                 spawns = [r["spawn_s"] for r in rs if isinstance(r, dict) and r["spawn_s"] is not None]  # type: ignore[index]
