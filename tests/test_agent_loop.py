@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -68,8 +69,12 @@ async def test_restarts_increment_the_restart_count_until_success(tmp_path: Path
     assert result.state is WorkerState.SUCCEEDED
     assert result.exit_code == 0
     assert seen.read_text().split() == ["0", "1", "2"]
-    attempts = sorted(p.name for p in agent.run_dir.iterdir())
+    attempts = sorted(p.name for p in agent.run_dir.glob("attempt_*"))
     assert attempts == ["attempt_0", "attempt_1", "attempt_2"]
+    events = [json.loads(line) for line in (agent.run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("healthy") == 3 and kinds[-1] == "succeeded"
+    assert sum("restarting (" in e["detail"] for e in events) == 2
 
 
 async def test_exhausted_budget_exits_1_with_the_root_cause_from_stderr(

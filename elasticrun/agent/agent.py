@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 import os
 import signal
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,14 +33,14 @@ from elasticrun.agent.output import WorkerOutput, plan_streams
 from elasticrun.agent.processes import WorkerGroup
 from elasticrun.agent.spec import WorkerSpec, WorkerState
 from elasticrun.errors import RendezvousClosedError, UsageError, WorkerStartError
-from elasticrun.rendezvous.api import Assignment, RendezvousHandler
+from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 
 logger = logging.getLogger("elasticrun.agent")
 
 #: torchrun exits 1 alike for failed workers, a spent budget and a signal to the agent
 EXIT_FAILURE = 1
 #: the exit code of an agent that finds the job already closed, by outcome
-_CLOSED_EXIT_CODES = {"succeeded": 0, "failed": EXIT_FAILURE, "stopped": EXIT_FAILURE}
+_CLOSED_EXIT_CODES = {"succeeded": 0, "failed": EXIT_FAILURE, "stopped": 0}
 #: how long output still in the pipes may take to arrive once the workers are reaped
 _DRAIN_TIMEOUT = 5.0
 
@@ -57,6 +59,7 @@ class Outcome(enum.Enum):
     ROUND_ENDED = "round ended"
     SIGNALLED = "signalled"
     WATCH = "watch fired"
+    DRAINED = "drained"
 
 
 class Action(enum.Enum):
@@ -82,7 +85,7 @@ def decide(outcome: Outcome, restart_count: int, max_restarts: int) -> Action:
             return Action.RESTART if restart_count < max_restarts else Action.FAIL
         case Outcome.ROUND_ENDED:
             return Action.NEXT_ROUND
-        case Outcome.SIGNALLED | Outcome.WATCH:
+        case Outcome.SIGNALLED | Outcome.WATCH | Outcome.DRAINED:
             return Action.LEAVE
 
 
@@ -117,6 +120,8 @@ class Agent:
         self._signalled = asyncio.Event()
         self._attempts = 0
         self._state: WorkerState | None = None  # None: before the first round
+        self._assignment: Assignment | None = None
+        self._pids: tuple[int, ...] = ()
         root = spec.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
         #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/
         self.run_dir = root / f"{spec.run_id}_{spec.node_id}"
@@ -148,13 +153,17 @@ class Agent:
                 WorkerState.INIT, self.handler.waiting_status or "waiting for a round"
             )
             try:
-                assignment = await _first_of(self.handler.next_round(), self._wait_signal())
+                assignment = await _first_of(
+                    self.handler.next_round(), self._wait_signal(), self.handler.drained()
+                )
             except RendezvousClosedError as e:
                 return self._closed(e)
-            if assignment is None:
-                reason = f"the agent received {self._signal_name()}"
+            if not isinstance(assignment, Assignment):
+                reason = assignment or f"the agent received {self._signal_name()}"
                 await self.handler.leave(reason)
-                return self._end(WorkerState.STOPPED, EXIT_FAILURE, reason)
+                code = EXIT_FAILURE if self._signal is not None else 0
+                return self._end(WorkerState.STOPPED, code, reason)
+            self._assignment = assignment
             try:
                 attempt = await self._run_attempt(assignment)
             except WorkerStartError as e:
@@ -190,7 +199,8 @@ class Agent:
                     self._set_state(WorkerState.STOPPED, attempt.reason)
                 case Action.LEAVE:
                     await self.handler.leave(attempt.reason)
-                    return self._end(WorkerState.STOPPED, EXIT_FAILURE, attempt.reason)
+                    code = 0 if attempt.outcome is Outcome.DRAINED else EXIT_FAILURE
+                    return self._end(WorkerState.STOPPED, code, attempt.reason)
 
     async def _run_attempt(self, assignment: Assignment) -> _Attempt:
         """Start the workers for `assignment`, wait for the first ending, stop them."""
@@ -223,7 +233,9 @@ class Agent:
                     proc.stderr,
                     assignment.rank_offset + local_rank,
                     plan_streams(spec, local_rank, attempt_dir / str(local_rank)),
+                    publish=self.handler.report_output,
                 )
+            self._pids = tuple(proc.pid for proc in group.procs.values())
             last_rank = assignment.rank_offset + spec.nproc_per_node - 1
             self._set_state(
                 WorkerState.HEALTHY,
@@ -237,6 +249,7 @@ class Agent:
                 self._workers_done(group),
                 self._round_ended(),
                 self._signalled_outcome(),
+                self._drained_outcome(),
                 *(self._watched(watch) for watch in self.watches),
             )
         finally:
@@ -277,6 +290,9 @@ class Agent:
         await self._signalled.wait()
         return Outcome.SIGNALLED, f"the agent received {self._signal_name()}"
 
+    async def _drained_outcome(self) -> tuple[Outcome, str]:
+        return Outcome.DRAINED, await self.handler.drained()
+
     async def _watched(self, watch: Watch) -> tuple[Outcome, str]:
         return Outcome.WATCH, await watch()
 
@@ -301,10 +317,28 @@ class Agent:
         return AgentResult(state, exit_code, message, report)
 
     def _set_state(self, state: WorkerState, reason: str) -> None:
+        """One log line, one event, one status report per state change."""
         level = logging.WARNING if state is WorkerState.FAILED else logging.INFO
         before = self._state.value if self._state is not None else "start"
         logger.log(level, "workers %s -> %s: %s", before, state.value, reason)
         self._state = state
+        if state is not WorkerState.HEALTHY:
+            self._pids = ()
+        self._write_event(state.value, reason)
+        self.handler.report_event(state.value, reason)
+        self.handler.report_status(
+            AgentStatus(state.value, reason, self._assignment, self._pids, self._attempts)
+        )
+
+    def _write_event(self, kind: str, detail: str) -> None:
+        """Append to this node's event log (JSON lines) beside its worker logs."""
+        event = {"at": time.time(), "node": self.spec.node_id, "kind": kind, "detail": detail}
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with (self.run_dir / "events.jsonl").open("a") as f:
+                f.write(json.dumps(event) + "\n")
+        except OSError as e:
+            logger.warning("cannot write the event log in %s: %s", self.run_dir, e.strerror)
 
 
 async def _first_of(*awaitables: Awaitable[T]) -> T:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -26,6 +27,9 @@ TAIL_LINES = 200
 #: a longer line is cut into pieces of this size, so memory stays bounded
 MAX_LINE = 64 * 1024
 _CHUNK = 64 * 1024
+
+#: (global rank, "stdout" or "stderr", whole lines) -> None
+LineSink = Callable[[int, str, list[str]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,30 +66,37 @@ class WorkerOutput:
         stderr: asyncio.StreamReader,
         global_rank: int,
         plans: dict[Std, StreamPlan],
+        publish: LineSink | None = None,
     ) -> None:
+        """`publish(global_rank, stream, lines)` also gets every whole line, decoded."""
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
         # Files are opened here, so a log folder we cannot write to fails the start.
         out_file = plans[Std.OUT].file.open("wb") if plans[Std.OUT].file else None
         err_file = plans[Std.ERR].file.open("wb") if plans[Std.ERR].file else None
+
+        def sink(stream: str) -> Callable[[list[str]], None]:
+            def take(lines: list[str]) -> None:
+                if stream == "stderr":
+                    self.stderr_tail.extend(lines)
+                if publish is not None:
+                    publish(global_rank, stream, lines)
+
+            return take
+
         self._tasks = [
             asyncio.create_task(
                 _copy(
-                    stdout,
-                    f"[{global_rank}]<stdout>: ".encode(),
-                    sys.stdout.buffer if plans[Std.OUT].console else None,
-                    out_file,
-                    None,
+                    reader,
+                    f"[{global_rank}]<{stream}>: ".encode(),
+                    console if plans[std].console else None,
+                    log_file,
+                    sink(stream),
                 )
-            ),
-            asyncio.create_task(
-                _copy(
-                    stderr,
-                    f"[{global_rank}]<stderr>: ".encode(),
-                    sys.stderr.buffer if plans[Std.ERR].console else None,
-                    err_file,
-                    self.stderr_tail,
-                )
-            ),
+            )
+            for reader, stream, std, console, log_file in (
+                (stdout, "stdout", Std.OUT, sys.stdout.buffer, out_file),
+                (stderr, "stderr", Std.ERR, sys.stderr.buffer, err_file),
+            )
         ]
 
     async def drain(self, timeout: float) -> None:
@@ -105,10 +116,10 @@ async def _copy(
     prefix: bytes,
     console: BinaryIO | None,
     log_file: BinaryIO | None,
-    tail: deque[str] | None,
+    sink: Callable[[list[str]], None],
 ) -> None:
     """Copy one pipe until it closes: whole prefixed lines to the console, bytes to the
-    log file, decoded lines to the tail."""
+    log file, decoded lines to the sink."""
     log = log_file
     try:
         partial = b""
@@ -119,8 +130,8 @@ async def _copy(
             lines, partial = _split_lines(partial + chunk, eof=not chunk)
             if console is not None and lines:
                 console = _write(console, b"".join(prefix + line + b"\n" for line in lines))
-            if tail is not None:
-                tail.extend(line.decode(errors="replace") for line in lines)
+            if lines:
+                sink([line.decode(errors="replace") for line in lines])
             if not chunk:
                 return
     finally:

@@ -8,6 +8,7 @@ agent.
 from __future__ import annotations
 
 import abc
+import asyncio
 from dataclasses import dataclass
 
 
@@ -27,6 +28,17 @@ class Assignment:
     master_port: int
     #: worker-failure restarts the job has used so far (TORCHELASTIC_RESTART_COUNT)
     restart_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStatus:
+    """What the agent reports of itself, for `elasticrun status`."""
+
+    state: str
+    reason: str
+    assignment: Assignment | None
+    pids: tuple[int, ...]
+    attempt: int
 
 
 class RendezvousHandler(abc.ABC):
@@ -82,3 +94,23 @@ class RendezvousHandler(abc.ABC):
     def waiting_status(self) -> str:
         """What the handler is waiting for right now, for the agent's log."""
         return ""
+
+    async def drained(self) -> str:
+        """Return (with the reason) when an operator asks this node to leave.
+
+        Backends without job control never return.
+        """
+        await asyncio.Event().wait()
+        return ""
+
+    # Reports for job control. Best effort and never blocking: a backend publishes
+    # them in the background (or, without a store, not at all).
+
+    def report_status(self, status: AgentStatus) -> None:
+        """This node's state changed."""
+
+    def report_output(self, rank: int, stream: str, lines: list[str]) -> None:
+        """Worker `rank` printed these whole lines."""
+
+    def report_event(self, kind: str, detail: str) -> None:
+        """Something worth the job's event log happened on this node."""

@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
@@ -27,15 +29,22 @@ from elasticrun.errors import (
     SpecMismatchError,
     StoreError,
 )
-from elasticrun.rendezvous.api import Assignment, RendezvousHandler
+from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
 from elasticrun.rendezvous.state import (
+    DrainRequest,
+    Event,
+    JobLaunch,
     Keys,
+    LogLine,
+    LogWindow,
+    NodeStatus,
     LeaderState,
     Master,
     NodeInfo,
     RestartRequest,
     Round,
+    decode_drain,
     decode_master,
     decode_node,
     decode_restart,
@@ -53,6 +62,13 @@ log = logging.getLogger("elasticrun.rendezvous")
 _DETAIL_LIMIT = 16_000
 #: the leader publishes its waiting reason at most this often
 _STATE_MIN_INTERVAL = 0.5
+#: a node publishes its status, output windows and events at most this often
+_REPORT_INTERVAL = 0.5
+#: lines of each rank's output kept in the store, and the longest line kept whole
+LOG_WINDOW_LINES = 100
+_LOG_LINE_CHARS = 1000
+#: events kept in the store (the leader prunes older ones)
+EVENTS_KEPT = 200
 
 
 def free_port(addr: str) -> int:
@@ -110,13 +126,45 @@ class ElasticRendezvous(RendezvousHandler):
         self._round: Round | None = None
         self._master: Master | None = None
         self._state: LeaderState | None = None
+        self._drain: DrainRequest | None = None
         self._last_round = 0
+        # reports for job control, published in the background
+        self._report_due = asyncio.Event()
+        self._status: AgentStatus | None = None
+        self._status_dirty = False
+        self._windows: dict[int, deque[LogLine]] = {}
+        self._line_seq: dict[int, int] = {}
+        self._dirty_logs: set[int] = set()
+        self._events: list[Event] = []
 
     # --- RendezvousHandler -----------------------------------------------------------
 
     @property
     def waiting_status(self) -> str:
         return self._state.reason if self._state else "waiting for the leader's first decision"
+
+    async def drained(self) -> str:
+        while self._drain is None:
+            await self._pulse.wait()
+        return f"drained: {self._drain.reason}"
+
+    def report_status(self, status: AgentStatus) -> None:
+        self._status, self._status_dirty = status, True
+        self._report_due.set()
+
+    def report_output(self, rank: int, stream: str, lines: list[str]) -> None:
+        window = self._windows.setdefault(rank, deque(maxlen=LOG_WINDOW_LINES))
+        seq = self._line_seq.get(rank, 0)
+        for text in lines[-LOG_WINDOW_LINES:]:
+            seq += 1
+            window.append(LogLine(seq=seq, stream=stream, text=text[:_LOG_LINE_CHARS]))
+        self._line_seq[rank] = seq + max(len(lines) - LOG_WINDOW_LINES, 0)
+        self._dirty_logs.add(rank)
+        self._report_due.set()
+
+    def report_event(self, kind: str, detail: str) -> None:
+        self._events.append(Event(at=time.time(), node=self._me.node_id, kind=kind, detail=detail))
+        self._report_due.set()
 
     async def next_round(self) -> Assignment:
         deadline = self._clock() + self._settings.join_timeout
@@ -174,7 +222,12 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def leave(self, reason: str) -> None:
         log.info("node %s leaving job '%s': %s", self._me.node_id, self.run_id, reason)
+        self.report_event("left", reason)
+        await self._flush_reports()
         await self.aclose()
+        if self._drain is not None:
+            with contextlib.suppress(StoreError):
+                await self._store.delete(self._keys.drain(self._me.node_id))
 
     async def stop_job(self, reason: str) -> None:
         """End the job for every node: workers are stopped, agents exit 0."""
@@ -208,11 +261,16 @@ class ElasticRendezvous(RendezvousHandler):
         await self._store.put(keys.node(self._me.node_id), encode(self._me), lease=self._lease)
         self._spawn(self._keep_alive(self._lease))
         self._spawn(self._watch_job(snapshot.revision + 1))
+        self._spawn(self._publish_reports())
         await self._try_lead()
 
     async def _check_spec(self) -> None:
         raw = encode_spec(self._spec)
         if await self._store.compare_and_put(self._keys.spec, raw, expected_mod_revision=0):
+            # A new job: the events of an earlier job with this id go.
+            await self._store.delete_prefix(self._keys.events)
+            launch = JobLaunch(cwd=os.getcwd(), created_at=time.time(), created_by=self._me.node_id)
+            await self._store.put(self._keys.launch, encode(launch))
             return
         stored = await self._store.get(self._keys.spec)
         if stored is None:  # closed and cleared in between: ours is the new spec
@@ -268,7 +326,7 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def _reread_job(self) -> RangeResult:
         snapshot = await self._store.get_prefix(self._keys.job)
-        self._round = self._master = self._state = None
+        self._round = self._master = self._state = self._drain = None
         for kv in snapshot.kvs:
             self._apply_job(kv.key, kv.value)
         return snapshot
@@ -281,6 +339,8 @@ class ElasticRendezvous(RendezvousHandler):
             self._master = decode_master(value) if value else None
         elif key == keys.state:
             self._state = decode_state(value) if value else None
+        elif key == keys.drain(self._me.node_id):
+            self._drain = decode_drain(value) if value else None
 
     async def _master_of(self, current: Round, rank: int) -> Master | None:
         """The round's master address; node rank 0 picks a port and publishes it."""
@@ -331,6 +391,50 @@ class ElasticRendezvous(RendezvousHandler):
         log.info("job '%s' closed (%s)", self.run_id, outcome)
         for key in (keys.spec, keys.restart, keys.master, keys.state):
             await self._store.delete(key)
+
+    async def _publish_reports(self) -> None:
+        """Publish what the agent reported, batched: at most one batch per interval."""
+        while True:
+            await self._report_due.wait()
+            try:
+                await self._flush_reports()
+            except StoreError as e:
+                log.debug("could not publish this node's status: %s", e)
+            await asyncio.sleep(_REPORT_INTERVAL)
+
+    async def _flush_reports(self) -> None:
+        self._report_due.clear()
+        keys, lease = self._keys, self._lease or 0
+        if lease and self._status_dirty and self._status is not None:
+            self._status_dirty = False
+            await self._store.put(keys.status(self._me.node_id), encode(self._node_status(self._status)), lease=lease)
+        while lease and self._dirty_logs:
+            rank = self._dirty_logs.pop()
+            window = LogWindow(rank=rank, node_id=self._me.node_id, lines=tuple(self._windows[rank]))
+            await self._store.put(keys.log(rank), encode(window), lease=lease)
+        while self._events:
+            event = self._events.pop(0)
+            await self._store.put(keys.event(event.at, event.node), encode(event))
+
+    def _node_status(self, status: AgentStatus) -> NodeStatus:
+        a, me = status.assignment, self._me
+        return NodeStatus(
+            node_id=me.node_id,
+            host=me.host,
+            addr=me.addr,
+            state=status.state,
+            reason=status.reason,
+            round=a.round if a else 0,
+            node_rank=a.node_rank if a else -1,
+            ranks=f"{a.rank_offset}-{a.rank_offset + me.nproc - 1}" if a else "",
+            world_size=a.world_size if a else 0,
+            restarts=a.restart_count if a else 0,
+            attempt=status.attempt,
+            pids=status.pids,
+            gpus=me.gpus,
+            started_at=me.started_at,
+            updated_at=time.time(),
+        )
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
@@ -438,8 +542,19 @@ class _Leader:
         )
         if written:
             log.info("round %d: %s", new_round.number, new_round.reason)
+            await self._record_round(new_round)
         # Either way the watch brings the round record that now stands.
         return True
+
+    async def _record_round(self, new_round: Round) -> None:
+        """Log the round in the job's events, and prune the oldest events."""
+        keys, at = self._keys, new_round.opened_at
+        world = f"{_plural(len(new_round.participants), 'node')}, world size {new_round.world_size}"
+        event = Event(at=at, node=self._rdzv._me.node_id, kind="round", detail=f"round {new_round.number} ({world}): {new_round.reason}")
+        await self._store.put(keys.event(at, event.node), encode(event))
+        events = await self._store.get_prefix(keys.events)
+        for kv in events.kvs[: max(len(events.kvs) - EVENTS_KEPT, 0)]:
+            await self._store.delete(kv.key)
 
     async def _publish(self, decision: Decision) -> float | None:
         """Publish the waiting reason, at most every _STATE_MIN_INTERVAL; else say when."""
@@ -489,6 +604,10 @@ class _Leader:
             self._round_rev = kv.mod_revision if kv else 0
         elif key == keys.restart:
             self._restart = decode_restart(kv.value) if kv else None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

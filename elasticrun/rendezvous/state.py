@@ -12,6 +12,11 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`):
     job/master        Master: MASTER_ADDR/PORT of the current round, by its node rank 0
     job/spec          the job spec digest; a node with another spec is refused
     job/state         LeaderState: what the leader waits for, for waiting nodes and status
+    job/launch        JobLaunch: when and where the job was started (for status and join)
+    job/drain/<node>  DrainRequest: an operator asked this node to leave
+    status/<node_id>  NodeStatus: the node's live state, bound to its lease
+    logs/<rank>       LogWindow: the latest lines of one rank, bound to its node's lease
+    events/<t>-<node> Event: what happened, oldest pruned by the leader
 
 Only the leader watches `nodes/` and `restart`; every node watches `job/`. A membership
 change therefore costs O(1) events per node, which is what lets one round span
@@ -79,6 +84,38 @@ class Keys:
     def state(self) -> str:
         return self.job + "state"
 
+    @property
+    def launch(self) -> str:
+        return self.job + "launch"
+
+    @property
+    def drains(self) -> str:
+        return self.job + "drain/"
+
+    def drain(self, node_id: str) -> str:
+        return self.drains + node_id
+
+    @property
+    def statuses(self) -> str:
+        return self.prefix + "status/"
+
+    def status(self, node_id: str) -> str:
+        return self.statuses + node_id
+
+    @property
+    def logs(self) -> str:
+        return self.prefix + "logs/"
+
+    def log(self, rank: int) -> str:
+        return f"{self.logs}{rank:08d}"
+
+    @property
+    def events(self) -> str:
+        return self.prefix + "events/"
+
+    def event(self, at: float, node_id: str) -> str:
+        return f"{self.events}{int(at * 1e6):020d}-{node_id}"
+
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
@@ -90,6 +127,7 @@ class NodeInfo:
     nproc: int
     pid: int
     started_at: float  # wall-clock time, for display only
+    gpus: tuple[str, ...] = ()  # GPU names, for display
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +197,68 @@ class LeaderState:
     waiting: tuple[str, ...] = field(default=())
 
 
+@dataclass(frozen=True, slots=True)
+class JobLaunch:
+    """Facts about the job that nodes need not agree on: where and when it started."""
+
+    cwd: str
+    created_at: float
+    created_by: str
+
+
+@dataclass(frozen=True, slots=True)
+class DrainRequest:
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    """A node's live state, as `elasticrun status` shows it."""
+
+    node_id: str
+    host: str
+    addr: str
+    state: str
+    reason: str
+    round: int
+    node_rank: int  # -1 while the node has no place in a round
+    ranks: str  # "4-7", "" without a place
+    world_size: int
+    restarts: int
+    attempt: int
+    pids: tuple[int, ...]
+    gpus: tuple[str, ...]
+    started_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class LogLine:
+    seq: int
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class LogWindow:
+    """The latest lines of one rank; `seq` numbers lines across the window's life."""
+
+    rank: int
+    node_id: str
+    lines: tuple[LogLine, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One entry of the job's event log."""
+
+    at: float
+    node: str
+    kind: str
+    detail: str
+
+
 # --- JSON codec ----------------------------------------------------------------------
 
 
@@ -183,7 +283,34 @@ def _load(raw: bytes, what: str) -> dict:
 
 
 def decode_node(raw: bytes) -> NodeInfo:
-    return NodeInfo(**_load(raw, "node"))
+    body = _load(raw, "node")
+    body["gpus"] = tuple(body.get("gpus", ()))
+    return NodeInfo(**body)
+
+
+def decode_launch(raw: bytes) -> JobLaunch:
+    return JobLaunch(**_load(raw, "launch"))
+
+
+def decode_drain(raw: bytes) -> DrainRequest:
+    return DrainRequest(**_load(raw, "drain"))
+
+
+def decode_status(raw: bytes) -> NodeStatus:
+    body = _load(raw, "status")
+    body["pids"] = tuple(body["pids"])
+    body["gpus"] = tuple(body["gpus"])
+    return NodeStatus(**body)
+
+
+def decode_log(raw: bytes) -> LogWindow:
+    body = _load(raw, "log")
+    body["lines"] = tuple(LogLine(**line) for line in body["lines"])
+    return LogWindow(**body)
+
+
+def decode_event(raw: bytes) -> Event:
+    return Event(**_load(raw, "event"))
 
 
 def decode_round(raw: bytes) -> Round:
