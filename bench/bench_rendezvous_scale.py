@@ -1,0 +1,397 @@
+"""A rendezvous-only simulation of up to 1,000 nodes against one store.
+
+    python bench/bench_rendezvous_scale.py                        # 100, 300, 1,000 nodes; grpc and etcd
+    python bench/bench_rendezvous_scale.py --sizes 1000 --backends grpc --profile-server /tmp/srv.prof
+
+No workers and no agents: each client process runs many `ElasticRendezvous` instances
+(one per simulated node, each with its own store client and lease) on one event loop.
+Stores: the built-in engine (`MemoryStore`) behind a real `StoreServer` over gRPC, in a
+process of its own; or a real etcd (one member on loopback, memory-backed data dir,
+as tests/etcd_support.py starts it).
+
+Settings: --nnodes=(N-1):N, last_call 0.5 s (short, for the bench; only waited on if the
+N-th registration came more than 0.5 s after the (N-1)-th), heartbeat 5 s (keep-alives
+every 1.7 s). Per size and backend, two rounds:
+  round 1 (formation): every node calls next_round() at once; time from the moment the
+      last node finished registering (lease, spec check, its node key, its watch) to
+      the moment the last node holds its Assignment.
+  round 2 (one node leaves): one node calls leave() (revokes its lease); time from that
+      call to the moment every remaining node holds its round-2 Assignment.
+Store operations per round are counted on the server side: for our server by a counting
+wrapper around its engine (bench-only subclass: one count per engine call a request
+makes, plus every watch event sent); for etcd from its /metrics (gRPC requests and
+stream messages received per method, and watch events sent). Keep-alives are listed
+apart: they flow all the time, not because of the round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import cProfile
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import become_subreaper, fmt, loadavg, machine, write_json  # noqa: E402
+
+HOST = "127.0.0.1"
+LAST_CALL = 0.5
+HEARTBEAT = 5.0
+CAP_S = 120.0
+
+
+# --- children ---------------------------------------------------------------------------
+
+
+def role_serve(profile: str) -> None:
+    """A StoreServer over a MemoryStore that counts what the requests do."""
+    from elasticrun.rendezvous.memory_store import MemoryStore
+    from elasticrun.rendezvous.server import StoreServer
+
+    counts: collections.Counter[str] = collections.Counter()
+
+    class Counting(MemoryStore):
+        async def get(self, key):  # type: ignore[no-untyped-def]
+            counts["get"] += 1
+            return await super().get(key)
+
+        async def get_prefix(self, prefix):  # type: ignore[no-untyped-def]
+            counts["get_prefix"] += 1
+            return await super().get_prefix(prefix)
+
+        async def put(self, key, value, *, lease=0):  # type: ignore[no-untyped-def]
+            counts["put"] += 1
+            return await super().put(key, value, lease=lease)
+
+        async def compare_and_put(self, key, value, *, expected_mod_revision, lease=0):  # type: ignore[no-untyped-def]
+            counts["compare_and_put"] += 1
+            return await super().compare_and_put(key, value, expected_mod_revision=expected_mod_revision, lease=lease)
+
+        async def delete(self, key):  # type: ignore[no-untyped-def]
+            counts["delete"] += 1
+            return await super().delete(key)
+
+        async def grant_lease(self, ttl):  # type: ignore[no-untyped-def]
+            counts["grant_lease"] += 1
+            return await super().grant_lease(ttl)
+
+        async def keep_alive(self, lease):  # type: ignore[no-untyped-def]
+            counts["keep_alive"] += 1
+            return await super().keep_alive(lease)
+
+        async def revoke_lease(self, lease):  # type: ignore[no-untyped-def]
+            counts["revoke_lease"] += 1
+            return await super().revoke_lease(lease)
+
+        async def watch_batches(self, key, start_revision, prefix):  # type: ignore[no-untyped-def]
+            counts["watch"] += 1
+            async for batch in super().watch_batches(key, start_revision, prefix):
+                counts["watch_events_sent"] += len(batch)
+                for e in batch:  # which records fan out: job/round, job/state, nodes/*, ...
+                    part = e.key.split("/")
+                    counts["events:" + ("nodes/*" if "nodes" in part else part[-1])] += 1
+                yield batch
+
+    async def serve() -> None:
+        server = StoreServer(HOST, 0, engine=Counting())
+        await server.start()
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        print(server.port, flush=True)
+
+        async def commands() -> None:
+            while True:
+                line = await asyncio.to_thread(sys.stdin.readline)
+                if not line:
+                    stop.set()
+                    return
+                print(json.dumps(dict(counts)), flush=True)
+                counts.clear()
+
+        task = asyncio.ensure_future(commands())
+        await stop.wait()
+        task.cancel()
+        await server.stop(0)
+
+    profiler = cProfile.Profile() if profile else None
+    if profiler:
+        profiler.enable()
+    asyncio.run(serve())
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(profile)
+
+
+def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int, total: int, leaver: int, profile: str) -> None:
+    """`count` ElasticRendezvous instances (node ids first..first+count-1) on one loop."""
+    from elasticrun.rendezvous.decide import RendezvousSettings
+    from elasticrun.rendezvous.elastic import ElasticRendezvous
+    from elasticrun.rendezvous.state import NodeInfo
+
+    os.nice(5)  # the store first: in a cluster each node has its own host
+    settings = RendezvousSettings(run_id, max(total - 1, 1), total, last_call=LAST_CALL, heartbeat_ttl=HEARTBEAT, join_timeout=CAP_S)
+    registered: dict[int, float] = {}
+
+    class Timed(ElasticRendezvous):
+        async def _register(self) -> None:  # bench-only: note when registration is done
+            await super()._register()
+            registered[int(self._me.node_id[4:])] = time.time()
+
+    def make_store():  # type: ignore[no-untyped-def]
+        if backend == "grpc":
+            from elasticrun.rendezvous.grpc_store import GrpcStore
+
+            return GrpcStore(endpoint, timeout=60)
+        from elasticrun.rendezvous.etcd_store import EtcdStore
+
+        return EtcdStore([endpoint], timeout=60)
+
+    async def main() -> None:
+        nodes, stores = {}, []
+        for n in range(first, first + count):
+            store = make_store()
+            stores.append(store)
+            me = NodeInfo(node_id=f"node{n:05d}", host=socket.gethostname(), addr=HOST, nproc=1, pid=os.getpid(), started_at=time.time())
+            nodes[n] = Timed(store, settings, me, spec={"bench": 1}, pick_port=lambda addr: 29500)
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)  # go
+        round1: dict[int, float] = {}
+        round2: dict[int, float] = {}
+        errors: list[str] = []
+
+        async def life(n: int) -> None:
+            try:
+                a1 = await nodes[n].next_round()
+                round1[n] = time.time()
+                if n == leaver:
+                    return
+                await nodes[n].round_ended()
+                a2 = await nodes[n].next_round()
+                round2[n] = time.time()
+                assert a2.round > a1.round
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"node{n}: {type(e).__name__}: {e}")
+
+        tasks = [asyncio.ensure_future(life(n)) for n in nodes]
+        deadline = time.monotonic() + CAP_S
+        while len(round1) + len(errors) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        print(json.dumps({"registered": registered, "round1": round1, "errors": errors}), flush=True)
+        await asyncio.to_thread(sys.stdin.readline)  # leave (acted on by the leaver's process)
+        t_leave = None
+        if leaver in nodes:
+            t_leave = time.time()
+            await nodes[leaver].leave("bench: scale in")
+        expected = count - (leaver in nodes)
+        deadline = time.monotonic() + CAP_S
+        while len(round2) + len(errors) < expected and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        print(json.dumps({"round2": round2, "t_leave": t_leave, "errors": errors}), flush=True)
+        await asyncio.to_thread(sys.stdin.readline)  # quit
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(r.aclose() for r in nodes.values()), return_exceptions=True)
+        await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
+
+    profiler = cProfile.Profile() if profile else None
+    if profiler:
+        profiler.enable()
+    asyncio.run(main())
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(profile)
+
+
+# --- the driver ---------------------------------------------------------------------------
+
+
+def child(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def send(proc: subprocess.Popen[str], line: str = "x") -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def recv(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"child {proc.pid} ended without answering (exit {proc.poll()})")
+    return line
+
+
+_METRIC = re.compile(r'^(grpc_server_handled_total|grpc_server_msg_received_total)\{.*grpc_method="(\w+)".*\} (\S+)$')
+
+
+class EtcdCounter:
+    """Server-side counts from etcd's /metrics: requests handled and stream messages."""
+
+    def __init__(self, cluster: object) -> None:
+        self.cluster = cluster
+        self.last = self._read()
+
+    def _read(self) -> collections.Counter[str]:
+        counts: collections.Counter[str] = collections.Counter()
+        for line in self.cluster._http(0, "/metrics").splitlines():  # type: ignore[attr-defined]
+            m = _METRIC.match(line)
+            if m:
+                kind = "rpc" if m.group(1) == "grpc_server_handled_total" else "msg"
+                counts[f"{kind}:{m.group(2)}"] += int(float(m.group(3)))
+            elif line.startswith("etcd_debugging_mvcc_events_total "):
+                counts["watch_events_sent"] += int(float(line.split()[1]))
+        return counts
+
+    def delta(self) -> dict[str, int]:
+        now = self._read()
+        d = {k: now[k] - self.last.get(k, 0) for k in now if now[k] - self.last.get(k, 0)}
+        self.last = now
+        return d
+
+
+def summarise_ops(counts: dict[str, int], backend: str) -> tuple[int, int, dict[str, int]]:
+    """(round ops without keep-alives, keep-alives, detail) from server-side counts."""
+    if backend == "grpc":
+        keep = counts.get("keep_alive", 0)
+        ops = sum(v for k, v in counts.items() if k not in ("keep_alive", "watch_events_sent") and not k.startswith("events:"))
+        return ops, keep, counts
+    # etcd: unary requests plus messages on streams (Watch creates, keep-alives)
+    keep = counts.get("msg:LeaseKeepAlive", 0)
+    unary = sum(v for k, v in counts.items() if k.startswith("rpc:") and k not in ("rpc:LeaseKeepAlive", "rpc:Watch"))
+    watches = counts.get("msg:Watch", 0)
+    return unary + watches, keep, counts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="*", default=[100, 300, 1000])
+    ap.add_argument("--backends", nargs="*", default=["grpc", "etcd"], choices=["grpc", "etcd"])
+    ap.add_argument("--procs", type=int, default=4, help="client processes")
+    ap.add_argument("--profile-server", default="", help="cProfile our server process here (.prof)")
+    ap.add_argument("--profile-nodes", default="", help="cProfile the first client process here (.prof)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    become_subreaper()
+    info = machine()
+    print(f"machine: {info}", flush=True)
+    results = []
+    all_procs: list[subprocess.Popen[str]] = []
+    cluster = None
+    try:
+        for backend in args.backends:
+            server = None
+            if backend == "grpc":
+                server = child("_serve", args.profile_server)
+                all_procs.append(server)
+                endpoint = f"{HOST}:{int(recv(server))}"
+                counter = None
+            else:
+                sys.path.insert(0, str(REPO / "tests"))
+                from etcd_support import EtcdCluster
+
+                cluster = EtcdCluster(1)
+                cluster.start()
+                endpoint = cluster.endpoints[0]
+                counter = EtcdCounter(cluster)
+            for size in args.sizes:
+                run_id = f"scale{size}-{time.time_ns() % 10**9}"
+                per = [size // args.procs + (1 if i < size % args.procs else 0) for i in range(args.procs)]
+                firsts = [sum(per[:i]) for i in range(args.procs)]
+                leaver = size - 1
+                nodes = []
+                for i in range(args.procs):
+                    prof = args.profile_nodes if (i == 0 and size == max(args.sizes)) else ""
+                    nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size), str(leaver), prof))
+                all_procs.extend(nodes)
+                for p in nodes:
+                    assert recv(p).strip() == "ready"
+                if server:
+                    send(server)
+                    recv(server)  # reset counts
+                else:
+                    counter.delta()  # type: ignore[union-attr]
+                t_go = time.time()
+                for p in nodes:
+                    send(p)
+                r1 = [json.loads(recv(p)) for p in nodes]
+                ops1 = json.loads((send(server), recv(server))[1]) if server else counter.delta()  # type: ignore[union-attr]
+                for p in nodes:
+                    send(p)
+                r2 = [json.loads(recv(p)) for p in nodes]
+                ops2 = json.loads((send(server), recv(server))[1]) if server else counter.delta()  # type: ignore[union-attr]
+                for p in nodes:
+                    send(p)
+                for p in nodes:
+                    p.wait(60)
+                registered = [t for r in r1 for t in r["registered"].values()]
+                got1 = [t for r in r1 for t in r["round1"].values()]
+                got2 = [t for r in r2 for t in r["round2"].values()]
+                t_leave = next(r["t_leave"] for r in r2 if r["t_leave"])
+                errors = [e for r in r1 + r2 for e in r["errors"]]
+                res = {
+                    "backend": backend,
+                    "nodes": size,
+                    "registered": len(registered),
+                    "round1_assigned": len(got1),
+                    "round2_assigned": len(got2),
+                    "all_registered_after_go_s": max(registered) - t_go if registered else None,
+                    "round1_s": (max(got1) - max(registered)) if len(got1) == size else None,
+                    "round1_from_go_s": (max(got1) - t_go) if len(got1) == size else None,
+                    "round2_s": (max(got2) - t_leave) if len(got2) == size - 1 else None,
+                    "ops_round1": summarise_ops(ops1, backend),
+                    "ops_round2": summarise_ops(ops2, backend),
+                    "errors": errors[:5],
+                    "load": loadavg(),
+                }
+                results.append(res)
+                print(json.dumps(res), flush=True)
+            if server:
+                assert server.stdin is not None
+                server.stdin.close()  # end of commands: the server stops
+                server.wait(60)
+            if cluster:
+                cluster.close()
+                cluster = None
+    finally:
+        for p in all_procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        if cluster:
+            cluster.close()
+
+    print("\n| backend | nodes | all registered after go s | round 1 s (last registered → last assigned) | round 2 s (leave → last assigned) | ops round 1 (+keep-alives) | ops round 2 (+keep-alives) | ops/node round 1 | watch events sent r1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        o1, k1, d1 = r["ops_round1"]  # type: ignore[misc]
+        o2, k2, _ = r["ops_round2"]  # type: ignore[misc]
+        print(f"| {r['backend']} | {r['nodes']} | {fmt(r['all_registered_after_go_s'])} | {fmt(r['round1_s'])} | {fmt(r['round2_s'])} | "
+              f"{o1} (+{k1}) | {o2} (+{k2}) | {o1 / r['nodes']:.1f} | {d1.get('watch_events_sent', 0)} |")
+    write_json(args.json, {"machine": info, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_serve":
+        role_serve(sys.argv[2] if len(sys.argv) > 2 else "")
+    elif len(sys.argv) > 1 and sys.argv[1] == "_nodes":
+        b, ep, rid, first, count, total, leaver = sys.argv[2:9]
+        role_nodes(b, ep, rid, int(first), int(count), int(total), int(leaver), sys.argv[9] if len(sys.argv) > 9 else "")
+    else:
+        sys.exit(main())
