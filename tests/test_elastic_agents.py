@@ -253,6 +253,7 @@ def test_budget_exhausted_every_agent_fails_with_the_root_cause(cluster: Cluster
 async def _round_gone(rdzv: Rdzv, run_id: str) -> None:
     """Wait until the job's closed round record expires from the store (closed_ttl)."""
     from elasticrun.rendezvous.state import Keys
+    from elasticrun.rendezvous.store import EventType
 
     if rdzv.backend == "etcd":
         from elasticrun.rendezvous.etcd_store import etcd_store_from_conf
@@ -264,9 +265,12 @@ async def _round_gone(rdzv: Rdzv, run_id: str) -> None:
         store = GrpcStore(rdzv.endpoint, timeout=10)
     try:
         key = Keys(run_id).round
-        async with asyncio.timeout(30):
-            while await store.get(key) is not None:
-                await asyncio.sleep(0.1)
+        kv = await store.get(key)
+        if kv is not None:
+            async with asyncio.timeout(30):
+                async for event in store.watch(key, start_revision=kv.mod_revision + 1):
+                    if event.type is EventType.DELETE:
+                        break
     finally:
         await store.close()
 
@@ -323,9 +327,11 @@ def test_c10d_agent_hosts_the_store(cluster: Cluster) -> None:
 
 # --- issue 5: the agents' etcd cluster loses members ------------------------------------
 
-#: training steps to wait for after a change: with 0.1 s per step, longer than the
-#: heartbeat timeout (2 s), so a lease that was not renewed would have expired
-STEPS_AFTER = 25
+#: the member test's heartbeat timeout: etcd fails over well within it
+TRIO_HEARTBEAT = 3
+#: training steps to wait for after a change: with 0.1 s per step, longer than
+#: TRIO_HEARTBEAT, so a lease that was not renewed meanwhile would have expired
+STEPS_AFTER = 35
 
 
 def _trio_rdzv(etcd_trio, conf: str = RDZV_CONF) -> Rdzv:
@@ -333,7 +339,8 @@ def _trio_rdzv(etcd_trio, conf: str = RDZV_CONF) -> Rdzv:
 
 
 def test_etcd_member_then_leader_loss_keeps_the_workers_running(cluster: Cluster, etcd_trio) -> None:
-    rdzv = _trio_rdzv(etcd_trio)
+    rdzv = _trio_rdzv(etcd_trio, RDZV_CONF.replace("heartbeat_timeout=2", f"heartbeat_timeout={TRIO_HEARTBEAT}"))
+    assert f"heartbeat_timeout={TRIO_HEARTBEAT}" in rdzv.conf
     a = start(cluster, rdzv, "a", 2, "2")
     b = start(cluster, rdzv, "b", 3, "2")
     first = {p.name: step(p, 2) for p in (a, b)}
@@ -369,9 +376,9 @@ def test_etcd_majority_loss_agents_fail_clearly(cluster: Cluster, etcd_trio) -> 
     for p in (a, b):
         step(p, 2)
 
-    leader = etcd_trio.leader_index()
-    etcd_trio.stop_member(leader)
-    etcd_trio.stop_member((leader + 1) % 3)
+    raft_leader = etcd_trio.leader_index()
+    etcd_trio.stop_member(raft_leader)
+    etcd_trio.stop_member((raft_leader + 1) % 3)
     for p in (a, b):
         code = p.wait_exit()
         text = p.text()
@@ -391,14 +398,14 @@ def test_etcd_brief_majority_loss_leader_still_decides(cluster: Cluster, etcd_tr
     b = start(cluster, rdzv, "b", 3, "2:3")
     for p in (a, b):
         step(p, 2)
-    leader = next(p for p in (a, b) if re.search(r"leads job", p.text()))
-    mark = leader.mark()
+    lead = leader([a, b])
+    mark = lead.mark()
 
     stopped = [etcd_trio.leader_index()]
     stopped.append((stopped[0] + 1) % 3)
     for i in stopped:
         etcd_trio.stop_member(i)
-    leader.wait_for(r"leader of job '[^']+': store call failed", start=mark)
+    lead.wait_for(r"leader of job '[^']+': store call failed", start=mark)
     for i in stopped:
         etcd_trio.start_member(i)
 
