@@ -17,7 +17,7 @@ from elasticrun import __version__
 from elasticrun.errors import ElasticrunError, UsageError
 
 #: subcommand name -> the module that registers it
-SUBCOMMANDS = ("store",)
+SUBCOMMANDS = ("status", "logs", "join", "drain", "stop", "store")
 
 #: flags accepted so torchrun command lines run unchanged, though they change nothing here
 _COMPAT_ONLY = {
@@ -91,7 +91,8 @@ def launch_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="elasticrun",
         description="Elastic, fault-tolerant launcher for distributed PyTorch training, "
-        "used exactly like torchrun. Subcommands: elasticrun store serve --help",
+        "used exactly like torchrun. Job control: elasticrun {status,logs,join,drain,stop} --help; "
+        "the standalone store: elasticrun store serve --help",
         epilog="Every flag also takes its default from PET_<FLAG> (e.g. PET_NNODES), as torchrun's do.",
     )
     p.add_argument("--version", action="version", version=f"elasticrun {__version__}")
@@ -132,11 +133,12 @@ def launch_parser() -> argparse.ArgumentParser:
 
 def subcommand_parser() -> argparse.ArgumentParser:
     """`elasticrun <subcommand> ...`: job control and the store server."""
-    from elasticrun.launcher import store_cmd
+    from elasticrun.launcher import drain_cmd, join_cmd, logs_cmd, status_cmd, stop_cmd, store_cmd
 
     p = _Parser(prog="elasticrun")
     commands = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    store_cmd.register(commands)
+    for module in (status_cmd, logs_cmd, join_cmd, drain_cmd, stop_cmd, store_cmd):
+        module.register(commands)
     return p
 
 
@@ -197,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("elasticrun: interrupted", file=sys.stderr, flush=True)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`elasticrun status | head`): not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def console_main() -> None:

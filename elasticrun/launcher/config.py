@@ -28,6 +28,9 @@ BACKENDS = {"c10d": "c10d", "etcd": "etcd", "etcd-v2": "etcd", "static": "static
 DEFAULT_C10D_PORT = 29400
 DEFAULT_ETCD_PORT = 2379
 
+#: --rdzv-conf keys that are part of the job spec: every node must use the same
+SHARED_RDZV_CONF = ("last_call_timeout", "heartbeat_timeout", "closed_ttl")
+
 #: --rdzv-conf keys, with what they mean (shown in the error for an unknown key)
 RDZV_CONF_KEYS = {
     "join_timeout": "seconds a node waits for a round before giving up (default 600)",
@@ -355,6 +358,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         "nnodes": f"{min_nodes}:{max_nodes}",
         "max_restarts": args.max_restarts,
         "role": args.role,
+        # rendezvous timings every node must share (secrets and local paths stay out)
+        "rdzv_conf": {k: v for k, v in conf.items() if k in SHARED_RDZV_CONF},
     }
     return LaunchConfig(rdzv=rdzv, worker=worker, job_spec=job_spec, nproc_request=str(args.nproc_per_node))
 

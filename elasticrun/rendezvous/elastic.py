@@ -370,27 +370,7 @@ class ElasticRendezvous(RendezvousHandler):
         )
 
     async def _close(self, outcome: str, detail: str) -> None:
-        """Mark the job ended in its round record, which then lives `closed_ttl` more."""
-        keys = self._keys
-        while True:
-            kv = await self._store.get(keys.round)
-            current = decode_round(kv.value) if kv else None
-            if current is not None and current.closed:
-                return
-            closed = replace(
-                current or Round(0, (), 0, "", 0.0),
-                closed=outcome,
-                detail=detail[-_DETAIL_LIMIT:],
-            )
-            lease = await self._store.grant_lease(self._settings.closed_ttl)
-            if await self._store.compare_and_put(
-                keys.round, encode(closed), expected_mod_revision=kv.mod_revision if kv else 0, lease=lease
-            ):
-                break
-            await self._store.revoke_lease(lease)
-        log.info("job '%s' closed (%s)", self.run_id, outcome)
-        for key in (keys.spec, keys.restart, keys.master, keys.state):
-            await self._store.delete(key)
+        await close_job(self._store, self._keys, outcome, detail, self._settings.closed_ttl)
 
     async def _publish_reports(self) -> None:
         """Publish what the agent reported, batched: at most one batch per interval."""
@@ -604,6 +584,35 @@ class _Leader:
             self._round_rev = kv.mod_revision if kv else 0
         elif key == keys.restart:
             self._restart = decode_restart(kv.value) if kv else None
+
+
+async def close_job(store: Store, keys: Keys, outcome: str, detail: str, closed_ttl: float) -> bool:
+    """Mark the job ended in its round record, which then lives `closed_ttl` more.
+
+    Returns False when the job was closed already. The job's spec and control records
+    go, so a new job with the same id starts clean once the record expires.
+    """
+    while True:
+        kv = await store.get(keys.round)
+        current = decode_round(kv.value) if kv else None
+        if current is not None and current.closed:
+            return False
+        closed = replace(
+            current or Round(0, (), 0, "", 0.0),
+            closed=outcome,
+            detail=detail[-_DETAIL_LIMIT:],
+        )
+        lease = await store.grant_lease(closed_ttl)
+        if await store.compare_and_put(
+            keys.round, encode(closed), expected_mod_revision=kv.mod_revision if kv else 0, lease=lease
+        ):
+            break
+        await store.revoke_lease(lease)
+    log.info("job '%s' closed (%s)", keys.run_id, outcome)
+    for key in (keys.spec, keys.restart, keys.master, keys.state):
+        await store.delete(key)
+    await store.delete_prefix(keys.drains)
+    return True
 
 
 def _plural(n: int, word: str) -> str:

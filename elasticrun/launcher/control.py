@@ -1,0 +1,206 @@
+"""What every job-control subcommand shares: its flags, the store, and a job snapshot.
+
+Job control reads and writes the same store records the agents use (see
+`elasticrun.rendezvous.state`); it never hosts a store, it only connects to one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elasticrun.errors import UsageError
+from elasticrun.launcher.config import (
+    BACKENDS,
+    DEFAULT_C10D_PORT,
+    DEFAULT_ETCD_PORT,
+    parse_endpoint,
+    parse_rdzv_conf,
+)
+from elasticrun.launcher.store_cmd import load_token
+from elasticrun.rendezvous.state import (
+    Event,
+    JobLaunch,
+    Keys,
+    LeaderState,
+    NodeInfo,
+    NodeStatus,
+    Round,
+    decode_event,
+    decode_launch,
+    decode_node,
+    decode_round,
+    decode_spec,
+    decode_state,
+    decode_status,
+)
+from elasticrun.rendezvous.store import EventType, Store
+
+DEFAULT_STORE_TIMEOUT = 10.0
+
+
+def add_job_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that name a job: the same as the launcher's, in both spellings."""
+    for name, kw in (
+        ("rdzv-endpoint", dict(required=True, help="the job's store: host:port (c10d) or h1:2379,... (etcd)")),
+        ("rdzv-id", dict(required=True, help="the job's id (--rdzv-id of its agents)")),
+        ("rdzv-backend", dict(default="c10d", help="c10d (default) or etcd")),
+    ):
+        parser.add_argument(f"--{name}", f"--{name.replace('-', '_')}", dest=name.replace("-", "_"), **kw)  # type: ignore[arg-type]
+    parser.add_argument(
+        "--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", action="append", default=[],
+        help="store access: token_file, tls_ca, store_timeout; etcd: ca_cert, client_cert, client_key, user, password_file, password_env",
+    )
+
+
+def open_client_store(backend: str, endpoint: str, conf: Mapping[str, str]) -> Store:
+    """A client of the job's store (c10d: the built-in gRPC store; etcd)."""
+    timeout = float(conf.get("store_timeout", DEFAULT_STORE_TIMEOUT))
+    if backend == "etcd":
+        from elasticrun.rendezvous.etcd_store import etcd_store_from_conf
+
+        for part in endpoint.split(","):
+            parse_endpoint(part.strip(), DEFAULT_ETCD_PORT)
+        return etcd_store_from_conf(endpoint, conf, timeout=timeout)
+    from elasticrun.rendezvous.grpc_store import GrpcStore
+
+    parse_endpoint(endpoint, DEFAULT_C10D_PORT)
+    token = load_token(conf.get("token_file"), os.environ)
+    tls_ca = _read(conf["tls_ca"], "tls_ca") if "tls_ca" in conf else None
+    return GrpcStore(endpoint, token=token, tls_ca=tls_ca, timeout=timeout)
+
+
+def _read(path: str, key: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read --rdzv-conf {key}={path}: {e.strerror}") from None
+
+
+@dataclass(frozen=True)
+class JobTarget:
+    """Which job a subcommand acts on, checked."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    conf: Mapping[str, str]
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.run_id)
+
+    def open(self) -> Store:
+        return open_client_store(self.backend, self.endpoint, self.conf)
+
+
+def job_target(args: argparse.Namespace) -> JobTarget:
+    backend = BACKENDS.get(args.rdzv_backend)
+    if backend not in ("c10d", "etcd"):
+        raise UsageError(f"--rdzv-backend must be c10d or etcd for job control, got {args.rdzv_backend!r}")
+    if not args.rdzv_id or "/" in args.rdzv_id:
+        raise UsageError(f"--rdzv-id must be a non-empty name without '/', got {args.rdzv_id!r}")
+    return JobTarget(backend, args.rdzv_endpoint, args.rdzv_id, parse_rdzv_conf(args.rdzv_conf))
+
+
+@dataclass(frozen=True)
+class JobView:
+    """Everything the store holds about one job, read at one revision."""
+
+    run_id: str
+    revision: int
+    round: Round | None = None
+    leader: str = ""
+    state: LeaderState | None = None
+    spec: Mapping[str, object] | None = None
+    launch: JobLaunch | None = None
+    nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
+    statuses: Mapping[str, NodeStatus] = field(default_factory=dict)
+    drains: frozenset[str] = frozenset()
+    events: tuple[Event, ...] = ()
+
+    @property
+    def exists(self) -> bool:
+        return bool(self.round or self.spec or self.nodes)
+
+    @property
+    def phase(self) -> str:
+        """forming, running, restarting, or how the job ended."""
+        r = self.round
+        if r is not None and r.closed:
+            return r.closed
+        if r is None or not r.participants:
+            return "forming"
+        states = [self.statuses[p.node_id].state for p in r.participants if p.node_id in self.statuses]
+        healthy = len(states) == len(r.participants) and all(s == "healthy" for s in states)
+        in_round = all(self.statuses[p.node_id].round == r.number for p in r.participants if p.node_id in self.statuses)
+        return "running" if healthy and in_round else "restarting"
+
+    @property
+    def min_max(self) -> tuple[int, int]:
+        low, _, high = str((self.spec or {}).get("nnodes", "1:1")).partition(":")
+        return int(low), int(high or low)
+
+
+async def read_job(store: Store, target: JobTarget) -> JobView:
+    """The job as the store holds it now; a job that is not there is a usage error."""
+    keys = target.keys
+    snapshot = await store.get_prefix(keys.prefix)
+    fields: dict[str, object] = {}
+    nodes, statuses, drains, events = {}, {}, set(), []
+    for kv in snapshot.kvs:
+        key = kv.key
+        if key == keys.round:
+            fields["round"] = decode_round(kv.value)
+        elif key == keys.leader:
+            fields["leader"] = kv.value.decode()
+        elif key == keys.state:
+            fields["state"] = decode_state(kv.value)
+        elif key == keys.spec:
+            fields["spec"] = decode_spec(kv.value)
+        elif key == keys.launch:
+            fields["launch"] = decode_launch(kv.value)
+        elif key.startswith(keys.nodes):
+            nodes[key[len(keys.nodes):]] = decode_node(kv.value)
+        elif key.startswith(keys.statuses):
+            statuses[key[len(keys.statuses):]] = decode_status(kv.value)
+        elif key.startswith(keys.drains):
+            drains.add(key[len(keys.drains):])
+        elif key.startswith(keys.events):
+            events.append(decode_event(kv.value))
+    view = JobView(
+        run_id=target.run_id,
+        revision=snapshot.revision,
+        nodes=nodes,
+        statuses=statuses,
+        drains=frozenset(drains),
+        events=tuple(events),
+        **fields,  # type: ignore[arg-type]
+    )
+    if not view.exists:
+        raise UsageError(
+            f"no job '{target.run_id}' at {target.endpoint} ({target.backend}): "
+            "check --rdzv-id and --rdzv-endpoint"
+        )
+    return view
+
+
+async def wait_nodes_gone(store: Store, keys: Keys, node_ids: set[str], timeout: float) -> set[str]:
+    """Wait until these nodes are no longer registered; return those still there."""
+    snapshot = await store.get_prefix(keys.nodes)
+    left = {nid for nid in node_ids if keys.node(nid) in {kv.key for kv in snapshot.kvs}}
+    if not left:
+        return left
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            async for event in store.watch(keys.nodes, start_revision=snapshot.revision + 1, prefix=True):
+                if event.type is EventType.DELETE:
+                    left.discard(event.key[len(keys.nodes):])
+                if not left:
+                    break
+    return left

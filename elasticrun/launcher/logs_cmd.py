@@ -1,0 +1,68 @@
+"""`elasticrun logs`: the latest output of every rank, from any host.
+
+Agents keep a bounded window of each rank's latest lines in the store; this prints it
+as the console shows it (`[3]<stdout>: ...`). The full logs stay in each node's
+`--log-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job
+from elasticrun.rendezvous.state import LogWindow, decode_log
+from elasticrun.rendezvous.store import EventType
+
+
+def _lines(window: LogWindow, after: int) -> list[str]:
+    return [f"[{window.rank}]<{line.stream}>: {line.text}" for line in window.lines if line.seq > after]
+
+
+async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None) -> int:
+    keys = target.keys
+    async with target.open() as store:
+        await read_job(store, target)  # a clear error for an unknown job
+        snapshot = await store.get_prefix(keys.logs)
+        seen: dict[int, int] = {}
+        for kv in snapshot.kvs:
+            window = decode_log(kv.value)
+            if rank is not None and window.rank != rank:
+                continue
+            for text in _lines(window, 0)[-tail:] if tail else []:
+                print(text)
+            seen[window.rank] = window.lines[-1].seq if window.lines else 0
+        sys.stdout.flush()
+        if not follow:
+            return 0
+        async for event in store.watch(keys.logs, start_revision=snapshot.revision + 1, prefix=True):
+            if event.type is not EventType.PUT:
+                continue
+            window = decode_log(event.value)
+            if rank is not None and window.rank != rank:
+                continue
+            # A rank restarted by a new agent numbers its lines from 1 again.
+            after = seen.get(window.rank, 0)
+            if window.lines and window.lines[-1].seq < after:
+                after = 0
+            for text in _lines(window, after):
+                print(text, flush=True)
+            seen[window.rank] = window.lines[-1].seq if window.lines else after
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(show(job_target(args), tail=args.tail, follow=args.follow, rank=args.rank))
+    except KeyboardInterrupt:
+        return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("logs", help="print the latest output of every rank of a job")
+    add_job_flags(p)
+    p.add_argument("--tail", type=int, default=20, help="lines per rank to show first (default 20; 0: none)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines (Ctrl-C ends)")
+    p.add_argument("--rank", type=int, default=None, help="only this global rank")
+    p.set_defaults(run=_run)

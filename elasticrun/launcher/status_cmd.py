@@ -1,0 +1,144 @@
+"""`elasticrun status`: the job and its nodes as a table (or JSON), once or live."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import asdict
+
+from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job
+
+#: a live view redraws at most this often
+_WATCH_INTERVAL = 0.5
+EVENTS_SHOWN = 10
+
+
+def _age(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def render(view: JobView, now: float) -> str:
+    """The status page: the job, its nodes, its latest events."""
+    r = view.round
+    low, high = view.min_max
+    created = view.launch.created_at if view.launch else None
+    job = [
+        ["JOB", "STATE", "ROUND", "WORLD", "NODES", "RESTARTS", "DURATION"],
+        [
+            view.run_id,
+            view.phase,
+            str(r.number) if r else "-",
+            str(r.world_size) if r else "0",
+            f"{len(r.participants) if r else 0} ({low}:{high})",
+            str(r.restart_count) if r else "0",
+            _age(now - created) if created else "-",
+        ],
+    ]
+    lines = [_table(job)]
+    if view.state is not None:
+        lines.append(f"leader {view.state.leader}: {view.state.reason}")
+    if r is not None and r.closed and r.detail:
+        lines.append(f"{r.closed}: {r.detail.splitlines()[0] if r.detail else ''}")
+    ranked = {p.node_id: i for i, p in enumerate(r.participants)} if r else {}
+    order = sorted(view.nodes, key=lambda n: (ranked.get(n, len(ranked)), n))
+    if order:
+        rows = [["NODE", "STATE", "AGE", "NODE RANK", "RANKS", "RESTARTS", "HOST", "GPUS"]]
+        for node_id in order:
+            info, status = view.nodes[node_id], view.statuses.get(node_id)
+            state = status.state if status else "registering"
+            if node_id in view.drains:
+                state += " (draining)"
+            rank = ranked.get(node_id)
+            rows.append([
+                node_id,
+                state if rank is not None or state != "init" else "waiting",
+                _age(now - info.started_at),
+                str(rank) if rank is not None else "-",
+                status.ranks if status and status.ranks and rank is not None else "-",
+                str(status.restarts) if status else "0",
+                info.addr if info.addr == info.host else f"{info.host} ({info.addr})",
+                f"{len(info.gpus)}x {info.gpus[0]}" if info.gpus else "-",
+            ])
+        lines += ["", _table(rows)]
+    if view.events:
+        lines += ["", f"EVENTS (last {min(EVENTS_SHOWN, len(view.events))})"]
+        for e in view.events[-EVENTS_SHOWN:]:
+            lines.append(f"{time.strftime('%H:%M:%S', time.localtime(e.at))}  {e.kind:<10} {e.node}  {e.detail}")
+    return "\n".join(lines)
+
+
+def as_json(view: JobView) -> dict[str, object]:
+    """The status as plain data for scripts."""
+    r = view.round
+    low, high = view.min_max
+    return {
+        "job": {
+            "id": view.run_id,
+            "state": view.phase,
+            "round": r.number if r else 0,
+            "world_size": r.world_size if r else 0,
+            "nodes": [p.node_id for p in r.participants] if r else [],
+            "min_nodes": low,
+            "max_nodes": high,
+            "restarts": r.restart_count if r else 0,
+            "created_at": view.launch.created_at if view.launch else None,
+            "leader": view.state.leader if view.state else view.leader or None,
+            "reason": view.state.reason if view.state else (r.reason if r else ""),
+            "detail": r.detail if r else "",
+            "spec": dict(view.spec or {}),
+        },
+        "nodes": [
+            {
+                **asdict(info),
+                "status": asdict(view.statuses[n]) if n in view.statuses else None,
+                "node_rank": r.rank_of(n) if r else None,
+                "draining": n in view.drains,
+            }
+            for n, info in sorted(view.nodes.items())
+        ],
+        "events": [asdict(e) for e in view.events],
+    }
+
+
+async def show(target: JobTarget, *, as_data: bool, watch: bool) -> int:
+    async with target.open() as store:
+        while True:
+            view = await read_job(store, target)
+            if as_data:
+                print(json.dumps(as_json(view), indent=None if watch else 2), flush=True)
+            else:
+                if watch:
+                    print("\033[2J\033[H", end="")
+                print(render(view, time.time()), flush=True)
+            if not watch:
+                return 0
+            async for _ in store.watch(target.keys.prefix, start_revision=view.revision + 1, prefix=True):
+                break
+            await asyncio.sleep(_WATCH_INTERVAL)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(show(job_target(args), as_data=args.json, watch=args.watch))
+    except KeyboardInterrupt:
+        return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("status", help="show a job: its state, nodes and latest events")
+    add_job_flags(p)
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.add_argument("--watch", action="store_true", help="redraw whenever the job changes (Ctrl-C ends)")
+    p.set_defaults(run=_run)

@@ -1,0 +1,49 @@
+"""`elasticrun stop`: end a job everywhere; workers get SIGTERM and the grace period."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import socket
+
+from elasticrun.errors import ElasticrunError, UsageError
+from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, wait_nodes_gone
+from elasticrun.rendezvous.elastic import close_job
+
+#: how long a stopped job stays closed to late agents when its spec does not say
+_DEFAULT_CLOSED_TTL = 60.0
+
+
+class StopTimeoutError(ElasticrunError):
+    """Agents did not exit in time after the job was stopped."""
+
+
+async def stop(target: JobTarget, *, timeout: float) -> int:
+    keys = target.keys
+    async with target.open() as store:
+        view = await read_job(store, target)
+        if view.round is not None and view.round.closed:
+            raise UsageError(f"job '{target.run_id}' has already ended ({view.round.closed})")
+        conf = dict((view.spec or {}).get("rdzv_conf", {}))  # type: ignore[call-overload]
+        ttl = float(conf.get("closed_ttl", _DEFAULT_CLOSED_TTL))
+        who = f"{getpass.getuser()}@{socket.gethostname()}"
+        await close_job(store, keys, "stopped", f"stopped by {who}", ttl)
+        still = await wait_nodes_gone(store, keys, set(view.nodes), timeout)
+    if still:
+        raise StopTimeoutError(f"job stopped, but {', '.join(sorted(still))} did not exit within {timeout:g}s")
+    print(f"job '{target.run_id}' stopped; {len(view.nodes)} node(s) exited", flush=True)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    return asyncio.run(stop(job_target(args), timeout=args.timeout))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser("stop", help="end a job everywhere: workers stop gracefully, agents exit 0")
+    add_job_flags(p)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the agents to exit (default 120)")
+    p.set_defaults(run=_run)

@@ -1,0 +1,196 @@
+"""Job control from any host (`elasticrun status|logs|join|drain|stop`) on both backends.
+
+Real agents on 127.0.0.x run a torch-free ticking worker; the control commands run as
+real `python -m elasticrun` processes against the same store, and the tests read their
+output (tables, JSON) and exit codes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, wait_until
+from tests.test_elastic_agents import Rdzv, cluster, rdzv  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.timeout(120)
+
+TICKER = Path(__file__).resolve().parent / "workers" / "tick_worker.py"
+
+
+def agent(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str = "1:3") -> Proc:
+    argv = [
+        sys.executable, "-m", "elasticrun", f"--nnodes={nnodes}", "--nproc-per-node=1",
+        f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
+        f"--rdzv-conf={rdzv.conf}", f"--local-addr=127.0.0.{addr}", "--shutdown-timeout=5",
+        f"--log-dir={cluster.tmp / 'logs'}", str(TICKER), "--stop-file", str(cluster.stop_file),
+    ]
+    return cluster.start(name, argv)
+
+
+def ctl(rdzv: Rdzv, *args: str, run_id: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run one job-control command to its end."""
+    argv = [
+        sys.executable, "-m", "elasticrun", *args,
+        f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}",
+        f"--rdzv-id={run_id or rdzv.run_id}",
+    ]
+    if rdzv.backend == "c10d":
+        argv.append("--rdzv-conf=store_timeout=3")
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def status(rdzv: Rdzv) -> dict:
+    done = ctl(rdzv, "status", "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def wait_world(rdzv: Rdzv, world: int) -> dict:
+    """The job's status once it runs at `world` with every node healthy."""
+    def ready() -> dict | None:
+        done = ctl(rdzv, "status", "--json")
+        if done.returncode == 2 and "no job" in done.stderr:  # the agents have not registered yet
+            return None
+        assert done.returncode == 0, done.stderr
+        s = json.loads(done.stdout)
+        states = [n["status"]["state"] for n in s["nodes"] if n["status"] and n["node_rank"] is not None]
+        ok = s["job"]["state"] == "running" and s["job"]["world_size"] == world and len(states) == world
+        return s if ok else None
+
+    return wait_until(ready, what=f"the job running at world size {world}", interval=0.2)
+
+
+@pytest.fixture
+def job(cluster: Cluster, rdzv: Rdzv) -> Iterator[list[Proc]]:
+    agents = [agent(cluster, rdzv, "a", 1), agent(cluster, rdzv, "b", 2)]
+    wait_world(rdzv, 2)
+    yield agents
+
+
+def test_status_table_and_json_before_and_after_scale_out(cluster, rdzv, job):
+    table = ctl(rdzv, "status")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:4] == ["JOB", "STATE", "ROUND", "WORLD"]
+    assert lines[1].split()[:2] == [rdzv.run_id, "running"]
+    node_rows = [line.split() for line in lines if line.startswith(socket.gethostname() + "_")]
+    assert [row[1] for row in node_rows] == ["healthy", "healthy"]
+    assert sorted(row[3] for row in node_rows) == ["0", "1"]
+    events = lines[lines.index(next(line for line in lines if line.startswith("EVENTS"))) + 1:]
+    assert any(e.split()[1] == "round" and "world size 2" in e for e in events), events
+
+    joined = cluster.start("c", [
+        sys.executable, "-m", "elasticrun", "join", f"--rdzv-backend={rdzv.backend}",
+        f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", "--local-addr=127.0.0.3",
+        "--timeout=30", *(["--rdzv-conf=is_host=false"] if rdzv.backend == "c10d" else []),
+    ])
+    after = wait_world(rdzv, 3)
+    ranks = {n["node_id"]: n["node_rank"] for n in after["nodes"]}
+    assert sorted(ranks.values()) == [0, 1, 2]
+    assert after["job"]["round"] >= 2 and after["job"]["restarts"] == 0
+    assert joined.wait_for(r"tick=\d+ rank=2 world=3")
+    cluster.stop_training()
+    for proc in [*job, joined]:
+        assert proc.wait_exit() == 0, proc.text()[-3000:]
+    cluster.assert_no_orphans()
+
+
+def test_logs_tail_shows_every_rank_and_follow_sees_new_lines(cluster, rdzv, job):
+    wait_until(lambda: all(f"[{r}]<stdout>: tick=" in ctl(rdzv, "logs", "--tail", "3").stdout for r in (0, 1)),
+               what="both ranks' lines in the store", interval=0.3)
+    tail = ctl(rdzv, "logs", "--tail", "3")
+    per_rank = [line for line in tail.stdout.splitlines() if line.startswith("[1]<stdout>: tick=")]
+    assert 1 <= len(per_rank) <= 3
+    follow = cluster.start("follow", [
+        sys.executable, "-m", "elasticrun", "logs", "--follow", "--tail", "0", "--rank", "0",
+        f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
+    ], tagged=False)
+    first = follow.wait_for(r"^\[0\]<stdout>: tick=(\d+) rank=0")
+    later = follow.wait_for(rf"^\[0\]<stdout>: tick={int(first.group(1)) + 3} rank=0")
+    assert later and "[1]<stdout>" not in follow.text()
+    follow.kill()
+    cluster.stop_training()
+    for proc in job:
+        assert proc.wait_exit() == 0
+
+
+def test_drain_by_count_then_by_name_and_never_below_min(cluster, rdzv):
+    agents = [agent(cluster, rdzv, n, i + 1, nnodes="2:3") for i, n in enumerate("abc")]
+    s = wait_world(rdzv, 3)
+    newest = max(s["nodes"], key=lambda n: n["node_rank"])["node_id"]
+    done = ctl(rdzv, "drain", "--count", "1", "--timeout", "30")
+    assert done.returncode == 0, done.stderr
+    assert newest in done.stdout
+    s = wait_world(rdzv, 2)
+    assert newest not in [n["node_id"] for n in s["nodes"]]
+    refused = ctl(rdzv, "drain", "--node", s["nodes"][0]["node_id"])
+    assert refused.returncode == 2
+    assert "below the job's minimum of 2" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    drained = [p for p in agents if p.popen.poll() is not None]
+    assert len(drained) == 1 and drained[0].popen.returncode == 0
+    assert "drained" in drained[0].text()
+    cluster.stop_training()
+    for proc in agents:
+        proc.wait_exit()
+    cluster.assert_no_orphans()
+
+
+def test_drain_by_name(cluster, rdzv):
+    agents = [agent(cluster, rdzv, n, i + 1) for i, n in enumerate("ab")]
+    s = wait_world(rdzv, 2)
+    target = min(s["nodes"], key=lambda n: n["node_rank"])["node_id"]
+    done = ctl(rdzv, "drain", "--node", target, "--timeout", "30")
+    assert done.returncode == 0, done.stderr
+    s = wait_world(rdzv, 1)
+    assert [n["node_id"] for n in s["nodes"]] != [target]
+    cluster.stop_training()
+    for proc in agents:
+        proc.wait_exit()
+    cluster.assert_no_orphans()
+
+
+def test_join_is_rolled_back_when_not_admitted(cluster, rdzv):
+    agents = [agent(cluster, rdzv, n, i + 1, nnodes="1:2") for i, n in enumerate("ab")]
+    wait_world(rdzv, 2)
+    extra = ["--rdzv-conf=is_host=false,store_timeout=3"] if rdzv.backend == "c10d" else []
+    done = ctl(rdzv, "join", "--timeout", "2", "--local-addr", "127.0.0.3", *extra, timeout=60)
+    assert done.returncode != 0
+    assert "no round of job" in done.stderr and "max 2 reached" in done.stderr
+    assert len(status(rdzv)["nodes"]) == 2  # it left: no trace of it
+    cluster.stop_training()
+    for proc in agents:
+        assert proc.wait_exit() == 0
+
+
+def test_stop_ends_the_job_everywhere(cluster, rdzv, job):
+    done = ctl(rdzv, "stop", "--timeout", "30")
+    assert done.returncode == 0, done.stderr
+    for proc in job:
+        assert proc.wait_exit() == 0, proc.text()[-3000:]
+        assert "worker got SIGTERM" not in proc.text()  # plain workers: no handler, but stopped
+        assert "closed (stopped)" in proc.text()
+    cluster.assert_no_orphans()
+    after = status(rdzv)
+    assert after["job"]["state"] == "stopped"
+    events = [json.loads(line) for p in (cluster.tmp / "logs").rglob("events.jsonl") for line in p.read_text().splitlines()]
+    assert {"healthy", "stopped"} <= {e["kind"] for e in events}
+
+
+def test_unknown_job_and_bad_endpoint_give_one_line(cluster, rdzv):
+    unknown = ctl(rdzv, "status", run_id="no-such-job")
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip().splitlines() == [
+        f"elasticrun: error: no job 'no-such-job' at {rdzv.endpoint} ({rdzv.backend}): check --rdzv-id and --rdzv-endpoint"
+    ]
+    bad = subprocess.run(
+        [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint=host:abc", "--rdzv-id=x"],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
