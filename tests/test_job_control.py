@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, wait_until
+from tests.elastic_cluster import Cluster, Proc, wait_until
 from tests.test_elastic_agents import Rdzv, cluster, rdzv  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(120)

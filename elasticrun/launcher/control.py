@@ -71,11 +71,13 @@ def open_client_store(backend: str, endpoint: str, conf: Mapping[str, str]) -> S
 
     parse_endpoint(endpoint, DEFAULT_C10D_PORT)
     token = load_token(conf.get("token_file"), os.environ)
-    tls_ca = _read(conf["tls_ca"], "tls_ca") if "tls_ca" in conf else None
+    tls_ca = read_conf_file(conf, "tls_ca") if "tls_ca" in conf else None
     return GrpcStore(endpoint, token=token, tls_ca=tls_ca, timeout=timeout)
 
 
-def _read(path: str, key: str) -> bytes:
+def read_conf_file(conf: Mapping[str, str], key: str) -> bytes:
+    """The file that --rdzv-conf `key` names (a certificate, a key)."""
+    path = conf[key]
     try:
         return Path(path).read_bytes()
     except OSError as e:

@@ -14,13 +14,12 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
 from dataclasses import replace
-from pathlib import Path
 
 from elasticrun.agent.agent import Agent
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import DEFAULT_C10D_PORT, LaunchConfig, RendezvousConfig, parse_endpoint
+from elasticrun.launcher.control import open_client_store, read_conf_file
 from elasticrun.launcher.store_cmd import load_token
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
@@ -84,53 +83,47 @@ async def _open_handler(
 
 
 async def _open_store(rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack) -> tuple[Store, Store | None]:
-    """Connect to (or host) the store the backend names."""
-    timeout = rdzv.conf_float("store_timeout", 10.0)
+    """Connect to the store the backend names (c10d: host it when the endpoint is ours)."""
     if rdzv.backend == "standalone":
-        store = MemoryStore()
+        store: Store = MemoryStore()
         stack.push_async_callback(store.close)
         return store, None
-    if rdzv.backend == "etcd":
-        from elasticrun.rendezvous.etcd_store import etcd_store_from_conf
+    if rdzv.backend == "c10d":
+        hosted = await _host_store(rdzv, stack)
+        if hosted is not None:
+            return hosted, hosted
+    store = open_client_store(rdzv.backend, rdzv.endpoint, rdzv.conf)
+    stack.push_async_callback(store.close)
+    return store, None
 
-        store = etcd_store_from_conf(rdzv.endpoint, rdzv.conf, timeout=timeout)
-        stack.push_async_callback(store.close)
-        return store, None
-    from elasticrun.rendezvous.grpc_store import GrpcStore
+
+async def _host_store(rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack) -> MemoryStore | None:
+    """Serve the store on the endpoint when it is this host's and free (as torchrun does).
+
+    `is_host=true` insists (a busy port is an error), `is_host=false` never tries.
+    """
     from elasticrun.rendezvous.server import StoreServer, TlsKeyPair
 
-    token = load_token(rdzv.conf.get("token_file"), os.environ)
-    host, port = parse_endpoint(rdzv.endpoint, DEFAULT_C10D_PORT)
     is_host = rdzv.conf.get("is_host", "").lower()
     if is_host not in ("", "true", "false", "1", "0"):
         raise UsageError(f"--rdzv-conf is_host must be true or false, got {is_host!r}")
-    if is_host not in ("false", "0"):
-        tls = None
-        if "tls_cert" in rdzv.conf or "tls_key" in rdzv.conf:
-            tls = TlsKeyPair(cert=_read(rdzv.conf, "tls_cert"), key=_read(rdzv.conf, "tls_key"))
-        server = StoreServer(host, port, token=token, tls=tls)
-        try:
-            await server.start()
-        except UsageError:
-            if is_host in ("true", "1"):
-                raise
-            log.debug("not hosting the store: %s:%d is taken or not ours", host, port)
-        else:
-            log.info("hosting the rendezvous store on %s", server.endpoint)
-            stack.push_async_callback(server.stop)
-            return server.engine, server.engine
-    tls_ca = _read(rdzv.conf, "tls_ca") if "tls_ca" in rdzv.conf else None
-    client = GrpcStore(rdzv.endpoint, token=token, tls_ca=tls_ca, timeout=timeout)
-    stack.push_async_callback(client.close)
-    return client, None
-
-
-def _read(conf: Mapping[str, str], key: str) -> bytes:
-    path = conf[key]
+    if is_host in ("false", "0"):
+        return None
+    tls = None
+    if "tls_cert" in rdzv.conf or "tls_key" in rdzv.conf:
+        tls = TlsKeyPair(cert=read_conf_file(rdzv.conf, "tls_cert"), key=read_conf_file(rdzv.conf, "tls_key"))
+    host, port = parse_endpoint(rdzv.endpoint, DEFAULT_C10D_PORT)
+    server = StoreServer(host, port, token=load_token(rdzv.conf.get("token_file"), os.environ), tls=tls)
     try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read --rdzv-conf {key}={path}: {e.strerror}") from None
+        await server.start()
+    except UsageError:
+        if is_host in ("true", "1"):
+            raise
+        log.debug("not hosting the store: %s:%d is taken or not ours", host, port)
+        return None
+    log.info("hosting the rendezvous store on %s", server.endpoint)
+    stack.push_async_callback(server.stop)
+    return server.engine
 
 
 async def _linger_while_nodes_remain(store: Store, keys: Keys) -> None:
