@@ -107,3 +107,10 @@ class WorkerStartError(ElasticrunError):
     """A worker process could not be started at all (missing script, bad interpreter)."""
 
     exit_code = 2
+
+
+# --- GPUs ----------------------------------------------------------------------------
+
+
+class GpuUnhealthyError(ElasticrunError):
+    """A GPU of this node failed its health check: the node does not join."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from elasticrun.agent.gpu import worker_gpu_env
 from elasticrun.agent.spec import WorkerSpec
 from elasticrun.rendezvous.api import Assignment
 
@@ -34,6 +35,7 @@ def worker_env(
     global_rank = assignment.rank_offset + local_rank
     env = dict(base_env)
     env.update(spec.extra_env)
+    env.update(worker_gpu_env(spec.gpu_devices, local_rank, spec.isolate_gpus))
     if "OMP_NUM_THREADS" not in env and spec.nproc_per_node > 1:
         # torchrun's default: N workers each using every core would oversubscribe them.
         env["OMP_NUM_THREADS"] = "1"

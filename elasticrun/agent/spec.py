@@ -81,6 +81,10 @@ class WorkerSpec:
     local_ranks_filter: frozenset[int] | None = None
     #: added to every worker's environment (the torchrun variables still win)
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    #: the workers' GPUs (NVML indices, in local-rank order); () without GPUs
+    gpu_devices: tuple[int, ...] = ()
+    #: give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker)
+    isolate_gpus: bool = False
 
     def __post_init__(self) -> None:
         if not self.entrypoint:

@@ -126,6 +126,9 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", help="signals that stop the workers (forwarded) and make this node leave")
     _flag(p, "shutdown-timeout", type=float, default=None, help="seconds between SIGTERM and SIGKILL for workers (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)")
     _flag(p, "virtual-local-rank", action=_EnvFlag, help="accepted for compatibility; no effect")
+    _flag(p, "gpus", default=None, help="the GPUs this node's workers use, e.g. 0,2,3 (default: every healthy visible GPU)")
+    _flag(p, "isolate-gpus", action=_EnvFlag, help="give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker)")
+    _flag(p, "health-interval", type=float, default=10.0, help="seconds between GPU health checks while training (default 10)")
     p.add_argument("training_script", help="the training script (or module, or executable)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p

@@ -95,6 +95,10 @@ class LaunchConfig:
     job_spec: Mapping[str, object]
     #: the --nproc-per-node value as given ("gpu", "auto", "cpu" or a number)
     nproc_request: str
+    #: names of this node's GPUs, for status
+    gpu_names: tuple[str, ...] = ()
+    #: seconds between GPU health checks while training
+    health_interval: float = 10.0
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -219,21 +223,27 @@ def entrypoint(args: argparse.Namespace) -> tuple[str, ...]:
     return (sys.executable, "-u", script, *rest)
 
 
-def resolve_nproc(value: str) -> int:
-    """--nproc-per-node: N, `cpu`, `gpu` (every usable GPU) or `auto` (GPUs, else CPUs)."""
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    if value == "cpu":
-        return os.cpu_count() or 1
-    if value in ("gpu", "auto"):
-        from elasticrun.agent.gpu import open_gpus
+def resolve_workers(value: str, gpus_flag: str | None, environ: Mapping[str, str]) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
+    """--nproc-per-node (N, `cpu`, `gpu`: every usable GPU, `auto`: GPUs, else CPUs)
+    and --gpus -> (workers, their GPUs in local-rank order, the GPUs' names)."""
+    from elasticrun.agent.gpu import open_gpus
 
-        gpus = open_gpus()
-        try:
-            return gpus.select(os.environ, None).nproc(value, os.cpu_count() or 1)
-        finally:
-            gpus.close()
-    raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu or auto; got {value!r}")
+    if not (value.isdigit() and int(value) > 0) and value not in ("cpu", "gpu", "auto"):
+        raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu or auto; got {value!r}")
+    gpus = open_gpus()
+    try:
+        selection = gpus.select(environ, gpus_flag)
+        if value.isdigit():
+            nproc = int(value)
+        elif value == "cpu":
+            nproc = os.cpu_count() or 1
+        else:
+            nproc = selection.nproc(value, os.cpu_count() or 1)
+        devices = selection.devices
+        names = tuple(f.name or "GPU" for f in gpus.facts(devices))
+    finally:
+        gpus.close()
+    return nproc, devices, names
 
 
 def parse_signals(value: str) -> tuple[signal.Signals, ...]:
@@ -319,7 +329,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     )
 
     argv = entrypoint(args)
-    nproc = resolve_nproc(str(args.nproc_per_node))
+    nproc, gpu_devices, gpu_names = resolve_workers(str(args.nproc_per_node), args.gpus, environ)
     shutdown = args.shutdown_timeout
     if shutdown is None:
         shutdown = _positive(environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0)
@@ -348,6 +358,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         tee=parse_std(args.tee, "--tee", nproc),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         local_ranks_filter=filter_ranks,
+        gpu_devices=gpu_devices,
+        isolate_gpus=args.isolate_gpus,
     )
     no_python = bool(args.no_python and not args.run_path)
     job_spec = {
@@ -361,5 +373,14 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         # rendezvous timings every node must share (secrets and local paths stay out)
         "rdzv_conf": {k: v for k, v in conf.items() if k in SHARED_RDZV_CONF},
     }
-    return LaunchConfig(rdzv=rdzv, worker=worker, job_spec=job_spec, nproc_request=str(args.nproc_per_node))
+    if args.health_interval <= 0:
+        raise UsageError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
+    return LaunchConfig(
+        rdzv=rdzv,
+        worker=worker,
+        job_spec=job_spec,
+        nproc_request=str(args.nproc_per_node),
+        gpu_names=gpu_names,
+        health_interval=args.health_interval,
+    )
 

@@ -16,8 +16,9 @@ import socket
 import time
 from dataclasses import replace
 
-from elasticrun.agent.agent import Agent
-from elasticrun.errors import UsageError
+from elasticrun.agent.agent import Agent, Watch
+from elasticrun.agent.gpu import Gpus, open_gpus
+from elasticrun.errors import GpuUnhealthyError, UsageError
 from elasticrun.launcher.config import DEFAULT_C10D_PORT, LaunchConfig, RendezvousConfig, parse_endpoint
 from elasticrun.launcher.control import open_client_store, read_conf_file
 from elasticrun.launcher.store_cmd import load_token
@@ -41,11 +42,34 @@ def run_launch(config: LaunchConfig) -> int:
 
 async def _launch(config: LaunchConfig) -> int:
     async with contextlib.AsyncExitStack() as stack:
+        watches = []
+        if config.worker.gpu_devices:
+            gpus = open_gpus()
+            stack.callback(gpus.close)
+            watches = gpu_watches(gpus, config.worker.gpu_devices, config.health_interval)
         handler, hosted = await _open_handler(config, stack)
-        result = await Agent(config.worker, handler).run()
+        result = await Agent(config.worker, handler, watches=watches).run()
         if hosted is not None:
             await _linger_while_nodes_remain(hosted, Keys(config.rdzv.settings.run_id))
     return result.exit_code
+
+
+def gpu_watches(gpus: Gpus, devices: tuple[int, ...], interval: float) -> list[Watch]:
+    """Check this node's GPUs before it joins; watch them while it trains.
+
+    A node with a sick GPU does not join at all; one whose GPU fails later leaves the
+    job gracefully (the others go on), with the reason in its events and status.
+    """
+    health = gpus.check(devices)
+    if not health.ok:
+        raise GpuUnhealthyError(f"this node does not join: {health.reason}")
+    log.info("GPUs %s: %s", ",".join(map(str, devices)), health.reason)
+
+    async def watch() -> str:
+        problem = await gpus.watch_health(devices, interval)
+        return f"GPU problem, leaving the job: {problem.reason}"
+
+    return [watch]
 
 
 async def _open_handler(
@@ -73,6 +97,7 @@ async def _open_handler(
         nproc=config.worker.nproc_per_node,
         pid=os.getpid(),
         started_at=time.time(),
+        gpus=config.gpu_names,
     )
     settings = rdzv.settings
     if rdzv.backend == "standalone":
