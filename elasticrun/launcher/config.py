@@ -29,13 +29,14 @@ DEFAULT_C10D_PORT = 29400
 DEFAULT_ETCD_PORT = 2379
 
 #: --rdzv-conf keys that are part of the job spec: every node must use the same
-SHARED_RDZV_CONF = ("last_call_timeout", "heartbeat_timeout", "closed_ttl")
+SHARED_RDZV_CONF = ("last_call_timeout", "heartbeat_timeout", "heartbeat_interval", "closed_ttl")
 
 #: --rdzv-conf keys, with what they mean (shown in the error for an unknown key)
 RDZV_CONF_KEYS = {
     "join_timeout": "seconds a node waits for a round before giving up (default 600)",
     "last_call_timeout": "seconds to wait for more nodes once min are there (default 1)",
     "heartbeat_timeout": "lease TTL: seconds until a silent node is dropped (default 5)",
+    "heartbeat_interval": "seconds between lease renewals (default: a third of heartbeat_timeout)",
     "closed_ttl": "seconds a finished job stays closed to late agents (default 60)",
     "is_host": "c10d: this agent hosts the store (true/false; default: when the endpoint is local)",
     "token_file": "c10d: file with the store's token (default: $ELASTICRUN_STORE_TOKEN)",
@@ -316,7 +317,13 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         join_timeout=probe.conf_float("join_timeout", 600.0),
         heartbeat_ttl=probe.conf_float("heartbeat_timeout", 5.0),
         closed_ttl=probe.conf_float("closed_ttl", 60.0),
+        heartbeat_interval=probe.conf_float("heartbeat_interval", 0.0),
     )
+    if settings.keep_alive_interval >= settings.heartbeat_ttl:
+        raise UsageError(
+            f"--rdzv-conf heartbeat_interval ({settings.keep_alive_interval:g}s) must be shorter than "
+            f"heartbeat_timeout ({settings.heartbeat_ttl:g}s)"
+        )
     rdzv = RendezvousConfig(
         backend=backend,
         endpoint=endpoint,

@@ -32,10 +32,12 @@ class RendezvousSettings:
     heartbeat_ttl: float = 5.0
     #: how long a closed job stays closed, so late agents exit instead of starting anew
     closed_ttl: float = 60.0
+    #: seconds between lease renewals; 0: a third of heartbeat_ttl
+    heartbeat_interval: float = 0.0
 
     @property
     def keep_alive_interval(self) -> float:
-        return self.heartbeat_ttl / 3
+        return self.heartbeat_interval or self.heartbeat_ttl / 3
 
 
 @dataclass(frozen=True, slots=True)
