@@ -122,6 +122,25 @@ class Proc:
         self._out.close()
 
 
+def start_store_server(port: int, log: Path) -> Proc:
+    """`elasticrun store serve` on 127.0.0.1:port, once it serves. Not tagged: the
+    store outlives agents; whoever starts it kills it (`Proc.kill`)."""
+    env = {k: v for k, v in os.environ.items() if k != TAG_VAR}
+    proc = Proc(
+        "store",
+        [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        log,
+        env,
+    )
+    proc.tagged = False
+    try:
+        proc.wait_for(r"serving on")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
 class Cluster:
     """The processes of one test: store servers and agents, all tagged, all cleaned up."""
 
@@ -138,15 +157,6 @@ class Cluster:
         proc = Proc(name, argv, self.tmp / f"{name}.log", env)
         proc.tagged = tagged
         self.procs.append(proc)
-        return proc
-
-    def store_server(self, port: int) -> Proc:
-        proc = self.start(
-            f"store{port}",
-            [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            tagged=False,
-        )
-        proc.wait_for(r"serving on")
         return proc
 
     def agent(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.agent_helpers import free_port
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, pid_alive, wait_until
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, pid_alive, start_store_server, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,12 +57,23 @@ def _run_id() -> str:
     return "e2e-" + uuid.uuid4().hex[:10]
 
 
+@pytest.fixture(scope="module")
+def c10d_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A standalone store server for this module's c10d tests (each uses its own run id):
+    no agent hosts it, so killing an agent never kills the store."""
+    port = free_port()
+    proc = start_store_server(port, tmp_path_factory.mktemp("store") / "store.log")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+
+
 @pytest.fixture(params=["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
 def rdzv(request: pytest.FixtureRequest, cluster: Cluster) -> Rdzv:
     if request.param == "c10d":
-        port = free_port()
-        cluster.store_server(port)
-        return Rdzv("c10d", f"127.0.0.1:{port}", RDZV_CONF + ",is_host=false", _run_id())
+        endpoint = request.getfixturevalue("c10d_store")
+        return Rdzv("c10d", endpoint, RDZV_CONF + ",is_host=false", _run_id())
     etcd = request.getfixturevalue("etcd_server")
     return Rdzv("etcd", etcd.endpoints[0], RDZV_CONF, _run_id())
 
