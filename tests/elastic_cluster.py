@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 WORKER = Path(__file__).resolve().parent / "workers" / "train_worker.py"
@@ -45,10 +45,9 @@ def tagged_pids(tag: str) -> list[int]:
             continue
         try:
             environ = Path(f"/proc/{entry}/environ").read_bytes()
-            stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        if needle in environ.split(b"\0") and stat.rsplit(")", 1)[1].split()[0] != "Z":
+        if needle in environ.split(b"\0") and pid_alive(int(entry)):
             found.append(int(entry))
     return found
 
@@ -142,7 +141,7 @@ def start_store_server(port: int, log: Path) -> Proc:
 
 
 class Cluster:
-    """The processes of one test: store servers and agents, all tagged, all cleaned up."""
+    """The agents of one test (and so their workers): all tagged, all cleaned up."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp = tmp_path
@@ -151,11 +150,9 @@ class Cluster:
         self.stop_file = tmp_path / "stop"
         self._env = dict(os.environ, **{TAG_VAR: self.tag, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"})
 
-    def start(self, name: str, argv: Sequence[str], *, tagged: bool = True) -> Proc:
-        """Start a process; `tagged` ones (agents, and so their workers) count as orphans."""
-        env = self._env if tagged else {k: v for k, v in self._env.items() if k != TAG_VAR}
-        proc = Proc(name, argv, self.tmp / f"{name}.log", env)
-        proc.tagged = tagged
+    def start(self, name: str, argv: Sequence[str]) -> Proc:
+        """Start a tagged process (it and its descendants count as the test's own)."""
+        proc = Proc(name, argv, self.tmp / f"{name}.log", self._env)
         self.procs.append(proc)
         return proc
 
@@ -198,7 +195,7 @@ class Cluster:
         wait_until(lambda: not self.alive(), timeout, f"the end of the test's processes {self.alive()}")
 
     def close(self) -> None:
-        """Kill whatever is left, by PID: agents and servers first, then tagged stragglers."""
+        """Kill whatever is left, by PID: agents first, then tagged stragglers."""
         for proc in reversed(self.procs):
             proc.kill()
         for pid in self.alive():
@@ -207,11 +204,3 @@ class Cluster:
             except ProcessLookupError:
                 pass
 
-
-def last_step_lines(text: str, world: int) -> list[re.Match[str]]:
-    return list(re.finditer(rf"^\S*step=(\d+) rank=(\d+) world={world} .*$", text, re.MULTILINE))
-
-
-def iter_worker_pids(text: str) -> Iterator[int]:
-    for m in re.finditer(r"pid=(\d+)", text):
-        yield int(m.group(1))
