@@ -49,7 +49,7 @@ from common import become_subreaper, fmt, loadavg, machine, write_json  # noqa: 
 HOST = "127.0.0.1"
 LAST_CALL = 0.5
 HEARTBEAT = 5.0
-CAP_S = 120.0
+CAP_S = 60.0
 
 
 # --- children ---------------------------------------------------------------------------
@@ -135,13 +135,28 @@ def role_serve(profile: str) -> None:
         profiler.dump_stats(profile)
 
 
-def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int, total: int, leaver: int, profile: str) -> None:
+def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int, total: int, leaver: int, profile: str,
+               shared: bool = False) -> None:
     """`count` ElasticRendezvous instances (node ids first..first+count-1) on one loop."""
     from elasticrun.rendezvous.decide import RendezvousSettings
     from elasticrun.rendezvous.elastic import ElasticRendezvous
     from elasticrun.rendezvous.state import NodeInfo
 
+    import logging
+
     os.nice(5)  # the store first: in a cluster each node has its own host
+    lost = collections.Counter()
+
+    class CountLosses(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if "lost its membership" in msg:
+                lost["lost_membership"] += 1
+
+    rdzv_log = logging.getLogger("elasticrun.rendezvous")
+    rdzv_log.addHandler(CountLosses())
+    rdzv_log.setLevel(logging.WARNING)
+    rdzv_log.propagate = False  # 1,000 nodes' warnings would flood the terminal
     settings = RendezvousSettings(run_id, max(total - 1, 1), total, last_call=LAST_CALL, heartbeat_ttl=HEARTBEAT, join_timeout=CAP_S)
     registered: dict[int, float] = {}
 
@@ -162,8 +177,9 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
     async def main() -> None:
         nodes, stores = {}, []
         for n in range(first, first + count):
-            store = make_store()
-            stores.append(store)
+            if not stores or not shared:
+                stores.append(make_store())
+            store = stores[-1]
             me = NodeInfo(node_id=f"node{n:05d}", host=socket.gethostname(), addr=HOST, nproc=1, pid=os.getpid(), started_at=time.time())
             nodes[n] = Timed(store, settings, me, spec={"bench": 1}, pick_port=lambda addr: 29500)
         print("ready", flush=True)
@@ -189,7 +205,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
         deadline = time.monotonic() + CAP_S
         while len(round1) + len(errors) < count and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        print(json.dumps({"registered": registered, "round1": round1, "errors": errors}), flush=True)
+        print(json.dumps({"registered": registered, "round1": round1, "errors": errors, "lost": lost["lost_membership"]}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # leave (acted on by the leaver's process)
         t_leave = None
         if leaver in nodes:
@@ -199,7 +215,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
         deadline = time.monotonic() + CAP_S
         while len(round2) + len(errors) < expected and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        print(json.dumps({"round2": round2, "t_leave": t_leave, "errors": errors}), flush=True)
+        print(json.dumps({"round2": round2, "t_leave": t_leave, "errors": errors, "lost": lost["lost_membership"]}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # quit
         for t in tasks:
             t.cancel()
@@ -285,6 +301,7 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=4, help="client processes")
     ap.add_argument("--profile-server", default="", help="cProfile our server process here (.prof)")
     ap.add_argument("--profile-nodes", default="", help="cProfile the first client process here (.prof)")
+    ap.add_argument("--shared-client", action="store_true", help="one store client per process (not per node)")
     ap.add_argument("--json")
     args = ap.parse_args()
     become_subreaper()
@@ -317,7 +334,7 @@ def main() -> int:
                 nodes = []
                 for i in range(args.procs):
                     prof = args.profile_nodes if (i == 0 and size == max(args.sizes)) else ""
-                    nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size), str(leaver), prof))
+                    nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size), str(leaver), prof, "shared" if args.shared_client else ""))
                 all_procs.extend(nodes)
                 for p in nodes:
                     assert recv(p).strip() == "ready"
@@ -357,6 +374,9 @@ def main() -> int:
                     "ops_round1": summarise_ops(ops1, backend),
                     "ops_round2": summarise_ops(ops2, backend),
                     "errors": errors[:5],
+                    "lost_membership_r1": sum(r["lost"] for r in r1),
+                    "lost_membership_r1_r2": sum(r["lost"] for r in r2),
+                    "clients": "one per process" if args.shared_client else "one per node",
                     "load": loadavg(),
                 }
                 results.append(res)
@@ -371,18 +391,18 @@ def main() -> int:
     finally:
         for p in all_procs:
             if p.poll() is None:
-                p.kill()
+                p.kill()  # by PID: only processes this driver started
                 p.wait(10)
         if cluster:
             cluster.close()
 
-    print("\n| backend | nodes | all registered after go s | round 1 s (last registered → last assigned) | round 2 s (leave → last assigned) | ops round 1 (+keep-alives) | ops round 2 (+keep-alives) | ops/node round 1 | watch events sent r1 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| backend | clients | nodes | all registered after go s | round 1 s (last registered → last assigned) | round 2 s (leave → last assigned) | ops round 1 (+keep-alives) | ops round 2 (+keep-alives) | ops/node round 1 | watch events sent r1 | leases lost (r1+r2) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         o1, k1, d1 = r["ops_round1"]  # type: ignore[misc]
         o2, k2, _ = r["ops_round2"]  # type: ignore[misc]
-        print(f"| {r['backend']} | {r['nodes']} | {fmt(r['all_registered_after_go_s'])} | {fmt(r['round1_s'])} | {fmt(r['round2_s'])} | "
-              f"{o1} (+{k1}) | {o2} (+{k2}) | {o1 / r['nodes']:.1f} | {d1.get('watch_events_sent', 0)} |")
+        print(f"| {r['backend']} | {r['clients']} | {r['nodes']} | {fmt(r['all_registered_after_go_s'])} | {fmt(r['round1_s'])} | {fmt(r['round2_s'])} | "
+              f"{o1} (+{k1}) | {o2} (+{k2}) | {o1 / r['nodes']:.1f} | {d1.get('watch_events_sent', 0)} | {r['lost_membership_r1_r2']} |")
     write_json(args.json, {"machine": info, "results": results})
     return 0
 
@@ -392,6 +412,6 @@ if __name__ == "__main__":
         role_serve(sys.argv[2] if len(sys.argv) > 2 else "")
     elif len(sys.argv) > 1 and sys.argv[1] == "_nodes":
         b, ep, rid, first, count, total, leaver = sys.argv[2:9]
-        role_nodes(b, ep, rid, int(first), int(count), int(total), int(leaver), sys.argv[9] if len(sys.argv) > 9 else "")
+        role_nodes(b, ep, rid, int(first), int(count), int(total), int(leaver), sys.argv[9], sys.argv[10] == "shared")
     else:
         sys.exit(main())
