@@ -62,6 +62,7 @@ from common import (  # noqa: E402
 )
 
 SCRIPT = WORKERS / "elastic_loop.py"
+MAX_RESTARTS = 3
 Event = dict[str, object]
 
 
@@ -124,7 +125,7 @@ class Job:
             f"--rdzv-id={self.run_id}",
             f"--rdzv-conf=is_host={'true' if i == 1 else 'false'}",
             f"--local-addr=127.0.0.{i}",
-            "--max-restarts=3",
+            f"--max-restarts={MAX_RESTARTS}",
             str(SCRIPT),
         ]
         env = base_env(BENCH_EVENTS=str(self.workdir / "events"), BENCH_NODE=f"n{i}", BENCH_CRASH_FILE=str(self.crash_file))
@@ -265,8 +266,10 @@ def main() -> int:
     ap.add_argument("--cap", type=float, default=120.0, help="seconds each phase may take")
     ap.add_argument("--only", nargs="*", default=list(PHASES), choices=list(PHASES))
     ap.add_argument("--launchers", nargs="*", default=["elasticrun", "torchrun", "torchrun-noshare"])
+    ap.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, help="passed to every agent (default 3)")
     ap.add_argument("--json", help="write every trial here")
     args = ap.parse_args()
+    globals()["MAX_RESTARTS"] = args.max_restarts
     become_subreaper()
     info = machine()
     print(f"machine: {info}", flush=True)
