@@ -99,18 +99,51 @@ def test_replacement_reforms_fixed_size_job():
     assert d.round is not None and d.round.number == 4 and d.round.restart_count == 2
 
 
-def test_restart_request_counts_against_budget_for_its_round_only():
+def test_restart_request_counts_against_budget_once_every_node_is_alive():
+    request = RestartRequest(round=7, node_id="b", reason="exit code 1")
     view = View(
         nodes=nodes(node("a"), node("b")),
         round=running("a", "b", number=7, restarts=2),
-        restart=RestartRequest(round=7, node_id="b", reason="exit code 1"),
+        restart=request,
+        restart_seen_at=10.0,
+        acks=frozenset({"a", "b"}),
     )
-    d = decide(view, SETTINGS, now=0.0)
+    d = decide(view, SETTINGS, now=10.1)
     assert members(d) == ["a", "b"]
     assert d.round is not None and d.round.restart_count == 3
     assert "worker failure on b" in d.reason
-    stale = View(nodes=view.nodes, round=view.round, restart=RestartRequest(6, "b", "old"))
-    assert decide(stale, SETTINGS, now=0.0).round is None
+    stale = View(nodes=view.nodes, round=view.round, restart=RestartRequest(6, "b", "old"), acks=view.acks)
+    assert decide(stale, SETTINGS, now=10.1).round is None
+
+
+def test_restart_waits_for_every_node_to_show_it_is_alive():
+    ttl = SETTINGS.heartbeat_ttl
+    view = View(
+        nodes=nodes(node("a"), node("b")),
+        round=running("a", "b", number=7, restarts=2),
+        restart=RestartRequest(round=7, node_id="b", reason="collective failed"),
+        restart_seen_at=10.0,
+        acks=frozenset({"b"}),
+    )
+    d = decide(view, SETTINGS, now=10.1)
+    assert d.round is None and d.ping == 7 and d.recheck_at == 10.0 + ttl
+    assert "no answer yet from a" in d.reason
+    # a silent node that still holds its lease when the time is up: a real failure
+    late = decide(view, SETTINGS, now=10.0 + ttl)
+    assert late.round is not None and late.round.restart_count == 3
+
+
+def test_a_peer_that_died_makes_the_failure_free():
+    view = View(
+        nodes=nodes(node("b")),  # a's lease expired while the leader waited for its answer
+        round=running("a", "b", number=7, restarts=2),
+        restart=RestartRequest(round=7, node_id="b", reason="collective failed"),
+        restart_seen_at=10.0,
+        acks=frozenset({"b"}),
+    )
+    d = decide(view, RendezvousSettings(run_id="job", min_nodes=1, max_nodes=3), now=11.0)
+    assert members(d) == ["b"]
+    assert d.round is not None and d.round.restart_count == 2 and d.reason.startswith("lost a")
 
 
 def test_closed_job_opens_nothing():

@@ -183,8 +183,17 @@ def test_sigterm_node_leaves_others_continue_without_spending_restarts(
 # --- scenario 3: a node dies (SIGKILL) --------------------------------------------------
 
 
-def test_sigkill_node_survivors_continue_after_lease_expiry(cluster: Cluster, rdzv: Rdzv) -> None:
-    agents = [start(cluster, rdzv, n, i + 2, "2:3", max_restarts=0) for i, n in enumerate("abc")]
+@pytest.mark.parametrize("on_broken_collective", ["wait", "crash"])
+def test_sigkill_node_survivors_continue_after_lease_expiry(
+    cluster: Cluster, rdzv: Rdzv, on_broken_collective: str
+) -> None:
+    # "crash": the survivors' workers exit 1 as soon as their collective breaks, long
+    # before the dead node's lease expires; that must still not spend the budget (0).
+    wait = "60" if on_broken_collective == "wait" else "0"
+    agents = [
+        start(cluster, rdzv, n, i + 2, "2:3", max_restarts=0, worker_args=("--broken-wait", wait))
+        for i, n in enumerate("abc")
+    ]
     before = {p.name: step(p, 3) for p in agents}
     c = leader(agents)  # the harder case: the leader dies; its key goes with its lease
     a, b = (p for p in agents if p is not c)

@@ -122,6 +122,8 @@ class Agent:
         self._state: WorkerState | None = None  # None: before the first round
         self._assignment: Assignment | None = None
         self._pids: tuple[int, ...] = ()
+        #: this node's failure beyond the budget: (message, report)
+        self._failure: tuple[str, FailureReport | None] | None = None
         root = spec.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
         #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/
         self.run_dir = root / f"{spec.run_id}_{spec.node_id}"
@@ -187,14 +189,15 @@ class Agent:
                     report = attempt.report
                     text = report.text if report is not None else attempt.reason
                     logger.error("%s", text)
-                    await self.handler.fail(text)
-                    return self._end(
-                        WorkerState.FAILED,
-                        EXIT_FAILURE,
+                    self._failure = (
                         f"{attempt.reason}; no restarts left "
                         f"(--max-restarts={self.spec.max_restarts})",
                         report,
                     )
+                    # The job ends for every node (next_round says so), unless the
+                    # rendezvous finds a node died meanwhile and breaking the workers'
+                    # collectives is its doing: then a new round follows, for free.
+                    await self.handler.fail(text)
                 case Action.NEXT_ROUND:
                     self._set_state(WorkerState.STOPPED, attempt.reason)
                 case Action.LEAVE:
@@ -300,6 +303,9 @@ class Agent:
         return self._signal.name if self._signal is not None else "a signal"
 
     def _closed(self, e: RendezvousClosedError) -> AgentResult:
+        if e.outcome == "failed" and self._failure is not None:
+            message, report = self._failure
+            return self._end(WorkerState.FAILED, EXIT_FAILURE, message, report)
         state = {
             "succeeded": WorkerState.SUCCEEDED,
             "failed": WorkerState.FAILED,

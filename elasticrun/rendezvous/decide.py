@@ -55,15 +55,26 @@ class View:
     nodes: Mapping[str, SeenNode]
     round: Round | None
     restart: RestartRequest | None = None
+    #: when the leader first saw `restart` (its clock)
+    restart_seen_at: float = 0.0
+    #: nodes that answered the liveness ping of the current round
+    acks: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """Open `round`, or (when None) wait, looking again at `recheck_at` at the latest."""
+    """Open `round`, or (when None) wait, looking again at `recheck_at` at the latest.
+
+    `ping` (a round number) asks every node of that round to show it is alive; `fail`
+    ends the job as failed with that report.
+    """
 
     reason: str
     round: Round | None = None
     recheck_at: float | None = None
+    ping: int = 0
+    #: end the job as failed, with this report
+    fail: str = ""
 
 
 def _names(nodes: list[str], limit: int = 8) -> str:
@@ -125,6 +136,20 @@ def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
 
     restart = view.restart
     if current is not None and members and restart is not None and restart.round == current.number:
+        # A peer that died breaks the others' collectives too, and their workers fail
+        # before its lease expires. Only when every member shows it is alive is this a
+        # worker failure (spending the budget); a dead one's lease expires first.
+        silent = [p.node_id for p in members if p.node_id not in view.acks]
+        deadline = view.restart_seen_at + settings.heartbeat_ttl
+        if silent and now < deadline:
+            return Decision(
+                reason=f"worker failure on {restart.node_id}: checking that every node is "
+                f"alive (no answer yet from {_names(silent)})",
+                recheck_at=deadline,
+                ping=current.number,
+            )
+        if restart.final:
+            return Decision(reason=f"job failed on {restart.node_id}: {restart.reason}", fail=restart.report or restart.reason)
         return open_round(
             group,
             f"restart after a worker failure on {restart.node_id}: {restart.reason}{joined}",

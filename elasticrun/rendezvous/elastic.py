@@ -42,11 +42,13 @@ from elasticrun.rendezvous.state import (
     LeaderState,
     Master,
     NodeInfo,
+    Ping,
     RestartRequest,
     Round,
     decode_drain,
     decode_master,
     decode_node,
+    decode_ping,
     decode_restart,
     decode_round,
     decode_spec,
@@ -213,8 +215,20 @@ class ElasticRendezvous(RendezvousHandler):
         await self._store.put(self._keys.restart, encode(request))
 
     async def fail(self, report: str) -> None:
-        await self._close("failed", report)
-        await self.aclose()
+        """Ask the leader to end the job with `report`.
+
+        It does, once every member shows it is alive; a member that died instead is
+        what broke our workers, and the leader opens a new round without it.
+        """
+        first_line = next((ln.strip() for ln in report.splitlines() if any(c.isalnum() for c in ln)), "workers failed")
+        request = RestartRequest(
+            round=self._last_round,
+            node_id=self._me.node_id,
+            reason=first_line,
+            final=True,
+            report=report[-_DETAIL_LIMIT:],
+        )
+        await self._store.put(self._keys.restart, encode(request))
 
     async def finish(self) -> None:
         await self._close("succeeded", f"workers of {self._me.node_id} succeeded")
@@ -317,12 +331,19 @@ class ElasticRendezvous(RendezvousHandler):
                     self._apply_job(event.key, event.value if event.type is EventType.PUT else None)
                     if event.key == self._keys.leader and event.type is EventType.DELETE:
                         await self._try_lead()
+                    elif event.key == self._keys.ping and event.type is EventType.PUT:
+                        await self._answer_ping(decode_ping(event.value))
                     self._pulse.fire()
             except StoreError as e:
                 log.warning("watch on job '%s' broke (%s); re-reading", self.run_id, e)
                 await asyncio.sleep(self._settings.keep_alive_interval)
                 start_revision = (await self._reread_job()).revision + 1
                 self._pulse.fire()
+
+    async def _answer_ping(self, ping: Ping) -> None:
+        """Show the leader we are alive, so a failure is told apart from a death."""
+        if self._lease is not None and not self._lost:
+            await self._store.put(self._keys.ack(self._me.node_id), encode(ping), lease=self._lease)
 
     async def _reread_job(self) -> RangeResult:
         snapshot = await self._store.get_prefix(self._keys.job)
@@ -446,6 +467,9 @@ class _Leader:
         self._round: Round | None = None
         self._round_rev = 0
         self._restart: RestartRequest | None = None
+        self._restart_seen_at = 0.0
+        self._acks: dict[str, int] = {}  # node -> the round its last ack answered
+        self._pinged = 0
         self._published = ""
         self._published_at = -1e9
 
@@ -464,7 +488,7 @@ class _Leader:
                 await asyncio.sleep(self._settings.keep_alive_interval)
 
     async def _lead(self) -> None:
-        snapshot = await self._store.get_prefix(self._keys.prefix)
+        snapshot = await self._store.get_prefix(self._keys.rdzv)
         self._resync(snapshot)
         events: asyncio.Queue[WatchEvent | StoreError] = asyncio.Queue()
         pump = asyncio.ensure_future(self._pump(snapshot.revision + 1, events))
@@ -492,7 +516,7 @@ class _Leader:
 
     async def _pump(self, start: int, events: asyncio.Queue[WatchEvent | StoreError]) -> None:
         try:
-            async for event in self._store.watch(self._keys.prefix, start_revision=start, prefix=True):
+            async for event in self._store.watch(self._keys.rdzv, start_revision=start, prefix=True):
                 events.put_nowait(event)
         except StoreError as e:  # handed to the leader's loop, which re-reads
             events.put_nowait(e)
@@ -506,14 +530,30 @@ class _Leader:
             self._round, self._round_rev = None, 0
         if self._keys.restart not in present:
             self._restart = None
+        for node_id in [n for n in self._acks if self._keys.ack(n) not in present]:
+            del self._acks[node_id]
         for kv in snapshot.kvs:
             self._apply(kv, None)
 
     def _view(self) -> View:
-        return View(nodes=self._nodes, round=self._round, restart=self._restart)
+        number = self._round.number if self._round else 0
+        acks = frozenset(n for n, r in self._acks.items() if r == number)
+        return View(
+            nodes=self._nodes,
+            round=self._round,
+            restart=self._restart,
+            restart_seen_at=self._restart_seen_at,
+            acks=acks,
+        )
 
     async def _act(self, decision: Decision) -> bool:
         """Write the decided round; True while we wait to see our own write come back."""
+        if decision.ping and decision.ping != self._pinged:
+            await self._store.put(self._keys.ping, encode(Ping(round=decision.ping)))
+            self._pinged = decision.ping
+        if decision.fail:
+            await close_job(self._store, self._keys, "failed", decision.fail, self._settings.closed_ttl)
+            return True
         if decision.round is None:
             return False
         new_round = replace(decision.round, opened_at=time.time())
@@ -583,7 +623,16 @@ class _Leader:
             self._round = decode_round(kv.value) if kv else None
             self._round_rev = kv.mod_revision if kv else 0
         elif key == keys.restart:
-            self._restart = decode_restart(kv.value) if kv else None
+            restart = decode_restart(kv.value) if kv else None
+            if restart is not None and (self._restart is None or self._restart.round != restart.round):
+                self._restart_seen_at = self._clock()
+            self._restart = restart
+        elif key.startswith(keys.acks):
+            node_id = key[len(keys.acks):]
+            if kv is None:
+                self._acks.pop(node_id, None)
+            else:
+                self._acks[node_id] = decode_ping(kv.value).round
 
 
 async def close_job(store: Store, keys: Keys, outcome: str, detail: str, closed_ttl: float) -> bool:
@@ -609,7 +658,7 @@ async def close_job(store: Store, keys: Keys, outcome: str, detail: str, closed_
             break
         await store.revoke_lease(lease)
     log.info("job '%s' closed (%s)", keys.run_id, outcome)
-    for key in (keys.spec, keys.restart, keys.master, keys.state):
+    for key in (keys.spec, keys.restart, keys.master, keys.state, keys.ping):
         await store.delete(key)
     await store.delete_prefix(keys.drains)
     return True

@@ -3,24 +3,27 @@
 Everything stored is versioned JSON (never pickle), so any tool (`elasticrun status`,
 `etcdctl get`) can read it, and a newer agent can refuse a record it does not understand.
 
-Key layout, one prefix per job (`/elasticrun/<run_id>/`):
+Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives under
+`r/`, what job control reads under `c/`:
 
-    nodes/<node_id>   NodeInfo, bound to the node's lease: vanishes when the node dies
-    restart           RestartRequest, written by a node whose workers failed
-    job/round         Round: the current round (or the job's end), written by the leader
-    job/leader        the leader's node id, bound to its lease
-    job/master        Master: MASTER_ADDR/PORT of the current round, by its node rank 0
-    job/spec          the job spec digest; a node with another spec is refused
-    job/state         LeaderState: what the leader waits for, for waiting nodes and status
-    job/launch        JobLaunch: when and where the job was started (for status and join)
-    job/drain/<node>  DrainRequest: an operator asked this node to leave
-    status/<node_id>  NodeStatus: the node's live state, bound to its lease
-    logs/<rank>       LogWindow: the latest lines of one rank, bound to its node's lease
-    events/<t>-<node> Event: what happened, oldest pruned by the leader
+    r/nodes/<node_id>   NodeInfo, bound to the node's lease: vanishes when the node dies
+    r/restart           RestartRequest, written by a node whose workers failed
+    r/acks/<node_id>    Ack: the node answers a liveness ping, bound to its lease
+    r/job/round         Round: the current round (or the job's end), by the leader
+    r/job/leader        the leader's node id, bound to its lease
+    r/job/master        Master: MASTER_ADDR/PORT of the current round, by its node rank 0
+    r/job/ping          Ping: the leader asks every node to show it is alive
+    r/job/spec          the job spec; a node with another spec is refused
+    r/job/state         LeaderState: what the leader waits for, for waiting nodes and status
+    r/job/launch        JobLaunch: when and where the job was started (for status and join)
+    r/job/drain/<node>  DrainRequest: an operator asked this node to leave
+    c/status/<node_id>  NodeStatus: the node's live state, bound to its lease
+    c/logs/<rank>       LogWindow: the latest lines of one rank, bound to its node's lease
+    c/events/<t>-<node> Event: what happened, oldest pruned by the leader
 
-Only the leader watches `nodes/` and `restart`; every node watches `job/`. A membership
-change therefore costs O(1) events per node, which is what lets one round span
-thousands of nodes.
+Only the leader watches `r/`; every node watches `r/job/`. A membership change
+therefore costs O(1) events per node, which is what lets one round span thousands of
+nodes, and the busy `c/` records (output windows) never wake the leader.
 """
 
 from __future__ import annotations
@@ -50,19 +53,38 @@ class Keys:
         return job_prefix(self.run_id)
 
     @property
+    def rdzv(self) -> str:
+        return self.prefix + "r/"
+
+    @property
+    def control(self) -> str:
+        return self.prefix + "c/"
+
+    @property
     def nodes(self) -> str:
-        return self.prefix + "nodes/"
+        return self.rdzv + "nodes/"
 
     def node(self, node_id: str) -> str:
         return self.nodes + node_id
 
     @property
     def restart(self) -> str:
-        return self.prefix + "restart"
+        return self.rdzv + "restart"
+
+    @property
+    def acks(self) -> str:
+        return self.rdzv + "acks/"
+
+    def ack(self, node_id: str) -> str:
+        return self.acks + node_id
 
     @property
     def job(self) -> str:
-        return self.prefix + "job/"
+        return self.rdzv + "job/"
+
+    @property
+    def ping(self) -> str:
+        return self.job + "ping"
 
     @property
     def round(self) -> str:
@@ -97,21 +119,21 @@ class Keys:
 
     @property
     def statuses(self) -> str:
-        return self.prefix + "status/"
+        return self.control + "status/"
 
     def status(self, node_id: str) -> str:
         return self.statuses + node_id
 
     @property
     def logs(self) -> str:
-        return self.prefix + "logs/"
+        return self.control + "logs/"
 
     def log(self, rank: int) -> str:
         return f"{self.logs}{rank:08d}"
 
     @property
     def events(self) -> str:
-        return self.prefix + "events/"
+        return self.control + "events/"
 
     def event(self, at: float, node_id: str) -> str:
         return f"{self.events}{int(at * 1e6):020d}-{node_id}"
@@ -175,6 +197,16 @@ class RestartRequest:
     round: int
     node_id: str
     reason: str
+    #: the node's budget is spent: end the job (with `report`) unless a node died
+    final: bool = False
+    report: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """The leader asks every node of round `round` to show it is alive (an Ack)."""
+
+    round: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +353,10 @@ def decode_round(raw: bytes) -> Round:
 
 def decode_restart(raw: bytes) -> RestartRequest:
     return RestartRequest(**_load(raw, "restart"))
+
+
+def decode_ping(raw: bytes) -> Ping:
+    return Ping(**_load(raw, "ping"))
 
 
 def decode_master(raw: bytes) -> Master:
