@@ -1,6 +1,6 @@
 """Elastic behaviour: elasticrun against torchrun, side by side, in one run (issue 4).
 
-    python bench/bench_elastic.py                       # 3 repetitions, ~10 minutes
+    python bench/bench_elastic.py --cap 90               # 3 repetitions, ~21 minutes on 2 cores
     python bench/bench_elastic.py --reps 1 --only rdzv  # a quick look
 
 Several agents on this machine, one per 127.0.0.x address (`--local-addr`), one worker
