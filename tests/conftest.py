@@ -1,3 +1,3 @@
 """Shared test fixtures. Fixture modules of each area are plugged in here."""
 
-pytest_plugins: list[str] = ["tests.etcd_support"]
+pytest_plugins: list[str] = ["tests.etcd_support", "tests.elastic_cluster"]

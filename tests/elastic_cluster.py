@@ -16,8 +16,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
+
+from tests.agent_helpers import free_port
 
 WORKER = Path(__file__).resolve().parent / "workers" / "train_worker.py"
 TAG_VAR = "ELASTICRUN_TEST_TAG"
@@ -203,4 +208,52 @@ class Cluster:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# --- fixtures (a pytest plugin, see tests/conftest.py) -----------------------------------
+
+
+@dataclass(frozen=True)
+class Rdzv:
+    """Where the agents of one test meet."""
+
+    backend: str
+    endpoint: str
+    conf: str
+    run_id: str
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def run_id() -> str:
+    return "e2e-" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="module")
+def c10d_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A standalone store server for this module's c10d tests (each uses its own run id):
+    no agent hosts it, so killing an agent never kills the store."""
+    port = free_port()
+    proc = start_store_server(port, tmp_path_factory.mktemp("store") / "store.log")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(params=["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
+def rdzv(request: pytest.FixtureRequest, cluster: Cluster) -> Rdzv:
+    if request.param == "c10d":
+        endpoint = request.getfixturevalue("c10d_store")
+        return Rdzv("c10d", endpoint, RDZV_CONF + ",is_host=false", run_id())
+    etcd = request.getfixturevalue("etcd_server")
+    return Rdzv("etcd", etcd.endpoints[0], RDZV_CONF, run_id())
+
 

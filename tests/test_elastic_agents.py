@@ -16,14 +16,11 @@ import os
 import re
 import signal
 import socket
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
 from tests.agent_helpers import free_port
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, pid_alive, start_store_server, wait_until
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, pid_alive, run_id, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,50 +29,6 @@ STEP = (
     r"step=(?P<step>\d+) rank=(?P<rank>\d+) world={world} group_rank=(?P<group_rank>\d+) "
     r"restart=(?P<restart>\d+) round=(?P<round>\d+) pid=(?P<pid>\d+)"
 )
-
-
-@dataclass(frozen=True)
-class Rdzv:
-    """Where the agents of one test meet."""
-
-    backend: str
-    endpoint: str
-    conf: str
-    run_id: str
-
-
-@pytest.fixture
-def cluster(tmp_path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-def _run_id() -> str:
-    return "e2e-" + uuid.uuid4().hex[:10]
-
-
-@pytest.fixture(scope="module")
-def c10d_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A standalone store server for this module's c10d tests (each uses its own run id):
-    no agent hosts it, so killing an agent never kills the store."""
-    port = free_port()
-    proc = start_store_server(port, tmp_path_factory.mktemp("store") / "store.log")
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.kill()
-
-
-@pytest.fixture(params=["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
-def rdzv(request: pytest.FixtureRequest, cluster: Cluster) -> Rdzv:
-    if request.param == "c10d":
-        endpoint = request.getfixturevalue("c10d_store")
-        return Rdzv("c10d", endpoint, RDZV_CONF + ",is_host=false", _run_id())
-    etcd = request.getfixturevalue("etcd_server")
-    return Rdzv("etcd", etcd.endpoints[0], RDZV_CONF, _run_id())
 
 
 def start(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str, **kw) -> Proc:
@@ -308,7 +261,7 @@ def test_closed_rendezvous_then_fresh_job_and_two_jobs_on_one_store(cluster: Clu
 
     asyncio.run(_round_gone(rdzv, rdzv.run_id))
     again = start(cluster, rdzv, "again", 2, "1", conf=conf)
-    other = start(cluster, rdzv, "other", 3, "1", conf=conf, run_id=_run_id())
+    other = start(cluster, rdzv, "other", 3, "1", conf=conf, run_id=run_id())
     for p in (again, other):  # both jobs train at the same time on one store
         m = step(p, 1, count=2)
         assert m["round"] == "1" and m["restart"] == "0"  # a clean start
@@ -335,7 +288,7 @@ def test_lone_node_says_what_it_waits_for_and_times_out(cluster: Cluster, rdzv: 
 
 def test_c10d_agent_hosts_the_store(cluster: Cluster) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
-    rdzv = Rdzv("c10d", endpoint, RDZV_CONF, _run_id())
+    rdzv = Rdzv("c10d", endpoint, RDZV_CONF, run_id())
     host = start(cluster, rdzv, "host", 2, "2", conf=RDZV_CONF + ",is_host=true")
     host.wait_for(r"hosting the rendezvous store on 127\.0\.0\.1:\d+")
     guest = start(cluster, rdzv, "guest", 3, "2", conf=RDZV_CONF + ",is_host=false")
@@ -355,7 +308,7 @@ STEPS_AFTER = 35
 
 
 def _trio_rdzv(etcd_trio, conf: str = RDZV_CONF) -> Rdzv:
-    return Rdzv("etcd", ",".join(etcd_trio.endpoints), conf, _run_id())
+    return Rdzv("etcd", ",".join(etcd_trio.endpoints), conf, run_id())
 
 
 def test_etcd_member_then_leader_loss_keeps_the_workers_running(cluster: Cluster, etcd_trio) -> None:

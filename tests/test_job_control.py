@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_cluster import Cluster, Proc, wait_until
-from tests.test_elastic_agents import Rdzv, cluster, rdzv  # noqa: F401  (fixtures)
+from tests.elastic_cluster import Cluster, Proc, Rdzv, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,7 +110,7 @@ def test_logs_tail_shows_every_rank_and_follow_sees_new_lines(cluster, rdzv, job
     follow = cluster.start("follow", [
         sys.executable, "-m", "elasticrun", "logs", "--follow", "--tail", "0", "--rank", "0",
         f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
-    ], tagged=False)
+    ])
     first = follow.wait_for(r"^\[0\]<stdout>: tick=(\d+) rank=0")
     later = follow.wait_for(rf"^\[0\]<stdout>: tick={int(first.group(1)) + 3} rank=0")
     assert later and "[1]<stdout>" not in follow.text()

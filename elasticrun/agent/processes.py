@@ -3,7 +3,11 @@
 Each worker leads its own process group (a new session), so a stop reaches whatever it
 spawned too, and a Ctrl-C at the terminal reaches only the agent, which decides. Each
 worker also asks the kernel to SIGKILL it when the agent dies (PR_SET_PDEATHSIG), so
-workers never outlive the agent, not even an agent killed with SIGKILL.
+workers never outlive the agent, not even an agent killed with SIGKILL. The request is
+made by util-linux's `setpriv --pdeathsig` right before it execs the worker, so no
+Python runs in the child between fork and exec: the agent has threads (gRPC's), and
+Python code in a forked child of a threaded process can deadlock or abort. Only where
+`setpriv` is missing does a `preexec_fn` make the request instead.
 
 Exits are awaited, never polled, and `stop()` never returns before every worker is
 reaped, even when it is cancelled.
@@ -16,6 +20,7 @@ import ctypes
 import errno
 import logging
 import os
+import shutil
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -26,6 +31,7 @@ from elasticrun.errors import WorkerStartError
 logger = logging.getLogger("elasticrun.agent")
 
 _PR_SET_PDEATHSIG = 1
+_SETPRIV = shutil.which("setpriv")
 # Resolved in the agent, before any fork: the child must not load or look up symbols
 # between fork and exec.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -107,17 +113,23 @@ class WorkerGroup:
         loop = asyncio.get_running_loop()
         agent_pid = os.getpid()
         try:
+            if shutil.which(argv[0]) is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+            if _SETPRIV is not None:
+                command, preexec = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv], None
+            else:
+                command, preexec = list(argv), lambda: _die_with_parent(agent_pid)
             for local_rank, env in envs.items():
                 protocol: _ExitProtocol
                 transport, protocol = await loop.subprocess_exec(
                     lambda: _ExitProtocol(loop),
-                    *argv,
+                    *command,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
                     env=dict(env),
                     start_new_session=True,
-                    preexec_fn=lambda: _die_with_parent(agent_pid),
+                    preexec_fn=preexec,
                 )
                 procs[local_rank] = asyncio.subprocess.Process(transport, protocol, loop)
                 exits[local_rank] = protocol.exited
