@@ -188,7 +188,10 @@ class Agent:
                 case Action.FAIL:
                     report = attempt.report
                     text = report.text if report is not None else attempt.reason
-                    logger.error("%s", text)
+                    logger.warning(
+                        "%s; no restarts left: the job ends, unless a node died meanwhile",
+                        attempt.reason,
+                    )
                     self._failure = (
                         f"{attempt.reason}; no restarts left "
                         f"(--max-restarts={self.spec.max_restarts})",
@@ -305,6 +308,8 @@ class Agent:
     def _closed(self, e: RendezvousClosedError) -> AgentResult:
         if e.outcome == "failed" and self._failure is not None:
             message, report = self._failure
+            if report is not None:
+                logger.error("%s", report.text)
             return self._end(WorkerState.FAILED, EXIT_FAILURE, message, report)
         state = {
             "succeeded": WorkerState.SUCCEEDED,

@@ -63,7 +63,7 @@ log = logging.getLogger("elasticrun.rendezvous")
 #: a failure report kept in the closed round record is cut to this many characters
 _DETAIL_LIMIT = 16_000
 #: the leader publishes its waiting reason at most this often
-_STATE_MIN_INTERVAL = 0.5
+_STATE_MIN_INTERVAL = 1.0
 #: a node publishes its status, output windows and events at most this often
 _REPORT_INTERVAL = 0.5
 #: lines of each rank's output kept in the store, and the longest line kept whole
