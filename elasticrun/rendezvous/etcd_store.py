@@ -14,6 +14,9 @@ and replaces gRPC errors with detail-less exceptions. What this module adds inst
 - the blocking gRPC calls run on the store's own threads, so the event loop never
   waits on etcd, and an etcd outage cannot starve the loop's default executor (which
   asyncio also uses for DNS lookups);
+- lease keep-alives: one long-lived LeaseKeepAlive stream per store client, shared by
+  all its leases (a renewal is one message on it, not a new stream), re-opened through
+  the same failover when it breaks;
 - watches: one stream per watch on its own thread, handing responses to the loop, and
   re-created from the next undelivered revision on another endpoint when it breaks.
 
@@ -29,15 +32,18 @@ default flags), to that minimum. A new raft leader also extends every lease by i
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import functools
 import math
 import os
+import queue
 import threading
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -153,7 +159,17 @@ def _classify(code: grpc.StatusCode, details: str) -> _Kind:
     return _Kind.OTHER
 
 
+class _StreamFailure(grpc.RpcError):
+    """A shared stream's end (or its silence), as the status its waiters see."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.status, self.text = code, details
+
+
 def _rpc_facts(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, _StreamFailure):
+        return exc.status, exc.text
     # Every RpcError grpc raises from a call is also a grpc.Call carrying these.
     if isinstance(exc, grpc.Call):
         return exc.code(), exc.details() or ""
@@ -365,6 +381,7 @@ class _Cluster:
         self._lock = threading.Lock()
         self._current = 0
         self._token: str | None = None
+        self._keep_alive: _KeepAliveStream | None = None
 
     def attempts(self) -> _Attempts:
         deadline = time.monotonic() + self.timeout
@@ -432,9 +449,101 @@ class _Cluster:
             if self._stubs[self._current] is failed:
                 self._current = (self._current + 1) % len(self._stubs)
 
+    def keep_alive_stream(self, stubs: _Stubs, metadata: _Metadata) -> _KeepAliveStream:
+        """The client's one LeaseKeepAlive stream on `stubs`, opened when there is none."""
+        with self._lock:
+            stream = self._keep_alive
+            if stream is None or stream.broken or stream.stubs is not stubs:
+                if stream is not None:
+                    stream.close()
+                stream = self._keep_alive = _KeepAliveStream(stubs, metadata + _REQUIRE_LEADER)
+            return stream
+
     def close(self) -> None:
+        with self._lock:
+            if self._keep_alive is not None:
+                self._keep_alive.close()
         for stubs in self._stubs:
             stubs.channel.close()
+
+
+class _KeepAliveStream:
+    """One long-lived LeaseKeepAlive stream, shared by every lease of a store client.
+
+    `renew` sends a request and waits for its answer: etcd answers the requests of a
+    stream one by one, in order, each reply naming its lease, so the oldest waiter of
+    that lease gets it. A stream that ends, fails, or leaves a renewal unanswered past
+    its deadline is broken for good: every waiter gets the failure (and fails over, as
+    any operation does), and the next renewal opens a new stream.
+    """
+
+    def __init__(self, stubs: _Stubs, metadata: _Metadata) -> None:
+        self.stubs = stubs
+        self._requests: queue.SimpleQueue[etcdrpc.LeaseKeepAliveRequest | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._waiters: dict[int, collections.deque[Future[int]]] = {}
+        self._failure: _StreamFailure | None = None
+        self._call = stubs.lease.LeaseKeepAlive(self._outgoing(), metadata=metadata)
+        self._reader = threading.Thread(target=self._read, name="etcd-keepalive", daemon=True)
+        self._reader.start()
+
+    @property
+    def broken(self) -> bool:
+        return self._failure is not None
+
+    def renew(self, lease: int, timeout: float) -> int:
+        """The lease's TTL after a renewal (0: the lease is gone); RpcError on failure."""
+        answer: Future[int] = Future()
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            self._waiters.setdefault(lease, collections.deque()).append(answer)
+        self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease))
+        try:
+            return answer.result(timeout)
+        except FutureTimeoutError:
+            self._break(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a lease keep-alive")
+            raise self._failure or _StreamFailure(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a lease keep-alive"
+            ) from None
+
+    def close(self) -> None:
+        self._break(grpc.StatusCode.UNAVAILABLE, "this store client is closed")
+
+    def _outgoing(self) -> Iterator[etcdrpc.LeaseKeepAliveRequest]:
+        while (request := self._requests.get()) is not None:
+            yield request
+
+    def _read(self) -> None:
+        code, details = grpc.StatusCode.UNAVAILABLE, "the lease keep-alive stream ended"
+        try:
+            for response in self._call:
+                with self._lock:
+                    waiting = self._waiters.get(response.ID)
+                    answer = waiting.popleft() if waiting else None
+                    if waiting is not None and not waiting:
+                        del self._waiters[response.ID]
+                if answer is not None:
+                    answer.set_result(int(response.TTL))
+        except grpc.RpcError as exc:
+            code, details = _rpc_facts(exc)
+        except Exception as exc:  # a bug here must fail the waiters, not strand them
+            code, details = grpc.StatusCode.UNKNOWN, repr(exc)
+        self._break(code, details)
+
+    def _break(self, code: grpc.StatusCode, details: str) -> None:
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = failure = _StreamFailure(code, details)
+            stranded = [answer for waiting in self._waiters.values() for answer in waiting]
+            self._waiters.clear()
+        for answer in stranded:
+            answer.set_exception(failure)
+        self._requests.put(None)
+        self._call.cancel()
 
 
 _Delivery = tuple[WatchEvent, ...] | StoreError
@@ -713,20 +822,11 @@ class EtcdStore(Store):
         return int(response.ID)
 
     async def keep_alive(self, lease: int) -> None:
-        request = etcdrpc.LeaseKeepAliveRequest(ID=lease)
-
         def refresh(stubs: _Stubs, timeout: float, metadata: _Metadata) -> int:
-            call = stubs.lease.LeaseKeepAlive(iter([request]), timeout=timeout, metadata=metadata)
-            try:
-                response = next(call, None)
-            finally:
-                call.cancel()
-            return -1 if response is None else int(response.TTL)
+            return self._cluster.keep_alive_stream(stubs, metadata).renew(lease, timeout)
 
         ttl = await self._run(refresh, lease=lease)
-        if ttl < 0:
-            raise StoreUnavailableError(self.endpoint, "a lease keep-alive got no answer")
-        if ttl == 0:
+        if ttl <= 0:
             raise LeaseExpiredError(lease)
 
     async def revoke_lease(self, lease: int) -> None:
