@@ -10,12 +10,14 @@ What it does, step by step:
    job running examples/train_elastic.py (one worker each);
 3. adds a third node with `elasticrun join` (on 127.0.0.3): the job scales up to 3;
 4. scales back in with `elasticrun drain --count 1`: the newest node leaves gracefully;
-5. kills one of the two remaining nodes outright (SIGKILL of its agent and its worker):
-   its lease expires and the survivor goes on alone;
-6. the survivor trains to the last step and the job ends with exit code 0.
+5. starts a fourth node (127.0.0.4) with the job's own command (3 nodes again), then
+   preempts it (SIGTERM): it stops its worker and leaves at once, back to 2;
+6. kills node-b outright (SIGKILL of its agent and its worker): its lease expires and
+   node-a goes on alone;
+7. node-a trains to the last step and the job ends with exit code 0.
 
-After every stage it waits for training to step at the new world size and prints the
-table of `elasticrun status`. The loss keeps falling across the changes because each
+After every stage it waits for training to step at the new world size; it prints the
+table of `elasticrun status` along the way. The loss keeps falling across the changes because each
 restart resumes from the latest checkpoint. It takes about two minutes on two cores.
 
 Every process it starts (store, agents, their workers) is stopped by PID when it ends,
@@ -185,6 +187,17 @@ def run_demo(workdir: Path, endpoint: str, nodes: list[Node]) -> int:
     print(f"    {drained.stdout.strip()}", flush=True)
     code_c = nodes[2].proc.wait(timeout=STAGE_TIMEOUT)
     print(f"    node-c's agent exited {code_c}", flush=True)
+    progress(nodes, 2)
+    show_status(endpoint, nodes)
+
+    say("node-d starts on 127.0.0.4 (the job's own command): the job grows to 3 again")
+    nodes.append(Node("node-d", [*launch, "--local-addr=127.0.0.4", *train], workdir))
+    progress(nodes, 3)
+
+    say("node-d is preempted (SIGTERM): it leaves at once, the job goes on with 2")
+    nodes[3].proc.send_signal(signal.SIGTERM)
+    code_d = nodes[3].proc.wait(timeout=STAGE_TIMEOUT)
+    print(f"    node-d's agent exited {code_d} (a signalled agent exits 1, as under torchrun)", flush=True)
     progress(nodes, 2)
     show_status(endpoint, nodes)
 
