@@ -42,8 +42,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -449,6 +448,13 @@ class _Cluster:
             if self._stubs[self._current] is failed:
                 self._current = (self._current + 1) % len(self._stubs)
 
+    def open_keep_alive_stream(self, stubs: _Stubs) -> _KeepAliveStream | None:
+        """The client's LeaseKeepAlive stream on `stubs` when one is open (never blocks)."""
+        stream = self._keep_alive
+        if stream is None or stream.broken or stream.stubs is not stubs:
+            return None
+        return stream
+
     def keep_alive_stream(self, stubs: _Stubs, metadata: _Metadata) -> _KeepAliveStream:
         """The client's one LeaseKeepAlive stream on `stubs`, opened when there is none."""
         with self._lock:
@@ -493,24 +499,19 @@ class _KeepAliveStream:
     def broken(self) -> bool:
         return self._failure is not None
 
-    def renew(self, lease: int, timeout: float) -> int:
-        """The lease's TTL after a renewal (0: the lease is gone); RpcError on failure."""
+    def send(self, lease: int) -> Future[int]:
+        """Renew the lease: its TTL afterwards (0: gone) or the stream's failure, later."""
         answer: Future[int] = Future()
         with self._lock:
             if self._failure is not None:
-                raise self._failure
+                answer.set_exception(self._failure)
+                return answer
             self._waiters.setdefault(lease, collections.deque()).append(answer)
         self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease))
-        try:
-            return answer.result(timeout)
-        except FutureTimeoutError:
-            self._break(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a lease keep-alive")
-            raise self._failure or _StreamFailure(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a lease keep-alive"
-            ) from None
+        return answer
 
     def close(self) -> None:
-        self._break(grpc.StatusCode.UNAVAILABLE, "this store client is closed")
+        self.break_(grpc.StatusCode.UNAVAILABLE, "this store client is closed")
 
     def _outgoing(self) -> Iterator[etcdrpc.LeaseKeepAliveRequest]:
         while (request := self._requests.get()) is not None:
@@ -526,14 +527,15 @@ class _KeepAliveStream:
                     if waiting is not None and not waiting:
                         del self._waiters[response.ID]
                 if answer is not None:
-                    answer.set_result(int(response.TTL))
+                    _settle(answer, int(response.TTL))
         except grpc.RpcError as exc:
             code, details = _rpc_facts(exc)
         except Exception as exc:  # a bug here must fail the waiters, not strand them
             code, details = grpc.StatusCode.UNKNOWN, repr(exc)
-        self._break(code, details)
+        self.break_(code, details)
 
-    def _break(self, code: grpc.StatusCode, details: str) -> None:
+    def break_(self, code: grpc.StatusCode, details: str) -> None:
+        """End the stream: every renewal waiting on it, and every later one, fails."""
         with self._lock:
             if self._failure is not None:
                 return
@@ -541,9 +543,20 @@ class _KeepAliveStream:
             stranded = [answer for waiting in self._waiters.values() for answer in waiting]
             self._waiters.clear()
         for answer in stranded:
-            answer.set_exception(failure)
+            _settle(answer, failure)
         self._requests.put(None)
         self._call.cancel()
+
+
+def _settle(answer: Future[int], outcome: int | BaseException) -> None:
+    """Resolve `answer`, unless its waiter gave up on it (cancelled it) already."""
+    try:
+        if isinstance(outcome, BaseException):
+            answer.set_exception(outcome)
+        else:
+            answer.set_result(outcome)
+    except InvalidStateError:
+        pass
 
 
 _Delivery = tuple[WatchEvent, ...] | StoreError
@@ -822,12 +835,40 @@ class EtcdStore(Store):
         return int(response.ID)
 
     async def keep_alive(self, lease: int) -> None:
-        def refresh(stubs: _Stubs, timeout: float, metadata: _Metadata) -> int:
-            return self._cluster.keep_alive_stream(stubs, metadata).renew(lease, timeout)
-
-        ttl = await self._run(refresh, lease=lease)
-        if ttl <= 0:
-            raise LeaseExpiredError(lease)
+        # A renewal is one message on the client's shared stream, sent and awaited from
+        # the loop: it never queues behind other operations for the store's threads
+        # (which, with many nodes per client, would let leases expire). Only opening
+        # the stream (it may authenticate first) and failing over run on those threads.
+        if self._closed:
+            raise StoreUnavailableError(self.endpoint, "this store client is closed")
+        cluster = self._cluster
+        loop = asyncio.get_running_loop()
+        attempts = cluster.attempts()
+        while True:
+            timeout = attempts.next_timeout()
+            stubs = cluster.current()
+            stream = cluster.open_keep_alive_stream(stubs)
+            try:
+                if stream is None:
+                    stream = await loop.run_in_executor(
+                        self._executor,
+                        lambda: cluster.keep_alive_stream(stubs, cluster.metadata(stubs, timeout)),
+                    )
+                ttl = await asyncio.wait_for(asyncio.wrap_future(stream.send(lease)), timeout)
+            except asyncio.TimeoutError:
+                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a lease keep-alive"
+                if stream is not None:
+                    stream.break_(code, details)  # a silent member: the next try reconnects
+            except grpc.RpcError as exc:
+                code, details = _rpc_facts(exc)
+            else:
+                if ttl <= 0:
+                    raise LeaseExpiredError(lease)
+                return
+            await loop.run_in_executor(
+                self._executor,
+                functools.partial(cluster.recover, stubs, code, details, attempts, lease=lease),
+            )
 
     async def revoke_lease(self, lease: int) -> None:
         request = etcdrpc.LeaseRevokeRequest(ID=lease)
