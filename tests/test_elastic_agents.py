@@ -356,7 +356,7 @@ def test_etcd_majority_loss_agents_fail_clearly(cluster: Cluster, etcd_trio) -> 
         code = p.wait_exit()
         text = p.text()
         assert code != 0, text[-4000:]
-        assert re.search(r"lost its membership: .*store was unreachable", text), text[-4000:]
+        assert re.search(r"lost its membership: .*store did not renew its lease", text), text[-4000:]
         assert "elasticrun: error:" in text, text[-4000:]
         assert "Traceback" not in text, text[-4000:]
     cluster.assert_no_orphans()

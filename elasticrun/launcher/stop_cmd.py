@@ -9,7 +9,7 @@ import socket
 
 from elasticrun.errors import ElasticrunError, UsageError
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, wait_nodes_gone
-from elasticrun.rendezvous.elastic import close_job
+from elasticrun.rendezvous.leader import close_job
 
 #: how long a stopped job stays closed to late agents when its spec does not say
 _DEFAULT_CLOSED_TTL = 60.0

@@ -1,0 +1,269 @@
+"""The leader of an elastic job: one watch on the rendezvous records, `decide()`, writes.
+
+Whoever holds the lease-bound `job/leader` key runs this. It keeps a `View` of the
+registered nodes, the current round, restart requests and liveness answers up to date
+from a single watch, asks the pure `decide()` what to do, and does it: write a round,
+ping the members, or end the job. It never sleeps on a poll: it waits for the next
+event, or for the time `decide()` said to look again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from elasticrun.errors import StoreError
+from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
+from elasticrun.rendezvous.state import (
+    Event,
+    Keys,
+    LeaderState,
+    Ping,
+    RestartRequest,
+    Round,
+    decode_node,
+    decode_ping,
+    decode_restart,
+    decode_round,
+    encode,
+)
+from elasticrun.rendezvous.store import EventType, KeyValue, RangeResult, Store, WatchEvent
+
+log = logging.getLogger("elasticrun.rendezvous")
+
+#: a failure report kept in the closed round record is cut to this many characters
+DETAIL_LIMIT = 16_000
+#: the leader publishes its waiting reason at most this often
+_STATE_MIN_INTERVAL = 1.0
+#: events kept in the store (the leader prunes older ones)
+EVENTS_KEPT = 200
+
+
+class Leader:
+    """The leader's loop: keep a `View` up to date from one watch, decide, write rounds."""
+
+    def __init__(
+        self,
+        store: Store,
+        settings: RendezvousSettings,
+        node_id: str,
+        lease: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self._store = store
+        self._keys = Keys(settings.run_id)
+        self._settings = settings
+        self._node_id = node_id
+        self._lease = lease
+        self._clock = clock
+        self._nodes: dict[str, SeenNode] = {}
+        self._round: Round | None = None
+        self._round_rev = 0
+        self._restart: RestartRequest | None = None
+        self._restart_seen_at = 0.0
+        self._acks: dict[str, int] = {}  # node -> the round its last ack answered
+        self._pinged = 0
+        self._published = ""
+        self._published_at = -1e9
+
+    async def run(self) -> None:
+        """Lead until cancelled (this node left or lost its lease).
+
+        A store failure (a watch that broke, a write that timed out) does not end the
+        leadership: the leader re-reads the job and goes on. Dying silently would leave
+        the leader key held by a live lease, and no round would ever be decided again.
+        """
+        while True:
+            try:
+                await self._lead()
+            except StoreError as e:
+                log.warning("leader of job '%s': store call failed (%s); re-reading", self._settings.run_id, e)
+                await asyncio.sleep(self._settings.keep_alive_interval)
+
+    async def _lead(self) -> None:
+        snapshot = await self._store.get_prefix(self._keys.rdzv)
+        self._resync(snapshot)
+        events: asyncio.Queue[WatchEvent | StoreError] = asyncio.Queue()
+        pump = asyncio.ensure_future(self._pump(snapshot.revision + 1, events))
+        try:
+            awaiting_write = False
+            while True:
+                recheck: float | None = None
+                if not awaiting_write:
+                    decision = decide(self._view(), self._settings, self._clock())
+                    awaiting_write = await self._act(decision)
+                    recheck = decision.recheck_at
+                    if self._published != decision.reason:
+                        recheck = _earliest(recheck, await self._publish(decision))
+                timeout = None if recheck is None else max(recheck - self._clock(), 0.0)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        event = await events.get()
+                    awaiting_write = self._apply_event(event, awaiting_write)
+                    while not events.empty():
+                        awaiting_write = self._apply_event(events.get_nowait(), awaiting_write)
+        finally:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+
+    async def _pump(self, start: int, events: asyncio.Queue[WatchEvent | StoreError]) -> None:
+        try:
+            async for event in self._store.watch(self._keys.rdzv, start_revision=start, prefix=True):
+                events.put_nowait(event)
+        except StoreError as e:  # handed to the leader's loop, which re-reads
+            events.put_nowait(e)
+
+    def _resync(self, snapshot: RangeResult) -> None:
+        """Fold a fresh snapshot in: what vanished meanwhile goes, the rest is updated."""
+        present = {kv.key for kv in snapshot.kvs}
+        for node_id in [n for n in self._nodes if self._keys.node(n) not in present]:
+            del self._nodes[node_id]
+        if self._keys.round not in present:
+            self._round, self._round_rev = None, 0
+        if self._keys.restart not in present:
+            self._restart = None
+        for node_id in [n for n in self._acks if self._keys.ack(n) not in present]:
+            del self._acks[node_id]
+        for kv in snapshot.kvs:
+            self._apply(kv, None)
+
+    def _view(self) -> View:
+        number = self._round.number if self._round else 0
+        acks = frozenset(n for n, r in self._acks.items() if r == number)
+        return View(
+            nodes=self._nodes,
+            round=self._round,
+            restart=self._restart,
+            restart_seen_at=self._restart_seen_at,
+            acks=acks,
+        )
+
+    async def _act(self, decision: Decision) -> bool:
+        """Write the decided round; True while we wait to see our own write come back."""
+        if decision.ping and decision.ping != self._pinged:
+            await self._store.put(self._keys.ping, encode(Ping(round=decision.ping)))
+            self._pinged = decision.ping
+        if decision.fail:
+            await close_job(self._store, self._keys, "failed", decision.fail, self._settings.closed_ttl)
+            return True
+        if decision.round is None:
+            return False
+        new_round = replace(decision.round, opened_at=time.time())
+        written = await self._store.compare_and_put(
+            self._keys.round, encode(new_round), expected_mod_revision=self._round_rev
+        )
+        if written:
+            log.info("round %d: %s", new_round.number, new_round.reason)
+            await self._record_round(new_round)
+        # Either way the watch brings the round record that now stands.
+        return True
+
+    async def _record_round(self, new_round: Round) -> None:
+        """Log the round in the job's events, and prune the oldest events."""
+        keys, at = self._keys, new_round.opened_at
+        world = f"{_plural(len(new_round.participants), 'node')}, world size {new_round.world_size}"
+        event = Event(at=at, node=self._node_id, kind="round", detail=f"round {new_round.number} ({world}): {new_round.reason}")
+        await self._store.put(keys.event(at, event.node), encode(event))
+        events = await self._store.get_prefix(keys.events)
+        for kv in events.kvs[: max(len(events.kvs) - EVENTS_KEPT, 0)]:
+            await self._store.delete(kv.key)
+
+    async def _publish(self, decision: Decision) -> float | None:
+        """Publish the waiting reason, at most every _STATE_MIN_INTERVAL; else say when."""
+        now = self._clock()
+        due = self._published_at + _STATE_MIN_INTERVAL
+        if now < due:
+            return due
+        waiting = tuple(sorted(n for n in self._nodes if not (self._round and self._round.rank_of(n) is not None)))
+        state = LeaderState(
+            leader=self._node_id,
+            reason=decision.reason,
+            registered=len(self._nodes),
+            at=time.time(),
+            waiting=waiting[:16],
+        )
+        await self._store.put(self._keys.state, encode(state), lease=self._lease)
+        if decision.round is None:
+            log.info("leader: %s", decision.reason)
+        self._published, self._published_at = decision.reason, now
+        return None
+
+    def _apply_event(self, event: WatchEvent | StoreError, awaiting_write: bool) -> bool:
+        if isinstance(event, StoreError):
+            raise event
+        if event.key == self._keys.round:
+            awaiting_write = False
+        kv = None
+        if event.type is EventType.PUT:
+            kv = KeyValue(event.key, event.value, 0, event.revision, 0, 0)
+        self._apply(kv, event.key)
+        return awaiting_write
+
+    def _apply(self, kv: KeyValue | None, deleted_key: str | None) -> None:
+        """Fold one key (or its deletion, when kv is None) into the leader's view."""
+        key = kv.key if kv else deleted_key
+        keys = self._keys
+        if key is None:
+            return
+        if key.startswith(keys.nodes):
+            node_id = key[len(keys.nodes):]
+            if kv is None:
+                self._nodes.pop(node_id, None)
+            elif node_id not in self._nodes:
+                self._nodes[node_id] = SeenNode(info=decode_node(kv.value), seen_at=self._clock())
+        elif key == keys.round:
+            self._round = decode_round(kv.value) if kv else None
+            self._round_rev = kv.mod_revision if kv else 0
+        elif key == keys.restart:
+            restart = decode_restart(kv.value) if kv else None
+            if restart is not None and (self._restart is None or self._restart.round != restart.round):
+                self._restart_seen_at = self._clock()
+            self._restart = restart
+        elif key.startswith(keys.acks):
+            node_id = key[len(keys.acks):]
+            if kv is None:
+                self._acks.pop(node_id, None)
+            else:
+                self._acks[node_id] = decode_ping(kv.value).round
+
+
+async def close_job(store: Store, keys: Keys, outcome: str, detail: str, closed_ttl: float) -> bool:
+    """Mark the job ended in its round record, which then lives `closed_ttl` more.
+
+    Returns False when the job was closed already. The job's spec and control records
+    go, so a new job with the same id starts clean once the record expires.
+    """
+    while True:
+        kv = await store.get(keys.round)
+        current = decode_round(kv.value) if kv else None
+        if current is not None and current.closed:
+            return False
+        closed = replace(
+            current or Round(0, (), 0, "", 0.0),
+            closed=outcome,
+            detail=detail[-DETAIL_LIMIT:],
+        )
+        lease = await store.grant_lease(closed_ttl)
+        if await store.compare_and_put(
+            keys.round, encode(closed), expected_mod_revision=kv.mod_revision if kv else 0, lease=lease
+        ):
+            break
+        await store.revoke_lease(lease)
+    log.info("job '%s' closed (%s)", keys.run_id, outcome)
+    for key in (keys.spec, keys.restart, keys.master, keys.state, keys.ping):
+        await store.delete(key)
+    await store.delete_prefix(keys.drains)
+    return True
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)

@@ -1,0 +1,107 @@
+"""What a node publishes for job control: its status, its ranks' latest output, events.
+
+The agent reports synchronously and never waits on the store; a `Reporter` keeps the
+latest of everything in memory (bounded) and publishes it in the background, batched:
+at most one batch per interval, so a chatty worker costs the store a write per rank
+every half second at most. Status and output windows are bound to the node's lease
+and vanish with it; events stay (the leader prunes the oldest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from elasticrun.errors import StoreError
+from elasticrun.rendezvous.api import AgentStatus
+from elasticrun.rendezvous.state import Event, Keys, LogLine, LogWindow, NodeInfo, NodeStatus, encode
+from elasticrun.rendezvous.store import Store
+
+log = logging.getLogger("elasticrun.rendezvous")
+
+#: a node publishes its status, output windows and events at most this often
+REPORT_INTERVAL = 0.5
+#: lines of each rank's output kept in the store, and the longest line kept whole
+LOG_WINDOW_LINES = 100
+_LOG_LINE_CHARS = 1000
+
+
+class Reporter:
+    """The latest reports of one node, and their publication."""
+
+    def __init__(self, store: Store, keys: Keys, me: NodeInfo) -> None:
+        self._store = store
+        self._keys = keys
+        self._me = me
+        self._due = asyncio.Event()
+        self._status: AgentStatus | None = None
+        self._status_dirty = False
+        self._windows: dict[int, deque[LogLine]] = {}
+        self._line_seq: dict[int, int] = {}
+        self._dirty_logs: set[int] = set()
+        self._events: list[Event] = []
+
+    def status(self, status: AgentStatus) -> None:
+        self._status, self._status_dirty = status, True
+        self._due.set()
+
+    def output(self, rank: int, stream: str, lines: list[str]) -> None:
+        window = self._windows.setdefault(rank, deque(maxlen=LOG_WINDOW_LINES))
+        seq = self._line_seq.get(rank, 0)
+        for text in lines[-LOG_WINDOW_LINES:]:
+            seq += 1
+            window.append(LogLine(seq=seq, stream=stream, text=text[:_LOG_LINE_CHARS]))
+        self._line_seq[rank] = seq + max(len(lines) - LOG_WINDOW_LINES, 0)
+        self._dirty_logs.add(rank)
+        self._due.set()
+
+    def event(self, kind: str, detail: str) -> None:
+        self._events.append(Event(at=time.time(), node=self._me.node_id, kind=kind, detail=detail))
+        self._due.set()
+
+    async def publish(self, lease: int) -> None:
+        """Publish for as long as the node holds `lease` (until cancelled)."""
+        while True:
+            await self._due.wait()
+            try:
+                await self.flush(lease)
+            except StoreError as e:
+                log.debug("could not publish this node's status: %s", e)
+            await asyncio.sleep(REPORT_INTERVAL)
+
+    async def flush(self, lease: int) -> None:
+        """Publish what is pending now (lease 0: events only, the node is gone)."""
+        self._due.clear()
+        keys, store = self._keys, self._store
+        if lease and self._status_dirty and self._status is not None:
+            self._status_dirty = False
+            await store.put(keys.status(self._me.node_id), encode(self._node_status(self._status)), lease=lease)
+        while lease and self._dirty_logs:
+            rank = self._dirty_logs.pop()
+            window = LogWindow(rank=rank, node_id=self._me.node_id, lines=tuple(self._windows[rank]))
+            await store.put(keys.log(rank), encode(window), lease=lease)
+        while self._events:
+            event = self._events.pop(0)
+            await store.put(keys.event(event.at, event.node), encode(event))
+
+    def _node_status(self, status: AgentStatus) -> NodeStatus:
+        a, me = status.assignment, self._me
+        return NodeStatus(
+            node_id=me.node_id,
+            host=me.host,
+            addr=me.addr,
+            state=status.state,
+            reason=status.reason,
+            round=a.round if a else 0,
+            node_rank=a.node_rank if a else -1,
+            ranks=f"{a.rank_offset}-{a.rank_offset + me.nproc - 1}" if a else "",
+            world_size=a.world_size if a else 0,
+            restarts=a.restart_count if a else 0,
+            attempt=status.attempt,
+            pids=status.pids,
+            gpus=me.gpus,
+            started_at=me.started_at,
+            updated_at=time.time(),
+        )
