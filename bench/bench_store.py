@@ -43,8 +43,57 @@ HOST = "127.0.0.1"
 # --- children --------------------------------------------------------------------------
 
 
+def _log_watch_sends(path: str) -> None:
+    """Record when the server handed each watch event reply to gRPC and when gRPC had
+    sent it (bench only): perf_counter_ns, one clock for every process on the host.
+    The first reply of a stream (the confirmation) is left out. Written at exit."""
+    import atexit
+    import inspect
+
+    from elasticrun.rendezvous import server as server_module
+
+    sent: list[tuple[int, int]] = []
+    original = server_module._StoreService.Watch
+
+    if inspect.isasyncgenfunction(original):  # replies yielded (older servers)
+
+        async def watch(self, request, context):  # type: ignore[no-untyped-def]
+            first = True
+            async for reply in original(self, request, context):
+                handed = time.perf_counter_ns()
+                yield reply
+                if not first:
+                    sent.append((handed, time.perf_counter_ns()))
+                first = False
+
+    else:  # replies written with context.write
+
+        class Context:
+            def __init__(self, context):  # type: ignore[no-untyped-def]
+                self._context, self._first = context, True
+
+            async def write(self, reply):  # type: ignore[no-untyped-def]
+                handed = time.perf_counter_ns()
+                await self._context.write(reply)
+                if not self._first:
+                    sent.append((handed, time.perf_counter_ns()))
+                self._first = False
+
+            def __getattr__(self, name):  # type: ignore[no-untyped-def]
+                return getattr(self._context, name)
+
+        async def watch(self, request, context):  # type: ignore[no-untyped-def]
+            await original(self, request, Context(context))
+
+    server_module._StoreService.Watch = watch  # type: ignore[method-assign]
+    atexit.register(lambda: Path(path).write_text(json.dumps(sent)))
+
+
 def role_serve_ours(profile: str | None) -> None:
     from elasticrun.rendezvous.server import StoreServer
+
+    if os.environ.get("BENCH_SEND_LOG"):
+        _log_watch_sends(os.environ["BENCH_SEND_LOG"])
 
     async def serve() -> None:
         server = StoreServer(HOST, 0)
@@ -177,9 +226,15 @@ class Server:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_server(kind: str, profile: str | None = None) -> Server:
+def start_server(kind: str, profile: str | None = None, send_log: str = "") -> Server:
     args = ["_serve_ours", profile or ""] if kind == "ours" else ["_serve_tcp"]
-    proc = child(*args, stdin=False)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "BENCH_SEND_LOG": send_log},
+    )
     assert proc.stdout is not None
     return Server(proc, int(proc.stdout.readline()))
 
@@ -253,10 +308,11 @@ def watch_latency_tcp(port: int, samples: int) -> list[float]:
     return out
 
 
-def scale(clients: int, procs: int, seconds: float) -> dict[str, float]:
+def scale(clients: int, procs: int, seconds: float, profile: str | None = None) -> dict[str, float]:
     from elasticrun.rendezvous.grpc_store import GrpcStore
 
-    server = start_server("ours")
+    send_log = Path(f"/tmp/bench_store_sends.{os.getpid()}.json")
+    server = start_server("ours", profile, str(send_log))
     per = clients // procs
     holders = [child("_hold", str(server.port), str(per), str(i * per)) for i in range(procs)]
     for h in holders:
@@ -267,6 +323,7 @@ def scale(clients: int, procs: int, seconds: float) -> dict[str, float]:
     idle_share = (server.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
 
     probe: list[float] = []
+    changes: list[int] = []  # perf_counter_ns at the start of each write
 
     async def broadcast() -> None:
         """Change `round` once a second; a probe client times each notification."""
@@ -274,7 +331,8 @@ def scale(clients: int, procs: int, seconds: float) -> dict[str, float]:
         watch = watcher.watch("round", start_revision=(await writer.get_prefix("")).revision + 1)
         end = time.perf_counter() + seconds
         while (t0 := time.perf_counter()) < end:
-            await writer.put("round", str(time.perf_counter_ns()).encode())
+            changes.append(time.perf_counter_ns())
+            await writer.put("round", str(changes[-1]).encode())
             await anext(watch)
             probe.append((time.perf_counter() - t0) * 1e3)
             await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
@@ -294,7 +352,23 @@ def scale(clients: int, procs: int, seconds: float) -> dict[str, float]:
         latencies += json.loads(h.stdout.readline())
         h.wait(30)
     server.stop()
+    # Server-side fan-out: from the start of each write to the moment the server had
+    # sent the change to its last watcher (every send before the next write).
+    sends = sorted(json.loads(send_log.read_text()))
+    send_log.unlink()
+    handed, done = [], []  # per change: when the last reply was handed over / sent
+    for i, start in enumerate(changes):
+        end = changes[i + 1] if i + 1 < len(changes) else 1 << 62
+        mine = [(h - start, d - start) for h, d in sends if start <= h < end]
+        if mine:
+            handed.append(max(h for h, _ in mine) / 1e6)
+            done.append(max(d for _, d in mine) / 1e6)
     return {
+        "handed_p50": percentile(handed, 50),
+        "handed_max": max(handed),
+        "done_p50": percentile(done, 50),
+        "done_max": max(done),
+        "sends": len(sends),
         "clients": per * procs,
         "idle_cpu": idle_share,
         "busy_cpu": busy_share,
@@ -315,10 +389,19 @@ def main() -> None:
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--scale-seconds", type=float, default=15.0)
     parser.add_argument("--skip-scale", action="store_true")
+    parser.add_argument("--only-scale", action="store_true", help="skip ops/s and latency")
+    parser.add_argument("--profile-scale", help="cProfile the server in the 1,000-client part")
     parser.add_argument("--profile-server", help="cProfile our server during ops/s into PATH")
     args = parser.parse_args()
 
     print(f"# store bench, {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
+    if not args.only_scale:
+        pairwise(args)
+    if not args.skip_scale:
+        report_scale(args)
+
+
+def pairwise(args: argparse.Namespace) -> None:
     servers = {"ours": start_server("ours", args.profile_server), "tcp": start_server("tcp")}
     try:
         print("\n| op | clients | ours ops/s | TCPStore ops/s | ratio |\n|---|---|---|---|---|")
@@ -341,18 +424,23 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
-    if not args.skip_scale:
-        r = scale(args.clients, args.client_procs, args.scale_seconds)
-        print(
-            f"\n{r['clients']:.0f} clients, lease keep-alive at 1 Hz + one watch each:\n"
-            f"- server CPU, keep-alives only: {r['idle_cpu']:.1%} of one core\n"
-            f"- server CPU, plus a watched change every second: {r['busy_cpu']:.1%} of one core\n"
-            f"- notification latency, all clients ({r['notifications']:.0f} notifications, "
-            f"clients niced and sharing the cores): p50 {r['p50']:.1f} ms, "
-            f"p99 {r['p99']:.1f} ms\n"
-            f"- notification latency, one probe client ({r['probes']:.0f} changes): "
-            f"p50 {r['probe_p50']:.1f} ms, max {r['probe_max']:.1f} ms"
-        )
+
+
+def report_scale(args: argparse.Namespace) -> None:
+    r = scale(args.clients, args.client_procs, args.scale_seconds, args.profile_scale)
+    print(
+        f"\n{r['clients']:.0f} clients, lease keep-alive at 1 Hz + one watch each:\n"
+        f"- server CPU, keep-alives only: {r['idle_cpu']:.1%} of one core\n"
+        f"- server CPU, plus a watched change every second: {r['busy_cpu']:.1%} of one core\n"
+        f"- notification latency, all clients ({r['notifications']:.0f} notifications, "
+        f"clients niced and sharing the cores): p50 {r['p50']:.1f} ms, "
+        f"p99 {r['p99']:.1f} ms\n"
+        f"- server fan-out, write start to the last watcher's reply sent by the "
+        f"server: p50 {r['fanout_p50']:.1f} ms, max {r['fanout_max']:.1f} ms; "
+        f"p99 over every reply sent ({r['sent']:.0f}): {r['sent_p99']:.1f} ms\n"
+        f"- notification latency, one probe client ({r['probes']:.0f} changes): "
+        f"p50 {r['probe_p50']:.1f} ms, max {r['probe_max']:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from elasticrun.errors import (
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
 from elasticrun.rendezvous.memory_store import MemoryStore
-from elasticrun.rendezvous.store import EventType, KeyValue
+from elasticrun.rendezvous.store import EventType, KeyValue, WatchEvent
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class StoreServer:
                 ("grpc.max_receive_message_length", max_request + _REQUEST_SLACK_BYTES),
             ],
         )
-        pb_grpc.add_StoreServicer_to_server(_StoreService(self), server)
+        _add_store_service(_StoreService(self), server)
         pb_grpc.add_C10dStoreServicer_to_server(_C10dService(self), server)
         address = _host_port(self.host, self._requested_port)
         try:
@@ -229,6 +229,10 @@ class _StoreService(pb_grpc.StoreServicer):
     def __init__(self, server: StoreServer) -> None:
         self._server = server
         self._engine = server.engine
+        self._confirm = pb.WatchReply(store_id=self._engine.history_id).SerializeToString()
+        #: Encoded watch replies of the latest revision sent, by (key, prefix).
+        self._cache: dict[tuple[str, bool], bytes] = {}
+        self._cache_revision = 0
 
     @_unary
     async def Range(self, request: pb.RangeRequest, context: object) -> pb.RangeReply:
@@ -304,32 +308,71 @@ class _StoreService(pb_grpc.StoreServicer):
         await self._engine.revoke_lease(request.lease)
         return pb.LeaseRevokeReply()
 
-    async def Watch(
-        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.WatchReply]:
-        history_id = self._engine.history_id
+    async def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext) -> None:
+        # Replies go out pre-serialized (the handler has no response serializer): a
+        # change seen by 1,000 watchers of one key is encoded once, not 1,000 times.
+        write = context.write
         async with self._server._long_call(context):
-            yield pb.WatchReply(store_id=history_id)
+            await write(self._confirm)
             batches = self._engine.watch_batches(
                 request.key, request.start_revision, request.prefix
             )
+            cache_key = (request.key, request.prefix)
             try:
                 async with contextlib.aclosing(batches):
                     async for batch in batches:
-                        yield pb.WatchReply(
-                            store_id=history_id,
-                            events=[
-                                pb.WatchEvent(
-                                    type=_EVENT_TYPES[e.type],
-                                    key=e.key,
-                                    value=e.value,
-                                    revision=e.revision,
-                                )
-                                for e in batch
-                            ],
-                        )
+                        await write(self._encoded(cache_key, batch))
             except CompactedError as e:
-                yield pb.WatchReply(store_id=history_id, compact_revision=e.oldest)
+                await write(
+                    pb.WatchReply(
+                        store_id=self._engine.history_id, compact_revision=e.oldest
+                    ).SerializeToString()
+                )
+
+    def _encoded(self, cache_key: tuple[str, bool], batch: list[WatchEvent]) -> bytes:
+        """The WatchReply carrying `batch`, encoded once per (revision, key, prefix)."""
+        revision = batch[-1].revision
+        if revision != self._cache_revision:
+            self._cache.clear()
+            self._cache_revision = revision
+        data = self._cache.get(cache_key)
+        if data is None:
+            data = pb.WatchReply(
+                store_id=self._engine.history_id,
+                events=[
+                    pb.WatchEvent(
+                        type=_EVENT_TYPES[e.type], key=e.key, value=e.value, revision=e.revision
+                    )
+                    for e in batch
+                ],
+            ).SerializeToString()
+            self._cache[cache_key] = data
+        return data
+
+
+def _add_store_service(servicer: _StoreService, server: grpc.aio.Server) -> None:
+    """Register the Store service as the generated code does, but with a Watch handler
+    that sends bytes (`_StoreService.Watch` serializes its replies itself)."""
+
+    class _Capture:
+        def add_generic_rpc_handlers(self, handlers: object) -> None:
+            pass
+
+        def add_registered_method_handlers(
+            self, name: str, handlers: dict[str, grpc.RpcMethodHandler]
+        ) -> None:
+            self.name, self.handlers = name, handlers
+
+    capture = _Capture()
+    pb_grpc.add_StoreServicer_to_server(servicer, capture)
+    handlers = dict(capture.handlers)
+    handlers["Watch"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Watch, request_deserializer=pb.WatchRequest.FromString
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(capture.name, handlers),)
+    )
+    server.add_registered_method_handlers(capture.name, handlers)
 
 
 # --- the c10d operations -------------------------------------------------------------
