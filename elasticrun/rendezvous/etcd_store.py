@@ -79,6 +79,7 @@ ETCD_CONF_KEYS = frozenset(
 
 _Metadata = tuple[tuple[str, str], ...]
 _Rpc = Callable[["_Stubs", float, _Metadata], _T]
+_FutureRpc = Callable[["_Stubs", float, _Metadata], grpc.Future]
 
 _CHANNEL_OPTIONS = (
     # Pings find a member that vanished without closing the connection (a partition).
@@ -428,6 +429,13 @@ class _Cluster:
             return
         raise self.error(kind, details, stubs.endpoint, lease=lease)
 
+    def known_metadata(self) -> _Metadata | None:
+        """The token header without authenticating: None when a token must be fetched."""
+        if self.user is None:
+            return ()
+        token = self._token
+        return None if token is None else (("token", token),)
+
     def metadata(self, stubs: _Stubs, timeout: float) -> _Metadata:
         """The token header, authenticating on `stubs` first when there is none."""
         if self.user is None:
@@ -711,6 +719,36 @@ def _channel_credentials(
 # --- the asyncio side -----------------------------------------------------------------
 
 
+async def _awaited(call: grpc.Future) -> object:
+    """The result of a grpc call future, awaited without a thread; cancelled with us."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[object] = loop.create_future()
+
+    def transfer(finished: grpc.Future) -> None:
+        if done.done():
+            return
+        error = finished.exception()
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(finished.result())
+
+    def finished(finished_call: grpc.Future) -> None:  # on a grpc thread, or right here
+        if finished_call.cancelled():
+            return  # by us, below: nobody waits for it any more
+        try:
+            loop.call_soon_threadsafe(transfer, finished_call)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    call.add_done_callback(finished)
+    try:
+        return await done
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+
+
 class EtcdStore(Store):
     """The Store interface over an etcd v3 cluster, for use from asyncio.
 
@@ -745,30 +783,59 @@ class EtcdStore(Store):
         self._watches: set[_WatchStream] = set()
         self._closed = False
 
-    async def _run(self, rpc: _Rpc[_T], *, lease: int = 0) -> _T:
-        """`rpc` through the cluster (failover, auth, errors), on the store's threads."""
+    async def _run(
+        self,
+        rpc: _FutureRpc,
+        *,
+        lease: int = 0,
+        then: Callable[[object], _T] | None = None,
+    ) -> _T:
+        """`rpc` through the cluster (failover, auth, errors), awaited on the loop.
+
+        `rpc` starts a call and returns its grpc future: no thread waits on an answer,
+        so a client with hundreds of nodes' operations in flight does not queue them
+        behind a handful of threads (where a node's lease could expire between its
+        grant and its first use). Authenticating and failing over (which may pause)
+        run on the store's threads.
+        """
         if self._closed:
             raise StoreUnavailableError(self.endpoint, "this store client is closed")
+        cluster = self._cluster
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, functools.partial(self._cluster.call, rpc, lease=lease)
-        )
+        attempts = cluster.attempts()
+        while True:
+            timeout = attempts.next_timeout()
+            stubs = cluster.current()
+            try:
+                metadata = cluster.known_metadata()
+                if metadata is None:
+                    metadata = await loop.run_in_executor(
+                        self._executor, cluster.metadata, stubs, timeout
+                    )
+                response = await _awaited(rpc(stubs, timeout, metadata))
+                return response if then is None else then(response)  # type: ignore[return-value]
+            except grpc.RpcError as exc:
+                code, details = _rpc_facts(exc)
+            await loop.run_in_executor(
+                self._executor,
+                functools.partial(cluster.recover, stubs, code, details, attempts, lease=lease),
+            )
 
     async def get(self, key: str) -> KeyValue | None:
         request = etcdrpc.RangeRequest(key=key.encode())
-        response = await self._run(lambda s, t, m: s.kv.Range(request, timeout=t, metadata=m))
+        response = await self._run(lambda s, t, m: s.kv.Range.future(request, timeout=t, metadata=m))
         return _key_value(response.kvs[0]) if response.kvs else None
 
     async def get_prefix(self, prefix: str) -> RangeResult:
         start, end = _prefix_range(prefix)
         request = etcdrpc.RangeRequest(key=start, range_end=end)
-        response = await self._run(lambda s, t, m: s.kv.Range(request, timeout=t, metadata=m))
+        response = await self._run(lambda s, t, m: s.kv.Range.future(request, timeout=t, metadata=m))
         return RangeResult(tuple(_key_value(kv) for kv in response.kvs), response.header.revision)
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         request = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
         response = await self._run(
-            lambda s, t, m: s.kv.Put(request, timeout=t, metadata=m), lease=lease
+            lambda s, t, m: s.kv.Put.future(request, timeout=t, metadata=m), lease=lease
         )
         return int(response.header.revision)
 
@@ -787,10 +854,12 @@ class EtcdStore(Store):
         )
         tries = 0
 
-        def txn(stubs: _Stubs, timeout: float, metadata: _Metadata) -> bool:
+        def txn(stubs: _Stubs, timeout: float, metadata: _Metadata) -> grpc.Future:
             nonlocal tries
             tries += 1
-            response = stubs.kv.Txn(request, timeout=timeout, metadata=metadata)
+            return stubs.kv.Txn.future(request, timeout=timeout, metadata=metadata)
+
+        def outcome(response: etcdrpc.TxnResponse) -> bool:
             if response.succeeded or tries == 1:
                 return bool(response.succeeded)
             # A retry after a lost reply: the earlier try may be the write now in place.
@@ -799,12 +868,12 @@ class EtcdStore(Store):
                 kvs[0].mod_revision > expected_mod_revision
             )
 
-        return await self._run(txn, lease=lease)
+        return await self._run(txn, lease=lease, then=outcome)  # type: ignore[arg-type]
 
     async def delete(self, key: str) -> bool:
         request = etcdrpc.DeleteRangeRequest(key=key.encode())
         response = await self._run(
-            lambda s, t, m: s.kv.DeleteRange(request, timeout=t, metadata=m)
+            lambda s, t, m: s.kv.DeleteRange.future(request, timeout=t, metadata=m)
         )
         return response.deleted > 0
 
@@ -814,21 +883,21 @@ class EtcdStore(Store):
             compare=[_unchanged_since(raw, expected_mod_revision)],
             success=[etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=raw))],
         )
-        response = await self._run(lambda s, t, m: s.kv.Txn(request, timeout=t, metadata=m))
+        response = await self._run(lambda s, t, m: s.kv.Txn.future(request, timeout=t, metadata=m))
         return bool(response.succeeded and response.responses[0].response_delete_range.deleted)
 
     async def delete_prefix(self, prefix: str) -> int:
         start, end = _prefix_range(prefix)
         request = etcdrpc.DeleteRangeRequest(key=start, range_end=end)
         response = await self._run(
-            lambda s, t, m: s.kv.DeleteRange(request, timeout=t, metadata=m)
+            lambda s, t, m: s.kv.DeleteRange.future(request, timeout=t, metadata=m)
         )
         return int(response.deleted)
 
     async def grant_lease(self, ttl: float) -> int:
         request = etcdrpc.LeaseGrantRequest(TTL=max(1, math.ceil(ttl)))
         response = await self._run(
-            lambda s, t, m: s.lease.LeaseGrant(request, timeout=t, metadata=m)
+            lambda s, t, m: s.lease.LeaseGrant.future(request, timeout=t, metadata=m)
         )
         if response.error:
             raise StoreError(f"etcd at {self.endpoint} refused a lease: {response.error}")
@@ -874,7 +943,8 @@ class EtcdStore(Store):
         request = etcdrpc.LeaseRevokeRequest(ID=lease)
         try:
             await self._run(
-                lambda s, t, m: s.lease.LeaseRevoke(request, timeout=t, metadata=m), lease=lease
+                lambda s, t, m: s.lease.LeaseRevoke.future(request, timeout=t, metadata=m),
+                lease=lease,
             )
         except LeaseExpiredError:
             pass  # already gone: the outcome the caller wanted
