@@ -14,9 +14,14 @@ and replaces gRPC errors with detail-less exceptions. What this module adds inst
 - the blocking gRPC calls run on the store's own threads, so the event loop never
   waits on etcd, and an etcd outage cannot starve the loop's default executor (which
   asyncio also uses for DNS lookups);
-- lease keep-alives: one long-lived LeaseKeepAlive stream per store client, shared by
-  all its leases (a renewal is one message on it, not a new stream), re-opened through
-  the same failover when it breaks;
+- unary calls as grpc futures awaited on the loop: no thread is held per call in
+  flight, so hundreds of nodes sharing one client do not queue behind a few threads;
+- lease keep-alives: one long-lived LeaseKeepAlive stream per lease (grpc.aio, on the
+  store's loop, no thread), a renewal being one message on it; a stream per lease, not
+  one shared, because etcd answers a stream's requests in order and holds the renewal
+  of an expired lease until its revocation is through raft: on a shared stream one
+  expired lease would stall every other lease's renewal behind it. A broken stream is
+  re-opened through the same failover;
 - watches: one stream per watch on its own thread, handing responses to the loop, and
   re-created from the next undelivered revision on another endpoint when it breaks.
 
@@ -32,21 +37,20 @@ default flags), to that minimum. A new raft leader also extends every lease by i
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
 import functools
 import math
 import os
-import queue
 import threading
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
+import grpc.aio
 from pyetcd import etcdrpc
 from pyetcd.etcdrpc import kv_pb2
 
@@ -80,6 +84,7 @@ ETCD_CONF_KEYS = frozenset(
 _Metadata = tuple[tuple[str, str], ...]
 _Rpc = Callable[["_Stubs", float, _Metadata], _T]
 _FutureRpc = Callable[["_Stubs", float, _Metadata], grpc.Future]
+_AioStream = grpc.aio.StreamStreamCall
 
 _CHANNEL_OPTIONS = (
     # Pings find a member that vanished without closing the connection (a partition).
@@ -170,6 +175,8 @@ class _StreamFailure(grpc.RpcError):
 def _rpc_facts(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, _StreamFailure):
         return exc.status, exc.text
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or ""
     # Every RpcError grpc raises from a call is also a grpc.Call carrying these.
     if isinstance(exc, grpc.Call):
         return exc.code(), exc.details() or ""
@@ -381,7 +388,7 @@ class _Cluster:
         self._lock = threading.Lock()
         self._current = 0
         self._token: str | None = None
-        self._keep_alive: _KeepAliveStream | None = None
+        self.credentials = credentials
 
     def attempts(self) -> _Attempts:
         deadline = time.monotonic() + self.timeout
@@ -456,115 +463,9 @@ class _Cluster:
             if self._stubs[self._current] is failed:
                 self._current = (self._current + 1) % len(self._stubs)
 
-    def open_keep_alive_stream(self, stubs: _Stubs) -> _KeepAliveStream | None:
-        """The client's LeaseKeepAlive stream on `stubs` when one is open (never blocks)."""
-        stream = self._keep_alive
-        if stream is None or stream.broken or stream.stubs is not stubs:
-            return None
-        return stream
-
-    def keep_alive_stream(self, stubs: _Stubs, metadata: _Metadata) -> _KeepAliveStream:
-        """The client's one LeaseKeepAlive stream on `stubs`, opened when there is none."""
-        with self._lock:
-            stream = self._keep_alive
-            if stream is None or stream.broken or stream.stubs is not stubs:
-                if stream is not None:
-                    stream.close()
-                stream = self._keep_alive = _KeepAliveStream(stubs, metadata + _REQUIRE_LEADER)
-            return stream
-
     def close(self) -> None:
-        with self._lock:
-            if self._keep_alive is not None:
-                self._keep_alive.close()
         for stubs in self._stubs:
             stubs.channel.close()
-
-
-class _KeepAliveStream:
-    """One long-lived LeaseKeepAlive stream, shared by every lease of a store client.
-
-    `renew` sends a request and waits for its answer: etcd answers the requests of a
-    stream one by one, in order, each reply naming its lease, so the oldest waiter of
-    that lease gets it. A stream that ends, fails, or leaves a renewal unanswered past
-    its deadline is broken for good: every waiter gets the failure (and fails over, as
-    any operation does), and the next renewal opens a new stream.
-    """
-
-    def __init__(self, stubs: _Stubs, metadata: _Metadata) -> None:
-        self.stubs = stubs
-        self._requests: queue.SimpleQueue[etcdrpc.LeaseKeepAliveRequest | None] = (
-            queue.SimpleQueue()
-        )
-        self._lock = threading.Lock()
-        self._waiters: dict[int, collections.deque[Future[int]]] = {}
-        self._failure: _StreamFailure | None = None
-        self._call = stubs.lease.LeaseKeepAlive(self._outgoing(), metadata=metadata)
-        self._reader = threading.Thread(target=self._read, name="etcd-keepalive", daemon=True)
-        self._reader.start()
-
-    @property
-    def broken(self) -> bool:
-        return self._failure is not None
-
-    def send(self, lease: int) -> Future[int]:
-        """Renew the lease: its TTL afterwards (0: gone) or the stream's failure, later."""
-        answer: Future[int] = Future()
-        with self._lock:
-            if self._failure is not None:
-                answer.set_exception(self._failure)
-                return answer
-            self._waiters.setdefault(lease, collections.deque()).append(answer)
-        self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease))
-        return answer
-
-    def close(self) -> None:
-        self.break_(grpc.StatusCode.UNAVAILABLE, "this store client is closed")
-
-    def _outgoing(self) -> Iterator[etcdrpc.LeaseKeepAliveRequest]:
-        while (request := self._requests.get()) is not None:
-            yield request
-
-    def _read(self) -> None:
-        code, details = grpc.StatusCode.UNAVAILABLE, "the lease keep-alive stream ended"
-        try:
-            for response in self._call:
-                with self._lock:
-                    waiting = self._waiters.get(response.ID)
-                    answer = waiting.popleft() if waiting else None
-                    if waiting is not None and not waiting:
-                        del self._waiters[response.ID]
-                if answer is not None:
-                    _settle(answer, int(response.TTL))
-        except grpc.RpcError as exc:
-            code, details = _rpc_facts(exc)
-        except Exception as exc:  # a bug here must fail the waiters, not strand them
-            code, details = grpc.StatusCode.UNKNOWN, repr(exc)
-        self.break_(code, details)
-
-    def break_(self, code: grpc.StatusCode, details: str) -> None:
-        """End the stream: every renewal waiting on it, and every later one, fails."""
-        with self._lock:
-            if self._failure is not None:
-                return
-            self._failure = failure = _StreamFailure(code, details)
-            stranded = [answer for waiting in self._waiters.values() for answer in waiting]
-            self._waiters.clear()
-        for answer in stranded:
-            _settle(answer, failure)
-        self._requests.put(None)
-        self._call.cancel()
-
-
-def _settle(answer: Future[int], outcome: int | BaseException) -> None:
-    """Resolve `answer`, unless its waiter gave up on it (cancelled it) already."""
-    try:
-        if isinstance(outcome, BaseException):
-            answer.set_exception(outcome)
-        else:
-            answer.set_result(outcome)
-    except InvalidStateError:
-        pass
 
 
 _Delivery = tuple[WatchEvent, ...] | StoreError
@@ -782,6 +683,11 @@ class EtcdStore(Store):
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="etcd")
         self._watches: set[_WatchStream] = set()
         self._closed = False
+        # Lease keep-alive streams (grpc.aio, made on first use on the caller's loop).
+        self._aio_channels: list[grpc.aio.Channel] = []
+        self._aio_lease_stubs: dict[str, etcdrpc.LeaseStub] = {}
+        self._lease_streams: dict[int, tuple[str, _AioStream]] = {}
+        self._lease_locks: dict[int, asyncio.Lock] = {}
 
     async def _run(
         self,
@@ -904,40 +810,74 @@ class EtcdStore(Store):
         return int(response.ID)
 
     async def keep_alive(self, lease: int) -> None:
-        # A renewal is one message on the client's shared stream, sent and awaited from
-        # the loop: it never queues behind other operations for the store's threads
-        # (which, with many nodes per client, would let leases expire). Only opening
-        # the stream (it may authenticate first) and failing over run on those threads.
         if self._closed:
             raise StoreUnavailableError(self.endpoint, "this store client is closed")
         cluster = self._cluster
         loop = asyncio.get_running_loop()
-        attempts = cluster.attempts()
-        while True:
-            timeout = attempts.next_timeout()
-            stubs = cluster.current()
-            stream = cluster.open_keep_alive_stream(stubs)
-            try:
-                if stream is None:
-                    stream = await loop.run_in_executor(
-                        self._executor,
-                        lambda: cluster.keep_alive_stream(stubs, cluster.metadata(stubs, timeout)),
-                    )
-                ttl = await asyncio.wait_for(asyncio.wrap_future(stream.send(lease)), timeout)
-            except asyncio.TimeoutError:
-                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a lease keep-alive"
-                if stream is not None:
-                    stream.break_(code, details)  # a silent member: the next try reconnects
-            except grpc.RpcError as exc:
-                code, details = _rpc_facts(exc)
+        lock = self._lease_locks.setdefault(lease, asyncio.Lock())
+        async with lock:  # one renewal at a time on a lease's stream
+            attempts = cluster.attempts()
+            while True:
+                timeout = attempts.next_timeout()
+                stubs = cluster.current()
+                try:
+                    metadata = cluster.known_metadata()
+                    if metadata is None:
+                        metadata = await loop.run_in_executor(
+                            self._executor, cluster.metadata, stubs, timeout
+                        )
+                    call = self._lease_stream(lease, stubs, metadata)
+                    async with asyncio.timeout(timeout):
+                        await call.write(etcdrpc.LeaseKeepAliveRequest(ID=lease))
+                        response = await call.read()
+                    if response is grpc.aio.EOF:
+                        raise _StreamFailure(
+                            grpc.StatusCode.UNAVAILABLE, "the lease keep-alive stream ended"
+                        )
+                except TimeoutError:
+                    self._drop_lease_stream(lease)  # a silent member: the next try reconnects
+                    code = grpc.StatusCode.DEADLINE_EXCEEDED
+                    details = "no answer to a lease keep-alive"
+                except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+                    self._drop_lease_stream(lease)
+                    if isinstance(exc, grpc.RpcError):
+                        code, details = _rpc_facts(exc)
+                    else:  # written to a stream that had just ended
+                        code, details = grpc.StatusCode.UNAVAILABLE, "the stream ended"
+                else:
+                    if response.TTL <= 0:
+                        self._drop_lease_stream(lease)
+                        raise LeaseExpiredError(lease)
+                    return
+                await loop.run_in_executor(
+                    self._executor,
+                    functools.partial(cluster.recover, stubs, code, details, attempts, lease=lease),
+                )
+
+    def _lease_stream(self, lease: int, stubs: _Stubs, metadata: _Metadata) -> _AioStream:
+        """The lease's open LeaseKeepAlive stream to `stubs`' endpoint, or a new one."""
+        known = self._lease_streams.get(lease)
+        if known is not None and known[0] == stubs.endpoint and not known[1].done():
+            return known[1]
+        self._drop_lease_stream(lease)
+        stub = self._aio_lease_stubs.get(stubs.endpoint)
+        if stub is None:
+            if self._cluster.credentials is None:
+                channel = grpc.aio.insecure_channel(stubs.endpoint, options=_CHANNEL_OPTIONS)
             else:
-                if ttl <= 0:
-                    raise LeaseExpiredError(lease)
-                return
-            await loop.run_in_executor(
-                self._executor,
-                functools.partial(cluster.recover, stubs, code, details, attempts, lease=lease),
-            )
+                channel = grpc.aio.secure_channel(
+                    stubs.endpoint, self._cluster.credentials, options=_CHANNEL_OPTIONS
+                )
+            self._aio_channels.append(channel)
+            stub = self._aio_lease_stubs[stubs.endpoint] = etcdrpc.LeaseStub(channel)
+        call = stub.LeaseKeepAlive(metadata=metadata + _REQUIRE_LEADER)
+        self._lease_streams[lease] = (stubs.endpoint, call)
+        return call
+
+    def _drop_lease_stream(self, lease: int) -> None:
+        known = self._lease_streams.pop(lease, None)
+        if known is not None:
+            known[1].cancel()
 
     async def revoke_lease(self, lease: int) -> None:
         request = etcdrpc.LeaseRevokeRequest(ID=lease)
@@ -948,6 +888,9 @@ class EtcdStore(Store):
             )
         except LeaseExpiredError:
             pass  # already gone: the outcome the caller wanted
+        finally:
+            self._drop_lease_stream(lease)
+            self._lease_locks.pop(lease, None)
 
     async def watch(
         self, key: str, *, start_revision: int, prefix: bool = False
@@ -987,6 +930,10 @@ class EtcdStore(Store):
         self._closed = True
         for stream in list(self._watches):
             stream.stop()
+        for lease in list(self._lease_streams):
+            self._drop_lease_stream(lease)
+        for channel in self._aio_channels:
+            await channel.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._cluster.close()
 
