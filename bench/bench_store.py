@@ -435,9 +435,10 @@ def report_scale(args: argparse.Namespace) -> None:
         f"- notification latency, all clients ({r['notifications']:.0f} notifications, "
         f"clients niced and sharing the cores): p50 {r['p50']:.1f} ms, "
         f"p99 {r['p99']:.1f} ms\n"
-        f"- server fan-out, write start to the last watcher's reply sent by the "
-        f"server: p50 {r['fanout_p50']:.1f} ms, max {r['fanout_max']:.1f} ms; "
-        f"p99 over every reply sent ({r['sent']:.0f}): {r['sent_p99']:.1f} ms\n"
+        f"- server fan-out, from the start of the write to the last watcher's reply "
+        f"handed to gRPC: p50 {r['handed_p50']:.1f} ms, max {r['handed_max']:.1f} ms; "
+        f"to gRPC's send of it done: p50 {r['done_p50']:.1f} ms, "
+        f"max {r['done_max']:.1f} ms ({r['sends']:.0f} replies)\n"
         f"- notification latency, one probe client ({r['probes']:.0f} changes): "
         f"p50 {r['probe_p50']:.1f} ms, max {r['probe_max']:.1f} ms"
     )

@@ -74,7 +74,9 @@ def grpc_target(endpoint: str) -> str:
 
 
 def _is_tls_failure(details: str) -> bool:
-    lowered = details.lower()
+    # "tcp handshaker shutdown" is a plain connection that did not complete (a busy or
+    # stopping server): retryable, not a TLS failure.
+    lowered = details.lower().replace("tcp handshaker", "")
     return any(marker in lowered for marker in _TLS_MARKERS)
 
 
