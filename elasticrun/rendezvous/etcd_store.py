@@ -22,7 +22,7 @@ and replaces gRPC errors with detail-less exceptions. What this module adds inst
   of an expired lease until its revocation is through raft: on a shared stream one
   expired lease would stall every other lease's renewal behind it. A broken stream is
   re-opened through the same failover;
-- watches: one stream per watch on its own thread, handing responses to the loop, and
+- watches: one grpc.aio stream per watch, read on the loop (no thread), and
   re-created from the next undelivered revision on another endpoint when it breaks.
 
 Settings from `--rdzv-conf` (see `etcd_store_from_conf`): `ca_cert`, `client_cert`,
@@ -44,7 +44,7 @@ import os
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -468,106 +468,34 @@ class _Cluster:
             stubs.channel.close()
 
 
-_Delivery = tuple[WatchEvent, ...] | StoreError
+@dataclass(frozen=True, slots=True)
+class _AioStubs:
+    """The streaming etcd services on one endpoint's grpc.aio channel."""
+
+    channel: grpc.aio.Channel
+    lease: etcdrpc.LeaseStub
+    watch: etcdrpc.WatchStub
 
 
-class _WatchStream:
-    """One etcd watch, run on its own thread and resumed across broken streams.
-
-    The events of each response go to `deliver` as one tuple, in order; a final error
-    goes to `deliver` as the exception. The next revision to ask for advances as events
-    are received: everything received is delivered, so a stream re-created from there
-    (on whichever member is up) loses and repeats nothing.
-    """
-
-    def __init__(
-        self,
-        cluster: _Cluster,
-        request: etcdrpc.WatchCreateRequest,
-        deliver: Callable[[_Delivery], None],
-    ) -> None:
-        self._cluster = cluster
-        self._request = request
-        self._deliver = deliver
-        self._stopped = threading.Event()
-        self._lock = threading.Lock()
-        self._call: grpc.Call | None = None
-        self._thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """End the watch; the thread finishes on its own, promptly."""
-        with self._lock:
-            self._stopped.set()
-            if self._call is not None:
-                self._call.cancel()
-
-    def _run(self) -> None:
-        try:
-            self._follow()
-        except StoreError as exc:
-            if not self._stopped.is_set():
-                self._deliver(exc)
-        except Exception as exc:  # a bug here must end the watch, not hang its reader
-            if not self._stopped.is_set():
-                where = self._cluster.endpoint_list
-                self._deliver(StoreError(f"watch on etcd at {where} failed: {exc!r}"))
-            raise
-
-    def _requests(self) -> Iterator[etcdrpc.WatchRequest]:
-        yield etcdrpc.WatchRequest(create_request=self._request)
-        self._stopped.wait()  # keeps the request side open for as long as we watch
-
-    def _open(self, stubs: _Stubs, metadata: _Metadata) -> grpc.Call | None:
-        with self._lock:
-            if self._stopped.is_set():
-                return None
-            self._call = stubs.watch.Watch(self._requests(), metadata=metadata)
-            return self._call
-
-    def _follow(self) -> None:
-        cluster = self._cluster
-        attempts = cluster.attempts()
-        while True:
-            timeout = attempts.next_timeout()
-            stubs = cluster.current()
-            try:
-                call = self._open(stubs, cluster.metadata(stubs, timeout) + _REQUIRE_LEADER)
-                if call is None:
-                    return
-                # A member that never answers is cut off like one that refuses.
-                timer = threading.Timer(timeout, call.cancel)
-                timer.start()
-                try:
-                    created = next(call, None)
-                finally:
-                    timer.cancel()
-                if created is not None:
-                    self._take(created, stubs.endpoint, first=True)
-                    attempts = cluster.attempts()
-                    for response in call:
-                        self._take(response, stubs.endpoint, first=False)
-                code, details = grpc.StatusCode.UNAVAILABLE, "the watch stream ended"
-            except grpc.RpcError as exc:
-                code, details = _rpc_facts(exc)
-                if code == grpc.StatusCode.CANCELLED:  # by our timer, or by stop()
-                    code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a watch"
-            if self._stopped.is_set():
-                return
-            cluster.recover(stubs, code, details, attempts)
-
-    def _take(self, response: etcdrpc.WatchResponse, endpoint: str, *, first: bool) -> None:
-        if response.compact_revision:
-            raise CompactedError(self._request.start_revision, response.compact_revision)
-        if response.canceled or (first and not response.created):
-            reason = response.cancel_reason or "etcd cancelled the watch"
-            raise self._cluster.error(_classify_cancel(reason), reason, endpoint)
-        if response.events:
-            events = tuple(_event(e) for e in response.events)
-            self._request.start_revision = events[-1].revision + 1
-            self._deliver(events)
+def _watch_events(
+    cluster: _Cluster,
+    request: etcdrpc.WatchCreateRequest,
+    response: etcdrpc.WatchResponse,
+    endpoint: str,
+    *,
+    first: bool,
+) -> tuple[WatchEvent, ...]:
+    """A watch response's events; advances `request` past them, so a watch re-created
+    from it (on whichever member is up) loses and repeats nothing."""
+    if response.compact_revision:
+        raise CompactedError(request.start_revision, response.compact_revision)
+    if response.canceled or (first and not response.created):
+        reason = response.cancel_reason or "etcd cancelled the watch"
+        raise cluster.error(_classify_cancel(reason), reason, endpoint)
+    events = tuple(_event(e) for e in response.events)
+    if events:
+        request.start_revision = events[-1].revision + 1
+    return events
 
 
 def _classify_cancel(reason: str) -> _Kind:
@@ -681,11 +609,10 @@ class EtcdStore(Store):
             endpoints, _channel_credentials(ca_cert, cert_key, cert_cert), user, password, timeout
         )
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="etcd")
-        self._watches: set[_WatchStream] = set()
         self._closed = False
         # Lease keep-alive streams (grpc.aio, made on first use on the caller's loop).
-        self._aio_channels: list[grpc.aio.Channel] = []
-        self._aio_lease_stubs: dict[str, etcdrpc.LeaseStub] = {}
+        self._aio: dict[str, _AioStubs] = {}
+        self._watch_calls: set[_AioStream] = set()
         self._lease_streams: dict[int, tuple[str, _AioStream]] = {}
         self._lease_locks: dict[int, asyncio.Lock] = {}
 
@@ -860,16 +787,7 @@ class EtcdStore(Store):
         if known is not None and known[0] == stubs.endpoint and not known[1].done():
             return known[1]
         self._drop_lease_stream(lease)
-        stub = self._aio_lease_stubs.get(stubs.endpoint)
-        if stub is None:
-            if self._cluster.credentials is None:
-                channel = grpc.aio.insecure_channel(stubs.endpoint, options=_CHANNEL_OPTIONS)
-            else:
-                channel = grpc.aio.secure_channel(
-                    stubs.endpoint, self._cluster.credentials, options=_CHANNEL_OPTIONS
-                )
-            self._aio_channels.append(channel)
-            stub = self._aio_lease_stubs[stubs.endpoint] = etcdrpc.LeaseStub(channel)
+        stub = self._aio_stubs(stubs.endpoint).lease
         call = stub.LeaseKeepAlive(metadata=metadata + _REQUIRE_LEADER)
         self._lease_streams[lease] = (stubs.endpoint, call)
         return call
@@ -895,45 +813,92 @@ class EtcdStore(Store):
     async def watch(
         self, key: str, *, start_revision: int, prefix: bool = False
     ) -> AsyncIterator[WatchEvent]:
+        # A grpc.aio stream read on the loop: no thread per watch (with hundreds of
+        # nodes per client, hundreds of watch threads fought the loop for the GIL).
         if self._closed:
             raise StoreUnavailableError(self.endpoint, "this store client is closed")
         start, end = _prefix_range(key) if prefix else (key.encode(), b"")
         request = etcdrpc.WatchCreateRequest(
             key=start, range_end=end, start_revision=start_revision
         )
+        cluster = self._cluster
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[_Delivery] = asyncio.Queue()
-
-        def deliver(item: _Delivery) -> None:
+        attempts = cluster.attempts()
+        while True:
+            timeout = attempts.next_timeout()
+            stubs = cluster.current()
+            call: _AioStream | None = None
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                stream.stop()
+                metadata = cluster.known_metadata()
+                if metadata is None:
+                    metadata = await loop.run_in_executor(
+                        self._executor, cluster.metadata, stubs, timeout
+                    )
+                call = self._aio_stubs(stubs.endpoint).watch.Watch(
+                    metadata=metadata + _REQUIRE_LEADER
+                )
+                self._watch_calls.add(call)
+                # A member that never answers is cut off like one that refuses.
+                async with asyncio.timeout(timeout):
+                    await call.write(etcdrpc.WatchRequest(create_request=request))
+                    created = await call.read()
+                first = True
+                response = created
+                while response is not grpc.aio.EOF:
+                    events = _watch_events(cluster, request, response, stubs.endpoint, first=first)
+                    if first:
+                        attempts = cluster.attempts()
+                        first = False
+                    for event in events:
+                        yield event
+                    response = await call.read()
+                code, details = grpc.StatusCode.UNAVAILABLE, "the watch stream ended"
+            except TimeoutError:
+                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a watch"
+            except grpc.RpcError as exc:
+                code, details = _rpc_facts(exc)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closed and task is not None and not task.cancelling():
+                    raise StoreUnavailableError(
+                        self.endpoint, "this store client is closed"
+                    ) from None
+                raise
+            finally:
+                if call is not None:
+                    call.cancel()
+                    self._watch_calls.discard(call)
+            if self._closed:
+                raise StoreUnavailableError(self.endpoint, "this store client is closed")
+            await loop.run_in_executor(
+                self._executor,
+                functools.partial(cluster.recover, stubs, code, details, attempts),
+            )
 
-        stream = _WatchStream(self._cluster, request, deliver)
-        self._watches.add(stream)
-        stream.start()
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, StoreError):
-                    raise item
-                for event in item:
-                    yield event
-        finally:
-            stream.stop()
-            self._watches.discard(stream)
+    def _aio_stubs(self, endpoint: str) -> _AioStubs:
+        """The grpc.aio stubs for `endpoint` (made on first use, on the caller's loop)."""
+        stubs = self._aio.get(endpoint)
+        if stubs is None:
+            credentials = self._cluster.credentials
+            if credentials is None:
+                channel = grpc.aio.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+            else:
+                channel = grpc.aio.secure_channel(endpoint, credentials, options=_CHANNEL_OPTIONS)
+            stubs = self._aio[endpoint] = _AioStubs(
+                channel, etcdrpc.LeaseStub(channel), etcdrpc.WatchStub(channel)
+            )
+        return stubs
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for stream in list(self._watches):
-            stream.stop()
+        for call in list(self._watch_calls):
+            call.cancel()
         for lease in list(self._lease_streams):
             self._drop_lease_stream(lease)
-        for channel in self._aio_channels:
-            await channel.close()
+        for aio in self._aio.values():
+            await aio.channel.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._cluster.close()
 
