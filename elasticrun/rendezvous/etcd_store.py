@@ -44,7 +44,7 @@ import os
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -628,8 +628,26 @@ class EtcdStore(Store):
         `rpc` starts a call and returns its grpc future: no thread waits on an answer,
         so a client with hundreds of nodes' operations in flight does not queue them
         behind a handful of threads (where a node's lease could expire between its
-        grant and its first use). Authenticating and failing over (which may pause)
-        run on the store's threads.
+        grant and its first use).
+        """
+
+        async def attempt(stubs: _Stubs, timeout: float, metadata: _Metadata) -> _T:
+            response = await _awaited(rpc(stubs, timeout, metadata))
+            return response if then is None else then(response)  # type: ignore[return-value]
+
+        return await self._with_failover(attempt, lease=lease)
+
+    async def _with_failover(
+        self,
+        attempt: Callable[[_Stubs, float, _Metadata], Awaitable[_T]],
+        *,
+        lease: int = 0,
+    ) -> _T:
+        """Try `attempt` on the current member until it succeeds or the cluster gives up.
+
+        A gRPC error goes to the cluster, which fails over, re-authenticates or raises
+        our error for it (its table). Authenticating and failing over (which may pause)
+        run on the store's threads; the attempts themselves run on the loop.
         """
         if self._closed:
             raise StoreUnavailableError(self.endpoint, "this store client is closed")
@@ -645,8 +663,7 @@ class EtcdStore(Store):
                     metadata = await loop.run_in_executor(
                         self._executor, cluster.metadata, stubs, timeout
                     )
-                response = await _awaited(rpc(stubs, timeout, metadata))
-                return response if then is None else then(response)  # type: ignore[return-value]
+                return await attempt(stubs, timeout, metadata)
             except grpc.RpcError as exc:
                 code, details = _rpc_facts(exc)
             await loop.run_in_executor(
@@ -737,49 +754,33 @@ class EtcdStore(Store):
         return int(response.ID)
 
     async def keep_alive(self, lease: int) -> None:
-        if self._closed:
-            raise StoreUnavailableError(self.endpoint, "this store client is closed")
-        cluster = self._cluster
-        loop = asyncio.get_running_loop()
+        async def renew(stubs: _Stubs, timeout: float, metadata: _Metadata) -> None:
+            call = self._lease_stream(lease, stubs, metadata)
+            try:
+                async with asyncio.timeout(timeout):
+                    await call.write(etcdrpc.LeaseKeepAliveRequest(ID=lease))
+                    response = await call.read()
+            except TimeoutError:  # a silent member: the next try reconnects
+                self._drop_lease_stream(lease)
+                raise _StreamFailure(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a lease keep-alive"
+                ) from None
+            except asyncio.InvalidStateError:  # written to a stream that had just ended
+                self._drop_lease_stream(lease)
+                raise _StreamFailure(grpc.StatusCode.UNAVAILABLE, "the stream ended") from None
+            except grpc.RpcError:
+                self._drop_lease_stream(lease)
+                raise
+            if response is grpc.aio.EOF:
+                self._drop_lease_stream(lease)
+                raise _StreamFailure(grpc.StatusCode.UNAVAILABLE, "the lease keep-alive stream ended")
+            if response.TTL <= 0:
+                self._drop_lease_stream(lease)
+                raise LeaseExpiredError(lease)
+
         lock = self._lease_locks.setdefault(lease, asyncio.Lock())
         async with lock:  # one renewal at a time on a lease's stream
-            attempts = cluster.attempts()
-            while True:
-                timeout = attempts.next_timeout()
-                stubs = cluster.current()
-                try:
-                    metadata = cluster.known_metadata()
-                    if metadata is None:
-                        metadata = await loop.run_in_executor(
-                            self._executor, cluster.metadata, stubs, timeout
-                        )
-                    call = self._lease_stream(lease, stubs, metadata)
-                    async with asyncio.timeout(timeout):
-                        await call.write(etcdrpc.LeaseKeepAliveRequest(ID=lease))
-                        response = await call.read()
-                    if response is grpc.aio.EOF:
-                        raise _StreamFailure(
-                            grpc.StatusCode.UNAVAILABLE, "the lease keep-alive stream ended"
-                        )
-                except TimeoutError:
-                    self._drop_lease_stream(lease)  # a silent member: the next try reconnects
-                    code = grpc.StatusCode.DEADLINE_EXCEEDED
-                    details = "no answer to a lease keep-alive"
-                except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-                    self._drop_lease_stream(lease)
-                    if isinstance(exc, grpc.RpcError):
-                        code, details = _rpc_facts(exc)
-                    else:  # written to a stream that had just ended
-                        code, details = grpc.StatusCode.UNAVAILABLE, "the stream ended"
-                else:
-                    if response.TTL <= 0:
-                        self._drop_lease_stream(lease)
-                        raise LeaseExpiredError(lease)
-                    return
-                await loop.run_in_executor(
-                    self._executor,
-                    functools.partial(cluster.recover, stubs, code, details, attempts, lease=lease),
-                )
+            await self._with_failover(renew, lease=lease)
 
     def _lease_stream(self, lease: int, stubs: _Stubs, metadata: _Metadata) -> _AioStream:
         """The lease's open LeaseKeepAlive stream to `stubs`' endpoint, or a new one."""
