@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import cProfile
 import json
 import os
 import re
@@ -45,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import become_subreaper, fmt, loadavg, machine, write_json  # noqa: E402
+from common import become_subreaper, fmt, loadavg, machine, run_profiled, write_json  # noqa: E402
 
 HOST = "127.0.0.1"
 LAST_CALL = 0.5
@@ -127,13 +126,7 @@ def role_serve(profile: str) -> None:
         task.cancel()
         await server.stop(0)
 
-    profiler = cProfile.Profile() if profile else None
-    if profiler:
-        profiler.enable()
-    asyncio.run(serve())
-    if profiler:
-        profiler.disable()
-        profiler.dump_stats(profile)
+    run_profiled(serve, profile)
 
 
 def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int, total: int, leaver: int, profile: str,
@@ -224,13 +217,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
         await asyncio.gather(*(r.aclose() for r in nodes.values()), return_exceptions=True)
         await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
 
-    profiler = cProfile.Profile() if profile else None
-    if profiler:
-        profiler.enable()
-    asyncio.run(main())
-    if profiler:
-        profiler.disable()
-        profiler.dump_stats(profile)
+    run_profiled(main, profile)
 
 
 # --- the driver ---------------------------------------------------------------------------

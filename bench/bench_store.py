@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import json
 import os
 import random
@@ -40,6 +39,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import run_profiled  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -108,13 +110,7 @@ def role_serve_ours(profile: str | None) -> None:
         await stop.wait()
         await server.stop(0)
 
-    profiler = cProfile.Profile() if profile else None
-    if profiler:
-        profiler.enable()
-    asyncio.run(serve())
-    if profiler:
-        profiler.disable()
-        profiler.dump_stats(profile)
+    run_profiled(serve, profile)
 
 
 def role_serve_tcp() -> None:

@@ -8,6 +8,8 @@ and reaps them. Nothing is killed by name.
 
 from __future__ import annotations
 
+import asyncio
+import cProfile
 import ctypes
 import json
 import os
@@ -18,7 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,3 +184,14 @@ def base_env(**extra: str) -> dict[str, str]:
     env.update(GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
     env.update(extra)
     return env
+
+
+def run_profiled(main: Callable[[], Coroutine[object, object, object]], profile: str | None) -> None:
+    """`asyncio.run(main())`, under cProfile (stats dumped to `profile`) when a path is given."""
+    profiler = cProfile.Profile() if profile else None
+    if profiler:
+        profiler.enable()
+    asyncio.run(main())
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(profile)
