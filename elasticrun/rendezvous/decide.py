@@ -8,9 +8,16 @@ membership policy in one readable place, tested without sleeping.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from elasticrun.rendezvous.state import NodeInfo, Participant, RestartRequest, Round
+from elasticrun.rendezvous.state import (
+    NodeInfo,
+    Participant,
+    QuarantineEntry,
+    QuarantineTable,
+    RestartRequest,
+    Round,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +41,21 @@ class RendezvousSettings:
     closed_ttl: float = 60.0
     #: seconds between lease renewals; 0: a third of heartbeat_ttl
     heartbeat_interval: float = 0.0
+    #: failures of one node (worker failures attributed to it, drops out of a round)
+    #: after which it is quarantined; 0: never
+    quarantine_after: int = 3
+    #: seconds of a node's first quarantine; each further one lasts twice as long
+    quarantine_cooldown: float = 60.0
+    #: the longest quarantine; a node quiet this long has its record forgotten
+    quarantine_cooldown_max: float = 3600.0
 
     @property
     def keep_alive_interval(self) -> float:
         return self.heartbeat_interval or self.heartbeat_ttl / 3
+
+    def cooldown(self, times: int) -> float:
+        """How long a node's `times`-th quarantine lasts."""
+        return min(self.quarantine_cooldown * 2.0 ** min(max(times - 1, 0), 64), self.quarantine_cooldown_max)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +77,10 @@ class View:
     restart_seen_at: float = 0.0
     #: nodes that answered the liveness ping of the current round
     acks: frozenset[str] = frozenset()
+    #: failure records and quarantines, with times on the leader's clock (as `now`)
+    quarantine: QuarantineTable = QuarantineTable()
+    #: nodes an operator asked to leave (`elasticrun drain`): their going is no failure
+    draining: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +97,8 @@ class Decision:
     ping: int = 0
     #: end the job as failed, with this report
     fail: str = ""
+    #: the quarantine table changed: store this one (before the round)
+    quarantine: QuarantineTable | None = None
 
 
 def _names(nodes: list[str], limit: int = 8) -> str:
@@ -96,19 +120,34 @@ def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
     Survivors keep their order (and so their node ranks); newcomers go last in the
     order the leader saw them. A lost node ends the round at once; a newcomer is
     admitted after the last call; a worker failure restarts the same members.
+
+    Quarantine: worker failures attributed to a node and its drops out of a round are
+    counted; after `quarantine_after` of them the node is kept out of rounds for a
+    cooldown that doubles with each repeat. A quarantined node is still taken when the
+    job could not run without it (fewer than `min_nodes` otherwise): a flapping node
+    costs restarts, a job that stops costs more. Changes to the table come back in
+    `Decision.quarantine`, for the leader to store.
     """
     current = view.round
     if current is not None and current.closed:
         return Decision(reason=f"job {current.closed}")
+    book = _Book(view.quarantine, settings, now)
+    decision = _decide(view, settings, now, book)
+    if decision.round is None:
+        decision = replace(decision, recheck_at=_earliest(decision.recheck_at, book.release_at(view.nodes)))
+    table = book.table()
+    if table != view.quarantine:
+        decision = replace(decision, quarantine=table)
+    return decision
+
+
+def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -> Decision:
+    current = view.round
     members = current.participants if current else ()
     member_ids = {p.node_id for p in members}
     survivors = [p for p in members if p.node_id in view.nodes]
     lost = [p.node_id for p in members if p.node_id not in view.nodes]
-    newcomers = sorted(
-        (n for n in view.nodes.values() if n.info.node_id not in member_ids),
-        key=lambda n: (n.seen_at, n.info.node_id),
-    )
-    admitted = newcomers[: max(settings.max_nodes - len(survivors), 0)]
+    newcomers = [n for n in view.nodes.values() if n.info.node_id not in member_ids]
     number = current.number + 1 if current else 1
     restarts = current.restart_count if current else 0
 
@@ -124,15 +163,21 @@ def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
             ),
         )
 
-    group = survivors + [_participant(n) for n in admitted]
-    joined = f"; joined: {_names([n.info.node_id for n in admitted])}" if admitted else ""
-
     if lost:
+        assert current is not None
+        if current.number > book.counted:  # a node that drops out of rounds is flapping
+            for node_id in lost:
+                if node_id not in view.draining:
+                    book.count(node_id, f"dropped out of round {current.number}")
+            book.counted = current.number
+        pick = _pick(survivors, newcomers, book, settings)
         reason = f"lost {_names(lost)}"
-        if len(group) >= settings.min_nodes:
-            return open_round(group, reason + joined)
+        if len(pick.group) >= settings.min_nodes:
+            return open_round(pick.group, reason + pick.joined + pick.notes(book, settings))
         # Too few to continue: an empty round stops the survivors' workers now.
-        return open_round([], f"{reason}; {_waiting(list(view.nodes), settings)}")
+        return open_round(
+            [], f"{reason}{pick.notes(book, settings)}; {_waiting(list(view.nodes), settings)}{book.held_note(view.nodes, ())}"
+        )
 
     restart = view.restart
     if current is not None and members and restart is not None and restart.round == current.number:
@@ -150,35 +195,183 @@ def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
             )
         if restart.final:
             return Decision(reason=f"job failed on {restart.node_id}: {restart.reason}", fail=restart.report or restart.reason)
+        if restart.round > book.counted:
+            book.count(restart.node_id, f"worker failure: {restart.reason}")
+            book.counted = restart.round
+        pick = _pick(survivors, newcomers, book, settings)
         return open_round(
-            group,
-            f"restart after a worker failure on {restart.node_id}: {restart.reason}{joined}",
+            pick.group,
+            f"restart after a worker failure on {restart.node_id}: {restart.reason}"
+            f"{pick.joined}{pick.notes(book, settings)}",
             restart_count=restarts + 1,
         )
 
+    pick = _pick(survivors, newcomers, book, settings)
+    group, admitted = pick.group, pick.admitted
+    held = book.held_note(view.nodes, [p.node_id for p in group])
+    if members and pick.kept_out and len(group) >= settings.min_nodes:
+        # A member under quarantine (a new leader found it so, or it was only kept
+        # while the job needed it): it goes at once; a membership change, free.
+        return open_round(group, f"quarantined {_names(pick.kept_out)}{pick.joined}{pick.notes(book, settings)}")
+
     if members:
         if not admitted:
-            full = f" ({len(newcomers)} waiting, max {settings.max_nodes} reached)" if newcomers else ""
-            return Decision(reason=f"round {current.number} running with {_count(len(members))}{full}")  # type: ignore[union-attr]
-        deadline = admitted[0].seen_at + settings.last_call
+            waiting = [n for n in newcomers if not book.blocked(n.info.node_id)]
+            full = f" ({len(waiting)} waiting, max {settings.max_nodes} reached)" if waiting else ""
+            return Decision(reason=f"round {current.number} running with {_count(len(members))}{full}{held}")  # type: ignore[union-attr]
+        deadline = book.arrival(admitted[0]) + settings.last_call
         if len(group) >= settings.max_nodes or now >= deadline:
-            return open_round(group, f"scale up to {_count(len(group))}{joined}")
+            return open_round(group, f"scale up to {_count(len(group))}{pick.joined}{pick.notes(book, settings)}")
         return Decision(
             reason=f"last call for more nodes: {len(admitted)} waiting to join "
-            f"{len(members)} running (max {settings.max_nodes})",
+            f"{len(members)} running (max {settings.max_nodes}){held}",
             recheck_at=deadline,
         )
 
-    if len(newcomers) < settings.min_nodes:
-        return Decision(reason=_waiting([n.info.node_id for n in newcomers], settings))
-    deadline = newcomers[settings.min_nodes - 1].seen_at + settings.last_call
+    if len(group) < settings.min_nodes:
+        return Decision(reason=_waiting([n.info.node_id for n in newcomers], settings) + held)
+    deadline = book.arrival(admitted[settings.min_nodes - 1]) + settings.last_call
     if len(admitted) >= settings.max_nodes or now >= deadline:
-        return open_round(group, f"formed with {_count(len(group))}: {_names([p.node_id for p in group])}")
+        return open_round(group, f"formed with {_count(len(group))}: {_names([p.node_id for p in group])}{pick.notes(book, settings)}")
     return Decision(
-        reason=f"last call for more nodes: {len(newcomers)} registered "
-        f"(min {settings.min_nodes}, max {settings.max_nodes})",
+        reason=f"last call for more nodes: {len(admitted)} registered "
+        f"(min {settings.min_nodes}, max {settings.max_nodes}){held}",
         recheck_at=deadline,
     )
+
+
+#: the most nodes the quarantine table remembers (the oldest quiet ones go first)
+QUARANTINE_ENTRIES_KEPT = 1024
+
+
+class _Book:
+    """The quarantine table while one decision is made: a local working copy.
+
+    A node's record is forgotten once it has been quiet (no failure, no quarantine)
+    for `quarantine_cooldown_max`; until then a node released from quarantine is on
+    probation: its next failure quarantines it again, for twice as long.
+    """
+
+    def __init__(self, table: QuarantineTable, settings: RendezvousSettings, now: float) -> None:
+        self.settings = settings
+        self.now = now
+        self.counted = table.counted_round
+        window = settings.quarantine_cooldown_max
+        kept = [e for e in table.entries if now - max(e.last_failure_at, e.until) <= window]
+        if len(kept) > QUARANTINE_ENTRIES_KEPT:
+            kept.sort(key=lambda e: (not e.active(now), -max(e.last_failure_at, e.until)))
+            kept = kept[:QUARANTINE_ENTRIES_KEPT]
+        self.entries = {e.node_id: e for e in kept}
+        #: nodes this decision quarantined
+        self.new: list[str] = []
+
+    def table(self) -> QuarantineTable:
+        return QuarantineTable(entries=tuple(self.entries[n] for n in sorted(self.entries)), counted_round=self.counted)
+
+    def blocked(self, node_id: str) -> bool:
+        entry = self.entries.get(node_id)
+        return entry is not None and entry.active(self.now)
+
+    def arrival(self, node: SeenNode) -> float:
+        """When a newcomer counts as arrived: when the leader saw it, or its release."""
+        entry = self.entries.get(node.info.node_id)
+        if entry is not None and not entry.active(self.now):
+            return max(node.seen_at, entry.until)
+        return node.seen_at
+
+    def count(self, node_id: str, failure: str) -> None:
+        """Count one failure of `node_id`; quarantine it when that makes enough."""
+        s = self.settings
+        if s.quarantine_after <= 0:
+            return
+        entry = self.entries.get(node_id) or QuarantineEntry(node_id=node_id)
+        quiet = entry.last_failure_at and self.now - entry.last_failure_at > s.quarantine_cooldown_max
+        failures = (0 if quiet else entry.failures) + 1
+        threshold = 1 if entry.times else s.quarantine_after  # released ones are on probation
+        if failures < threshold:
+            self.entries[node_id] = replace(entry, failures=failures, reason=failure, last_failure_at=self.now)
+            return
+        times = entry.times + 1
+        why = f"{_plural(failures, 'failure')}, the latest: {failure}" if threshold > 1 else f"again after its release: {failure}"
+        self.entries[node_id] = replace(
+            entry, failures=0, times=times, until=self.now + s.cooldown(times), reason=why, last_failure_at=self.now
+        )
+        self.new.append(node_id)
+
+    def release_at(self, registered: Mapping[str, SeenNode]) -> float | None:
+        """When the first registered node under quarantine is released (to look again)."""
+        ends = [e.until for n, e in self.entries.items() if n in registered and e.active(self.now)]
+        return min(ends) if ends else None
+
+    def held_note(self, registered: Mapping[str, SeenNode], group: object) -> str:
+        """`; quarantined: x` for the registered nodes kept out of `group`."""
+        held = sorted(n for n in registered if self.blocked(n) and n not in group)  # type: ignore[operator]
+        return f"; quarantined: {_names(held)}" if held else ""
+
+
+@dataclass(slots=True)
+class _Pick:
+    """Who takes part in the next round, and who is left out or kept in, and why."""
+
+    group: list[Participant]
+    admitted: list[SeenNode]
+    #: members under quarantine left out
+    kept_out: list[str]
+    #: nodes under quarantine taken all the same: without them the job could not run
+    last_resort: list[str]
+
+    @property
+    def joined(self) -> str:
+        names = [n.info.node_id for n in self.admitted]
+        return f"; joined: {_names(names)}" if names else ""
+
+    def notes(self, book: _Book, settings: RendezvousSettings) -> str:
+        """Who this decision quarantined, and who was kept all the same."""
+        text = "".join(
+            f"; quarantined {n} for {_seconds(book.entries[n].until - book.now)} ({book.entries[n].reason})"
+            for n in book.new
+        )
+        if self.last_resort:
+            them = "it" if len(self.last_resort) == 1 else "them"
+            without = len(self.group) - len(self.last_resort)
+            text += (
+                f"; kept {_names(self.last_resort)} despite the quarantine: without {them} only "
+                f"{without} of min {settings.min_nodes} nodes"
+            )
+        return text
+
+
+def _pick(survivors: list[Participant], newcomers: list[SeenNode], book: _Book, settings: RendezvousSettings) -> _Pick:
+    """Survivors in their order, then newcomers by arrival, up to max; no quarantined
+    node unless the job needs it to reach min (then the fewest, members first)."""
+    waiting = sorted(newcomers, key=lambda n: (book.arrival(n), n.info.node_id))
+    fine_new = [n for n in waiting if not book.blocked(n.info.node_id)]
+    fine_survivors = [p for p in survivors if not book.blocked(p.node_id)]
+    admitted = list(fine_new[: max(settings.max_nodes - len(fine_survivors), 0)])
+    taken: set[str] = set()
+    short = settings.min_nodes - len(fine_survivors) - len(admitted)
+    if short > 0:
+        spare = [p.node_id for p in survivors if book.blocked(p.node_id)]
+        spare += [n.info.node_id for n in waiting if book.blocked(n.info.node_id)]
+        if len(spare) >= short:
+            taken = set(spare[:short])
+    group = [p for p in survivors if not book.blocked(p.node_id) or p.node_id in taken]
+    admitted += [n for n in waiting if book.blocked(n.info.node_id) and n.info.node_id in taken]
+    group += [_participant(n) for n in admitted]
+    kept_out = [p.node_id for p in survivors if book.blocked(p.node_id) and p.node_id not in taken]
+    return _Pick(group=group, admitted=admitted, kept_out=kept_out, last_resort=sorted(taken))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _waiting(registered: list[str], settings: RendezvousSettings) -> str:

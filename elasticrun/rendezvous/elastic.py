@@ -40,11 +40,14 @@ from elasticrun.rendezvous.state import (
     Master,
     NodeInfo,
     Ping,
+    QuarantineEntry,
+    QuarantineTable,
     RestartRequest,
     Round,
     decode_drain,
     decode_master,
     decode_ping,
+    decode_quarantine,
     decode_round,
     decode_spec,
     decode_state,
@@ -113,6 +116,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._master: Master | None = None
         self._state: LeaderState | None = None
         self._drain: DrainRequest | None = None
+        self._quarantine = QuarantineTable()  # wall-clock times
         self._last_round = 0
         self._reports = Reporter(store, self._keys, me)
 
@@ -120,7 +124,17 @@ class ElasticRendezvous(RendezvousHandler):
 
     @property
     def waiting_status(self) -> str:
-        return self._state.reason if self._state else "waiting for the leader's first decision"
+        leader = self._state.reason if self._state else "waiting for the leader's first decision"
+        held = self._quarantined()
+        if held is None:
+            return leader
+        until = time.strftime("%H:%M:%S", time.localtime(held.until))
+        return f"quarantined until {until} ({held.reason}); the leader: {leader}"
+
+    def _quarantined(self) -> QuarantineEntry | None:
+        """This node's quarantine, while the leader keeps it out."""
+        entry = self._quarantine.get(self._me.node_id)
+        return entry if entry is not None and entry.active(time.time()) else None
 
     async def drained(self) -> str:
         while self._drain is None:
@@ -156,6 +170,9 @@ class ElasticRendezvous(RendezvousHandler):
             if status != logged:
                 log.info("node %s waiting: %s", self._me.node_id, status)
                 logged = status
+            held = self._quarantined()
+            if held is not None:  # a quarantined node waits it out, then join_timeout runs
+                deadline = max(deadline, self._clock() + held.until - time.time() + self._settings.join_timeout)
             remaining = deadline - self._clock()
             if remaining <= 0:
                 raise RendezvousTimeoutError(
@@ -322,6 +339,7 @@ class ElasticRendezvous(RendezvousHandler):
     async def _reread_job(self) -> RangeResult:
         snapshot = await self._store.get_prefix(self._keys.job)
         self._round = self._master = self._state = self._drain = None
+        self._quarantine = QuarantineTable()
         for kv in snapshot.kvs:
             self._apply_job(kv.key, kv.value)
         return snapshot
@@ -336,6 +354,8 @@ class ElasticRendezvous(RendezvousHandler):
             self._state = decode_state(value) if value else None
         elif key == keys.drain(self._me.node_id):
             self._drain = decode_drain(value) if value else None
+        elif key == keys.quarantine:
+            self._quarantine = decode_quarantine(value) if value else QuarantineTable()
 
     async def _master_of(self, current: Round, rank: int) -> Master | None:
         """The round's master address; node rank 0 picks a port and publishes it."""

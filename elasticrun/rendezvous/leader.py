@@ -23,10 +23,12 @@ from elasticrun.rendezvous.state import (
     Keys,
     LeaderState,
     Ping,
+    QuarantineTable,
     RestartRequest,
     Round,
     decode_node,
     decode_ping,
+    decode_quarantine,
     decode_restart,
     decode_round,
     encode,
@@ -67,6 +69,10 @@ class Leader:
         self._restart_seen_at = 0.0
         self._acks: dict[str, int] = {}  # node -> the round its last ack answered
         self._pinged = 0
+        #: failure records and quarantines, on this leader's clock (stored on the wall clock)
+        self._quarantine = QuarantineTable()
+        #: nodes an operator drained (kept while they are registered or in the round)
+        self._draining: set[str] = set()
         self._published = ""
         self._published_at = -1e9
 
@@ -129,18 +135,24 @@ class Leader:
             self._restart = None
         for node_id in [n for n in self._acks if self._keys.ack(n) not in present]:
             del self._acks[node_id]
+        if self._keys.quarantine not in present:
+            self._quarantine = QuarantineTable()
         for kv in snapshot.kvs:
             self._apply(kv, None)
 
     def _view(self) -> View:
         number = self._round.number if self._round else 0
         acks = frozenset(n for n, r in self._acks.items() if r == number)
+        in_round = {p.node_id for p in self._round.participants} if self._round else set()
+        self._draining &= set(self._nodes) | in_round
         return View(
             nodes=self._nodes,
             round=self._round,
             restart=self._restart,
             restart_seen_at=self._restart_seen_at,
             acks=acks,
+            quarantine=self._quarantine,
+            draining=frozenset(self._draining),
         )
 
     async def _act(self, decision: Decision) -> bool:
@@ -148,6 +160,10 @@ class Leader:
         if decision.ping and decision.ping != self._pinged:
             await self._store.put(self._keys.ping, encode(Ping(round=decision.ping)))
             self._pinged = decision.ping
+        if decision.quarantine is not None:
+            # Before the round: a new leader that finds a quarantined member still in the
+            # round takes it out; one that found the round without the record would not.
+            await self._store_quarantine(decision.quarantine)
         if decision.fail:
             await close_job(self._store, self._keys, "failed", decision.fail, self._settings.closed_ttl)
             return True
@@ -162,6 +178,23 @@ class Leader:
             await self._record_round(new_round)
         # Either way the watch brings the round record that now stands.
         return True
+
+    async def _store_quarantine(self, table: QuarantineTable) -> None:
+        """Store the failure records (on the wall clock); log each new quarantine."""
+        before, now = self._quarantine, time.time()
+        await self._store.put(self._keys.quarantine, encode(table.shifted(now - self._clock())))
+        self._quarantine = table
+        for entry in table.entries:
+            old = before.get(entry.node_id)
+            if entry.times > (old.times if old else 0):
+                until = now + entry.until - self._clock()
+                detail = (
+                    f"quarantined until {time.strftime('%H:%M:%S', time.localtime(until))} "
+                    f"({_ordinal(entry.times)} time): {entry.reason}"
+                )
+                log.warning("node %s %s", entry.node_id, detail)
+                event = Event(at=now, node=entry.node_id, kind="quarantine", detail=detail)
+                await self._store.put(self._keys.event(now, entry.node_id), encode(event))
 
     async def _record_round(self, new_round: Round) -> None:
         """Log the round in the job's events, and prune the oldest events."""
@@ -221,9 +254,19 @@ class Leader:
             self._round_rev = kv.mod_revision if kv else 0
         elif key == keys.restart:
             restart = decode_restart(kv.value) if kv else None
-            if restart is not None and (self._restart is None or self._restart.round != restart.round):
+            if restart is not None and self._restart is not None and self._restart.round == restart.round:
+                # Peers whose collectives broke ask too, after the node that failed
+                # first: the first request of a round names the failure (and its node).
+                return
+            if restart is not None:
                 self._restart_seen_at = self._clock()
             self._restart = restart
+        elif key == keys.quarantine:
+            table = decode_quarantine(kv.value) if kv else QuarantineTable()
+            self._quarantine = table.shifted(self._clock() - time.time())
+        elif key.startswith(keys.drains):
+            if kv is not None:
+                self._draining.add(key[len(keys.drains):])
         elif key.startswith(keys.acks):
             node_id = key[len(keys.acks):]
             if kv is None:
@@ -255,7 +298,7 @@ async def close_job(store: Store, keys: Keys, outcome: str, detail: str, closed_
             break
         await store.revoke_lease(lease)
     log.info("job '%s' closed (%s)", keys.run_id, outcome)
-    for key in (keys.spec, keys.restart, keys.master, keys.state, keys.ping):
+    for key in (keys.spec, keys.restart, keys.master, keys.state, keys.ping, keys.quarantine):
         await store.delete(key)
     await store.delete_prefix(keys.drains)
     return True
@@ -263,6 +306,11 @@ async def close_job(store: Store, keys: Keys, outcome: str, detail: str, closed_
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

@@ -17,6 +17,7 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives u
     r/job/state         LeaderState: what the leader waits for, for waiting nodes and status
     r/job/launch        JobLaunch: when and where the job was started (for status and join)
     r/job/drain/<node>  DrainRequest: an operator asked this node to leave
+    r/job/quarantine    QuarantineTable: failures per node, and who is kept out until when
     c/status/<node_id>  NodeStatus: the node's live state, bound to its lease
     c/logs/<rank>       LogWindow: the latest lines of one rank, bound to its node's lease
     c/events/<t>-<node> Event: what happened, oldest pruned by the leader
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from elasticrun.errors import RendezvousError
 
@@ -113,6 +114,10 @@ class Keys:
     @property
     def drains(self) -> str:
         return self.job + "drain/"
+
+    @property
+    def quarantine(self) -> str:
+        return self.job + "quarantine"
 
     def drain(self, node_id: str) -> str:
         return self.drains + node_id
@@ -245,6 +250,59 @@ class DrainRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class QuarantineEntry:
+    """One node's failure record: its failures, and whether it is kept out.
+
+    A failure is a worker failure attributed to the node (its restart request, once
+    every member answered the liveness ping) or the node dropping out of a round.
+    """
+
+    node_id: str
+    #: failures counted since its last quarantine
+    failures: int = 0
+    #: how many times it was quarantined; each time the cooldown doubles
+    times: int = 0
+    #: the end of its latest quarantine (0: never quarantined); kept out while until > now
+    until: float = 0.0
+    #: its latest failure, or (while quarantined) why it is kept out
+    reason: str = ""
+    #: when its latest failure was counted
+    last_failure_at: float = 0.0
+
+    def active(self, now: float) -> bool:
+        """Whether the node is kept out at `now`."""
+        return self.until > now
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineTable:
+    """The leader's failure records (r/job/quarantine), one entry per node id.
+
+    Stored with wall-clock times, so that the next leader and `elasticrun status` read
+    them; the leader shifts them to its own clock for `decide()` (`shifted`).
+    """
+
+    entries: tuple[QuarantineEntry, ...] = ()
+    #: the last round whose failure or losses were counted: nothing counts twice
+    counted_round: int = 0
+
+    def get(self, node_id: str) -> QuarantineEntry | None:
+        return next((e for e in self.entries if e.node_id == node_id), None)
+
+    def active(self, now: float) -> dict[str, QuarantineEntry]:
+        """The nodes kept out at `now`."""
+        return {e.node_id: e for e in self.entries if e.active(now)}
+
+    def shifted(self, delta: float) -> QuarantineTable:
+        """The same table on another clock (a time of 0, "never", stays 0)."""
+        def move(t: float) -> float:
+            return t + delta if t else 0.0
+
+        entries = tuple(replace(e, until=move(e.until), last_failure_at=move(e.last_failure_at)) for e in self.entries)
+        return replace(self, entries=entries)
+
+
+@dataclass(frozen=True, slots=True)
 class NodeStatus:
     """A node's live state, as `elasticrun status` shows it."""
 
@@ -367,6 +425,12 @@ def decode_state(raw: bytes) -> LeaderState:
     body = _load(raw, "state")
     body["waiting"] = tuple(body.get("waiting", ()))
     return LeaderState(**body)
+
+
+def decode_quarantine(raw: bytes) -> QuarantineTable:
+    body = _load(raw, "quarantine")
+    body["entries"] = tuple(QuarantineEntry(**e) for e in body.get("entries", ()))
+    return QuarantineTable(**body)
 
 
 def encode_spec(spec: Mapping[str, object]) -> bytes:
