@@ -85,6 +85,9 @@ class WorkerSpec:
     gpu_devices: tuple[int, ...] = ()
     #: give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker)
     isolate_gpus: bool = False
+    #: opt-in hang watchdog: a worker that has not called `elasticrun.worker.heartbeat()`
+    #: for this many seconds is hung (None: no watchdog)
+    progress_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
@@ -97,3 +100,5 @@ class WorkerSpec:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.stop_grace < 0:
             raise UsageError(f"the stop grace period must be >= 0, got {self.stop_grace}")
+        if self.progress_timeout is not None and not 0 < self.progress_timeout < float("inf"):
+            raise UsageError(f"--progress-timeout must be a positive number of seconds, got {self.progress_timeout:g}")

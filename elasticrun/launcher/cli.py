@@ -101,7 +101,7 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "rdzv-backend", default="static", help="c10d (built-in store), etcd (v3) or static")
     _flag(p, "rdzv-endpoint", default="", help="c10d: host:port (default port 29400); etcd: h1:2379,h2:2379,...")
     _flag(p, "rdzv-id", default="none", help="the job's id: nodes with the same id form one job")
-    _flag(p, "rdzv-conf", action=_EnvAppend, help="key=value,... (repeatable, merged): join_timeout, last_call_timeout, heartbeat_timeout, closed_ttl, is_host, token_file, tls_ca, tls_cert, tls_key, store_timeout; etcd: ca_cert, client_cert, client_key, user, password_file, password_env")
+    _flag(p, "rdzv-conf", action=_EnvAppend, help="key=value,... (repeatable, merged): join_timeout, last_call_timeout, heartbeat_timeout, closed_ttl, quarantine_after, quarantine_cooldown, quarantine_cooldown_max, is_host, token_file, tls_ca, tls_cert, tls_key, store_timeout; etcd: ca_cert, client_cert, client_key, user, password_file, password_env")
     _flag(p, "standalone", action=_EnvFlag, help="one node, no server: an in-memory rendezvous and a free port")
     _flag(p, "max-restarts", type=int, default=0, help="worker-failure restarts before the job fails (membership changes never count)")
     _flag(p, "monitor-interval", type=float, default=0.1, help="accepted for torchrun compatibility: elasticrun reacts to events at once")
@@ -129,6 +129,7 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "gpus", default=None, help="the GPUs this node's workers use, e.g. 0,2,3 (default: every healthy visible GPU)")
     _flag(p, "isolate-gpus", action=_EnvFlag, help="give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker)")
     _flag(p, "health-interval", type=float, default=10.0, help="seconds between GPU health checks while training (default 10)")
+    _flag(p, "progress-timeout", type=float, default=None, help="opt-in hang watchdog (off by default): stop and restart the workers when one has not called elasticrun.worker.heartbeat() for this many seconds; the workers must call it")
     p.add_argument("training_script", help="the training script (or module, or executable)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p

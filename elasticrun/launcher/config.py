@@ -29,7 +29,10 @@ DEFAULT_C10D_PORT = 29400
 DEFAULT_ETCD_PORT = 2379
 
 #: --rdzv-conf keys that are part of the job spec: every node must use the same
-SHARED_RDZV_CONF = ("last_call_timeout", "heartbeat_timeout", "heartbeat_interval", "closed_ttl")
+SHARED_RDZV_CONF = (
+    "last_call_timeout", "heartbeat_timeout", "heartbeat_interval", "closed_ttl",
+    "quarantine_after", "quarantine_cooldown", "quarantine_cooldown_max",
+)
 
 #: --rdzv-conf keys, with what they mean (shown in the error for an unknown key)
 RDZV_CONF_KEYS = {
@@ -38,6 +41,9 @@ RDZV_CONF_KEYS = {
     "heartbeat_timeout": "lease TTL: seconds until a silent node is dropped (default 5)",
     "heartbeat_interval": "seconds between lease renewals (default: a third of heartbeat_timeout)",
     "closed_ttl": "seconds a finished job stays closed to late agents (default 60)",
+    "quarantine_after": "failures of one node (worker failures, drops out of a round) before it is kept out for a while (default 3; 0: never)",
+    "quarantine_cooldown": "seconds of a node's first quarantine; each further one lasts twice as long (default 60)",
+    "quarantine_cooldown_max": "the longest quarantine, in seconds; a node quiet this long is forgiven (default 3600)",
     "is_host": "c10d: this agent hosts the store (true/false; default: when the endpoint is local)",
     "token_file": "c10d: file with the store's token (default: $ELASTICRUN_STORE_TOKEN)",
     "tls_ca": "c10d: CA certificate (PEM) to reach the store over TLS",
@@ -166,6 +172,14 @@ def _positive(value: str | None, flag: str, default: float) -> float:
     if number <= 0:
         raise UsageError(f"{flag} must be a positive number of seconds, got {value!r}")
     return number
+
+
+def _whole(value: str | None, flag: str, default: int) -> int:
+    if value is None:
+        return default
+    if not (value.strip().isascii() and value.strip().isdigit()):
+        raise UsageError(f"{flag} must be a whole number >= 0 (0 turns it off), got {value!r}")
+    return int(value)
 
 
 def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
@@ -318,6 +332,9 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         heartbeat_ttl=probe.conf_float("heartbeat_timeout", 5.0),
         closed_ttl=probe.conf_float("closed_ttl", 60.0),
         heartbeat_interval=probe.conf_float("heartbeat_interval", 0.0),
+        quarantine_after=_whole(conf.get("quarantine_after"), "--rdzv-conf quarantine_after", 3),
+        quarantine_cooldown=probe.conf_float("quarantine_cooldown", 60.0),
+        quarantine_cooldown_max=probe.conf_float("quarantine_cooldown_max", 3600.0),
     )
     if settings.keep_alive_interval >= settings.heartbeat_ttl:
         raise UsageError(
@@ -367,6 +384,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         local_ranks_filter=filter_ranks,
         gpu_devices=gpu_devices,
         isolate_gpus=args.isolate_gpus,
+        progress_timeout=args.progress_timeout,
     )
     no_python = bool(args.no_python and not args.run_path)
     job_spec = {
