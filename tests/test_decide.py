@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
-from elasticrun.rendezvous.state import NodeInfo, Participant, RestartRequest, Round
+from elasticrun.rendezvous.state import (
+    NodeInfo,
+    Participant,
+    QuarantineEntry,
+    QuarantineTable,
+    RestartRequest,
+    Round,
+)
 
 SETTINGS = RendezvousSettings(run_id="job", min_nodes=2, max_nodes=3, last_call=1.0)
 
@@ -150,3 +159,190 @@ def test_closed_job_opens_nothing():
     closed = Round(number=2, participants=(), restart_count=0, reason="", opened_at=0.0, closed="succeeded")
     d = decide(View(nodes=nodes(node("a"), node("b")), round=closed), SETTINGS, now=0.0)
     assert d.round is None and d.reason == "job succeeded"
+
+
+# --- quarantine of flapping nodes --------------------------------------------------------
+
+Q = RendezvousSettings(
+    run_id="job", min_nodes=2, max_nodes=3, last_call=1.0,
+    quarantine_after=3, quarantine_cooldown=60.0, quarantine_cooldown_max=1000.0,
+)
+
+
+def fail_on(node_id: str, view: View, at: float) -> View:
+    """`view` with a restart request from `node_id` for the current round, every member alive."""
+    assert view.round is not None
+    return replace(
+        view,
+        restart=RestartRequest(round=view.round.number, node_id=node_id, reason="worker rank 2 failed with exit code 1"),
+        restart_seen_at=at,
+        acks=frozenset(p.node_id for p in view.round.participants),
+    )
+
+
+def apply(view: View, d: Decision) -> View:
+    """What the leader does with a decision: store the table, write the round."""
+    return replace(
+        view,
+        round=d.round or view.round,
+        quarantine=d.quarantine if d.quarantine is not None else view.quarantine,
+    )
+
+
+def crash(view: View, node_id: str, at: float, settings: RendezvousSettings = Q) -> tuple[View, Decision]:
+    d = decide(fail_on(node_id, view, at), settings, now=at)
+    assert d.round is not None, d.reason
+    return apply(view, d), d
+
+
+def three_nodes() -> View:
+    return View(nodes=nodes(node("a"), node("b"), node("c")), round=running("a", "b", "c"))
+
+
+def test_worker_failures_are_counted_per_node_and_once_per_round():
+    view, d = crash(three_nodes(), "c", at=10.0)
+    assert members(d) == ["a", "b", "c"] and d.round.restart_count == 1
+    entry = view.quarantine.get("c")
+    assert entry is not None and entry.failures == 1 and entry.times == 0 and not entry.active(10.0)
+    assert entry.reason == "worker failure: worker rank 2 failed with exit code 1"
+    assert view.quarantine.counted_round == 1
+    # the same request seen again (a new leader, a failed write) does not count twice
+    again = decide(fail_on("c", replace(view, round=running("a", "b", "c")), 11.0), Q, now=11.0)
+    assert again.quarantine is None
+    view, _ = crash(view, "c", at=20.0)
+    assert view.quarantine.get("c").failures == 2
+
+
+def test_third_failure_quarantines_the_node_and_the_job_goes_on_without_it():
+    view = three_nodes()
+    for at in (10.0, 20.0):
+        view, _ = crash(view, "c", at)
+    view, d = crash(view, "c", at=30.0)
+    assert members(d) == ["a", "b"]  # survivors keep their order
+    assert d.round.restart_count == 3  # the failure itself still spends the budget
+    assert "restart after a worker failure on c" in d.reason
+    assert "quarantined c for 60s (3 failures, the latest: worker failure: worker rank 2" in d.reason
+    entry = view.quarantine.get("c")
+    assert (entry.times, entry.failures, entry.until) == (1, 0, 90.0)
+    assert entry.reason.startswith("3 failures, the latest: worker failure:")
+
+    # c stays registered and waits: not admitted, said so, looked at again when it ends
+    waiting = decide(view, Q, now=40.0)
+    assert waiting.round is None
+    assert waiting.reason == "round 4 running with 2 nodes; quarantined: c"
+    assert waiting.recheck_at == 90.0
+
+
+def test_quarantine_ends_and_the_node_is_admitted_after_the_last_call():
+    view = three_nodes()
+    for at in (10.0, 20.0, 30.0):
+        view, d = crash(view, "c", at)
+    assert decide(view, Q, now=89.9).round is None
+    back = decide(view, Q, now=90.0)  # released; it fills the job to max: at once
+    assert members(back) == ["a", "b", "c"] and back.reason == "scale up to 3 nodes; joined: c"
+    assert back.round.restart_count == 3  # admission is free
+    roomy = replace(Q, max_nodes=4)  # room for more: released, it arrives now (the last call)
+    last_call = decide(view, roomy, now=90.0)
+    assert last_call.round is None and last_call.recheck_at == 91.0 and "last call" in last_call.reason
+    assert members(decide(view, roomy, now=91.0)) == ["a", "b", "c"]
+
+
+def test_cooldown_doubles_on_probation_and_is_capped():
+    view = three_nodes()
+    for at in (10.0, 20.0, 30.0):
+        view, _ = crash(view, "c", at)
+    cooldowns, at = [60.0], 90.0
+    for _ in range(5):  # each time: released, admitted, fails once, out again
+        view = apply(view, decide(view, Q, now=at + 1.0))
+        assert "c" in [p.node_id for p in view.round.participants]
+        at += 2.0
+        view, d = crash(view, "c", at)
+        assert "c" not in members(d) and "again after its release" in d.reason
+        entry = view.quarantine.get("c")
+        cooldowns.append(entry.until - at)
+        at = entry.until
+    assert cooldowns == [60.0, 120.0, 240.0, 480.0, 960.0, 1000.0]  # capped at quarantine_cooldown_max
+    assert view.quarantine.get("c").times == 6
+
+
+def test_a_quiet_node_is_forgiven():
+    view, _ = crash(three_nodes(), "c", at=10.0)
+    assert view.quarantine.get("c") is not None
+    later = decide(view, Q, now=10.0 + Q.quarantine_cooldown_max + 1)
+    assert later.quarantine is not None and later.quarantine.get("c") is None
+
+
+def test_old_failures_do_not_add_up():
+    view = three_nodes()
+    view, _ = crash(view, "c", at=10.0)
+    view, _ = crash(view, "c", at=20.0)
+    # the record is kept (quarantine_cooldown_max after the last failure), but the
+    # next failure comes later than that after the last one: it starts a new count
+    view = replace(view, quarantine=replace(view.quarantine, entries=(replace(view.quarantine.get("c"), last_failure_at=-2000.0),)))
+    view, d = crash(view, "c", at=30.0)
+    assert members(d) == ["a", "b", "c"] and view.quarantine.get("c").failures == 1
+
+
+def test_disabled_counts_nothing():
+    off = replace(Q, quarantine_after=0)
+    view = three_nodes()
+    for at in (10.0, 20.0, 30.0, 40.0):
+        view, d = crash(view, "c", at, settings=off)
+        assert members(d) == ["a", "b", "c"] and d.quarantine is None
+
+
+def test_a_quarantine_never_stops_the_job_below_min():
+    two = View(nodes=nodes(node("a"), node("c")), round=running("a", "c"))
+    for at in (10.0, 20.0):
+        two, _ = crash(two, "c", at)
+    two, d = crash(two, "c", at=30.0)
+    assert members(d) == ["a", "c"]  # without c only 1 of min 2: kept, and said so
+    assert "quarantined c for 60s" in d.reason
+    assert "kept c despite the quarantine: without it only 1 of min 2 nodes" in d.reason
+    assert two.quarantine.get("c").active(30.0)
+    assert decide(two, Q, now=31.0).round is None  # nothing else changes: it runs on
+    # a standby arrives: the quarantined node goes, the newcomer takes its place
+    two = replace(two, nodes=nodes(node("a"), node("c"), node("d", 40.0)))
+    assert decide(two, Q, now=40.5).round is None  # the last call
+    d = decide(two, Q, now=41.0)
+    assert members(d) == ["a", "d"] and d.reason.startswith("quarantined c; joined: d")
+    assert d.round.restart_count == 3
+
+
+def test_dropping_out_of_rounds_counts_but_a_drain_does_not():
+    view = three_nodes()
+    for number, at in ((1, 10.0), (3, 20.0)):
+        gone = replace(view, nodes=nodes(node("a"), node("b")), round=running("a", "b", "c", number=number))
+        d = decide(gone, Q, now=at)
+        assert members(d) == ["a", "b"] and d.reason.startswith("lost c")
+        view = replace(view, quarantine=d.quarantine)
+    entry = view.quarantine.get("c")
+    assert entry.failures == 2 and entry.reason == "dropped out of round 3"
+    drained = replace(view, nodes=nodes(node("a"), node("b")), round=running("a", "b", "c", number=5), draining=frozenset({"c"}))
+    d = decide(drained, Q, now=30.0)
+    assert members(d) == ["a", "b"] and d.quarantine.get("c").failures == 2
+    third = replace(view, nodes=nodes(node("a"), node("b")), round=running("a", "b", "c", number=7))
+    d = decide(third, Q, now=40.0)
+    assert d.quarantine.get("c").active(40.0) and "quarantined c for 60s" in d.reason
+    # it registers again meanwhile: it waits
+    back = replace(apply(third, d), nodes=nodes(node("a"), node("b"), node("c", 45.0)))
+    assert decide(back, Q, now=50.0).reason == "round 8 running with 2 nodes; quarantined: c"
+
+
+def test_a_new_leader_takes_a_quarantined_member_out_of_the_round():
+    view, _ = crash(three_nodes(), "c", at=10.0)
+    table = replace(view.quarantine, entries=(replace(view.quarantine.get("c"), times=1, until=100.0),))
+    inherited = View(nodes=view.nodes, round=running("a", "b", "c", number=4, restarts=1), quarantine=table)
+    d = decide(inherited, Q, now=50.0)
+    assert members(d) == ["a", "b"] and d.reason == "quarantined c"
+    assert d.round.restart_count == 1 and d.quarantine is None
+
+
+def test_forming_leaves_quarantined_nodes_out_unless_needed():
+    table = QuarantineTable(entries=(QuarantineEntry("c", times=1, until=100.0, reason="why"),))
+    view = View(nodes=nodes(node("a", 1.0), node("b", 1.0), node("c", 1.0)), round=None, quarantine=table)
+    d = decide(view, Q, now=5.0)
+    assert members(d) == ["a", "b"]
+    lone = View(nodes=nodes(node("a", 1.0), node("c", 1.0)), round=None, quarantine=table)
+    d = decide(lone, Q, now=5.0)
+    assert members(d) == ["a", "c"] and "kept c despite the quarantine" in d.reason

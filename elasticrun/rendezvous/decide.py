@@ -165,11 +165,10 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
 
     if lost:
         assert current is not None
-        if current.number > book.counted:  # a node that drops out of rounds is flapping
+        if book.counts(current.number):  # a node that drops out of rounds is flapping
             for node_id in lost:
                 if node_id not in view.draining:
                     book.count(node_id, f"dropped out of round {current.number}")
-            book.counted = current.number
         pick = _pick(survivors, newcomers, book, settings)
         reason = f"lost {_names(lost)}"
         if len(pick.group) >= settings.min_nodes:
@@ -195,9 +194,8 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
             )
         if restart.final:
             return Decision(reason=f"job failed on {restart.node_id}: {restart.reason}", fail=restart.report or restart.reason)
-        if restart.round > book.counted:
+        if book.counts(restart.round):
             book.count(restart.node_id, f"worker failure: {restart.reason}")
-            book.counted = restart.round
         pick = _pick(survivors, newcomers, book, settings)
         return open_round(
             pick.group,
@@ -211,8 +209,19 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
     held = book.held_note(view.nodes, [p.node_id for p in group])
     if members and pick.kept_out and len(group) >= settings.min_nodes:
         # A member under quarantine (a new leader found it so, or it was only kept
-        # while the job needed it): it goes at once; a membership change, free.
-        return open_round(group, f"quarantined {_names(pick.kept_out)}{pick.joined}{pick.notes(book, settings)}")
+        # while the job needed it) goes: at once when the others are enough, else
+        # after the last call for the newcomers that take its place. Free.
+        reason = f"quarantined {_names(pick.kept_out)}{pick.joined}{pick.notes(book, settings)}"
+        if len(group) - len(admitted) >= settings.min_nodes or len(group) >= settings.max_nodes:
+            return open_round(group, reason)
+        deadline = book.arrival(admitted[0]) + settings.last_call
+        if now >= deadline:
+            return open_round(group, reason)
+        return Decision(
+            reason=f"last call for more nodes: {len(admitted)} waiting to replace quarantined "
+            f"{_names(pick.kept_out)}{held}",
+            recheck_at=deadline,
+        )
 
     if members:
         if not admitted:
@@ -279,11 +288,16 @@ class _Book:
             return max(node.seen_at, entry.until)
         return node.seen_at
 
+    def counts(self, number: int) -> bool:
+        """Whether the failures of round `number` are still to count (then they are)."""
+        if self.settings.quarantine_after <= 0 or number <= self.counted:
+            return False
+        self.counted = number
+        return True
+
     def count(self, node_id: str, failure: str) -> None:
         """Count one failure of `node_id`; quarantine it when that makes enough."""
         s = self.settings
-        if s.quarantine_after <= 0:
-            return
         entry = self.entries.get(node_id) or QuarantineEntry(node_id=node_id)
         quiet = entry.last_failure_at and self.now - entry.last_failure_at > s.quarantine_cooldown_max
         failures = (0 if quiet else entry.failures) + 1
