@@ -174,6 +174,7 @@ class Cluster:
         conf: str = RDZV_CONF,
         worker_args: Sequence[str] = (),
         extra: Sequence[str] = (),
+        worker: Path = WORKER,
     ) -> Proc:
         argv = [
             sys.executable, "-m", "elasticrun",
@@ -182,7 +183,7 @@ class Cluster:
             f"--rdzv-conf={conf}", f"--local-addr={local_addr}",
             f"--max-restarts={max_restarts}", "--shutdown-timeout=5",
             f"--log-dir={self.tmp / 'logs'}", *extra,
-            str(WORKER), "--stop-file", str(self.stop_file), *worker_args,
+            str(worker), "--stop-file", str(self.stop_file), *worker_args,
         ]
         return self.start(name, argv)
 

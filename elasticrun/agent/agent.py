@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from elasticrun.agent.env import worker_env
+from elasticrun.agent.channel import WorkerChannel
+from elasticrun.agent.env import round_env, worker_env
 from elasticrun.agent.failures import (
     FailureReport,
     describe_exit,
@@ -60,6 +61,8 @@ class Outcome(enum.Enum):
     SIGNALLED = "signalled"
     WATCH = "watch fired"
     DRAINED = "drained"
+    #: in-process mode: a worker's training failed, the worker waits for a new round
+    BROKEN = "broken"
 
 
 class Action(enum.Enum):
@@ -81,7 +84,7 @@ def decide(outcome: Outcome, restart_count: int, max_restarts: int) -> Action:
     match outcome:
         case Outcome.SUCCEEDED:
             return Action.FINISH
-        case Outcome.FAILED:
+        case Outcome.FAILED | Outcome.BROKEN:
             return Action.RESTART if restart_count < max_restarts else Action.FAIL
         case Outcome.ROUND_ENDED:
             return Action.NEXT_ROUND
@@ -105,10 +108,38 @@ class _Attempt:
     outcome: Outcome
     reason: str
     report: FailureReport | None
+    #: what the rendezvous is told when this failure ends the job
+    text: str = ""
+
+
+#: why a worker in in-process mode may never have connected to its agent
+_NOT_CONNECTED = (
+    "with --elastic-mode=in-process the script must run its training through "
+    "elasticrun.worker.elastic.run, which gets RANK, WORLD_SIZE and MASTER_ADDR from the agent"
+)
+
+#: outcomes after which this node leaves the job while the others go on
+_LEAVING = (Outcome.SIGNALLED, Outcome.WATCH, Outcome.DRAINED)
+
+
+@dataclass(slots=True)
+class _Group:
+    """A running worker group and what belongs to it, for as long as it lives."""
+
+    workers: WorkerGroup
+    outputs: dict[int, WorkerOutput]
+    error_files: dict[int, Path]
 
 
 class Agent:
-    """Runs this node's workers round after round until the job ends for this node."""
+    """Runs this node's workers round after round until the job ends for this node.
+
+    In restart mode (torchrun's) every round gets fresh workers. In in-process mode
+    (`spec.in_process`) the workers outlive rounds: when a round ends because nodes
+    joined or left, they are told over a `WorkerChannel` and given their place in the
+    next round, and only a failure of this node's own workers, a signal or a drain
+    stops them.
+    """
 
     def __init__(
         self, spec: WorkerSpec, handler: RendezvousHandler, *, watches: Sequence[Watch] = ()
@@ -121,7 +152,11 @@ class Agent:
         self._attempts = 0
         self._state: WorkerState | None = None  # None: before the first round
         self._assignment: Assignment | None = None
+        self._group: _Group | None = None
+        self._channel = WorkerChannel() if spec.in_process else None
         self._pids: tuple[int, ...] = ()
+        #: in-process mode: the traceback of the last broken report
+        self._broken_text = ""
         #: this node's failure beyond the budget: (message, report)
         self._failure: tuple[str, FailureReport | None] | None = None
         root = spec.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
@@ -134,8 +169,13 @@ class Agent:
         for sig in self.spec.signals_to_handle:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
+            if self._channel is not None:
+                await self._channel.start()
             return await self._run()
         finally:
+            await self._stop_group()
+            if self._channel is not None:
+                await self._channel.close()
             for sig in self.spec.signals_to_handle:
                 loop.remove_signal_handler(sig)
 
@@ -187,7 +227,7 @@ class Agent:
                     await self.handler.request_restart(attempt.reason)
                 case Action.FAIL:
                     report = attempt.report
-                    text = report.text if report is not None else attempt.reason
+                    text = report.text if report is not None else attempt.text or attempt.reason
                     logger.warning(
                         "%s; no restarts left: the job ends, unless a node died meanwhile",
                         attempt.reason,
@@ -204,15 +244,88 @@ class Agent:
                 case Action.NEXT_ROUND:
                     self._set_state(WorkerState.STOPPED, attempt.reason)
                 case Action.LEAVE:
-                    await self.handler.leave(attempt.reason)
                     code = 0 if attempt.outcome is Outcome.DRAINED else EXIT_FAILURE
                     return self._end(WorkerState.STOPPED, code, attempt.reason)
 
     async def _run_attempt(self, assignment: Assignment) -> _Attempt:
-        """Start the workers for `assignment`, wait for the first ending, stop them."""
+        """Run the workers in `assignment`'s round until it ends; stop them unless kept.
+
+        A leaving node leaves the rendezvous before it stops its workers: the others
+        must see it go before their collectives with it break, or they would take the
+        break for a worker failure (and spend a restart on it).
+        """
+        spec = self.spec
+        if self._group is None:
+            self._group = await self._start_group(assignment)
+        group = self._group
+        if self._channel is not None:
+            self._channel.assign(
+                assignment.round,
+                {r: round_env(assignment, r) for r in range(spec.nproc_per_node)},
+            )
+        self._pids = tuple(proc.pid for proc in group.workers.procs.values())
+        last_rank = assignment.rank_offset + spec.nproc_per_node - 1
+        self._set_state(
+            WorkerState.HEALTHY,
+            f"round {assignment.round}: node rank {assignment.node_rank}/"
+            f"{assignment.node_count}, ranks {assignment.rank_offset}-{last_rank} of "
+            f"{assignment.world_size}, restart {assignment.restart_count}/"
+            f"{spec.max_restarts}, master {assignment.master_addr}:"
+            f"{assignment.master_port}",
+        )
+        broken = () if self._channel is None else (self._broken(assignment.round),)
+        try:
+            outcome, reason = await _first_of(
+                self._workers_done(group.workers),
+                self._round_ended(),
+                self._signalled_outcome(),
+                self._drained_outcome(),
+                *(self._watched(watch) for watch in self.watches),
+                *broken,
+            )
+        except BaseException:
+            await self._stop_group()
+            raise
+        if outcome is Outcome.BROKEN:  # the workers wait for the next round
+            return _Attempt(outcome, reason, None, self._broken_text)
+        if outcome is Outcome.ROUND_ENDED and self._keeps_workers():
+            assert self._channel is not None
+            self._channel.change(assignment.round, interrupt=self.handler.peers_lost())
+            return _Attempt(outcome, reason, None)
+        if outcome in _LEAVING:
+            await self.handler.leave(reason)
+        unconnected = self._channel is not None and not self._channel.connected(
+            list(range(spec.nproc_per_node))
+        )
+        await self._stop_group()
+        if outcome is not Outcome.FAILED:
+            return _Attempt(outcome, reason, None)
+        report = self._failure_report(group, assignment)
+        root = report.root_cause
+        reason = f"worker rank {root.global_rank} failed with {describe_exit(root.returncode)}"
+        if unconnected:
+            reason += f" before it connected to its agent ({_NOT_CONNECTED})"
+        return _Attempt(outcome, reason, report)
+
+    def _keeps_workers(self) -> bool:
+        """In-process mode, with every worker on the line (using the worker API)."""
+        if self._channel is None:
+            return False
+        ranks = list(range(self.spec.nproc_per_node))
+        if self._channel.connected(ranks):
+            return True
+        logger.warning(
+            "a worker never connected to its agent (%s): restarting this node's workers for "
+            "the new round instead",
+            _NOT_CONNECTED,
+        )
+        return False
+
+    async def _start_group(self, assignment: Assignment) -> _Group:
         spec = self.spec
         attempt_dir = self.run_dir / f"attempt_{self._attempts}"
         self._attempts += 1
+        socket_path = self._channel.path if self._channel is not None else None
         envs, error_files = {}, {}
         for local_rank in range(spec.nproc_per_node):
             worker_dir = attempt_dir / str(local_rank)
@@ -226,62 +339,55 @@ class Agent:
             error_files[local_rank] = worker_dir / "error.json"
             error_files[local_rank].unlink(missing_ok=True)
             envs[local_rank] = worker_env(
-                spec, assignment, local_rank, os.environ, error_files[local_rank]
+                spec, assignment, local_rank, os.environ, error_files[local_rank], socket_path
             )
-        group = await WorkerGroup.start(spec.entrypoint, envs)
-        outputs: dict[int, WorkerOutput] = {}
+        workers = await WorkerGroup.start(spec.entrypoint, envs)
+        group = _Group(workers, {}, error_files)
         try:
-            for local_rank, proc in group.procs.items():
+            for local_rank, proc in workers.procs.items():
                 if proc.stdout is None or proc.stderr is None:
                     raise WorkerStartError("worker started without output pipes")
-                outputs[local_rank] = WorkerOutput(
+                group.outputs[local_rank] = WorkerOutput(
                     proc.stdout,
                     proc.stderr,
                     assignment.rank_offset + local_rank,
                     plan_streams(spec, local_rank, attempt_dir / str(local_rank)),
                     publish=self.handler.report_output,
                 )
-            self._pids = tuple(proc.pid for proc in group.procs.values())
-            last_rank = assignment.rank_offset + spec.nproc_per_node - 1
-            self._set_state(
-                WorkerState.HEALTHY,
-                f"round {assignment.round}: node rank {assignment.node_rank}/"
-                f"{assignment.node_count}, ranks {assignment.rank_offset}-{last_rank} of "
-                f"{assignment.world_size}, restart {assignment.restart_count}/"
-                f"{spec.max_restarts}, master {assignment.master_addr}:"
-                f"{assignment.master_port}",
-            )
-            outcome, reason = await _first_of(
-                self._workers_done(group),
-                self._round_ended(),
-                self._signalled_outcome(),
-                self._drained_outcome(),
-                *(self._watched(watch) for watch in self.watches),
-            )
-        finally:
-            await group.stop(self._signal or signal.SIGTERM, grace=spec.stop_grace)
-            await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in outputs.values()))
-        if outcome is not Outcome.FAILED:
-            return _Attempt(outcome, reason, None)
+        except BaseException:
+            self._group = group
+            await self._stop_group()
+            raise
+        return group
+
+    async def _stop_group(self) -> None:
+        """Stop the workers (if any run) and collect their remaining output."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        if self._channel is not None:
+            self._channel.disconnect()
+        await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.stop_grace)
+        await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in group.outputs.values()))
+
+    def _failure_report(self, group: _Group, assignment: Assignment) -> FailureReport:
+        spec = self.spec
         failures = [
             make_failure(
                 e,
                 node_id=spec.node_id,
                 node_rank=assignment.node_rank,
                 rank_offset=assignment.rank_offset,
-                error_file=error_files[e.local_rank],
-                error=read_error_file(error_files[e.local_rank]),
-                stderr_tail=list(outputs[e.local_rank].stderr_tail),
+                error_file=group.error_files[e.local_rank],
+                error=read_error_file(group.error_files[e.local_rank]),
+                stderr_tail=list(group.outputs[e.local_rank].stderr_tail),
             )
-            for e in group.exits.values()
+            for e in group.workers.exits.values()
             if e.failed
         ]
-        report = make_report(
+        return make_report(
             failures, title=f"job '{spec.run_id}' failed: {' '.join(spec.entrypoint)}"
         )
-        root = report.root_cause
-        reason = f"worker rank {root.global_rank} failed with {describe_exit(root.returncode)}"
-        return _Attempt(outcome, reason, report)
 
     async def _workers_done(self, group: WorkerGroup) -> tuple[Outcome, str]:
         exits = await group.wait()
@@ -301,6 +407,16 @@ class Agent:
 
     async def _watched(self, watch: Watch) -> tuple[Outcome, str]:
         return Outcome.WATCH, await watch()
+
+    async def _broken(self, round_number: int) -> tuple[Outcome, str]:
+        assert self._channel is not None
+        report = await self._channel.broken(round_number)
+        rank = (self._assignment.rank_offset if self._assignment else 0) + report.local_rank
+        last = next(
+            (ln.strip() for ln in reversed(report.error.splitlines()) if ln.strip()), "an error"
+        )
+        self._broken_text = report.error
+        return Outcome.BROKEN, f"worker rank {rank}: training failed: {last}"
 
     def _signal_name(self) -> str:
         return self._signal.name if self._signal is not None else "a signal"

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from elasticrun.agent.channel import SOCKET_VAR
 from elasticrun.agent.gpu import worker_gpu_env
 from elasticrun.agent.spec import WorkerSpec
 from elasticrun.rendezvous.api import Assignment
@@ -26,13 +27,17 @@ def worker_env(
     local_rank: int,
     base_env: Mapping[str, str],
     error_file: Path,
+    agent_socket: str | None = None,
 ) -> dict[str, str]:
     """The complete environment of local rank `local_rank` in this round.
 
     `base_env` is the agent's own environment (passed in so this stays pure);
-    `spec.extra_env` goes on top of it and the torchrun variables on top of both.
+    `spec.extra_env` goes on top of it and the torchrun variables on top of both. In
+    in-process mode (`agent_socket` given) the variables that change from round to
+    round are left out: the worker gets them over that socket, for each round, so a
+    script that does not use `elasticrun.worker.elastic` fails at once instead of
+    joining a group that no longer exists.
     """
-    global_rank = assignment.rank_offset + local_rank
     env = dict(base_env)
     env.update(spec.extra_env)
     env.update(worker_gpu_env(spec.gpu_devices, local_rank, spec.isolate_gpus))
@@ -41,19 +46,9 @@ def worker_env(
         env["OMP_NUM_THREADS"] = "1"
     env.update(
         {
-            "RANK": str(global_rank),
             "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(assignment.world_size),
             "LOCAL_WORLD_SIZE": str(spec.nproc_per_node),
-            "GROUP_RANK": str(assignment.node_rank),
-            "GROUP_WORLD_SIZE": str(assignment.node_count),
-            # One role per job, so role ranks are the global ranks (as in torchrun).
-            "ROLE_RANK": str(global_rank),
-            "ROLE_WORLD_SIZE": str(assignment.world_size),
             "ROLE_NAME": spec.role,
-            "MASTER_ADDR": assignment.master_addr,
-            "MASTER_PORT": str(assignment.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(assignment.restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_RUN_ID": spec.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "False",
@@ -62,7 +57,46 @@ def worker_env(
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
             ),
             "ELASTICRUN_NODE_ID": spec.node_id,
-            "ELASTICRUN_ROUND": str(assignment.round),
         }
     )
+    for key in ROUND_VARIABLES:
+        env.pop(key, None)  # never a stale value inherited from the agent's environment
+    if agent_socket is None:
+        env.update(round_env(assignment, local_rank))
+    else:
+        env[SOCKET_VAR] = agent_socket
     return env
+
+
+#: the variables whose values change from one round to the next
+ROUND_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "ELASTICRUN_ROUND",
+)
+
+
+def round_env(assignment: Assignment, local_rank: int) -> dict[str, str]:
+    """The round's variables for local rank `local_rank` (ROUND_VARIABLES, in order)."""
+    global_rank = assignment.rank_offset + local_rank
+    values = (
+        global_rank,
+        assignment.world_size,
+        assignment.node_rank,
+        assignment.node_count,
+        # One role per job, so role ranks are the global ranks (as in torchrun).
+        global_rank,
+        assignment.world_size,
+        assignment.master_addr,
+        assignment.master_port,
+        assignment.restart_count,
+        assignment.round,
+    )
+    return {key: str(value) for key, value in zip(ROUND_VARIABLES, values, strict=True)}

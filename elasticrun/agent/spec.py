@@ -88,6 +88,8 @@ class WorkerSpec:
     #: opt-in hang watchdog: a worker that has not called `elasticrun.worker.heartbeat()`
     #: for this many seconds is hung (None: no watchdog)
     progress_timeout: float | None = None
+    #: keep surviving workers running across rounds (--elastic-mode=in-process)
+    in_process: bool = False
 
     def __post_init__(self) -> None:
         if not self.entrypoint:

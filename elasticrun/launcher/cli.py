@@ -104,6 +104,7 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "rdzv-conf", action=_EnvAppend, help="key=value,... (repeatable, merged): join_timeout, last_call_timeout, heartbeat_timeout, closed_ttl, quarantine_after, quarantine_cooldown, quarantine_cooldown_max, is_host, token_file, tls_ca, tls_cert, tls_key, store_timeout; etcd: ca_cert, client_cert, client_key, user, password_file, password_env")
     _flag(p, "standalone", action=_EnvFlag, help="one node, no server: an in-memory rendezvous and a free port")
     _flag(p, "max-restarts", type=int, default=0, help="worker-failure restarts before the job fails (membership changes never count)")
+    _flag(p, "elastic-mode", default="restart", choices=["restart", "in-process"], help="on a membership change: restart every worker (torchrun's way), or keep the survivors running (in-process; the script uses elasticrun.worker.elastic)")
     _flag(p, "monitor-interval", type=float, default=0.1, help="accepted for torchrun compatibility: elasticrun reacts to events at once")
     _flag(p, "start-method", default="spawn", choices=["spawn", "fork", "forkserver"], help="accepted for compatibility: workers are always fresh processes")
     _flag(p, "event-log-handler", default="null", help="accepted for compatibility; no effect")

@@ -385,6 +385,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         gpu_devices=gpu_devices,
         isolate_gpus=args.isolate_gpus,
         progress_timeout=args.progress_timeout,
+        in_process=args.elastic_mode == "in-process",
     )
     no_python = bool(args.no_python and not args.run_path)
     job_spec = {
@@ -394,6 +395,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         "nproc_per_node": str(args.nproc_per_node),
         "nnodes": f"{min_nodes}:{max_nodes}",
         "max_restarts": args.max_restarts,
+        "elastic_mode": args.elastic_mode,
         "role": args.role,
         # rendezvous timings every node must share (secrets and local paths stay out)
         "rdzv_conf": {k: v for k, v in conf.items() if k in SHARED_RDZV_CONF},

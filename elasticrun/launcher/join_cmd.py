@@ -1,6 +1,6 @@
 """`elasticrun join`: scale a job out by starting an agent here with its stored spec.
 
-The job's spec (command, nproc, min:max, restarts, rendezvous timings) is what its
+The job's spec (command, nproc, min:max, restarts, elastic mode, rendezvous timings) is what its
 first node stored; joining repeats none of it on the command line. A node that is not
 admitted within `--timeout` leaves and exits non-zero (Arena's rollback).
 """
@@ -28,6 +28,7 @@ async def _job_argv(target: JobTarget, timeout: float, local_addr: str | None, l
         f"--nproc-per-node={spec['nproc_per_node']}",
         f"--max-restarts={spec['max_restarts']}",
         f"--role={spec['role']}",
+        f"--elastic-mode={spec.get('elastic_mode', 'restart')}",
         f"--rdzv-backend={target.backend}",
         f"--rdzv-endpoint={target.endpoint}",
         f"--rdzv-id={target.run_id}",

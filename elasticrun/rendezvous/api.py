@@ -70,6 +70,17 @@ class RendezvousHandler(abc.ABC):
         membership (its lease expired): in every case this node's workers must stop now.
         """
 
+    def peers_lost(self) -> bool:
+        """Whether the round that ended ours dropped or restarted one of our peers.
+
+        Asked after `round_ended()` returns. False means nodes only joined: every peer
+        is still alive and in step, so workers kept across rounds (in-process mode) may
+        finish their step before leaving; True means a collective with a lost peer may
+        never finish, and must be interrupted. Backends without membership changes
+        never end a round this way.
+        """
+        return True
+
     @abc.abstractmethod
     async def request_restart(self, reason: str) -> None:
         """Ask for a new round with the same members after a worker failure here.

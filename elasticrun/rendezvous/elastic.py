@@ -118,6 +118,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._drain: DrainRequest | None = None
         self._quarantine = QuarantineTable()  # wall-clock times
         self._last_round = 0
+        self._ran: Round | None = None  # the round this node last ran
         self._reports = Reporter(store, self._keys, me)
 
     # --- RendezvousHandler -----------------------------------------------------------
@@ -164,6 +165,7 @@ class ElasticRendezvous(RendezvousHandler):
                 master = await self._master_of(current, rank)
                 if master is not None:
                     self._last_round = current.number
+                    self._ran = current
                     return self._assignment(current, rank, master)
                 continue
             status = self.waiting_status
@@ -194,6 +196,14 @@ class ElasticRendezvous(RendezvousHandler):
             if current.closed and current.closed != "succeeded":
                 return f"job {current.closed}"
             await self._pulse.wait()
+
+    def peers_lost(self) -> bool:
+        ran, current = self._ran, self._round
+        if self._lost or ran is None or current is None or current.closed:
+            return True
+        if current.restart_count != ran.restart_count:
+            return True
+        return not {p.node_id for p in ran.participants} <= {p.node_id for p in current.participants}
 
     async def request_restart(self, reason: str) -> None:
         request = RestartRequest(round=self._last_round, node_id=self._me.node_id, reason=reason)

@@ -1,0 +1,128 @@
+"""The worker's end of the line to its agent in in-process mode (no torch here).
+
+The agent tells each of its workers, over a Unix socket named in
+`ELASTICRUN_AGENT_SOCKET`, where it stands: `assign` (the worker's rank, world size and
+master for a round, as the environment variables torchrun would have set) and `change`
+(the round the worker is in is superseded; `interrupt` when a peer is gone, so any
+collective in flight must be broken now rather than left to hang). The worker says
+`hello` once and `broken` when its training failed with no change announced, so the
+agent can ask the rendezvous for a restart (a failure the budget pays for).
+
+One JSON object per line in both directions. A reader thread keeps the latest word of
+the agent, so the training loop only ever reads memory: `commit()` costs no syscall.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+#: the agent's socket; set only in in-process mode
+SOCKET_VAR = "ELASTICRUN_AGENT_SOCKET"
+
+
+class AgentGoneError(RuntimeError):
+    """The agent closed the line: it is stopping this worker or has died."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerAssignment:
+    """This worker's place in one round: torchrun's variables for that round."""
+
+    round: int
+    env: Mapping[str, str]
+
+    @property
+    def rank(self) -> int:
+        return int(self.env["RANK"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.env["WORLD_SIZE"])
+
+    @property
+    def master_addr(self) -> str:
+        return self.env["MASTER_ADDR"]
+
+    @property
+    def master_port(self) -> int:
+        return int(self.env["MASTER_PORT"])
+
+
+class AgentLink:
+    """A connected line to this worker's agent."""
+
+    def __init__(self, path: str, local_rank: int) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._assignment: WorkerAssignment | None = None
+        self._superseded = 0  # the newest round the agent said is over
+        self._gone = False
+        self._on_interrupt: Callable[[], None] | None = None
+        self._send({"hello": local_rank, "pid": os.getpid()})
+        threading.Thread(target=self._read, name="elasticrun-agent-link", daemon=True).start()
+
+    @classmethod
+    def from_env(cls) -> AgentLink | None:
+        """The link when this worker runs in in-process mode, else None."""
+        path = os.environ.get(SOCKET_VAR)
+        if not path:
+            return None
+        return cls(path, int(os.environ.get("LOCAL_RANK", "0")))
+
+    def on_interrupt(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` (from the reader thread) when the agent says a peer is gone."""
+        with self._cond:
+            self._on_interrupt = callback
+
+    def next_assignment(self, after: int) -> WorkerAssignment:
+        """Block until the agent assigns a round newer than `after`."""
+        with self._cond:
+            while self._assignment is None or self._assignment.round <= after:
+                if self._gone:
+                    raise AgentGoneError("the agent closed the line to this worker")
+                self._cond.wait()
+            return self._assignment
+
+    def superseded(self, round_number: int) -> bool:
+        """Whether the agent said round `round_number` is over (read from memory)."""
+        return self._superseded >= round_number or (
+            self._assignment is not None and self._assignment.round > round_number
+        )
+
+    def report_broken(self, round_number: int, error: str) -> None:
+        """Training failed in `round_number` with no change announced: tell the agent."""
+        self._send({"broken": round_number, "error": error})
+
+    def _send(self, message: Mapping[str, object]) -> None:
+        data = (json.dumps(message) + "\n").encode()
+        with self._send_lock:
+            try:
+                self._sock.sendall(data)
+            except OSError as e:
+                raise AgentGoneError(f"the agent closed the line to this worker: {e}") from e
+
+    def _read(self) -> None:
+        with self._sock.makefile("rb") as lines:
+            for line in lines:
+                message = json.loads(line)
+                callback = None
+                with self._cond:
+                    if "assign" in message:
+                        self._assignment = WorkerAssignment(message["assign"], message["env"])
+                    elif "change" in message:
+                        self._superseded = max(self._superseded, int(message["change"]))
+                        if message.get("interrupt"):
+                            callback = self._on_interrupt
+                    self._cond.notify_all()
+                if callback is not None:
+                    callback()
+        with self._cond:
+            self._gone = True
+            self._cond.notify_all()

@@ -1,0 +1,135 @@
+"""The wrapper that keeps a training function running across membership changes.
+
+    @elastic.run
+    def train(state):
+        ...  # build the data loader for dist.get_world_size(), resume from state.step
+        while state.step < steps:
+            ...
+            state.step += 1
+            state.commit()
+
+    train(State(model=model, optimizer=optimizer, step=0))
+
+Under `elasticrun --elastic-mode=in-process` each pass of the loop below is one round:
+wait for the agent's assignment, make the round's process group, sync the state, call
+the function. When `commit()` notices a change, or a collective fails (a peer died; the
+agent interrupts collectives that would hang), the group is destroyed, the state rolled
+back to the last commit where needed, and the function called again in the next round
+with the new rank and world size: the process, its CUDA context, its imports and its
+data stay. Anywhere else (torchrun, restart mode) the function runs once in a group made
+from the environment, so one script serves both modes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from elasticrun.worker.elastic.link import AgentLink
+from elasticrun.worker.elastic.session import GroupSession, flag_device
+from elasticrun.worker.elastic.state import MembershipChanged, State
+
+R = TypeVar("R")
+
+#: how long joining a group may wait for its peers, and the groups' collective timeout;
+#: peers that die are noticed by the agent long before (it interrupts the collective)
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def run(
+    fn: Callable[..., R] | None = None,
+    *,
+    backend: str | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> Any:
+    """Decorate a training function `fn(state, *args, **kwargs)`; see the module doc.
+
+    `backend` is passed to `init_process_group` (None: torch's default, gloo for CPU
+    tensors and nccl for CUDA ones). Usable bare (`@run`) or with arguments.
+    """
+    if fn is None:
+        return functools.partial(run, backend=backend, timeout=timeout)
+
+    @functools.wraps(fn)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
+        link = AgentLink.from_env()
+        if link is None:
+            return _run_once(fn, state, backend, timeout, args, kwargs)
+        return _run_elastic(link, fn, state, backend, timeout, args, kwargs)
+
+    return wrapper
+
+
+def _run_once(
+    fn: Callable[..., R],
+    state: State,
+    backend: str | None,
+    timeout: datetime.timedelta,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> R:
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group(backend, timeout=timeout)
+    try:
+        state.sync()
+        return fn(state, *args, **kwargs)
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def _run_elastic(
+    link: AgentLink,
+    fn: Callable[..., R],
+    state: State,
+    backend: str | None,
+    timeout: datetime.timedelta,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> R:
+    after = 0
+    while True:
+        assignment = link.next_assignment(after)
+        after = assignment.round
+        session = GroupSession(assignment, backend, timeout)
+        link.on_interrupt(session.interrupt)
+        try:
+            session.join()
+            state._attach(functools.partial(_check_membership, link, assignment.round))
+            state.sync()
+            return fn(state, *args, **kwargs)
+        except MembershipChanged:
+            pass  # noticed by commit(): the state is that commit
+        except Exception:
+            state.restore()
+            if not link.superseded(assignment.round):
+                # No change announced: a failure the agent must judge (a peer's death it
+                # has not seen yet, or a bug here); it answers with a new round or a stop.
+                error = traceback.format_exc()
+                print(
+                    f"elasticrun: training failed in round {assignment.round}, rolled back to "
+                    f"commit {state.commits}; the agent decides what follows:\n{error}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                link.report_broken(assignment.round, error)
+        finally:
+            state._attach(None)
+            link.on_interrupt(None)
+            session.leave()
+
+
+def _check_membership(link: AgentLink, round_number: int) -> None:
+    """Leave at this commit if any rank heard that the round is over."""
+    flag = torch.tensor([int(link.superseded(round_number))], device=flag_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise MembershipChanged(f"round {round_number} is over")

@@ -1,0 +1,137 @@
+"""One round's process group inside a long-lived worker, and how to break it.
+
+`GroupSession.join()` makes the round's group the way torchrun's workers do (a TCPStore
+hosted by rank 0 at the round's MASTER_ADDR:MASTER_PORT, then `init_process_group`),
+and `leave()` destroys it so the next round can make a new one in the same process.
+
+`interrupt()` is the reason this module exists. When a peer dies or freezes in the
+middle of a collective, the survivors would wait for it until the group's timeout
+(30 minutes by default). The agent sees the peer's lease expire and says so; the
+worker's link then calls `interrupt()` from its reader thread, and the collective in
+flight raises at once:
+
+- nccl: `ProcessGroup.abort()` (ncclCommAbort) is made for this.
+- gloo: its `abort()` does not wake a thread blocked in a collective (checked on torch
+  2.13), so the group's own TCP connections are shut down instead. They are the
+  sockets this process opened while joining (found in /proc/self/fd); listening
+  sockets are left alone (gloo's listener aborts the process on an accept error).
+  Shutting down, not closing, keeps the descriptors valid, so nothing else can reuse
+  them before torch closes them in `destroy_process_group()`.
+
+Only the default group is covered: groups a script makes later with `new_group()` are
+not interrupted (their collectives fail once the default group's peers are gone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+from elasticrun.worker.elastic.link import WorkerAssignment
+
+
+class SupersededError(RuntimeError):
+    """The round was superseded while this worker was joining it."""
+
+
+def _socket_inodes() -> set[str]:
+    """The sockets this process has open, by inode (e.g. 'socket:[1234]')."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:"):
+                found.add(link)
+    return found
+
+
+def _shut_down(inodes: set[str]) -> None:
+    """Shut down the connected TCP sockets among `inodes`; leave listeners be."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") not in inodes:
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        with sock, contextlib.suppress(OSError):
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and not sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+            ):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class GroupSession:
+    """The process group of one round, for one worker."""
+
+    def __init__(self, assignment: WorkerAssignment, backend: str | None, timeout: datetime.timedelta) -> None:
+        self.assignment = assignment
+        self._backend = backend
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._interrupted = False
+        self._before: set[str] | None = None  # sockets open before joining began
+        self._sockets: set[str] | None = None  # the group's own, once joined
+        self._store: dist.TCPStore | None = None
+
+    def join(self) -> None:
+        """Make this round's group; raises SupersededError if interrupted meanwhile."""
+        a = self.assignment
+        os.environ.update(a.env)  # scripts that read RANK etc. see this round's values
+        with self._lock:
+            if self._interrupted:
+                raise SupersededError(f"round {a.round} was superseded before it began")
+            self._before = _socket_inodes()
+        self._store = dist.TCPStore(
+            a.master_addr,
+            a.master_port,
+            a.world_size,
+            is_master=a.rank == 0,
+            timeout=self._timeout,
+            wait_for_workers=False,
+        )
+        dist.init_process_group(
+            self._backend,
+            store=dist.PrefixStore(f"elasticrun/round/{a.round}", self._store),
+            rank=a.rank,
+            world_size=a.world_size,
+            timeout=self._timeout,
+        )
+        with self._lock:
+            self._sockets = _socket_inodes() - self._before
+            interrupted = self._interrupted
+        if interrupted:
+            raise SupersededError(f"round {a.round} was superseded while joining it")
+
+    def interrupt(self) -> None:
+        """Break whatever collective is in flight (thread-safe, any thread)."""
+        with self._lock:
+            self._interrupted = True
+            if self._before is None:
+                return  # not joining yet: join() will refuse
+            # While joining, every socket opened since it began is the group's.
+            sockets = self._sockets if self._sockets is not None else _socket_inodes() - self._before
+        _shut_down(sockets)
+        if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+            with contextlib.suppress(RuntimeError):
+                dist.group.WORLD.abort()  # type: ignore[union-attr]
+
+    def leave(self) -> None:
+        """Destroy the group (whatever state it is in) so a new one can be made."""
+        if dist.is_initialized():
+            with contextlib.suppress(RuntimeError, ValueError):
+                dist.destroy_process_group()
+        self._store = None
+
+
+def flag_device() -> torch.device:
+    """Where a small tensor must live for a collective on the default group."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
