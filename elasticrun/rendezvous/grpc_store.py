@@ -359,7 +359,10 @@ class _KeepAliveStream:
         return await future
 
     def _give_up(self, future: asyncio.Future[pb.LeaseKeepAliveReply], why: grpc.RpcError) -> None:
-        self._waiting.remove(future)
+        # The reader may have paired it with a reply already (the reply came back while
+        # the write was being cancelled, e.g. by the caller's deadline after a SIGSTOP).
+        if future in self._waiting:
+            self._waiting.remove(future)
         future.cancel()
         self.broken = why
         self._call.cancel()
@@ -367,6 +370,8 @@ class _KeepAliveStream:
     async def _read(self) -> None:
         try:
             async for reply in self._call:
+                if not self._waiting:  # the reply of a send that gave up: stream is done
+                    break
                 future = self._waiting.popleft()
                 if not future.done():  # its sender may have given up
                     future.set_result(reply)
