@@ -30,10 +30,12 @@ from elasticrun.rendezvous.state import (
     LeaderState,
     NodeInfo,
     NodeStatus,
+    QuarantineTable,
     Round,
     decode_event,
     decode_launch,
     decode_node,
+    decode_quarantine,
     decode_round,
     decode_spec,
     decode_state,
@@ -125,6 +127,8 @@ class JobView:
     statuses: Mapping[str, NodeStatus] = field(default_factory=dict)
     drains: frozenset[str] = frozenset()
     events: tuple[Event, ...] = ()
+    #: the leader's failure records and quarantines (wall-clock times)
+    quarantine: QuarantineTable = field(default_factory=QuarantineTable)
 
     @property
     def exists(self) -> bool:
@@ -167,6 +171,8 @@ async def read_job(store: Store, target: JobTarget) -> JobView:
             fields["spec"] = decode_spec(kv.value)
         elif key == keys.launch:
             fields["launch"] = decode_launch(kv.value)
+        elif key == keys.quarantine:
+            fields["quarantine"] = decode_quarantine(kv.value)
         elif key.startswith(keys.nodes):
             nodes[key[len(keys.nodes):]] = decode_node(kv.value)
         elif key.startswith(keys.statuses):

@@ -52,6 +52,7 @@ def render(view: JobView, now: float) -> str:
     if r is not None and r.closed and r.detail:
         lines.append(f"{r.closed}: {r.detail.splitlines()[0] if r.detail else ''}")
     ranked = {p.node_id: i for i, p in enumerate(r.participants)} if r else {}
+    held = view.quarantine.active(now)
     order = sorted(view.nodes, key=lambda n: (ranked.get(n, len(ranked)), n))
     if order:
         rows = [["NODE", "STATE", "AGE", "NODE RANK", "RANKS", "RESTARTS", "HOST", "GPUS"]]
@@ -61,6 +62,8 @@ def render(view: JobView, now: float) -> str:
             if node_id in view.drains:
                 state += " (draining)"
             rank = ranked.get(node_id)
+            if node_id in held:
+                state = "quarantined" if rank is None else state + " (quarantined)"
             rows.append([
                 node_id,
                 state if rank is not None or state != "init" else "waiting",
@@ -72,6 +75,13 @@ def render(view: JobView, now: float) -> str:
                 f"{len(info.gpus)}x {info.gpus[0]}" if info.gpus else "-",
             ])
         lines += ["", _table(rows)]
+    if held:
+        rows = [["QUARANTINED", "UNTIL", "LEFT", "TIMES", "REASON"]]
+        for node_id, e in sorted(held.items(), key=lambda kv: kv[1].until):
+            name = node_id if node_id in view.nodes else f"{node_id} (gone)"
+            until = time.strftime("%H:%M:%S", time.localtime(e.until))
+            rows.append([name, until, _age(e.until - now), str(e.times), e.reason])
+        lines += ["", _table(rows)]
     if view.events:
         lines += ["", f"EVENTS (last {min(EVENTS_SHOWN, len(view.events))})"]
         for e in view.events[-EVENTS_SHOWN:]:
@@ -79,8 +89,10 @@ def render(view: JobView, now: float) -> str:
     return "\n".join(lines)
 
 
-def as_json(view: JobView) -> dict[str, object]:
+def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
     """The status as plain data for scripts."""
+    now = time.time() if now is None else now
+    held = view.quarantine.active(now)
     r = view.round
     low, high = view.min_max
     return {
@@ -105,8 +117,19 @@ def as_json(view: JobView) -> dict[str, object]:
                 "status": asdict(view.statuses[n]) if n in view.statuses else None,
                 "node_rank": r.rank_of(n) if r else None,
                 "draining": n in view.drains,
+                "quarantined": n in held,
             }
             for n, info in sorted(view.nodes.items())
+        ],
+        # every node with a failure record; `quarantined` while it is kept out
+        "quarantine": [
+            {
+                **asdict(e),
+                "quarantined": e.active(now),
+                "left_s": round(max(e.until - now, 0.0), 1),
+                "registered": e.node_id in view.nodes,
+            }
+            for e in view.quarantine.entries
         ],
         "events": [asdict(e) for e in view.events],
     }
