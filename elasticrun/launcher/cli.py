@@ -41,6 +41,15 @@ class _Parser(argparse.ArgumentParser):
             message = "no training script given (elasticrun [options] train.py [script args])"
         raise UsageError(f"{message} (see --help)")
 
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> object:
+        # Python 3.11's argparse drops a '--' given as a flag's value (`--nnodes=--`)
+        # and hands on an empty list where one string belongs: keep '--' as the value.
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
 
 class _EnvDefault(argparse.Action):
     """A flag whose default comes from PET_<NAME>, as torchrun's do."""
@@ -182,6 +191,14 @@ def _setup_logging() -> None:
     )
 
 
+def _one_line(message: str) -> str:
+    """The message as one printable line: a newline or a terminal escape that came in
+    with the user's input is shown escaped, never acted on."""
+    if message.isprintable():
+        return message
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -190,6 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv and argv[0] in SUBCOMMANDS:
             args = subcommand_parser().parse_args(argv)
+            if isinstance(getattr(args, "rdzv_id", None), str):
+                from elasticrun.launcher.config import check_run_id
+
+                check_run_id(args.rdzv_id)
             run: Callable[[argparse.Namespace], int] = args.run
             return run(args)
         args = launch_parser().parse_args(argv)
@@ -199,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_launch(build_config(args, os.environ))
     except ElasticrunError as e:
-        print(f"elasticrun: error: {e}", file=sys.stderr, flush=True)
+        print(f"elasticrun: error: {_one_line(str(e))}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
         print("elasticrun: interrupted", file=sys.stderr, flush=True)
