@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
 import shutil
 import signal
@@ -27,6 +28,9 @@ from elasticrun.rendezvous.decide import RendezvousSettings
 BACKENDS = {"c10d": "c10d", "etcd": "etcd", "etcd-v2": "etcd", "static": "static"}
 DEFAULT_C10D_PORT = 29400
 DEFAULT_ETCD_PORT = 2379
+
+#: --rdzv-conf keys that hold seconds: checked when parsed (job control reads some too)
+TIMING_RDZV_CONF = ("join_timeout", "last_call_timeout", "heartbeat_timeout", "heartbeat_interval", "closed_ttl", "store_timeout")
 
 #: --rdzv-conf keys that are part of the job spec: every node must use the same
 SHARED_RDZV_CONF = (
@@ -135,7 +139,7 @@ def parse_std(value: str, flag: str, nproc: int) -> dict[int, Std]:
     result = {}
     for item in value.split(","):
         rank, _, streams = item.partition(":")
-        if not rank.strip().isdigit():
+        if not _digits(rank.strip()):
             raise UsageError(f"{flag} must be N or RANK:N,RANK:N..., got {value!r}")
         result[int(rank)] = std(streams)
     return result
@@ -158,6 +162,8 @@ def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
             if key not in RDZV_CONF_KEYS:
                 known = ", ".join(RDZV_CONF_KEYS)
                 raise UsageError(f"--rdzv-conf: unknown key {key!r} (known: {known})")
+            if key in TIMING_RDZV_CONF:
+                _positive(val, f"--rdzv-conf {key}", 0.0)
             conf[key] = val
     return conf
 
@@ -169,9 +175,37 @@ def _positive(value: str | None, flag: str, default: float) -> float:
         number = float(value)
     except ValueError:
         number = -1.0
-    if number <= 0:
+    if not (number > 0 and math.isfinite(number)):
         raise UsageError(f"{flag} must be a positive number of seconds, got {value!r}")
     return number
+
+
+def _digits(text: str) -> bool:
+    """Whether int() reads `text` as a plain decimal: ASCII digits only (str.isdigit()
+    also takes '²', which int() refuses)."""
+    return text.isascii() and text.isdigit()
+
+
+def check_run_id(run_id: str) -> str:
+    """A job id the store can hold: it is part of every key of the job."""
+    if not run_id or "/" in run_id:
+        raise UsageError(f"--rdzv-id must be a non-empty name without '/', got {run_id!r}")
+    try:
+        run_id.encode()
+    except UnicodeError:
+        raise UsageError(f"--rdzv-id must be UTF-8 text, got {run_id!r} (a byte the terminal could not decode)") from None
+    return run_id
+
+
+def _host_name(host: str) -> bool:
+    """Whether `host` is an IPv6 address or a name the resolver can encode (IDNA)."""
+    if ":" in host:
+        return _is_ipv6(host)
+    try:
+        host.encode("idna")
+    except UnicodeError:  # an empty or over-long label, an undecodable byte
+        return False
+    return True
 
 
 def _whole(value: str | None, flag: str, default: int) -> int:
@@ -192,7 +226,7 @@ def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     elif endpoint.count(":") == 1:
         host, _, text = endpoint.partition(":")
         port = _port(text, endpoint)
-    if not host or any(c in host for c in " /,") or (":" in host and not _is_ipv6(host)):
+    if not host or any(c in host for c in " /,") or not _host_name(host):
         raise UsageError(f"--rdzv-endpoint must be host:port, got {endpoint!r}")
     return host, port
 
@@ -206,7 +240,7 @@ def _is_ipv6(host: str) -> bool:
 
 
 def _port(text: str, endpoint: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
+    if not _digits(text) or not 0 < int(text) < 65536:
         raise UsageError(f"--rdzv-endpoint has a bad port: {endpoint!r} (1..65535)")
     return int(text)
 
@@ -218,7 +252,7 @@ def route_addr(host: str) -> str:
         with socket.socket(info[0], socket.SOCK_DGRAM) as s:
             s.connect(info[4])
             return s.getsockname()[0]
-    except OSError:
+    except (OSError, UnicodeError):
         return socket.getfqdn()
 
 
@@ -233,7 +267,11 @@ def entrypoint(args: argparse.Namespace) -> tuple[str, ...]:
         if shutil.which(script) is None:
             raise UsageError(f"--no-python: command not found: {script}")
         return (script, *rest)
-    if not Path(script).is_file():
+    try:
+        found = Path(script).is_file()
+    except OSError:  # a name too long for the file system, say
+        found = False
+    if not found:
         raise UsageError(f"training script not found: {script}")
     return (sys.executable, "-u", script, *rest)
 
@@ -243,12 +281,12 @@ def resolve_workers(value: str, gpus_flag: str | None, environ: Mapping[str, str
     and --gpus -> (workers, their GPUs in local-rank order, the GPUs' names)."""
     from elasticrun.agent.gpu import open_gpus
 
-    if not (value.isdigit() and int(value) > 0) and value not in ("cpu", "gpu", "auto"):
+    if not (_digits(value) and int(value) > 0) and value not in ("cpu", "gpu", "auto"):
         raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu or auto; got {value!r}")
     gpus = open_gpus()
     try:
         selection = gpus.select(environ, gpus_flag)
-        if value.isdigit():
+        if _digits(value):
             nproc = int(value)
         elif value == "cpu":
             nproc = os.cpu_count() or 1
@@ -264,9 +302,13 @@ def resolve_workers(value: str, gpus_flag: str | None, environ: Mapping[str, str
 def parse_signals(value: str) -> tuple[signal.Signals, ...]:
     names = [n.strip().upper() for n in value.split(",") if n.strip()]
     try:
-        return tuple(signal.Signals[n if n.startswith("SIG") else "SIG" + n] for n in names)
+        signals = tuple(signal.Signals[n if n.startswith("SIG") else "SIG" + n] for n in names)
     except KeyError as e:
         raise UsageError(f"--signals-to-handle: unknown signal {e.args[0]}") from None
+    for sig in signals:
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise UsageError(f"--signals-to-handle: {sig.name} cannot be caught; name others, e.g. SIGTERM,SIGUSR1")
+    return signals
 
 
 def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchConfig:
@@ -311,8 +353,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
                 "(a list of endpoints is for etcd)"
             )
         parse_endpoint(endpoint, DEFAULT_C10D_PORT)
-    if not run_id or "/" in run_id:
-        raise UsageError(f"--rdzv-id must be a non-empty name without '/', got {run_id!r}")
+    check_run_id(run_id)
 
     local_addr = args.local_addr
     if local_addr is None:
@@ -357,7 +398,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     shutdown = args.shutdown_timeout
     if shutdown is None:
         shutdown = _positive(environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0)
-    elif shutdown < 0:
+    elif not (shutdown >= 0 and math.isfinite(shutdown)):
         raise UsageError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown:g}")
     filter_ranks = None
     if args.local_ranks_filter:
@@ -400,7 +441,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         # rendezvous timings every node must share (secrets and local paths stay out)
         "rdzv_conf": {k: v for k, v in conf.items() if k in SHARED_RDZV_CONF},
     }
-    if args.health_interval <= 0:
+    if not (args.health_interval > 0 and math.isfinite(args.health_interval)):
         raise UsageError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
     return LaunchConfig(
         rdzv=rdzv,
