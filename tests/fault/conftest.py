@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,16 +249,19 @@ def fault_cluster(tmp_path: Path) -> Iterator[FaultCluster]:
 SEQ_RE = re.compile(r" seq=(\d+)$", re.MULTILINE)
 
 
-def check_no_line_lost(cluster: FaultCluster) -> dict[str, int]:
+def check_no_line_lost(cluster: FaultCluster, killed: Collection[int] = ()) -> dict[str, int]:
     """Every attempt's log holds every numbered line its worker printed.
 
     A worker prints lines numbered 0, 1, ... and keeps the count printed so far in
     <seq-dir>/<pid>; its attempt's stdout.log (one worker per attempt: --nproc-per-node=1)
-    must hold every number below that count, none missing. Returns the totals.
+    must hold every number below that count, none missing. For the agents in `killed`
+    (PIDs of agents that were SIGKILLed, whose worker then died with them) the lines still
+    in the pipe when the agent died cannot reach the file: there only gaps fail, and the
+    lines after the last one logged are counted as `lost_with_killed_agents`.
     """
     attempts = cluster.attempts()
     assert attempts, f"no attempt logs under {cluster.logs}"
-    lines = 0
+    lines = lost = 0
     for log in attempts:
         text = log.read_text(errors="replace")
         pids = set(re.findall(r"^worker started .* pid=(\d+)", text, re.MULTILINE))
@@ -270,10 +273,26 @@ def check_no_line_lost(cluster: FaultCluster) -> dict[str, int]:
         seqs = {int(s) for s in SEQ_RE.findall(text)}
         side = cluster.seq_dir / pid
         printed = int(side.read_text()) if side.exists() else 0
-        missing = sorted(set(range(max(printed, max(seqs, default=-1) + 1))) - seqs)
-        assert not missing, f"{log}: lines {missing[:20]} of worker {pid} are lost ({printed} printed)"
+        logged = max(seqs, default=-1) + 1
+        gaps = sorted(set(range(logged)) - seqs)
+        assert not gaps, f"{log}: lines {gaps[:20]} of worker {pid} are lost (a gap)"
+        if printed > logged:
+            assert _agent_pid(log) in killed, (
+                f"{log}: lines {logged}..{printed - 1} of worker {pid} are lost ({printed} printed)"
+            )
+            lost += printed - logged
         lines += len(seqs)
-    return {"attempt_logs": len(attempts), "lines": lines}
+    return {"attempt_logs": len(attempts), "lines": lines, "lost_with_killed_agents": lost}
+
+
+def _agent_pid(attempt_log: Path) -> int:
+    """The PID of the agent that wrote <log-dir>/<run id>_<host>_<pid>/attempt_n/0/stdout.log."""
+    return int(attempt_log.parts[-4].rsplit("_", 1)[1])
+
+
+def agent_of(cluster: FaultCluster, agent_pid: int) -> list[Path]:
+    """The attempt logs of one agent."""
+    return [log for log in cluster.attempts() if _agent_pid(log) == agent_pid]
 
 
 CKPT_RE = re.compile(r"^ckpt step=(\d+) at=([\d.]+)", re.MULTILINE)

@@ -1,0 +1,96 @@
+"""The c10d store's host is lost: SIGKILL the standalone `elasticrun store serve`, or the
+agent that hosts the store in-process (is_host=true; its worker dies with it).
+
+Every other agent must notice (its lease can no longer be renewed), stop its workers,
+give up on the store after `store_timeout`, and exit non-zero with one clear line that
+names the endpoint — no traceback — and nothing of the test may be left running (the
+test tag: agents, workers, and the store server, which carries the tag here too).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+
+from tests.agent_helpers import free_port
+from tests.elastic_cluster import RDZV_CONF, pid_alive, run_id, wait_until
+from tests.fault.conftest import FaultCluster, Reliability, check_no_line_lost, serve_store, step_pattern
+
+pytestmark = pytest.mark.timeout(180)
+
+STORE_TIMEOUT = 3
+
+
+@pytest.mark.parametrize("host", ["store-serve", "agent"])
+def test_store_host_lost_agents_fail_clearly_and_leave_nothing(
+    fault_cluster: FaultCluster, reliability: Reliability, host: str
+) -> None:
+    cluster = fault_cluster
+    job = run_id()
+    conf = f"{RDZV_CONF},store_timeout={STORE_TIMEOUT}"
+    if host == "store-serve":
+        store, endpoint = serve_store("127.0.0.1", cluster.tmp / "store.log", env=cluster._env)
+        cluster.procs.append(store)  # tagged: killed by PID at the end, checked as ours
+        victim = store
+        names = ["a", "b", "c"]
+    else:
+        endpoint = f"127.0.0.1:{free_port()}"
+        victim = cluster.agent("h", endpoint=endpoint, run_id=job, local_addr="127.0.0.1", nnodes="3",
+                               conf=conf + ",is_host=true")
+        victim.wait_for(r"hosting the rendezvous store on")
+        names = ["a", "b"]
+    agents = [
+        cluster.agent(n, endpoint=endpoint, run_id=job, local_addr=f"127.0.0.{i + 2}", nnodes="3",
+                      conf=conf + ",is_host=false")
+        for i, n in enumerate(names)
+    ]
+    everyone = agents + ([victim] if host == "agent" else [])
+    running = {p.name: p.wait_for(step_pattern(3)) for p in everyone}
+    workers = [int(m["pid"]) for m in running.values()]
+    marks = {p.name: p.mark() for p in agents}
+
+    killed_at = time.monotonic()
+    victim.signal(signal.SIGKILL)
+    victim.wait_exit()
+    ends: dict[str, float] = {}
+    codes: dict[str, int] = {}
+    for p in agents:
+        codes[p.name] = p.wait_exit()
+        ends[p.name] = time.monotonic() - killed_at
+    wait_until(lambda: not any(pid_alive(w) for w in workers), what="every worker to stop")
+    cluster.assert_no_orphans()
+
+    for p in agents:
+        text = p.text()
+        assert codes[p.name] != 0, text[-4000:]
+        assert "Traceback" not in text, text[-4000:]
+        p.wait_for(r"lost its membership: .*store", start=marks[p.name])  # workers stopped first
+        errors = re.findall(r"^elasticrun: error: .*$", text, re.MULTILINE)
+        assert len(errors) == 1, text[-4000:]
+        assert re.search(rf"store at {re.escape(endpoint)} is unreachable", errors[0]), errors[0]
+    lines = check_no_line_lost(cluster)
+
+    line = re.findall(r"^elasticrun: error: .*$", agents[0].text(), re.MULTILINE)[0]
+    reliability.record(
+        scenario=f"c10d store host lost ({'standalone store serve' if host == 'store-serve' else 'store-hosting agent'})",
+        injected=f"SIGKILL to {'`elasticrun store serve`' if host == 'store-serve' else 'the agent hosting the store (is_host=true)'} while 3 nodes train",
+        happened=(
+            f"{len(agents)} other agents stopped their workers, exited {sorted(set(codes.values()))} after "
+            f"{min(ends.values()):.1f}-{max(ends.values()):.1f} s (store_timeout={STORE_TIMEOUT}) with one line: "
+            f"`{_shorten(line)}`; no process left"
+        ),
+        recovery_s=None,
+        restarts=0,
+        lost=f"the job (by design: no store, no job); 0 of {lines['lines']} log lines",
+        exit_s=round(max(ends.values()), 2),
+        **lines,
+    )
+
+
+def _shorten(line: str) -> str:
+    """The error line up to its cause's first clause, for the table."""
+    line = line.replace("elasticrun: error: ", "")
+    return line if len(line) <= 90 else line[:87] + "..."
