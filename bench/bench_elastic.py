@@ -108,6 +108,11 @@ class Job:
     port: int = field(default_factory=free_port)
     run_id: str = field(default_factory=lambda: "bench" + uuid.uuid4().hex[:8])
     nodes: dict[int, int] = field(default_factory=dict)  # node index -> agent pid
+    script: Path = SCRIPT
+    #: launcher flags on top of the common ones (e.g. --elastic-mode=in-process)
+    extra: tuple[str, ...] = ()
+    #: environment for the workers on top of the common one
+    env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         (self.workdir / "events").mkdir(parents=True)
@@ -126,9 +131,10 @@ class Job:
             f"--rdzv-conf=is_host={'true' if i == 1 else 'false'}",
             f"--local-addr=127.0.0.{i}",
             f"--max-restarts={MAX_RESTARTS}",
-            str(SCRIPT),
+            *self.extra,
+            str(self.script),
         ]
-        env = base_env(BENCH_EVENTS=str(self.workdir / "events"), BENCH_NODE=f"n{i}", BENCH_CRASH_FILE=str(self.crash_file))
+        env = base_env(BENCH_EVENTS=str(self.workdir / "events"), BENCH_NODE=f"n{i}", BENCH_CRASH_FILE=str(self.crash_file), **self.env)
         if self.launcher == "torchrun-noshare":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         proc = self.tracker.start(argv, env=env, log=self.workdir / f"n{i}.log")

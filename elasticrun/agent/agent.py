@@ -9,6 +9,7 @@ small pure function, `decide()`, which holds the whole restart policy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import logging
@@ -118,6 +119,9 @@ _NOT_CONNECTED = (
     "elasticrun.worker.elastic.run, which gets RANK, WORLD_SIZE and MASTER_ADDR from the agent"
 )
 
+#: in-process mode: how long a node waits for its workers to connect before it joins
+_WARM_UP_LIMIT = 120.0
+
 #: outcomes after which this node leaves the job while the others go on
 _LEAVING = (Outcome.SIGNALLED, Outcome.WATCH, Outcome.DRAINED)
 
@@ -190,6 +194,8 @@ class Agent:
 
     async def _run(self) -> AgentResult:
         logger.info("worker logs and error files go under %s", self.run_dir)
+        if self._channel is not None:
+            await self._warm_up(self._channel)
         while True:
             self._set_state(
                 WorkerState.INIT, self.handler.waiting_status or "waiting for a round"
@@ -263,6 +269,8 @@ class Agent:
                 assignment.round,
                 {r: round_env(assignment, r) for r in range(spec.nproc_per_node)},
             )
+            for local_rank, output in group.outputs.items():
+                output.global_rank = assignment.rank_offset + local_rank
         self._pids = tuple(proc.pid for proc in group.workers.procs.values())
         last_rank = assignment.rank_offset + spec.nproc_per_node - 1
         self._set_state(
@@ -307,6 +315,23 @@ class Agent:
             reason += f" before it connected to its agent ({_NOT_CONNECTED})"
         return _Attempt(outcome, reason, report)
 
+    async def _warm_up(self, channel: WorkerChannel) -> None:
+        """In-process mode: start the workers before joining, so the job does not wait
+        for their imports, model building and data loading when the round forms.
+
+        Returns once every worker is connected (waiting for its first assignment), or one
+        exited (the first round reports it), or a signal came, or after _WARM_UP_LIMIT
+        seconds: a script that never connects must not keep its node out of the job.
+        """
+        self._set_state(WorkerState.INIT, "starting workers before joining (in-process mode)")
+        group = self._group = await self._start_group(None)
+        ranks = list(range(self.spec.nproc_per_node))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_WARM_UP_LIMIT):
+                await _first_of(
+                    channel.wait_connected(ranks), group.workers.wait(), self._wait_signal()
+                )
+
     def _keeps_workers(self) -> bool:
         """In-process mode, with every worker on the line (using the worker API)."""
         if self._channel is None:
@@ -321,7 +346,8 @@ class Agent:
         )
         return False
 
-    async def _start_group(self, assignment: Assignment) -> _Group:
+    async def _start_group(self, assignment: Assignment | None) -> _Group:
+        """Start this node's workers (in in-process mode before any round: no assignment)."""
         spec = self.spec
         attempt_dir = self.run_dir / f"attempt_{self._attempts}"
         self._attempts += 1
@@ -350,7 +376,7 @@ class Agent:
                 group.outputs[local_rank] = WorkerOutput(
                     proc.stdout,
                     proc.stderr,
-                    assignment.rank_offset + local_rank,
+                    (assignment.rank_offset if assignment else 0) + local_rank,
                     plan_streams(spec, local_rank, attempt_dir / str(local_rank)),
                     publish=self.handler.report_output,
                 )

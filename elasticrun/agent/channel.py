@@ -74,6 +74,12 @@ class WorkerChannel:
         """Whether every one of `local_ranks` has said hello (uses the worker API)."""
         return all(r in self._writers for r in local_ranks)
 
+    async def wait_connected(self, local_ranks: list[int]) -> None:
+        """Wait until every one of `local_ranks` has said hello."""
+        while not self.connected(local_ranks):
+            self._changed.clear()
+            await self._changed.wait()
+
     def assign(self, round_number: int, envs: Mapping[int, Mapping[str, str]]) -> None:
         """Give each worker its place in `round_number` (now, or when it says hello)."""
         self._broken.clear()
@@ -112,6 +118,7 @@ class WorkerChannel:
                 if "hello" in message:
                     local_rank = int(message["hello"])
                     self._writers[local_rank] = writer
+                    self._changed.set()
                     if local_rank in self._assign:
                         self._send(local_rank, self._assign[local_rank])
                 elif "broken" in message and local_rank is not None:

@@ -23,7 +23,7 @@ from elasticrun.rendezvous.api import Assignment
 
 def worker_env(
     spec: WorkerSpec,
-    assignment: Assignment,
+    assignment: Assignment | None,
     local_rank: int,
     base_env: Mapping[str, str],
     error_file: Path,
@@ -61,10 +61,12 @@ def worker_env(
     )
     for key in ROUND_VARIABLES:
         env.pop(key, None)  # never a stale value inherited from the agent's environment
-    if agent_socket is None:
+    if agent_socket is not None:
+        env[SOCKET_VAR] = agent_socket
+    elif assignment is not None:
         env.update(round_env(assignment, local_rank))
     else:
-        env[SOCKET_VAR] = agent_socket
+        raise ValueError("a worker outside in-process mode needs its round's assignment")
     return env
 
 

@@ -69,6 +69,9 @@ class WorkerOutput:
         publish: LineSink | None = None,
     ) -> None:
         """`publish(global_rank, stream, lines)` also gets every whole line, decoded."""
+        #: the worker's global rank, for prefixes and reports; in-process mode updates
+        #: it when a round moves the worker
+        self.global_rank = global_rank
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
         # Files are opened here, so a log folder we cannot write to fails the start.
         out_file = plans[Std.OUT].file.open("wb") if plans[Std.OUT].file else None
@@ -79,7 +82,7 @@ class WorkerOutput:
                 if stream == "stderr":
                     self.stderr_tail.extend(lines)
                 if publish is not None:
-                    publish(global_rank, stream, lines)
+                    publish(self.global_rank, stream, lines)
 
             return take
 
@@ -87,7 +90,7 @@ class WorkerOutput:
             asyncio.create_task(
                 _copy(
                     reader,
-                    f"[{global_rank}]<{stream}>: ".encode(),
+                    lambda stream=stream: f"[{self.global_rank}]<{stream}>: ".encode(),  # type: ignore[misc]
                     console if plans[std].console else None,
                     log_file,
                     sink(stream),
@@ -113,7 +116,7 @@ class WorkerOutput:
 
 async def _copy(
     reader: asyncio.StreamReader,
-    prefix: bytes,
+    prefix: Callable[[], bytes],
     console: BinaryIO | None,
     log_file: BinaryIO | None,
     sink: Callable[[list[str]], None],
@@ -129,7 +132,8 @@ async def _copy(
                 log = _write(log, chunk)
             lines, partial = _split_lines(partial + chunk, eof=not chunk)
             if console is not None and lines:
-                console = _write(console, b"".join(prefix + line + b"\n" for line in lines))
+                head = prefix()
+                console = _write(console, b"".join(head + line + b"\n" for line in lines))
             if lines:
                 sink([line.decode(errors="replace") for line in lines])
             if not chunk:

@@ -1,0 +1,149 @@
+"""In-process elasticity against restart mode and torchrun, side by side, in one run (issue 8).
+
+    python bench/bench_inprocess.py                 # 3 repetitions, ~15 minutes on 2 cores
+    python bench/bench_inprocess.py --reps 1        # a quick look
+
+The same worker script and model for the three (bench/workers/inprocess_loop.py: an MLP
+of 4.2M parameters, SGD with momentum, gradients averaged with gloo, a checkpoint by
+rank 0 every 20 steps that a fresh worker loads at start), one worker per node
+(`--nproc-per-node=1`), agents on 127.0.0.x, `--rdzv-backend=c10d` with the store hosted
+by node n1's agent, `--max-restarts=3`, otherwise default settings (heartbeat 5 s).
+
+  in-process   elasticrun --elastic-mode=in-process
+  restart      elasticrun (torchrun's model: every worker restarts on a change)
+  torchrun     python -m torch.distributed.run, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+               (with its shared store torchrun did not scale up at all in bench_elastic)
+
+Phases, each from its own t0 (taken just before the action) to the first training step
+at the new world size; every wait is capped at --cap seconds:
+  scale-up   n1, n2 stepping at world 2; start n3 -> first step at world 3
+  sigterm    n1..n3 stepping at world 3; SIGTERM to n3's agent -> first step at world 2
+  sigkill    n1..n3 stepping at world 3; SIGKILL n3's agent and worker -> first step at 2
+For in-process mode the table also says whether the survivors' worker processes were
+the same before and after (they must be).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_elastic import Job  # noqa: E402
+from common import WORKERS, become_subreaper, fmt, kill_tree, loadavg, machine, median, ratio, write_json  # noqa: E402
+
+SCRIPT = WORKERS / "inprocess_loop.py"
+MODES = {
+    "in-process": ("elasticrun", ("--elastic-mode=in-process",)),
+    "restart": ("elasticrun", ()),
+    "torchrun": ("torchrun-noshare", ()),
+}
+PHASES = ("scale_up", "sigterm", "sigkill")
+
+
+def _job(mode: str, workdir: Path) -> Job:
+    launcher, extra = MODES[mode]
+    (workdir / "ckpt").mkdir(parents=True)
+    return Job(launcher, "1:3", workdir, script=SCRIPT, extra=extra, env={"BENCH_CKPT_DIR": str(workdir / "ckpt")})
+
+
+def _survivor_pids(job: Job, world: int, after: float) -> set[object]:
+    job.events.refresh()
+    return {e["pid"] for e in job.events.events if e["ev"] == "step" and e["world"] == world and float(e["t"]) > after}  # type: ignore[arg-type]
+
+
+def _measure(job: Job, phase: str, cap: float) -> dict[str, object]:
+    """Bring the job to the phase's starting point, act, and time the recovery."""
+    t_start = time.time()
+    for i in (1, 2) if phase == "scale_up" else (1, 2, 3):
+        job.start_node(i)
+    world_before = 2 if phase == "scale_up" else 3
+    if job.step_at(world_before, t_start, cap) is None:
+        return {"s": None, "note": f"never stepped at world {world_before}"}
+    time.sleep(1.0)  # a few steps at the starting size
+    t_ready = time.time()
+    before = _survivor_pids(job, world_before, t_ready - 0.5)
+    t0 = time.time()
+    if phase == "scale_up":
+        job.start_node(3)
+        world_after = 3
+    elif phase == "sigterm":
+        os.kill(job.nodes[3], signal.SIGTERM)
+        world_after = 2
+    else:
+        kill_tree(job.nodes[3], signal.SIGKILL)
+        world_after = 2
+    t1 = job.step_at(world_after, t0, cap)
+    if t1 is None:
+        return {"s": None, "note": f"no step at world {world_after} within {cap:g} s"}
+    time.sleep(0.5)
+    after = _survivor_pids(job, world_after, t1 - 0.01)
+    kept = len(before & after)
+    return {"s": t1 - t0, "kept_workers": kept}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cap", type=float, default=90.0, help="seconds each phase may take")
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--phases", nargs="*", default=list(PHASES), choices=list(PHASES))
+    ap.add_argument("--json", help="write every trial here")
+    args = ap.parse_args()
+    become_subreaper()
+    info = machine()
+    print(f"machine: {info}", flush=True)
+    root = Path(tempfile.mkdtemp(prefix="bench_inprocess_"))
+    trials: list[dict[str, object]] = []
+    started = time.monotonic()
+    for rep in range(args.reps):
+        for phase in args.phases:
+            modes = list(args.modes) if rep % 2 == 0 else list(reversed(args.modes))
+            for mode in modes:
+                job = _job(mode, root / f"rep{rep}-{phase}-{mode}")
+                print(f"rep {rep} {phase} {mode} (load {loadavg()}, {time.monotonic() - started:.0f} s in)", flush=True)
+                try:
+                    res = _measure(job, phase, args.cap)
+                finally:
+                    job.tracker.stop_all()
+                print(f"    {fmt(res.get('s'))} s {res}", flush=True)  # type: ignore[arg-type]
+                trials.append({"rep": rep, "phase": phase, "mode": mode, "dir": str(job.workdir), "load": loadavg(), **res})
+
+    print(f"\nall done in {time.monotonic() - started:.0f} s; load {loadavg()}; logs under {root}\n")
+    print("Cells: median seconds from the action to the first step at the new world size "
+          "(runs that got there / runs); in-process: survivors' worker processes kept.\n")
+    print("| phase | in-process | restart | torchrun | in-process / torchrun | restart / torchrun | in-process / restart | target |")
+    print("|---|---|---|---|---|---|---|---|")
+    summary: dict[str, dict[str, object]] = {}
+    for phase in args.phases:
+        cells: dict[str, dict[str, object]] = {}
+        for mode in MODES:
+            rs = [t for t in trials if t["phase"] == phase and t["mode"] == mode]
+            times = [float(t["s"]) for t in rs if t.get("s") is not None]  # type: ignore[arg-type]
+            cells[mode] = {"median": median(times), "ok": len(times), "runs": len(rs), "times": times,
+                           "kept": [t.get("kept_workers") for t in rs]}
+        summary[phase] = cells
+
+        def cell(mode: str) -> str:
+            c = cells[mode]
+            if not c["runs"]:
+                return "—"
+            kept = f", kept {c['kept']}" if mode == "in-process" else ""
+            return f"{fmt(c['median'])} ({c['ok']}/{c['runs']}{kept})"  # type: ignore[arg-type]
+
+        m = {k: cells[k]["median"] for k in MODES}
+        print(f"| {phase} | {cell('in-process')} | {cell('restart')} | {cell('torchrun')} | "
+              f"{ratio(m['in-process'], m['torchrun'])} | {ratio(m['restart'], m['torchrun'])} | "  # type: ignore[arg-type]
+              f"{ratio(m['in-process'], m['restart'])} | ≤ 0.1 of torchrun |")  # type: ignore[arg-type]
+    write_json(args.json, {"machine": info, "trials": trials, "summary": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
