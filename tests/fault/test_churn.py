@@ -22,6 +22,7 @@ python -m pytest tests/fault -m soak` runs the soak: 40 cycles, 400 changes.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import socket
 import time
@@ -263,3 +264,54 @@ def test_churn_fifty_changes_leaks_and_loses_nothing(fault_cluster: FaultCluster
 @pytest.mark.timeout(1800)
 def test_churn_soak_four_hundred_changes(fault_cluster: FaultCluster, reliability: Reliability) -> None:
     run_churn(fault_cluster, reliability, cycles=40, standbys=4, label="soak")
+
+
+# --- the after-the-fact checks can fail ------------------------------------------------------
+
+
+def _fake_attempt(cluster: FaultCluster, agent_pid: int, attempt: int, lines: list[str], printed: int) -> None:
+    log = cluster.logs / f"job_host_{agent_pid}" / f"attempt_{attempt}" / "0" / "stdout.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f"{line}\n" for line in lines))
+    worker = re.search(r" pid=(\d+)", lines[0])[1]
+    cluster.seq_dir.mkdir(exist_ok=True)
+    (cluster.seq_dir / worker).write_text(str(printed))
+
+
+def _step(step: int, pid: int, seq: int, t: float, world: int = 2) -> str:
+    return (
+        f"step={step} rank=0 world={world} group_rank=0 restart=0 round=1 pid={pid} "
+        f"t={t:.6f} sum={step * world} seq={seq}"
+    )
+
+
+def test_the_line_and_step_checks_can_fail(tmp_path) -> None:
+    start = "worker started rank=0 world=2 group_rank=0 restart=0 round=1 pid={pid} resume={r} read_at={t:.6f} seq=0"
+    good = FaultCluster(tmp_path / "good")
+    _fake_attempt(good, 1, 0, [start.format(pid=11, r=0, t=1.0), _step(0, 11, 1, 2.0),
+                               "ckpt step=0 at=2.100000 pid=11 seq=2", _step(1, 11, 3, 3.0)], printed=4)
+    _fake_attempt(good, 1, 1, [start.format(pid=12, r=1, t=4.0), _step(1, 12, 1, 5.0)], printed=2)
+    assert check_no_line_lost(good)["lines"] == 6
+    assert check_steps_never_go_back(good)["steps_redone_max"] == 1
+
+    gap = FaultCluster(tmp_path / "gap")
+    _fake_attempt(gap, 1, 0, [start.format(pid=11, r=0, t=1.0), _step(0, 11, 2, 2.0)], printed=3)
+    with pytest.raises(AssertionError, match="a gap"):
+        check_no_line_lost(gap)
+    tail = FaultCluster(tmp_path / "tail")
+    _fake_attempt(tail, 7, 0, [start.format(pid=11, r=0, t=1.0), _step(0, 11, 1, 2.0)], printed=5)
+    with pytest.raises(AssertionError, match="are lost"):
+        check_no_line_lost(tail)
+    assert check_no_line_lost(tail, killed=[7])["lost_with_killed_agents"] == 3
+
+    back = FaultCluster(tmp_path / "back")
+    _fake_attempt(back, 1, 0, [start.format(pid=11, r=0, t=1.0), _step(5, 11, 1, 2.0),
+                               "ckpt step=5 at=2.100000 pid=11 seq=2"], printed=3)
+    _fake_attempt(back, 1, 1, [start.format(pid=12, r=3, t=4.0), _step(3, 12, 1, 5.0)], printed=2)
+    with pytest.raises(AssertionError, match="resumed at step 3, but step 5 was saved before"):
+        check_steps_never_go_back(back)
+    skew = FaultCluster(tmp_path / "skew")
+    _fake_attempt(skew, 1, 0, [start.format(pid=11, r=0, t=1.0),
+                               _step(0, 11, 1, 2.0).replace("sum=0", "sum=1")], printed=2)
+    with pytest.raises(AssertionError, match="ranks disagree"):
+        check_steps_never_go_back(skew)

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Rerun the fault-injection suite and write RELIABILITY.md from what it recorded.
+
+    python scripts/reliability.py            # pytest tests/fault, then RELIABILITY.md
+    python scripts/reliability.py --soak     # also the long soak (marker `soak`)
+    python scripts/reliability.py --rows rows.jsonl --output /tmp/R.md   # render only
+    python scripts/reliability.py -- -k churn                            # pass to pytest
+
+Each test of tests/fault/ that takes the `reliability` fixture records one row per
+scenario (see tests/fault/conftest.py); this script points ELASTICRUN_RELIABILITY_OUT at
+a fresh file, runs pytest, and renders the rows — what was injected, what happened, the
+time to recover, the restarts used, anything lost — as one table. It exits with pytest's
+status, so a failing scenario fails the command (its row is still written, marked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+INTRO = """\
+# Reliability
+
+What elasticrun does under injected faults, measured by the fault-injection suite in
+[tests/fault/](tests/fault/): real agents, workers, store servers and network
+namespaces, no mocks. Each row is one scenario of one test run; the table below is
+written by
+
+    {command}
+
+and by nothing else: rerun it to check the figures (it exits non-zero when a scenario
+fails). Times are wall-clock seconds on the machine named below, under the load of the
+suite itself; they are records, not assertions (the tests assert behaviour only).
+"Time to recover" is from the fault to the first training step of the job at its new
+size (for churn, the mean time of one membership round). "Restarts used" counts
+`--max-restarts` spent. The long churn soak is not part of the default run: add
+`--soak` (or run `ELASTICRUN_SOAK=1 python -m pytest tests/fault -m soak`).
+"""
+
+COLUMNS = ("Scenario", "Injected", "What happened", "Time to recover", "Restarts used", "Lost", "Test")
+#: row fields shown in the table; the rest go to the figures below it
+SHOWN = {"scenario", "injected", "happened", "recovery_s", "restarts", "lost", "test", "outcome", "test_s"}
+
+
+def run_suite(pytest_args: list[str], rows: Path, soak: bool) -> tuple[int, str, float]:
+    env = dict(os.environ, ELASTICRUN_RELIABILITY_OUT=str(rows))
+    if soak:
+        env["ELASTICRUN_SOAK"] = "1"
+    argv = [sys.executable, "-m", "pytest", "tests/fault", "-q", "-p", "no:cacheprovider", *pytest_args]
+    print("+", " ".join(argv), flush=True)
+    began = time.monotonic()
+    proc = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sys.stdout.write(proc.stdout)
+    summary = next((ln.strip("= ") for ln in reversed(proc.stdout.splitlines()) if re.search(r"\d+ (passed|failed|error)", ln)), "")
+    return proc.returncode, summary, time.monotonic() - began
+
+
+def load_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _cell(value: object) -> str:
+    text = "–" if value is None or value == "" else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _recovery(value: object) -> str:
+    return "–" if value is None else f"{float(value):.1f} s"
+
+
+def _test(row: dict) -> str:
+    name = row.get("test", "?").split("/")[-1]
+    mark = "" if row.get("outcome") == "passed" else f" **{str(row.get('outcome', '?')).upper()}**"
+    return f"`{name}`{mark} ({row.get('test_s', '?')} s)"
+
+
+def _figures(row: dict) -> str:
+    extra = {k: v for k, v in row.items() if k not in SHOWN}
+    parts = []
+    for key, value in extra.items():
+        if isinstance(value, dict):
+            value = json.dumps(value, separators=(",", ":"))
+        parts.append(f"{key}={value}")
+    return ", ".join(parts)
+
+
+def render(rows: list[dict], *, command: str, summary: str, elapsed: float | None) -> str:
+    commit = _git("rev-parse", "--short", "HEAD") or "?"
+    dirty = " (with uncommitted changes)" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    out = [INTRO.format(command=command)]
+    out.append(f"Run: {when}, commit `{commit}`{dirty}; {machine}.")
+    if summary:
+        took = f" in {elapsed:.0f} s" if elapsed is not None else ""
+        out.append(f"pytest: {summary}{took}.")
+    out += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        cells = [
+            row.get("scenario"), row.get("injected"), row.get("happened"), _recovery(row.get("recovery_s")),
+            row.get("restarts"), row.get("lost"),
+        ]
+        out.append("| " + " | ".join(_cell(c) for c in cells) + f" | {_test(row)} |")
+    if not rows:
+        out.append("| (no rows recorded) |" + " |" * (len(COLUMNS) - 1))
+    out += ["", "## Figures", "", "Everything else each row recorded, as the test wrote it:", ""]
+    for row in rows:
+        figures = _figures(row)
+        if figures:
+            out.append(f"- **{_cell(row.get('scenario'))}**: {figures}")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _git(*argv: str) -> str:
+    try:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", type=Path, default=ROOT / "RELIABILITY.md", help="the markdown file to write")
+    p.add_argument("--rows", type=Path, help="render these recorded rows (JSON lines) instead of running the suite")
+    p.add_argument("--soak", action="store_true", help="include the long soak tests (marker soak)")
+    p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = p.parse_args()
+
+    command = "python scripts/reliability.py" + (" --soak" if args.soak else "")
+    if args.rows is not None:
+        rows = load_rows(args.rows)
+        code, summary, elapsed = 0, "", None
+        command += f" --rows {args.rows}"
+    else:
+        with tempfile.TemporaryDirectory(prefix="reliability-") as tmp:
+            path = Path(tmp) / "rows.jsonl"
+            code, summary, elapsed = run_suite(args.pytest_args, path, args.soak)
+            rows = load_rows(path)
+        if args.pytest_args:
+            command += " -- " + " ".join(args.pytest_args)
+    args.output.write_text(render(rows, command=command, summary=summary, elapsed=elapsed))
+    print(f"wrote {args.output} ({len(rows)} rows); pytest exit status {code}", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
