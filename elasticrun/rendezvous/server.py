@@ -126,7 +126,7 @@ class StoreServer:
                 self.port = server.add_secure_port(address, creds)
             else:
                 self.port = server.add_insecure_port(address)
-        except RuntimeError:
+        except (RuntimeError, UnicodeError):  # UnicodeError: an undecodable byte in host
             self.port = 0
         if self.port == 0:  # grpc raises, or (older versions) returns 0
             raise UsageError(
