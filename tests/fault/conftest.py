@@ -180,19 +180,23 @@ class FaultCluster(Cluster):
         run_id: str,
         local_addr: str,
         nnodes: str,
-        conf: str = RDZV_CONF + ",is_host=false",
+        conf: str | None = None,
+        backend: str = "c10d",
         max_restarts: int = 0,
         extra: Sequence[str] = (),
         worker_args: Sequence[str] = (),
         prefix: Sequence[str] = (),
         env: dict[str, str] | None = None,
     ) -> Proc:
-        """An agent (c10d) on `local_addr`; `prefix` runs it under e.g. `ip netns exec NS`
-        (which execs, so the PID is the agent's)."""
+        """An agent on `local_addr` (c10d by default, never hosting the store unless
+        `conf` says so); `prefix` runs it under e.g. `ip netns exec NS` (which execs, so
+        the PID is the agent's)."""
+        if conf is None:
+            conf = RDZV_CONF + (",is_host=false" if backend == "c10d" else "")
         argv = [
             *prefix, sys.executable, "-m", "elasticrun",
             f"--nnodes={nnodes}", "--nproc-per-node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+            f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
             f"--rdzv-conf={conf}", f"--local-addr={local_addr}",
             f"--max-restarts={max_restarts}", "--shutdown-timeout=5", "--tee=3",
             f"--log-dir={self.logs}", *extra,

@@ -32,13 +32,22 @@ from tests.fault.conftest import (
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.mark.parametrize("worker", ["waits", "exits"])
+@pytest.mark.parametrize(
+    ("backend", "worker"),
+    [("c10d", "waits"), ("c10d", "exits"), pytest.param("etcd", "exits", marks=pytest.mark.etcd)],
+)
 def test_frozen_agent_is_lost_then_rejoins_without_disturbing_the_job(
-    fault_cluster: FaultCluster, c10d_store: str, reliability: Reliability, worker: str
+    fault_cluster: FaultCluster, request: pytest.FixtureRequest, reliability: Reliability, backend: str, worker: str
 ) -> None:
     cluster = fault_cluster
+    if backend == "c10d":
+        endpoint = request.getfixturevalue("c10d_store")
+    else:
+        endpoint = request.getfixturevalue("etcd_server").endpoints[0]
     broken_wait = "60" if worker == "waits" else "0"
-    common = dict(endpoint=c10d_store, run_id=run_id(), nnodes="1:3", worker_args=("--broken-wait", broken_wait))
+    common = dict(
+        endpoint=endpoint, backend=backend, run_id=run_id(), nnodes="1:3", worker_args=("--broken-wait", broken_wait)
+    )
     c = cluster.agent("c", local_addr="127.0.0.4", **common)
     c.wait_for(r"node \S+ leads job")
     a = cluster.agent("a", local_addr="127.0.0.2", **common)
@@ -92,7 +101,7 @@ def test_frozen_agent_is_lost_then_rejoins_without_disturbing_the_job(
 
     rejoined = min(row["t"] for row in rows if row["world"] == 3 and row["t"] > woke_at)
     reliability.record(
-        scenario=f"frozen agent (SIGSTOP/SIGCONT), its worker {worker}",
+        scenario=f"frozen agent (SIGSTOP/SIGCONT, {backend}), its worker {worker}",
         injected=f"SIGSTOP to the leader's agent (not its worker) for {woke_at - stopped_at:.1f} s; --broken-wait {broken_wait}",
         happened=(
             f"others at world 2 after {first_two - stopped_at:.1f} s; on SIGCONT c found its lease lost, "

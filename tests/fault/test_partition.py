@@ -23,6 +23,7 @@ from tests.fault.conftest import (
     FaultCluster,
     Netns,
     Reliability,
+    agent_of,
     check_no_line_lost,
     check_steps_never_go_back,
     serve_store,
@@ -84,7 +85,8 @@ def _partition(netns: Netns, cluster: FaultCluster, reliability: Reliability, en
     netns.heal()
     marks = {p.name: p.mark() for p in (a, b, c)}
     if after == "rejoin":
-        rejoined = {p.name: p.wait_for(step_pattern(3, restart=0), start=marks[p.name]) for p in (a, b, c)}
+        for p in (a, b, c):
+            p.wait_for(step_pattern(3, restart=0), start=marks[p.name])
         c.wait_for(r"workers \w+ -> healthy", start=marks["c"])
     else:
         for p in (a, b):  # the survivors are not disturbed by the link's return
@@ -105,6 +107,8 @@ def _partition(netns: Netns, cluster: FaultCluster, reliability: Reliability, en
     if after == "rejoin":
         assert ends["c"] == 0, c.text()[-4000:]
     cluster.assert_no_orphans()
+    for p in (a, b, c):
+        assert "Traceback" not in p.text(), f"{p.name}:\n{p.text()[-4000:]}"
     lines = check_no_line_lost(cluster)
     steps = check_steps_never_go_back(cluster)
     restarts = max(row["restart"] for row in cluster.worker_steps())
@@ -140,17 +144,17 @@ def _partition(netns: Netns, cluster: FaultCluster, reliability: Reliability, en
 
 def _pids_of(cluster: FaultCluster, agent_pid: int) -> set[int]:
     """The worker PIDs of one agent, from its attempt logs."""
-    pids: set[int] = set()
-    for log in cluster.attempts():
-        if log.parts[-4].endswith(f"_{agent_pid}"):
-            pids |= {int(p) for p in re.findall(r"^worker started .* pid=(\d+)", log.read_text(errors="replace"), re.MULTILINE)}
-    return pids
+    return {
+        int(p)
+        for log in agent_of(cluster, agent_pid)
+        for p in re.findall(r"^worker started .* pid=(\d+)", log.read_text(errors="replace"), re.MULTILINE)
+    }
 
 
 def _starts(cluster: FaultCluster, agent_pid: int) -> list[float]:
     """When each worker of one agent read its checkpoint (its start), wall clock."""
-    starts = []
-    for log in cluster.attempts():
-        if log.parts[-4].endswith(f"_{agent_pid}"):
-            starts += [float(t) for t in re.findall(r"^worker started .* read_at=([\d.]+)", log.read_text(errors="replace"), re.MULTILINE)]
-    return starts
+    return [
+        float(t)
+        for log in agent_of(cluster, agent_pid)
+        for t in re.findall(r"^worker started .* read_at=([\d.]+)", log.read_text(errors="replace"), re.MULTILINE)
+    ]
