@@ -18,6 +18,7 @@ only when the environment variable ELASTICRUN_RELIABILITY_OUT names a file (JSON
 appended): `python scripts/reliability.py` sets it, runs `pytest tests/fault` and renders
 the rows into RELIABILITY.md. Each row is written when the test ends, with its outcome
 ("passed", "failed", ...), its node id and its duration; recording never fails a test.
+A test that fails before recording anything still gets a row, saying why it failed.
 
 Markers: `soak` marks a long run excluded by default; run it with
 `ELASTICRUN_SOAK=1 python -m pytest tests/fault -m soak` (or `-m soak` alone).
@@ -65,10 +66,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     # the worst outcome of setup/call/teardown so far, for the rows written at teardown
     if report.when == "call" or report.failed:
         item.stash[_OUTCOME] = report.outcome if report.when == "call" else f"{report.outcome} ({report.when})"
+    if report.failed and _WHY not in item.stash:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        item.stash[_WHY] = (crash.message if crash is not None else str(report.longrepr)).splitlines()[0][:300]
     return report
 
 
 _OUTCOME = pytest.StashKey[str]()
+_WHY = pytest.StashKey[str]()
 
 
 class Reliability:
@@ -107,9 +112,15 @@ class Reliability:
         self.rows.append(row)
         return row
 
-    def flush(self, outcome: str) -> None:
+    def flush(self, outcome: str, why: str = "") -> None:
         out = os.environ.get(OUT_VAR)
-        if not out or not self.rows:
+        if not out:
+            return
+        if not self.rows and outcome != "passed":
+            # it failed before it could record: the table still shows it, and why
+            name = self.nodeid.split("::", 1)[-1]
+            self.record(scenario=name, injected="–", happened=f"FAILED: {why}" if why else outcome, lost="?")
+        if not self.rows:
             return
         duration = round(time.monotonic() - self.started, 1)
         try:
@@ -124,7 +135,7 @@ class Reliability:
 def reliability(request: pytest.FixtureRequest) -> Iterator[Reliability]:
     rec = Reliability(request.node.nodeid)
     yield rec
-    rec.flush(request.node.stash.get(_OUTCOME, "unknown"))
+    rec.flush(request.node.stash.get(_OUTCOME, "unknown"), request.node.stash.get(_WHY, ""))
 
 
 # --- real agents running the fault worker ------------------------------------------------
