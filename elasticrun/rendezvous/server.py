@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -118,7 +119,7 @@ class StoreServer:
             ],
         )
         _add_store_service(_StoreService(self), server)
-        pb_grpc.add_C10dStoreServicer_to_server(_C10dService(self), server)
+        _add_c10d_service(_C10dService(self), server)
         address = _host_port(self.host, self._requested_port)
         try:
             if self._tls is not None:
@@ -350,29 +351,108 @@ class _StoreService(pb_grpc.StoreServicer):
         return data
 
 
+class _Capture:
+    """Stands in for the server in the generated add_*_to_server: keeps the handlers."""
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(
+        self, name: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.name, self.handlers = name, handlers
+
+
 def _add_store_service(servicer: _StoreService, server: grpc.aio.Server) -> None:
     """Register the Store service as the generated code does, but with a Watch handler
     that sends bytes (`_StoreService.Watch` serializes its replies itself)."""
-
-    class _Capture:
-        def add_generic_rpc_handlers(self, handlers: object) -> None:
-            pass
-
-        def add_registered_method_handlers(
-            self, name: str, handlers: dict[str, grpc.RpcMethodHandler]
-        ) -> None:
-            self.name, self.handlers = name, handlers
-
     capture = _Capture()
     pb_grpc.add_StoreServicer_to_server(servicer, capture)
     handlers = dict(capture.handlers)
     handlers["Watch"] = grpc.unary_stream_rpc_method_handler(
         servicer.Watch, request_deserializer=pb.WatchRequest.FromString
     )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(capture.name, handlers),)
-    )
-    server.add_registered_method_handlers(capture.name, handlers)
+    _register(server, capture.name, handlers)
+
+
+def _add_c10d_service(servicer: _C10dService, server: grpc.aio.Server) -> None:
+    capture = _Capture()
+    pb_grpc.add_C10dStoreServicer_to_server(servicer, capture)
+    _register(server, capture.name, dict(capture.handlers))
+
+
+def _register(server: grpc.aio.Server, name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+    handlers = {method: _guarded(handler) for method, handler in handlers.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
+# --- requests that do not decode -----------------------------------------------------
+
+
+class _Malformed:
+    """A request whose bytes did not decode; its handler answers INVALID_ARGUMENT."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return deserialize(data)
+        except Exception as e:  # DecodeError: corrupt wire format, a string not UTF-8
+            return _Malformed(str(e) or type(e).__name__)
+
+    return parse
+
+
+async def _refuse_malformed(request: _Malformed, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.why}")
+
+
+def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The same handler, but a request that does not decode gets INVALID_ARGUMENT (grpc
+    itself would answer UNKNOWN and log a traceback for each: a log flood on demand)."""
+    parse = _tolerant(handler.request_deserializer)
+    serialize = handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        inner_ss = handler.stream_stream
+
+        async def stream_stream(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+            async def checked() -> AsyncIterator[object]:
+                async for request in requests:
+                    if isinstance(request, _Malformed):
+                        await _refuse_malformed(request, context)
+                    yield request
+
+            async for reply in inner_ss(checked(), context):
+                yield reply
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, parse, serialize)
+    if handler.request_streaming:
+        raise TypeError("no client-streaming method is served")
+    inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+    if inspect.isasyncgenfunction(inner):
+
+        async def unary_gen(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+            if isinstance(request, _Malformed):
+                await _refuse_malformed(request, context)
+            async for reply in inner(request, context):
+                yield reply
+
+        return grpc.unary_stream_rpc_method_handler(unary_gen, parse, serialize)
+
+    async def unary(request: object, context: grpc.aio.ServicerContext) -> object:
+        if isinstance(request, _Malformed):
+            await _refuse_malformed(request, context)
+        return await inner(request, context)
+
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(unary, parse, serialize)
+    return grpc.unary_unary_rpc_method_handler(unary, parse, serialize)
 
 
 # --- the c10d operations -------------------------------------------------------------
@@ -439,6 +519,11 @@ class _C10dService(pb_grpc.C10dStoreServicer):
             raise UsageError(
                 f"cannot add to key {request.key!r}: its value is not an integer"
             ) from None
+        if not -(1 << 63) <= value < (1 << 63):
+            raise UsageError(
+                f"cannot add {request.amount} to key {request.key!r}: the sum leaves the "
+                "64-bit integer range"
+            )
         await self._engine.put(request.key, str(value).encode())
         return pb.AddReply(value=value)
 
