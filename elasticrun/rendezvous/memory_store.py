@@ -51,6 +51,11 @@ from elasticrun.rendezvous.store import (
 DEFAULT_MAX_VALUE_BYTES = 1 << 20
 DEFAULT_MAX_KEY_BYTES = 4096
 DEFAULT_MAX_KEYS = 100_000
+#: Bytes of keys and values held at once: with max_keys alone, 100,000 values of 1 MiB
+#: (100 GiB) would fit; no job needs more than a small part of this.
+DEFAULT_MAX_TOTAL_BYTES = 1 << 30
+#: Live leases (one per agent, about): each never-expiring lease would be kept forever.
+DEFAULT_MAX_LEASES = 100_000
 #: Bytes of watch history kept (keys + values + a fixed cost per event).
 DEFAULT_HISTORY_BYTES = 64 << 20
 _EVENT_OVERHEAD_BYTES = 64
@@ -76,8 +81,9 @@ class _Watcher:
 class MemoryStore(Store):
     """An etcd-like store in the memory of this process, bounded in size.
 
-    `max_key_bytes`, `max_value_bytes` and `max_keys` bound what a writer can make the
-    store hold (StoreLimitError past them); `history_bytes` bounds the watch history.
+    `max_key_bytes`, `max_value_bytes`, `max_keys`, `max_total_bytes` (keys and values
+    together) and `max_leases` bound what a writer can make the store hold
+    (StoreLimitError past them); `history_bytes` bounds the watch history.
     """
 
     def __init__(
@@ -87,6 +93,8 @@ class MemoryStore(Store):
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         max_keys: int = DEFAULT_MAX_KEYS,
         history_bytes: int = DEFAULT_HISTORY_BYTES,
+        max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+        max_leases: int = DEFAULT_MAX_LEASES,
     ) -> None:
         self.endpoint = "memory"
         #: Names this store's history: a watcher resuming elsewhere compares it to know
@@ -96,7 +104,10 @@ class MemoryStore(Store):
         self.max_value_bytes = max_value_bytes
         self.max_keys = max_keys
         self.history_bytes = history_bytes
+        self.max_total_bytes = max_total_bytes
+        self.max_leases = max_leases
         self._kvs: dict[str, KeyValue] = {}
+        self._total_bytes = 0  # len(key) + len(value) over the keys held
         self._sorted_keys: list[str] = []
         self._revision = 0
         self._ring: deque[tuple[WatchEvent, ...]] = deque()
@@ -168,6 +179,11 @@ class MemoryStore(Store):
         self._check_open()
         if not 0 < ttl < math.inf:
             raise UsageError(f"a lease TTL must be a positive number of seconds, got {ttl}")
+        if len(self._leases) >= self.max_leases:
+            raise StoreLimitError(
+                f"the store holds its maximum of {self.max_leases} leases (max_leases); "
+                "revoke unused ones or let them expire"
+            )
         lease_id = 0
         while lease_id == 0 or lease_id in self._leases:
             lease_id = secrets.randbits(63)  # random: an old id never names a new lease
@@ -280,6 +296,16 @@ class MemoryStore(Store):
                 f"the store holds its maximum of {self.max_keys} keys (max_keys); "
                 f"cannot create {key!r}"
             )
+        total = self._total_bytes + len(key) + len(value)
+        if current is not None:
+            total -= len(key) + len(current.value)
+        if total > self.max_total_bytes:
+            raise StoreLimitError(
+                f"the store holds {self._total_bytes} bytes of keys and values, near its "
+                f"limit of {self.max_total_bytes} (max_total_bytes); cannot store "
+                f"{len(value)} bytes for key {key[:64]!r}"
+            )
+        self._total_bytes = total
         self._revision += 1
         rev = self._revision
         if current is None:
@@ -311,6 +337,7 @@ class MemoryStore(Store):
         rev = self._revision
         for key in keys:
             kv = self._kvs.pop(key)
+            self._total_bytes -= len(key) + len(kv.value)
             del self._sorted_keys[bisect.bisect_left(self._sorted_keys, key)]
             if kv.lease:
                 self._unbind(key, kv.lease)
