@@ -150,7 +150,7 @@ def test_script_without_the_api_fails_at_start_with_a_clear_error(tmp_path: Path
          str(Path(__file__).parent / "workers" / "train_worker.py"), "--steps", "1"],
         capture_output=True, text=True, timeout=120,
     )
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "KeyError: 'RANK'" in proc.stderr
-    assert "before it connected to its agent" in proc.stderr
+    assert "worker local rank 0 exited with exit code 1 before it connected to its agent" in proc.stderr
     assert "elasticrun.worker.elastic.run" in proc.stderr

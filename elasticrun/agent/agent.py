@@ -34,6 +34,7 @@ from elasticrun.agent.failures import (
 from elasticrun.agent.output import WorkerOutput, plan_streams
 from elasticrun.agent.processes import WorkerGroup
 from elasticrun.agent.spec import WorkerSpec, WorkerState
+from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import RendezvousClosedError, UsageError, WorkerStartError
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 
@@ -119,8 +120,9 @@ _NOT_CONNECTED = (
     "elasticrun.worker.elastic.run, which gets RANK, WORLD_SIZE and MASTER_ADDR from the agent"
 )
 
-#: in-process mode: how long a node waits for its workers to connect before it joins
-_WARM_UP_LIMIT = 120.0
+#: in-process mode: how long a worker may take to import elasticrun.worker.elastic (and
+#: so connect to its agent) before its node gives up without joining
+_CONNECT_LIMIT = 60.0
 
 #: outcomes after which this node leaves the job while the others go on
 _LEAVING = (Outcome.SIGNALLED, Outcome.WATCH, Outcome.DRAINED)
@@ -161,6 +163,8 @@ class Agent:
         self._pids: tuple[int, ...] = ()
         #: in-process mode: the traceback of the last broken report
         self._broken_text = ""
+        #: the hang the progress watchdog found in the current attempt
+        self._hang: Hang | None = None
         #: this node's failure beyond the budget: (message, report)
         self._failure: tuple[str, FailureReport | None] | None = None
         root = spec.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
@@ -282,9 +286,13 @@ class Agent:
             f"{assignment.master_port}",
         )
         broken = () if self._channel is None else (self._broken(assignment.round),)
+        self._hang = None
+        dog = self._watchdog()
+        hung = () if dog is None else (self._hung(dog),)
         try:
             outcome, reason = await _first_of(
                 self._workers_done(group.workers),
+                *hung,
                 self._round_ended(),
                 self._signalled_outcome(),
                 self._drained_outcome(),
@@ -302,35 +310,76 @@ class Agent:
             return _Attempt(outcome, reason, None)
         if outcome in _LEAVING:
             await self.handler.leave(reason)
-        unconnected = self._channel is not None and not self._channel.connected(
-            list(range(spec.nproc_per_node))
-        )
         await self._stop_group()
         if outcome is not Outcome.FAILED:
             return _Attempt(outcome, reason, None)
+        if self._hang is not None:
+            return self._hang_attempt(self._hang, group, assignment)
         report = self._failure_report(group, assignment)
         root = report.root_cause
         reason = f"worker rank {root.global_rank} failed with {describe_exit(root.returncode)}"
-        if unconnected:
-            reason += f" before it connected to its agent ({_NOT_CONNECTED})"
         return _Attempt(outcome, reason, report)
+
+    def _watchdog(self) -> ProgressWatchdog | None:
+        """A progress watchdog whose clock starts now (with --progress-timeout)."""
+        if self.spec.progress_timeout is None:
+            return None
+        return ProgressWatchdog(
+            self.spec.progress_timeout, self.run_dir / "progress", range(self.spec.nproc_per_node)
+        )
+
+    async def _hung(self, dog: ProgressWatchdog) -> tuple[Outcome, str]:
+        self._hang = await dog.hang()
+        return Outcome.FAILED, "a worker hung"
+
+    def _hang_attempt(self, hang: Hang, group: _Group, assignment: Assignment) -> _Attempt:
+        """The attempt the watchdog ended: the hung worker is the root cause."""
+        spec = self.spec
+        failure = hang_failure(
+            hang,
+            node_id=spec.node_id,
+            node_rank=assignment.node_rank,
+            rank_offset=assignment.rank_offset,
+            pid=group.workers.procs[hang.local_rank].pid,
+            returncode=group.workers.exits[hang.local_rank].returncode,
+            timeout=spec.progress_timeout or 0.0,
+            stderr_tail=list(group.outputs[hang.local_rank].stderr_tail),
+        )
+        report = make_report(
+            [failure], title=f"job '{spec.run_id}' failed: {' '.join(spec.entrypoint)}"
+        )
+        reason = hang.reason(assignment.rank_offset + hang.local_rank)
+        return _Attempt(Outcome.FAILED, reason, report)
 
     async def _warm_up(self, channel: WorkerChannel) -> None:
         """In-process mode: start the workers before joining, so the job does not wait
         for their imports, model building and data loading when the round forms.
 
-        Returns once every worker is connected (waiting for its first assignment), or one
-        exited (the first round reports it), or a signal came, or after _WARM_UP_LIMIT
-        seconds: a script that never connects must not keep its node out of the job.
+        The worker API connects when the script imports it, so a script that does not
+        use it is found here, before this node joins: it exits (it finds no RANK) or
+        stays silent for _CONNECT_LIMIT seconds, and the node does not join.
         """
         self._set_state(WorkerState.INIT, "starting workers before joining (in-process mode)")
         group = self._group = await self._start_group(None)
         ranks = list(range(self.spec.nproc_per_node))
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(_WARM_UP_LIMIT):
+            async with asyncio.timeout(_CONNECT_LIMIT):
                 await _first_of(
                     channel.wait_connected(ranks), group.workers.wait(), self._wait_signal()
                 )
+        if self._signal is not None or channel.connected(ranks):
+            return  # a signal: the loop leaves at once
+        exits = sorted(group.workers.exits.values(), key=lambda e: (not e.failed, e.time))
+        local_rank = exits[0].local_rank if exits else next(r for r in ranks if not channel.connected([r]))
+        what = (
+            f"exited with {describe_exit(exits[0].returncode)}"
+            if exits
+            else f"did not connect within {_CONNECT_LIMIT:g}s"
+        )
+        await self._stop_group()
+        raise WorkerStartError(
+            f"worker local rank {local_rank} {what} before it connected to its agent ({_NOT_CONNECTED})"
+        )
 
     def _keeps_workers(self) -> bool:
         """In-process mode, with every worker on the line (using the worker API)."""
@@ -352,6 +401,7 @@ class Agent:
         attempt_dir = self.run_dir / f"attempt_{self._attempts}"
         self._attempts += 1
         socket_path = self._channel.path if self._channel is not None else None
+        dog = self._watchdog()
         envs, error_files = {}, {}
         for local_rank in range(spec.nproc_per_node):
             worker_dir = attempt_dir / str(local_rank)
@@ -367,6 +417,8 @@ class Agent:
             envs[local_rank] = worker_env(
                 spec, assignment, local_rank, os.environ, error_files[local_rank], socket_path
             )
+            if dog is not None:
+                envs[local_rank].update(dog.env(local_rank))
         workers = await WorkerGroup.start(spec.entrypoint, envs)
         group = _Group(workers, {}, error_files)
         try:

@@ -38,6 +38,10 @@ from elasticrun.worker.elastic.state import MembershipChanged, State
 
 R = TypeVar("R")
 
+#: the line to the agent in in-process mode, opened when the script imports this API:
+#: the agent then knows at once that the script can be re-formed in place
+LINK = AgentLink.from_env()
+
 #: how long joining a group may wait for its peers, and the groups' collective timeout;
 #: peers that die are noticed by the agent long before (it interrupts the collective)
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -59,10 +63,9 @@ def run(
 
     @functools.wraps(fn)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
-        link = AgentLink.from_env()
-        if link is None:
+        if LINK is None:
             return _run_once(fn, state, backend, timeout, args, kwargs)
-        return _run_elastic(link, fn, state, backend, timeout, args, kwargs)
+        return _run_elastic(LINK, fn, state, backend, timeout, args, kwargs)
 
     return wrapper
 
