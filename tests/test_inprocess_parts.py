@@ -1,0 +1,175 @@
+"""The parts of in-process mode, each on its own: the agent<->worker line (the agent's
+WorkerChannel against the worker's AgentLink, over a real Unix socket), the training
+State's commit/restore, and the socket shutdown that interrupts a gloo collective.
+The whole mode runs end to end in tests/test_inprocess.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+
+import pytest
+import torch
+
+from elasticrun.agent import channel as agent_channel
+from elasticrun.agent.channel import WorkerChannel
+from elasticrun.worker.elastic import MembershipChanged, State
+from elasticrun.worker.elastic import link as worker_link
+from elasticrun.worker.elastic.link import AgentGoneError, AgentLink
+from elasticrun.worker.elastic.session import _shut_down, _socket_inodes
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_both_ends_name_the_same_variable() -> None:
+    # the worker side must not import agent code (DESIGN.md), so the name is written twice
+    assert agent_channel.SOCKET_VAR == worker_link.SOCKET_VAR
+
+
+async def test_assign_change_interrupt_and_broken_travel_over_the_line() -> None:
+    ch = WorkerChannel()
+    await ch.start()
+    try:
+        # an assignment made before the worker connects reaches it on hello
+        ch.assign(3, {0: {"RANK": "4", "WORLD_SIZE": "6", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}})
+        link = await asyncio.to_thread(AgentLink, ch.path, 0)
+        await asyncio.wait_for(ch.wait_connected([0]), 10)
+        a = await asyncio.to_thread(link.next_assignment, 0)
+        assert (a.round, a.rank, a.world_size, a.master_addr, a.master_port) == (3, 4, 6, "10.0.0.1", 1234)
+        assert not link.superseded(3)
+
+        interrupted = threading.Event()
+        link.on_interrupt(interrupted.set)
+        ch.change(3, interrupt=False)  # nodes joined: no interrupt, noticed at commit
+        await asyncio.to_thread(_wait, lambda: link.superseded(3))
+        assert not interrupted.is_set()
+        ch.change(3, interrupt=True)  # a peer is gone: interrupt now
+        assert await asyncio.to_thread(interrupted.wait, 10)
+
+        ch.assign(4, {0: {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}})
+        assert (await asyncio.to_thread(link.next_assignment, 3)).round == 4
+
+        link.report_broken(4, "Traceback ...\nRuntimeError: boom")
+        report = await asyncio.wait_for(ch.broken(4), 10)
+        assert (report.local_rank, report.round) == (0, 4) and "boom" in report.error
+
+        ch.disconnect()  # the agent stops its workers: the line closes
+        with pytest.raises(AgentGoneError):
+            await asyncio.to_thread(link.next_assignment, 4)
+    finally:
+        await ch.close()
+    assert not os.path.exists(ch.path)
+
+
+async def test_a_bad_line_from_a_worker_drops_that_worker_only() -> None:
+    ch = WorkerChannel()
+    await ch.start()
+    try:
+        good = await asyncio.to_thread(AgentLink, ch.path, 0)
+        reader, writer = await asyncio.open_unix_connection(ch.path)
+        writer.write(b'{"hello": 1}\n{not json\n')
+        await writer.drain()
+        assert await reader.read() == b""  # the agent hung up on it
+        await asyncio.wait_for(ch.wait_connected([0]), 10)
+        assert not ch.connected([1])
+        ch.assign(1, {0: {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}})
+        assert (await asyncio.to_thread(good.next_assignment, 0)).round == 1
+        writer.close()
+    finally:
+        await ch.close()
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:
+    done = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        done.wait(0.01)
+    raise AssertionError("condition not met")
+
+
+def test_commit_and_restore_cover_model_optimizer_and_values() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = State(model=model, optimizer=opt, step=0, history=[1])
+
+    def train_step() -> None:
+        opt.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
+
+    train_step()
+    state.step = 1
+    state.history.append(2)
+    state.commit()
+    committed = {k: v.clone() for k, v in model.state_dict().items()}
+    momentum = opt.state_dict()["state"][0]["momentum_buffer"].clone()
+
+    train_step()  # a step that a failed collective would roll back
+    state.step = 2
+    state.history.append(3)
+    state.restore()
+    assert state.step == 1 and state.history == [1, 2] and state.commits == 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, committed[k])
+    assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], momentum)
+
+
+def test_state_refuses_unknown_names_and_replacing_objects() -> None:
+    state = State(model=torch.nn.Linear(1, 1), step=0)
+    with pytest.raises(AttributeError, match="holds no 'epoch'"):
+        state.epoch = 1
+    with pytest.raises(AttributeError, match="cannot replace its 'model'"):
+        state.model = torch.nn.Linear(1, 1)
+    with pytest.raises(AttributeError, match="holds model, step"):
+        _ = state.epoch
+    with pytest.raises(ValueError):
+        State()
+
+
+def test_commit_leaves_through_the_membership_check() -> None:
+    state = State(step=0)
+    calls = []
+
+    def check() -> None:
+        calls.append(state.step)
+        if state.step == 2:
+            raise MembershipChanged("round 1 is over")
+
+    state._attach(check)
+    state.step = 1
+    state.commit()
+    state.step = 2
+    with pytest.raises(MembershipChanged):
+        state.commit()
+    # the commit was taken before leaving: nothing to roll back
+    state.step = 99
+    state.restore()
+    assert state.step == 2 and calls == [1, 2]
+    # a script's `except Exception` must not swallow the way out
+    assert not issubclass(MembershipChanged, Exception)
+
+
+def test_interrupt_shuts_connected_sockets_and_spares_listeners() -> None:
+    before = _socket_inodes()
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    served, _ = listener.accept()
+    group = _socket_inodes() - before
+    outside = socket.socket(socket.AF_UNIX)  # opened later: not the group's
+    try:
+        _shut_down(group)
+        assert served.recv(1) == b""  # the peer sees the connection end at once
+        with pytest.raises(OSError):
+            client.send(b"x")
+        # the listener still accepts (gloo aborts the process if its accept fails)
+        late = socket.create_connection(listener.getsockname())
+        listener.accept()[0].close()
+        late.close()
+    finally:
+        for s in (listener, client, served, outside):
+            s.close()
