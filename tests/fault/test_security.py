@@ -1,0 +1,222 @@
+"""Job-level security and spec checks with real agents (issue 10, "Input and security").
+
+One running job on a standalone, token-protected store (`elasticrun store serve
+--token-file`); then, against the same --rdzv-id:
+
+- nodes whose job spec differs in one field — the script, --nproc-per-node, the
+  --nnodes min:max — and a second job (another script, size, workers and restart
+  budget): each is refused before it registers, with exit code 2 and one line naming
+  what differs and the fix; it starts no worker;
+- an agent with a wrong token and one with none: refused by the store (exit 2, one
+  line), the token in neither its output nor the store's;
+
+and through all of it the running job is undisturbed: still round 1, one node, its
+worker never restarted. tests/test_rendezvous.py covers the spec check in-process
+(nproc only); these run it end to end. Workers are plain Python (no torch), so the
+whole module takes seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from elasticrun.launcher.control import JobTarget, JobView, read_job
+from elasticrun.rendezvous.grpc_store import GrpcStore
+from tests.agent_helpers import free_port
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+TICKER = """\
+import os, sys, time
+from pathlib import Path
+
+stop = Path(sys.argv[1])
+print(f"worker up round={os.environ.get('ELASTICRUN_ROUND')} restart={os.environ['TORCHELASTIC_RESTART_COUNT']} pid={os.getpid()}", flush=True)
+n = 0
+while not stop.exists():
+    n += 1
+    print(f"tick {n}", flush=True)
+    time.sleep(0.1)
+"""
+
+
+class Job:
+    """A token-protected store, and agents of one run id on it."""
+
+    def __init__(self, cluster: Cluster, tmp: Path) -> None:
+        self.cluster = cluster
+        self.tmp = tmp
+        self.token = "job-token-" + secrets.token_hex(10)
+        self.token_file = tmp / "token"
+        self.token_file.write_text(self.token)
+        self.run_id = "sec-" + secrets.token_hex(4)
+        self.stop_file = tmp / "stop"
+        self.script = tmp / "train.py"
+        self.other_script = tmp / "other.py"
+        for path in (self.script, self.other_script):
+            path.write_text(TICKER)
+        self.port = free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.store = cluster.start(
+            "store",
+            [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1",
+             "--port", str(self.port), "--token-file", str(self.token_file)],
+        )
+        self.store.wait_for(r"serving on")
+
+    def agent(self, name: str, *, script: Path | None = None, nnodes: str = "1:3", nproc: int = 1,
+              max_restarts: int = 0, token_file: Path | None | str = "default") -> Proc:
+        token_file = self.token_file if token_file == "default" else token_file
+        conf = f"{RDZV_CONF},is_host=false" + (f",token_file={token_file}" if token_file else "")
+        argv = [
+            sys.executable, "-m", "elasticrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", f"--max-restarts={max_restarts}",
+            "--shutdown-timeout=5", f"--log-dir={self.tmp / 'logs'}",
+            str(script or self.script), str(self.stop_file),
+        ]
+        return self.cluster.start(name, argv)
+
+    def view(self) -> JobView:
+        async def read() -> JobView:
+            target = JobTarget("c10d", self.endpoint, self.run_id, {})
+            async with GrpcStore(self.endpoint, token=self.token) as store:
+                return await read_job(store, target)
+
+        return asyncio.run(read())
+
+
+@pytest.fixture
+def job(cluster: Cluster, tmp_path: Path) -> Job:
+    # the store is started through the cluster, so its cleanup kills it too (by PID)
+    cluster._env.pop("ELASTICRUN_STORE_TOKEN", None)  # "no token" must mean none
+    return Job(cluster, tmp_path)
+
+
+def node_id(agent: Proc) -> str:
+    return f"{socket.gethostname()}_{agent.pid}"
+
+
+def refused(agent: Proc, *patterns: str) -> str:
+    """The agent exited 2 with one error line matching every pattern; it started no worker."""
+    code = agent.wait_exit()
+    text = agent.text()
+    errors = [line for line in text.splitlines() if line.startswith("elasticrun: error: ")]
+    assert code == 2 and len(errors) == 1, f"{agent.name} exited {code}:\n{text[-3000:]}"
+    for pattern in patterns:
+        assert re.search(pattern, errors[0]), f"{agent.name}: /{pattern}/ not in {errors[0]!r}"
+    assert "Traceback" not in text and "worker up" not in text, text[-3000:]
+    return errors[0]
+
+
+def assert_undisturbed(job: Job, running: Proc, ticks_before: int) -> None:
+    """The job is as it was: round 1, only `running`, its worker not restarted and ticking on."""
+    view = job.view()
+    assert view.round is not None and view.round.number == 1, view.round
+    assert [p.node_id for p in view.round.participants] == [node_id(running)]
+    assert set(view.nodes) == {node_id(running)}, sorted(view.nodes)
+    running.wait_for(rf"^\[0\]<stdout>: tick {ticks_before + 5}$")
+    assert len(re.findall(r"worker up", running.text())) == 1, running.text()[-3000:]
+
+
+def finish(job: Job, running: Proc) -> None:
+    job.stop_file.touch()
+    assert running.wait_exit() == 0, running.text()[-3000:]
+
+
+def ticks(agent: Proc) -> int:
+    found = re.findall(r"^\[0\]<stdout>: tick (\d+)$", agent.text(), re.MULTILINE)
+    return int(found[-1]) if found else 0
+
+
+def test_nodes_with_another_spec_are_refused(job: Job, reliability) -> None:
+    a = job.agent("a")
+    a.wait_for(r"^\[0\]<stdout>: tick 3$")
+    clock = reliability.clock()
+    others = {
+        "script": job.agent("other-script", script=job.other_script),
+        "nproc": job.agent("other-nproc", nproc=2),
+        "min:max": job.agent("other-nnodes", nnodes="1:4"),
+    }
+    lines = {
+        "script": refused(others["script"], r"job spec differs from the running job", rf"command: job has \[.*{job.script.name}",
+                          rf"this node \[.*{job.other_script.name}", r"start it with the same arguments, or use another --rdzv-id"),
+        "nproc": refused(others["nproc"], r"nproc_per_node: job has '1', this node '2'"),
+        "min:max": refused(others["min:max"], r"nnodes: job has '1:3', this node '1:4'"),
+    }
+    for field, line in lines.items():
+        # exactly the field that differs is named, no other
+        named = re.findall(r"(\w+): job has", line)
+        assert named == [{"script": "command", "nproc": "nproc_per_node", "min:max": "nnodes"}[field]], line
+    refused_s = clock()
+    assert_undisturbed(job, a, ticks(a))
+    finish(job, a)
+    job.store.kill()
+    job.cluster.assert_no_orphans()
+    reliability.record(
+        scenario="node with another job spec",
+        injected="three agents joined a running job (1:3 nodes, 1 worker) with another script, "
+        "--nproc-per-node=2, --nnodes=1:4",
+        happened="each refused before registering: exit 2, one line naming the differing field "
+        "(command / nproc_per_node / nnodes) and the fix; the job stayed at round 1, its worker never restarted",
+        recovery_s=refused_s, restarts=0, lost="nothing",
+    )
+
+
+def test_second_job_reusing_a_running_id_is_refused(job: Job, reliability) -> None:
+    a = job.agent("a")
+    a.wait_for(r"^\[0\]<stdout>: tick 3$")
+    second = job.agent("second-job", script=job.other_script, nnodes="2", nproc=2, max_restarts=3)
+    line = refused(second, r"job spec differs from the running job", r"use another --rdzv-id")
+    assert set(re.findall(r"(\w+): job has", line)) == {"command", "nnodes", "nproc_per_node", "max_restarts"}, line
+    assert_undisturbed(job, a, ticks(a))
+    # the same second job under its own id is fine: the refusal was about the id's job
+    job.run_id, first_id = "sec-" + secrets.token_hex(4), job.run_id
+    own = job.agent("second-job-own-id", script=job.other_script, nnodes="1", nproc=2, max_restarts=3)
+    own.wait_for(r"^\[1\]<stdout>: tick 3$")
+    finish(job, a)
+    assert own.wait_exit() == 0
+    job.run_id = first_id
+    job.store.kill()
+    job.cluster.assert_no_orphans()
+    reliability.record(
+        scenario="second job reusing a running job's id",
+        injected="a job with another script, --nnodes=2, --nproc-per-node=2, --max-restarts=3 started with "
+        "the running job's --rdzv-id",
+        happened="refused at once (exit 2) naming command, nnodes, nproc_per_node, max_restarts; the running "
+        "job undisturbed; the same job under its own id ran",
+        restarts=0, lost="nothing",
+    )
+
+
+def test_agents_without_the_token_are_refused(job: Job, tmp_path: Path, reliability) -> None:
+    a = job.agent("a")
+    a.wait_for(r"^\[0\]<stdout>: tick 3$")
+    wrong_file = tmp_path / "wrong-token"
+    wrong = "not-" + job.token
+    wrong_file.write_text(wrong)
+    intruders = [job.agent("wrong-token", token_file=wrong_file), job.agent("no-token", token_file=None)]
+    for intruder in intruders:
+        line = refused(intruder, r"refused us", r"missing or wrong store token")
+        assert job.token not in intruder.text() and wrong not in intruder.text(), line
+    assert_undisturbed(job, a, ticks(a))
+    finish(job, a)
+    job.store.kill()
+    job.cluster.assert_no_orphans()
+    for proc in (job.store, a):
+        assert job.token not in proc.text(), f"the token appears in {proc.name}'s output"
+    reliability.record(
+        scenario="agent with a wrong or no store token",
+        injected="two agents joined a token-protected job's store, one with a wrong token file, one with none",
+        happened="both refused by the store (exit 2, 'missing or wrong store token'); no change to the job; "
+        "the token in no output of the store, the job's agent or the intruders",
+        restarts=0, lost="nothing",
+    )
