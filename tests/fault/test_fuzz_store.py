@@ -363,7 +363,7 @@ def _encode(request: object) -> list[bytes]:
         return []
 
 
-@FUZZ
+@settings(FUZZ, max_examples=100)
 @given(calls=st.lists(hostile, min_size=1, max_size=4))
 @example(calls=[("Add", pb.AddRequest(key="n", amount=2**63 - 1)), ("Add", pb.AddRequest(key="n", amount=2**63 - 1))])
 @example(calls=[("LeaseGrant", pb.LeaseGrantRequest(ttl_seconds=NAN)), ("LeaseGrant", pb.LeaseGrantRequest(ttl_seconds=1e300))])
@@ -394,7 +394,7 @@ def test_hostile_messages_keep_memory_bounded(served: Served, channel: grpc.Chan
     assert rss < 60 + DEFAULT_HISTORY_BYTES / MIB + 64, f"store server RSS {rss:.0f} MiB"
     reliability.record(
         scenario="store: hostile valid messages",
-        injected=f"{FUZZ.max_examples} hypothesis examples: keys/values at and past their bounds, empty keys, "
+        injected="100 hypothesis examples (1-4 calls each): keys/values at and past their bounds, empty keys, "
         "4,000-deep prefixes, NaN/inf/1e300/5e-324 TTLs and timeouts, int64 extremes, 50,000 keys in one request",
         happened="deliberate statuses only (add past int64 and malformed lists: INVALID_ARGUMENT; bounds: "
         "RESOURCE_EXHAUSTED), the server kept serving",
