@@ -44,6 +44,10 @@ TOKEN_METADATA_KEY = "authorization"
 #: by the engine's key and value limits plus this much framing.
 MAX_REPLY_BYTES = 256 << 20
 _REQUEST_SLACK_BYTES = 64 << 10
+#: Calls in progress at once (watches and waits last): about 25 KiB each, so at most
+#: ~2.5 GiB however many streams clients open; past it a call gets RESOURCE_EXHAUSTED.
+#: A 1,000-node job holds a few thousand.
+DEFAULT_MAX_CALLS = 100_000
 #: How long in-flight calls may finish when the server stops.
 DEFAULT_STOP_GRACE = 2.0
 
@@ -90,8 +94,10 @@ class StoreServer:
         engine: MemoryStore | None = None,
         token: str | None = None,
         tls: TlsKeyPair | None = None,
+        max_calls: int = DEFAULT_MAX_CALLS,
     ) -> None:
         self.host = host
+        self.max_calls = max_calls
         self.engine = engine if engine is not None else MemoryStore()
         self._owns_engine = engine is None
         self._requested_port = port
@@ -113,6 +119,7 @@ class StoreServer:
         interceptors = [_TokenInterceptor(self._token)] if self._token else []
         server = grpc.aio.server(
             interceptors=interceptors,
+            maximum_concurrent_rpcs=self.max_calls,
             options=[
                 *SERVER_OPTIONS,
                 ("grpc.max_receive_message_length", max_request + _REQUEST_SLACK_BYTES),
