@@ -71,7 +71,7 @@ from elasticrun.rendezvous.server import StoreServer
 
 async def main():
     engine = MemoryStore(**json.loads(sys.argv[1]))
-    server = StoreServer("127.0.0.1", 0, engine=engine, token=sys.argv[2])
+    server = StoreServer("127.0.0.1", 0, engine=engine, token=sys.argv[2], max_calls=int(sys.argv[3]))
     await server.start()
     print(f"elasticrun store serving on {server.endpoint}", flush=True)
     await asyncio.Event().wait()
@@ -124,7 +124,7 @@ class Served:
                 self.proc.wait()
 
 
-def start_server(tmp: Path, *, limits: dict[str, int] | None = None) -> Served:
+def start_server(tmp: Path, *, limits: dict[str, int] | None = None, max_calls: int = 100_000) -> Served:
     """`elasticrun store serve` (or RUNNER with `limits`) on 127.0.0.1, a token, DEBUG logs."""
     token = "tok-" + secrets.token_hex(12)
     token_file = tmp / f"token-{token[-6:]}"
@@ -136,7 +136,7 @@ def start_server(tmp: Path, *, limits: dict[str, int] | None = None) -> Served:
         argv = [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", "0",
                 "--token-file", str(token_file)]
     else:
-        argv = [sys.executable, "-c", RUNNER, json.dumps(limits), token]
+        argv = [sys.executable, "-c", RUNNER, json.dumps(limits), token, str(max_calls)]
     with open(log, "wb") as err:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env)
     line = proc.stdout.readline().decode()  # bounded by the test's timeout
@@ -476,6 +476,42 @@ def test_hundreds_of_connections_and_abandoned_watches(served: Served, reliabili
         happened=f"fds back to {fds0} after each round (peak {peak_fds}); RSS by round {[round(r) for r in rss]} MiB; "
         "a normal watch kept delivering",
         recovery_s=clock(), lost="nothing",
+    )
+
+
+def test_calls_in_progress_are_bounded(tmp_path: Path, reliability) -> None:
+    # 25 KiB or so per open stream: the server caps the calls it holds (100,000 by
+    # default; 200 here), so a client opening ever more watches is refused, not served
+    served = start_server(tmp_path, limits={}, max_calls=200)
+    channels = [open_channel(served.endpoint) for _ in range(13)]
+    md = metadata(served.token)
+    streams, refused = [], 0
+    try:
+        for i in range(260):
+            stream = channels[i % len(channels)].unary_stream(BY_NAME["Watch"].path)(
+                pb.WatchRequest(key=f"w/{i}").SerializeToString(), metadata=md, timeout=60)
+            try:
+                next(stream)
+                streams.append(stream)
+            except grpc.RpcError as e:
+                assert e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                refused += 1
+        assert len(streams) <= 200 and refused >= 60, (len(streams), refused)
+        for stream in streams:
+            stream.cancel()
+        # once the watches are gone, calls are served again
+        wait_until(lambda: raw_call(channels[0], BY_NAME["NumKeys"], [b""], md, 5)[0] is grpc.StatusCode.OK,
+                   30, "the server to take calls again")
+        served.check_healthy()
+    finally:
+        for ch in channels:
+            ch.close()
+        served.stop()
+    reliability.record(
+        scenario="store: calls in progress bounded",
+        injected="260 watches held open against a server capped at 200 calls in progress",
+        happened=f"{len(streams)} served, {refused} refused (RESOURCE_EXHAUSTED); served again once they ended",
+        lost="nothing",
     )
 
 
