@@ -66,7 +66,7 @@ _T = TypeVar("_T")
 def grpc_target(endpoint: str) -> str:
     """Check `host:port` (`[v6]:port` too) and return it as a gRPC target."""
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise UsageError(
             f"malformed store endpoint {endpoint!r}: expected host:port, e.g. node0:29400"
         )
