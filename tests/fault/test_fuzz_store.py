@@ -44,7 +44,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from elasticrun.proto import store_pb2 as pb
-from elasticrun.rendezvous.grpc_store import C10dClient
+from elasticrun.errors import UsageError
+from elasticrun.rendezvous.grpc_store import C10dClient, grpc_target
 from elasticrun.rendezvous.memory_store import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
 from tests.elastic_cluster import wait_until
 
@@ -253,6 +254,23 @@ def channel(served: Served) -> Iterator[grpc.Channel]:
     wipe(ch, served.token)
     yield ch
     ch.close()
+
+
+# --- 0. the clients' endpoint check ------------------------------------------------------------
+
+
+@settings(FUZZ, max_examples=200)
+@given(endpoint=st.one_of(
+    st.text(max_size=30),
+    st.builds(lambda h, p: f"{h}:{p}", st.text(max_size=10), st.one_of(st.text(max_size=6), st.integers().map(str))),
+))
+@example(endpoint="h:²")  # str.isdigit(), but int() refuses it
+@example(endpoint="[::1]:١")
+def test_client_endpoint_check_never_crashes(endpoint: str) -> None:
+    try:
+        assert grpc_target(endpoint) == endpoint
+    except UsageError as e:
+        assert "malformed store endpoint" in str(e)
 
 
 # --- 1. malformed bytes ---------------------------------------------------------------------
