@@ -19,8 +19,9 @@ at the new world size; every wait is capped at --cap seconds:
   scale-up   n1, n2 stepping at world 2; start n3 -> first step at world 3
   sigterm    n1..n3 stepping at world 3; SIGTERM to n3's agent -> first step at world 2
   sigkill    n1..n3 stepping at world 3; SIGKILL n3's agent and worker -> first step at 2
-For in-process mode the table also says whether the survivors' worker processes were
-the same before and after (they must be).
+The table also counts the worker processes each run started: 3 (two or three nodes'
+workers, none restarted) is what in-process mode must show; restart mode and torchrun
+start a fresh process for every survivor at every change.
 """
 
 from __future__ import annotations
@@ -53,11 +54,6 @@ def _job(mode: str, workdir: Path) -> Job:
     return Job(launcher, "1:3", workdir, script=SCRIPT, extra=extra, env={"BENCH_CKPT_DIR": str(workdir / "ckpt")})
 
 
-def _survivor_pids(job: Job, world: int, after: float) -> set[object]:
-    job.events.refresh()
-    return {e["pid"] for e in job.events.events if e["ev"] == "step" and e["world"] == world and float(e["t"]) > after}  # type: ignore[arg-type]
-
-
 def _measure(job: Job, phase: str, cap: float) -> dict[str, object]:
     """Bring the job to the phase's starting point, act, and time the recovery."""
     t_start = time.time()
@@ -67,8 +63,6 @@ def _measure(job: Job, phase: str, cap: float) -> dict[str, object]:
     if job.step_at(world_before, t_start, cap) is None:
         return {"s": None, "note": f"never stepped at world {world_before}"}
     time.sleep(1.0)  # a few steps at the starting size
-    t_ready = time.time()
-    before = _survivor_pids(job, world_before, t_ready - 0.5)
     t0 = time.time()
     if phase == "scale_up":
         job.start_node(3)
@@ -82,10 +76,21 @@ def _measure(job: Job, phase: str, cap: float) -> dict[str, object]:
     t1 = job.step_at(world_after, t0, cap)
     if t1 is None:
         return {"s": None, "note": f"no step at world {world_after} within {cap:g} s"}
-    time.sleep(0.5)
-    after = _survivor_pids(job, world_after, t1 - 0.01)
-    kept = len(before & after)
-    return {"s": t1 - t0, "kept_workers": kept}
+    job.events.refresh()
+    started = len({e["pid"] for e in job.events.events if e["ev"] == "start"})
+    return {"s": t1 - t0, "pause_s": _pause(job, world_before, t0, t1), "workers_started": started}
+
+
+def _pause(job: Job, world_before: int, t0: float, t1: float) -> float | None:
+    """The training the job lost: its last step at the old size -> first at the new one.
+
+    Scale-up: the survivors train on while the newcomer starts, so this is what the
+    change itself costs them. Node loss: from the last step before the loss.
+    """
+    job.events.refresh()
+    last = [float(e["t"]) for e in job.events.events  # type: ignore[arg-type]
+            if e["ev"] == "step" and e["world"] == world_before and float(e["t"]) < t1]  # type: ignore[arg-type]
+    return None if not last else t1 - max(max(last), t0 if world_before == 3 else 0.0)
 
 
 def main() -> int:
@@ -117,7 +122,8 @@ def main() -> int:
 
     print(f"\nall done in {time.monotonic() - started:.0f} s; load {loadavg()}; logs under {root}\n")
     print("Cells: median seconds from the action to the first step at the new world size "
-          "(runs that got there / runs); in-process: survivors' worker processes kept.\n")
+          "(runs that got there / runs; worker processes started in each run, 3 when no "
+          "worker was restarted).\n")
     print("| phase | in-process | restart | torchrun | in-process / torchrun | restart / torchrun | in-process / restart | target |")
     print("|---|---|---|---|---|---|---|---|")
     summary: dict[str, dict[str, object]] = {}
@@ -126,21 +132,28 @@ def main() -> int:
         for mode in MODES:
             rs = [t for t in trials if t["phase"] == phase and t["mode"] == mode]
             times = [float(t["s"]) for t in rs if t.get("s") is not None]  # type: ignore[arg-type]
+            pauses = [float(t["pause_s"]) for t in rs if t.get("pause_s") is not None]  # type: ignore[arg-type]
             cells[mode] = {"median": median(times), "ok": len(times), "runs": len(rs), "times": times,
-                           "kept": [t.get("kept_workers") for t in rs]}
+                           "pause": median(pauses), "pauses": pauses, "started": [t.get("workers_started") for t in rs]}
         summary[phase] = cells
 
         def cell(mode: str) -> str:
             c = cells[mode]
             if not c["runs"]:
                 return "—"
-            kept = f", kept {c['kept']}" if mode == "in-process" else ""
-            return f"{fmt(c['median'])} ({c['ok']}/{c['runs']}{kept})"  # type: ignore[arg-type]
+            return f"{fmt(c['median'])} ({c['ok']}/{c['runs']}; processes {c['started']})"  # type: ignore[arg-type]
 
         m = {k: cells[k]["median"] for k in MODES}
         print(f"| {phase} | {cell('in-process')} | {cell('restart')} | {cell('torchrun')} | "
               f"{ratio(m['in-process'], m['torchrun'])} | {ratio(m['restart'], m['torchrun'])} | "  # type: ignore[arg-type]
               f"{ratio(m['in-process'], m['restart'])} | ≤ 0.1 of torchrun |")  # type: ignore[arg-type]
+    print("\nTraining lost (last step at the old size -> first step at the new one), median seconds:\n")
+    print("| phase | in-process | restart | torchrun | in-process / torchrun |")
+    print("|---|---|---|---|---|")
+    for phase, cells in summary.items():
+        p = {k: cells[k]["pause"] for k in MODES}
+        print(f"| {phase} | {fmt(p['in-process'])} | {fmt(p['restart'])} | {fmt(p['torchrun'])} | "  # type: ignore[arg-type]
+              f"{ratio(p['in-process'], p['torchrun'])} |")  # type: ignore[arg-type]
     write_json(args.json, {"machine": info, "trials": trials, "summary": summary})
     return 0
 
