@@ -9,22 +9,10 @@ It steps every $BENCH_STEP_INTERVAL seconds (default 0.1) and exits 0 after
 $BENCH_MAX_SECONDS (default 300), a safety net only.
 """
 
-import json
 import os
 import time
 
-T0 = time.time()
-_dir = os.environ["BENCH_EVENTS"]
-_out = open(os.path.join(_dir, f"{os.getpid()}.log"), "a", buffering=1)
-_node = os.environ.get("BENCH_NODE", "?")
-
-
-def event(kind, **fields):
-    _out.write(json.dumps({"t": time.time(), "ev": kind, "node": _node, "pid": os.getpid(), **fields}) + "\n")
-
-
-event("start", t_script=T0, world=int(os.environ.get("WORLD_SIZE", "0")), rank=int(os.environ.get("RANK", "-1")),
-      restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+from bench_events import T0, event
 
 from datetime import timedelta  # noqa: E402
 

@@ -63,27 +63,23 @@ def run(
 
     @functools.wraps(fn)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
+        call = functools.partial(fn, state, *args, **kwargs)
         if LINK is None:
-            return _run_once(fn, state, backend, timeout, args, kwargs)
-        return _run_elastic(LINK, fn, state, backend, timeout, args, kwargs)
+            return _run_once(call, state, backend, timeout)
+        return _run_elastic(LINK, call, state, backend, timeout)
 
     return wrapper
 
 
 def _run_once(
-    fn: Callable[..., R],
-    state: State,
-    backend: str | None,
-    timeout: datetime.timedelta,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    call: Callable[[], R], state: State, backend: str | None, timeout: datetime.timedelta
 ) -> R:
     made = not dist.is_initialized()
     if made:
         dist.init_process_group(backend, timeout=timeout)
     try:
         state.sync()
-        return fn(state, *args, **kwargs)
+        return call()
     finally:
         if made:
             dist.destroy_process_group()
@@ -91,12 +87,10 @@ def _run_once(
 
 def _run_elastic(
     link: AgentLink,
-    fn: Callable[..., R],
+    call: Callable[[], R],
     state: State,
     backend: str | None,
     timeout: datetime.timedelta,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
 ) -> R:
     after = 0
     while True:
@@ -108,7 +102,7 @@ def _run_elastic(
             session.join()
             state._attach(functools.partial(_check_membership, link, assignment.round))
             state.sync()
-            return fn(state, *args, **kwargs)
+            return call()
         except MembershipChanged:
             pass  # noticed by commit(): the state is that commit
         except Exception:
