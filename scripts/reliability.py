@@ -105,8 +105,7 @@ def render(rows: list[dict], *, command: str, summary: str, elapsed: float | Non
     out = [INTRO.format(command=command)]
     out.append(f"Run: {when}, commit `{commit}`{dirty}; {machine}.")
     if summary:
-        took = f" in {elapsed:.0f} s" if elapsed is not None else ""
-        out.append(f"pytest: {summary}{took}.")
+        out.append(f"pytest: {summary}.")
     out += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         cells = [

@@ -36,6 +36,7 @@ from tests.fault.conftest import (
     Reliability,
     check_no_line_lost,
     check_steps_never_go_back,
+    redone,
     proc_sample,
     serve_store,
     step_pattern,
@@ -240,7 +241,7 @@ def _churn(
         recovery_s=sum(round_times) / len(round_times),
         restarts=0,
         lost=(
-            f"{steps['steps_redone_max']} steps redone at most (checkpoint every 5); "
+            f"{redone(steps['steps_redone_max'])} at most (checkpoint every 5 steps); "
             f"0 of {lines['lines']} log lines ({lines['lost_with_killed_agents']} in the pipes of SIGKILLed nodes)"
         ),
         changes=changes,

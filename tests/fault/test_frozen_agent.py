@@ -25,6 +25,7 @@ from tests.fault.conftest import (
     Reliability,
     check_no_line_lost,
     check_steps_never_go_back,
+    redone,
     step_pattern,
     steps_in,
 )
@@ -109,7 +110,7 @@ def test_frozen_agent_is_lost_then_rejoins_without_disturbing_the_job(
         ),
         recovery_s=first_two - stopped_at,
         restarts=0,
-        lost=f"{steps['steps_redone_max']} steps redone (since checkpoint); 0 of {lines['lines']} log lines",
+        lost=f"{redone(steps['steps_redone_max'])}; 0 of {lines['lines']} log lines",
         **lines,
         **steps,
     )
