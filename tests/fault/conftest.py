@@ -348,6 +348,11 @@ def check_steps_never_go_back(cluster: FaultCluster) -> dict[str, int]:
     }
 
 
+def redone(n: int) -> str:
+    """'N steps redone ...' for the Lost column: steps done again after a resume."""
+    return f"{n} step{'' if n == 1 else 's'} redone since the last checkpoint"
+
+
 def proc_sample(pid: int) -> dict[str, int]:
     """Open file descriptors and resident memory (KiB) of process `pid`."""
     fds = len(os.listdir(f"/proc/{pid}/fd"))
