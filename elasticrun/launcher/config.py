@@ -437,6 +437,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         "nnodes": f"{min_nodes}:{max_nodes}",
         "max_restarts": args.max_restarts,
         "elastic_mode": args.elastic_mode,
+        "progress_timeout": args.progress_timeout,
         "role": args.role,
         # rendezvous timings every node must share (secrets and local paths stay out)
         "rdzv_conf": {k: v for k, v in conf.items() if k in SHARED_RDZV_CONF},

@@ -1,6 +1,6 @@
 """`elasticrun join`: scale a job out by starting an agent here with its stored spec.
 
-The job's spec (command, nproc, min:max, restarts, elastic mode, rendezvous timings) is what its
+The job's spec (command, nproc, min:max, restarts, elastic mode, progress timeout, rendezvous timings) is what its
 first node stored; joining repeats none of it on the command line. A node that is not
 admitted within `--timeout` leaves and exits non-zero (Arena's rollback).
 """
@@ -34,6 +34,8 @@ async def _job_argv(target: JobTarget, timeout: float, local_addr: str | None, l
         f"--rdzv-id={target.run_id}",
         "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
     ]
+    if spec.get("progress_timeout") is not None:
+        argv.append(f"--progress-timeout={spec['progress_timeout']}")
     if local_addr:
         argv.append(f"--local-addr={local_addr}")
     if log_dir:
