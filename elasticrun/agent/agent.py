@@ -290,10 +290,12 @@ class Agent:
         dog = self._watchdog()
         hung = () if dog is None else (self._hung(dog),)
         try:
+            # The round's end goes first: workers that failed because the round ended
+            # elsewhere (peers gone, this node's lease lost) are no failure of theirs.
             outcome, reason = await _first_of(
+                self._round_ended(),
                 self._workers_done(group.workers),
                 *hung,
-                self._round_ended(),
                 self._signalled_outcome(),
                 self._drained_outcome(),
                 *(self._watched(watch) for watch in self.watches),

@@ -315,6 +315,8 @@ class ElasticRendezvous(RendezvousHandler):
                     cause = str(e) or "no answer in time"
                     return self._lose(f"the store did not renew its lease for {ttl:g}s: {cause}")
                 log.warning("keep-alive failed (%s); retrying", e)
+            except Exception as e:  # noqa: BLE001 - a heartbeat that broke is a lost membership
+                return self._lose(f"its keep-alive failed: {e!r}")
 
     def _lose(self, why: str) -> None:
         log.warning("node %s lost its membership: %s", self._me.node_id, why)
