@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.elastic_cluster import Cluster, Proc, Rdzv
-from tests.test_elastic_agents import kill_node, start
+from tests.test_elastic_agents import finish, kill_node, start
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -63,12 +63,14 @@ def check_consistent(agents: list[Proc]) -> None:
     assert not split, f"ranks disagree on the parameters at (round, step): {split}"
 
 
-def finish(cluster: Cluster, *agents: Proc) -> None:
-    cluster.stop_training()
-    for agent in agents:
-        code = agent.wait_exit()
-        assert code == 0, f"{agent.name} exited {code}:\n{agent.text()[-4000:]}"
-    cluster.assert_no_orphans()
+def three_training(cluster: Cluster, rdzv: Rdzv) -> tuple[list[Proc], dict[str, int], dict[str, int]]:
+    """Nodes a, b, c training at world 3: the agents, their worker PIDs, and a mark in
+    a's and b's output taken then."""
+    agents = [node(cluster, rdzv, n, i + 2) for i, n in enumerate("abc")]
+    pids = {p.name: worker_pid(p) for p in agents}
+    for p in agents:
+        world_step(p, 3)
+    return agents, pids, {p.name: p.mark() for p in agents[:2]}
 
 
 def test_scale_up_keeps_survivors_running(cluster: Cluster, rdzv: Rdzv) -> None:
@@ -92,12 +94,7 @@ def test_scale_up_keeps_survivors_running(cluster: Cluster, rdzv: Rdzv) -> None:
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_node_loss_keeps_survivors_running(cluster: Cluster, rdzv: Rdzv, how: str) -> None:
-    agents = [node(cluster, rdzv, n, i + 2) for i, n in enumerate("abc")]
-    pids = {p.name: worker_pid(p) for p in agents}
-    for p in agents:
-        world_step(p, 3)
-    c, (a, b) = agents[2], agents[:2]
-    marks = {p.name: p.mark() for p in (a, b)}
+    (a, b, c), pids, marks = three_training(cluster, rdzv)
 
     if how == "sigterm":
         c.signal(signal.SIGTERM)
@@ -120,12 +117,7 @@ def test_frozen_peer_does_not_hang_the_survivors(cluster: Cluster, rdzv: Rdzv) -
     answers: gloo would wait out its timeout. The survivors' agents see its lease expire
     and interrupt their workers' collectives; training goes on at world 2 in the same
     processes."""
-    agents = [node(cluster, rdzv, n, i + 2) for i, n in enumerate("abc")]
-    pids = {p.name: worker_pid(p) for p in agents}
-    for p in agents:
-        world_step(p, 3)
-    c, (a, b) = agents[2], agents[:2]
-    marks = {p.name: p.mark() for p in (a, b)}
+    (a, b, c), pids, marks = three_training(cluster, rdzv)
 
     frozen = (c.pid, pids["c"])
     for pid in frozen:
