@@ -150,6 +150,15 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
     newcomers = [n for n in view.nodes.values() if n.info.node_id not in member_ids]
     number = current.number + 1 if current else 1
     restarts = current.restart_count if current else 0
+    restart = view.restart
+    if current is not None and members and restart is not None and restart.round == current.number:
+        # A member that has not answered the liveness ping within a lease TTL is dead,
+        # whether or not the store has expired its lease yet (etcd expires leases late):
+        # failing the job, or restarting with it, would blame the living for its death.
+        silent = {p.node_id for p in survivors if p.node_id not in view.acks}
+        if silent and now >= view.restart_seen_at + settings.heartbeat_ttl:
+            survivors = [p for p in survivors if p.node_id not in silent]
+            lost += sorted(silent)
 
     def open_round(group: list[Participant], reason: str, restart_count: int = restarts) -> Decision:
         return Decision(
@@ -178,7 +187,6 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
             [], f"{reason}{pick.notes(book, settings)}; {_waiting(list(view.nodes), settings)}{book.held_note(view.nodes, ())}"
         )
 
-    restart = view.restart
     if current is not None and members and restart is not None and restart.round == current.number:
         # A peer that died breaks the others' collectives too, and their workers fail
         # before its lease expires. Only when every member shows it is alive is this a
