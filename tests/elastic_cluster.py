@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent_helpers import free_port
+from tests.agent_helpers import free_port, wait_until
 
 WORKER = Path(__file__).resolve().parent / "workers" / "train_worker.py"
 TAG_VAR = "ELASTICRUN_TEST_TAG"
@@ -55,18 +55,6 @@ def tagged_pids(tag: str) -> list[int]:
         if needle in environ.split(b"\0") and pid_alive(int(entry)):
             found.append(int(entry))
     return found
-
-
-def wait_until(predicate, timeout: float = WAIT, what: str = "a condition", interval: float = 0.05):
-    """Poll `predicate` until it returns something truthy (returned) or fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Proc:

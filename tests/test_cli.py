@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from elasticrun.agent.spec import Std
 from elasticrun.errors import UsageError
 from elasticrun.launcher.cli import launch_parser
 from elasticrun.launcher.config import LaunchConfig, build_config
+from tests.agent_helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
@@ -101,14 +101,14 @@ def run_cli(
 
 def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout: float = 30.0) -> str:
     """The content of `path` once it exists; fails early if `proc` ends first."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
+
+    def appeared() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"{proc.args} exited {proc.returncode} before {path} appeared:\n"
                         f"{proc.stderr.read() if proc.stderr else ''}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"{path} did not appear within {timeout} s")
-        time.sleep(0.02)
+        return path.exists()
+
+    wait_until(appeared, timeout, f"{path} to appear", interval=0.02)
     return path.read_text()
 
 

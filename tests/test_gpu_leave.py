@@ -23,6 +23,7 @@ from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.memory_store import MemoryStore
 from elasticrun.rendezvous.state import Keys, NodeInfo, decode_event
+from tests.agent_helpers import eventually
 from tests.test_gpu import FakeGpu, FakeNvml
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,9 +47,7 @@ def node(store: MemoryStore, name: str, stop_file: Path, tmp: Path) -> tuple[Wor
 
 
 async def wait_for(predicate, what: str) -> None:
-    async with asyncio.timeout(30):
-        while not predicate():
-            await asyncio.sleep(0.05)
+    await eventually(predicate, 30, interval=0.05)
 
 
 def test_sick_gpu_keeps_the_node_out():

@@ -34,6 +34,7 @@ from elasticrun.rendezvous.grpc_store import C10dClient, GrpcStore
 from elasticrun.rendezvous.memory_store import MemoryStore
 from elasticrun.rendezvous.server import StoreServer, TlsKeyPair
 from elasticrun.rendezvous.store import EventType, WatchEvent
+from tests.agent_helpers import eventually
 
 EVENT_WAIT = 10.0
 REPO = Path(__file__).resolve().parents[1]
@@ -352,9 +353,8 @@ async def test_c10d_get_waits_for_a_later_set(server: StoreServer) -> None:
     waiter, setter = C10dClient(server.endpoint), C10dClient(server.endpoint)
     pending = asyncio.ensure_future(asyncio.to_thread(waiter.get, "late", 30))
     store = GrpcStore(server.endpoint)
-    async with asyncio.timeout(EVENT_WAIT):  # the waiter's Get is parked on the server
-        while not server.engine._exact_watchers.get("late"):
-            await asyncio.sleep(0.01)
+    # the waiter's Get is parked on the server
+    await eventually(lambda: server.engine._exact_watchers.get("late"), EVENT_WAIT)
     await asyncio.to_thread(setter.set, "late", b"here")
     async with asyncio.timeout(EVENT_WAIT):
         assert await pending == b"here"

@@ -20,6 +20,7 @@ from elasticrun.worker.elastic import MembershipChanged, State
 from elasticrun.worker.elastic import link as worker_link
 from elasticrun.worker.elastic.link import AgentGoneError, AgentLink
 from elasticrun.worker.elastic.session import _shut_down, _socket_inodes
+from tests.agent_helpers import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,7 +45,7 @@ async def test_assign_change_interrupt_and_broken_travel_over_the_line() -> None
         interrupted = threading.Event()
         link.on_interrupt(interrupted.set)
         ch.change(3, interrupt=False)  # nodes joined: no interrupt, noticed at commit
-        await asyncio.to_thread(_wait, lambda: link.superseded(3))
+        await asyncio.to_thread(wait_until, lambda: link.superseded(3), 10, "the change", 0.01)
         assert not interrupted.is_set()
         ch.change(3, interrupt=True)  # a peer is gone: interrupt now
         assert await asyncio.to_thread(interrupted.wait, 10)
@@ -80,15 +81,6 @@ async def test_a_bad_line_from_a_worker_drops_that_worker_only() -> None:
         writer.close()
     finally:
         await ch.close()
-
-
-def _wait(predicate, timeout: float = 10.0) -> None:
-    done = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        done.wait(0.01)
-    raise AssertionError("condition not met")
 
 
 def test_commit_and_restore_cover_model_optimizer_and_values() -> None:

@@ -34,7 +34,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +52,7 @@ from elasticrun.launcher.config import (
     LaunchConfig,
 )
 from elasticrun.rendezvous import etcd_store, grpc_store
+from tests.agent_helpers import wait_until
 from elasticrun.rendezvous.state import encode_spec
 from elasticrun.rendezvous.store import Store
 
@@ -527,10 +527,9 @@ def run_real(argv: Sequence[str | bytes], cwd: Path, timeout: float = 40.0) -> s
         pytest.fail(f"{argv!r} still running after {timeout:g}s")
     left = _session_members(proc.pid)
     if left:  # give a just-exiting worker a moment, then fail and clean up
-        deadline = time.monotonic() + 5
-        while left and time.monotonic() < deadline:
-            time.sleep(0.05)
-            left = _session_members(proc.pid)
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: not _session_members(proc.pid), 5, "the session to empty")
+        left = _session_members(proc.pid)
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -6,7 +6,7 @@ Two levels:
   asking for restarts (its workers "crash"); after `quarantine_after` failures the next
   round leaves it out, its waiting status says why, `elasticrun status` (rendered from
   the store) shows it, and a new leader inherits the quarantine;
-- end to end: three real agents with gloo workers (tests/workers/fault_crashy_worker.py),
+- end to end: three real agents with gloo workers (tests/workers/train_worker.py --crash-dir),
   the worker on one node crashing at every start; after two failures that node is
   quarantined, the other two train on at world 2, the restart count stops growing, and
   `elasticrun status --json` names the node, its reason and the time left.
@@ -36,7 +36,7 @@ from elasticrun.rendezvous.memory_store import MemoryStore
 from elasticrun.rendezvous.state import Keys, NodeInfo, decode_quarantine
 from tests.elastic_cluster import Cluster, Proc, run_id
 
-CRASHY = Path(__file__).resolve().parents[1] / "workers" / "fault_crashy_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "train_worker.py"
 
 
 # --- the rendezvous alone ----------------------------------------------------------------
@@ -121,7 +121,7 @@ def _agent(cluster: Cluster, name: str, addr: int, endpoint: str, job: str, cras
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}",
         f"--rdzv-conf={CONF}", f"--local-addr=127.0.0.{addr}",
         "--max-restarts=5", "--shutdown-timeout=5", f"--log-dir={cluster.tmp / 'logs'}",
-        str(CRASHY), "--stop-file", str(cluster.stop_file), "--crash-dir", str(crash_dir),
+        str(WORKER), "--stop-file", str(cluster.stop_file), "--crash-dir", str(crash_dir), "--fail-step", "3",
     ])
 
 

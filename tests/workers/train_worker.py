@@ -8,7 +8,10 @@ then sleeps briefly, so a job runs until the test tells it otherwise: it ends (e
 on every rank at the same step) after --steps steps, or as soon as any rank sees the
 file --stop-file. Failures on demand: --fail-rank R --fail-step S makes rank R raise at
 step S (a traceback, exit 1), every time, or only once with --fail-marker M (the first
-failure creates M). SIGTERM is reported ("worker got SIGTERM ...") and ends it (143).
+failure creates M). A bad node: with --crash-dir D, every worker of the node whose id
+(ELASTICRUN_NODE_ID) names a file in D raises at every step from --fail-step on, every
+time (the test marks the node; every node runs the same command, as the job spec must
+match). SIGTERM is reported ("worker got SIGTERM ...") and ends it (143).
 
 A collective that breaks because a peer vanished is reported ("collective failed: ...")
 and the worker then waits, up to --broken-wait seconds, for its agent to stop it: a
@@ -34,6 +37,7 @@ def main() -> int:
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=0)
     p.add_argument("--fail-marker", default="")
+    p.add_argument("--crash-dir", default="")
     p.add_argument("--broken-wait", type=float, default=60.0)
     args = p.parse_args()
 
@@ -56,7 +60,11 @@ def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     print(f"worker started {tag}", flush=True)
     stop_file = Path(args.stop_file) if args.stop_file else None
+    node = os.environ.get("ELASTICRUN_NODE_ID", "?")
+    bad = Path(args.crash_dir) / node if args.crash_dir else None
     for step in range(args.steps):
+        if bad is not None and step >= args.fail_step and bad.exists():
+            raise RuntimeError(f"injected crash on bad node {node} at step {step} {tag}")
         if rank == args.fail_rank and step == args.fail_step:
             marker = Path(args.fail_marker) if args.fail_marker else None
             if marker is None or not marker.exists():
