@@ -265,8 +265,11 @@ class Agent:
         break for a worker failure (and spend a restart on it).
         """
         spec = self.spec
+        # A fresh watchdog each round: its clock starts now (kept workers waited idle).
+        self._hang = None
+        dog = self._watchdog()
         if self._group is None:
-            self._group = await self._start_group(assignment)
+            self._group = await self._start_group(assignment, dog)
         group = self._group
         if self._channel is not None:
             self._channel.assign(
@@ -286,8 +289,6 @@ class Agent:
             f"{assignment.master_port}",
         )
         broken = () if self._channel is None else (self._broken(assignment.round),)
-        self._hang = None
-        dog = self._watchdog()
         hung = () if dog is None else (self._hung(dog),)
         try:
             # The round's end goes first: workers that failed because the round ended
@@ -315,11 +316,12 @@ class Agent:
         await self._stop_group()
         if outcome is not Outcome.FAILED:
             return _Attempt(outcome, reason, None)
-        if self._hang is not None:
-            return self._hang_attempt(self._hang, group, assignment)
         report = self._failure_report(group, assignment)
         root = report.root_cause
-        reason = f"worker rank {root.global_rank} failed with {describe_exit(root.returncode)}"
+        if self._hang is not None:
+            reason = self._hang.reason(root.global_rank)
+        else:
+            reason = f"worker rank {root.global_rank} failed with {describe_exit(root.returncode)}"
         return _Attempt(outcome, reason, report)
 
     def _watchdog(self) -> ProgressWatchdog | None:
@@ -334,25 +336,6 @@ class Agent:
         self._hang = await dog.hang()
         return Outcome.FAILED, "a worker hung"
 
-    def _hang_attempt(self, hang: Hang, group: _Group, assignment: Assignment) -> _Attempt:
-        """The attempt the watchdog ended: the hung worker is the root cause."""
-        spec = self.spec
-        failure = hang_failure(
-            hang,
-            node_id=spec.node_id,
-            node_rank=assignment.node_rank,
-            rank_offset=assignment.rank_offset,
-            pid=group.workers.procs[hang.local_rank].pid,
-            returncode=group.workers.exits[hang.local_rank].returncode,
-            timeout=spec.progress_timeout or 0.0,
-            stderr_tail=list(group.outputs[hang.local_rank].stderr_tail),
-        )
-        report = make_report(
-            [failure], title=f"job '{spec.run_id}' failed: {' '.join(spec.entrypoint)}"
-        )
-        reason = hang.reason(assignment.rank_offset + hang.local_rank)
-        return _Attempt(Outcome.FAILED, reason, report)
-
     async def _warm_up(self, channel: WorkerChannel) -> None:
         """In-process mode: start the workers before joining, so the job does not wait
         for their imports, model building and data loading when the round forms.
@@ -362,7 +345,7 @@ class Agent:
         stays silent for _CONNECT_LIMIT seconds, and the node does not join.
         """
         self._set_state(WorkerState.INIT, "starting workers before joining (in-process mode)")
-        group = self._group = await self._start_group(None)
+        group = self._group = await self._start_group(None, self._watchdog())
         ranks = list(range(self.spec.nproc_per_node))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_CONNECT_LIMIT):
@@ -397,13 +380,14 @@ class Agent:
         )
         return False
 
-    async def _start_group(self, assignment: Assignment | None) -> _Group:
+    async def _start_group(
+        self, assignment: Assignment | None, dog: ProgressWatchdog | None
+    ) -> _Group:
         """Start this node's workers (in in-process mode before any round: no assignment)."""
         spec = self.spec
         attempt_dir = self.run_dir / f"attempt_{self._attempts}"
         self._attempts += 1
         socket_path = self._channel.path if self._channel is not None else None
-        dog = self._watchdog()
         envs, error_files = {}, {}
         for local_rank in range(spec.nproc_per_node):
             worker_dir = attempt_dir / str(local_rank)
@@ -451,7 +435,23 @@ class Agent:
         await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in group.outputs.values()))
 
     def _failure_report(self, group: _Group, assignment: Assignment) -> FailureReport:
+        """The root cause first: the hung worker when the watchdog ended the attempt."""
         spec = self.spec
+        hang = self._hang
+        if hang is not None:
+            failures = [
+                hang_failure(
+                    hang,
+                    node_id=spec.node_id,
+                    node_rank=assignment.node_rank,
+                    rank_offset=assignment.rank_offset,
+                    pid=group.workers.procs[hang.local_rank].pid,
+                    returncode=group.workers.exits[hang.local_rank].returncode,
+                    timeout=spec.progress_timeout or 0.0,
+                    stderr_tail=list(group.outputs[hang.local_rank].stderr_tail),
+                )
+            ]
+            return make_report(failures, title=self._report_title())
         failures = [
             make_failure(
                 e,
@@ -465,9 +465,10 @@ class Agent:
             for e in group.workers.exits.values()
             if e.failed
         ]
-        return make_report(
-            failures, title=f"job '{spec.run_id}' failed: {' '.join(spec.entrypoint)}"
-        )
+        return make_report(failures, title=self._report_title())
+
+    def _report_title(self) -> str:
+        return f"job '{self.spec.run_id}' failed: {' '.join(self.spec.entrypoint)}"
 
     async def _workers_done(self, group: WorkerGroup) -> tuple[Outcome, str]:
         exits = await group.wait()
