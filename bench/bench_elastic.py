@@ -36,7 +36,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -46,16 +45,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    start_run,
     LAUNCHERS,
     WORKERS,
     ProcessTracker,
     base_env,
-    become_subreaper,
     fmt,
     free_port,
     kill_tree,
     loadavg,
-    machine,
     median,
     ratio,
     write_json,
@@ -276,10 +274,7 @@ def main() -> int:
     ap.add_argument("--json", help="write every trial here")
     args = ap.parse_args()
     globals()["MAX_RESTARTS"] = args.max_restarts
-    become_subreaper()
-    info = machine()
-    print(f"machine: {info}", flush=True)
-    root = Path(tempfile.mkdtemp(prefix="bench_elastic_"))
+    info, root = start_run("bench_elastic_")
     trials: list[dict[str, object]] = []
     started = time.monotonic()
     for rep in range(args.reps):

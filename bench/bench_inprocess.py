@@ -30,14 +30,13 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_elastic import Job  # noqa: E402
-from common import WORKERS, become_subreaper, fmt, kill_tree, loadavg, machine, median, ratio, write_json  # noqa: E402
+from common import start_run, WORKERS, fmt, kill_tree, loadavg, median, ratio, write_json  # noqa: E402
 
 SCRIPT = WORKERS / "inprocess_loop.py"
 MODES = {
@@ -101,10 +100,7 @@ def main() -> int:
     ap.add_argument("--phases", nargs="*", default=list(PHASES), choices=list(PHASES))
     ap.add_argument("--json", help="write every trial here")
     args = ap.parse_args()
-    become_subreaper()
-    info = machine()
-    print(f"machine: {info}", flush=True)
-    root = Path(tempfile.mkdtemp(prefix="bench_inprocess_"))
+    info, root = start_run("bench_inprocess_")
     trials: list[dict[str, object]] = []
     started = time.monotonic()
     for rep in range(args.reps):

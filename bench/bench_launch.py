@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,14 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    start_run,
     LAUNCHERS,
     WORKERS,
     ProcessTracker,
     base_env,
-    become_subreaper,
     fmt,
     loadavg,
-    machine,
     median,
     ratio,
     write_json,
@@ -90,10 +88,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", help="write every trial here")
     args = ap.parse_args()
-    become_subreaper()
-    info = machine()
-    print(f"machine: {info}", flush=True)
-    logdir = Path(tempfile.mkdtemp(prefix="bench_launch_"))
+    info, logdir = start_run("bench_launch_")
     results: list[dict[str, object]] = []
     for job in JOBS:
         for launcher in LAUNCHERS:  # warm-up: page cache, .pyc files

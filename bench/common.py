@@ -150,6 +150,17 @@ def ratio(ours: float | None, theirs: float | None) -> str:
     return f"{ours / theirs:.2f}"
 
 
+def start_run(prefix: str) -> tuple[dict[str, object], Path]:
+    """What every benchmark does first: become the subreaper of what it starts, print
+    the machine, and make the folder its logs go to. Returns (machine info, folder)."""
+    import tempfile
+
+    become_subreaper()
+    info = machine()
+    print(f"machine: {info}", flush=True)
+    return info, Path(tempfile.mkdtemp(prefix=prefix))
+
+
 def machine() -> dict[str, object]:
     import importlib.metadata as md
 
