@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +23,11 @@ from elasticrun.worker.elastic import MembershipChanged, State
 from elasticrun.worker.elastic import link as worker_link
 from elasticrun.worker.elastic.link import AgentGoneError, AgentLink
 from elasticrun.worker.elastic.session import _shut_down, _socket_inodes
-from tests.agent_helpers import wait_until
+from tests.agent_helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(30)
+
+WORKERS = Path(__file__).parent / "workers"
 
 
 def test_both_ends_name_the_same_variable() -> None:
@@ -30,7 +35,7 @@ def test_both_ends_name_the_same_variable() -> None:
     assert agent_channel.SOCKET_VAR == worker_link.SOCKET_VAR
 
 
-async def test_assign_change_interrupt_and_broken_travel_over_the_line() -> None:
+async def test_assign_ready_change_interrupt_and_broken_travel_over_the_line() -> None:
     ch = WorkerChannel()
     await ch.start()
     try:
@@ -38,7 +43,9 @@ async def test_assign_change_interrupt_and_broken_travel_over_the_line() -> None
         ch.assign(3, {0: {"RANK": "4", "WORLD_SIZE": "6", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}})
         link = await asyncio.to_thread(AgentLink, ch.path, 0)
         await asyncio.wait_for(ch.wait_connected([0]), 10)
+        assert not ch.ready([0])  # imported the API, still starting up
         a = await asyncio.to_thread(link.next_assignment, 0)
+        await asyncio.wait_for(ch.wait_ready([0]), 10)  # asking for a round says it is ready
         assert (a.round, a.rank, a.world_size, a.master_addr, a.master_port) == (3, 4, 6, "10.0.0.1", 1234)
         assert not link.superseded(3)
 
@@ -165,3 +172,60 @@ def test_interrupt_shuts_connected_sockets_and_spares_listeners() -> None:
     finally:
         for s in (listener, client, served, outside):
             s.close()
+
+
+def _sync(tmp_path: Path, commits: dict[int, int], *extra: str) -> dict[int, dict]:
+    """Run sync_worker.py on every rank; each rank's state after sync()."""
+    port = free_port()
+    world = str(len(commits))
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKERS / "sync_worker.py"), str(r), world, str(port), str(c), str(tmp_path), *extra])
+        for r, c in commits.items()
+    ]
+    try:
+        assert [p.wait(timeout=80) for p in procs] == [0] * len(procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return {r: torch.load(tmp_path / f"{r}.after.pt", weights_only=False) for r in commits}
+
+
+def _assert_same_training_state(got: dict, want: dict) -> None:
+    assert (got["step"], got["commits"]) == (want["step"], want["commits"])
+    assert torch.equal(got["best"], want["best"])
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+    assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()
+    for i, slots in want["optimizer"]["state"].items():
+        for k, v in slots.items():
+            have = got["optimizer"]["state"][i][k]
+            assert have.device == v.device and torch.equal(have, v), (i, k)
+
+
+@pytest.mark.timeout(90)  # three or four processes importing torch on two cores
+def test_sync_gives_every_rank_the_newest_commit(tmp_path: Path) -> None:
+    # A job's first round, no one synced before: rank 1 holds the most commits, rank 0
+    # is fresh (no optimizer state at all), rank 2 is behind. After sync() all three
+    # hold rank 1's commit exactly: weights, Adam's moments and its CPU step counters,
+    # plain values and a tensor value.
+    after = _sync(tmp_path, {0: 0, 1: 3, 2: 1})
+    newest = torch.load(tmp_path / "1.before.pt", weights_only=False)
+    assert newest["optimizer"]["state"] and newest["commits"] == 3
+    assert not torch.load(tmp_path / "0.before.pt", weights_only=False)["optimizer"]["state"]
+    for r in after:
+        _assert_same_training_state(after[r], newest)
+        assert after[r]["tag"] == "rank1"
+
+
+@pytest.mark.timeout(90)
+def test_sync_moves_state_only_to_newcomers_spread_over_survivors(tmp_path: Path) -> None:
+    # Ranks 0 and 1 synced before and committed as often (their tags differ on purpose);
+    # ranks 2 and 3 are newcomers. Survivors keep their own state (nothing moves between
+    # them); newcomer 2 gets survivor 0's, newcomer 3 survivor 1's.
+    after = _sync(tmp_path, {0: 2, 1: 2, 2: 0, 3: 1}, str(free_port()))
+    survivors = [torch.load(tmp_path / f"{r}.before.pt", weights_only=False) for r in (0, 1)]
+    assert [after[r]["tag"] for r in range(4)] == ["survivor0", "survivor1", "survivor0", "survivor1"]
+    for r in range(4):
+        _assert_same_training_state(after[r], survivors[r % 2])

@@ -352,8 +352,15 @@ class Agent:
                 await _first_of(
                     channel.wait_connected(ranks), group.workers.wait(), self._wait_signal()
                 )
-        if self._signal is not None or channel.connected(ranks):
-            return  # a signal: the loop leaves at once
+        if self._signal is not None:
+            return  # the loop leaves at once
+        if channel.connected(ranks):
+            # Join once the script asks for its first round: a running job keeps
+            # training meanwhile instead of waiting in the new round for this node's
+            # model building and data loading. A worker that fails first is judged
+            # in the round, like any worker failure.
+            await _first_of(channel.wait_ready(ranks), group.workers.wait(), self._wait_signal())
+            return
         exits = sorted(group.workers.exits.values(), key=lambda e: (not e.failed, e.time))
         local_rank = exits[0].local_rank if exits else next(r for r in ranks if not channel.connected([r]))
         what = (

@@ -7,11 +7,15 @@ worker's environment; `elasticrun.worker.elastic` connects to it. Messages are J
 lines:
 
     worker -> agent   {"hello": <local rank>, "pid": <pid>}
+                      {"ready": true}
                       {"broken": <round>, "error": "<traceback>"}
     agent -> worker   {"assign": <round>, "env": {"RANK": ..., ...}}
                       {"change": <round>, "interrupt": <bool>}
 
-`change` says the worker's round is over: it leaves at its next `commit()`, or at once
+`hello` comes when the script imports the worker API (it can be re-formed in place),
+`ready` when it first asks for a round (its model is built, its data loaded): a node
+that joins a running job joins only then, so the job never waits for a newcomer's
+start-up. `change` says the worker's round is over: it leaves at its next `commit()`, or at once
 when `interrupt` is set (a peer is gone, so a collective may never finish). Workers
 import none of this; the protocol is the contract (see elasticrun/worker/elastic/link.py).
 """
@@ -24,7 +28,7 @@ import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +59,7 @@ class WorkerChannel:
         self.path = str(self._dir / "agent.sock")
         self._server: asyncio.AbstractServer | None = None
         self._writers: dict[int, asyncio.StreamWriter] = {}
+        self._ready: set[int] = set()  # local ranks that asked for a round
         self._assign: dict[int, bytes] = {}  # the latest assign message, per local rank
         self._broken: list[BrokenReport] = []
         self._changed = asyncio.Event()
@@ -74,9 +79,20 @@ class WorkerChannel:
         """Whether every one of `local_ranks` has said hello (uses the worker API)."""
         return all(r in self._writers for r in local_ranks)
 
+    def ready(self, local_ranks: list[int]) -> bool:
+        """Whether every one of `local_ranks` has asked for a round."""
+        return all(r in self._ready for r in local_ranks)
+
     async def wait_connected(self, local_ranks: list[int]) -> None:
         """Wait until every one of `local_ranks` has said hello."""
-        while not self.connected(local_ranks):
+        await self._wait(lambda: self.connected(local_ranks))
+
+    async def wait_ready(self, local_ranks: list[int]) -> None:
+        """Wait until every one of `local_ranks` has asked for a round."""
+        await self._wait(lambda: self.ready(local_ranks))
+
+    async def _wait(self, done: Callable[[], bool]) -> None:
+        while not done():
             self._changed.clear()
             await self._changed.wait()
 
@@ -95,18 +111,18 @@ class WorkerChannel:
 
     async def broken(self, round_number: int) -> BrokenReport:
         """Wait for a worker to report a failure in `round_number`."""
-        while True:
-            for report in self._broken:
-                if report.round == round_number:
-                    return report
-            self._changed.clear()
-            await self._changed.wait()
+        def found() -> BrokenReport | None:
+            return next((r for r in self._broken if r.round == round_number), None)
+
+        await self._wait(lambda: found() is not None)
+        return found()  # type: ignore[return-value]
 
     def disconnect(self) -> None:
         """Forget the current workers (they are being stopped): new ones say hello anew."""
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
+        self._ready.clear()
         self._assign.clear()
         self._broken.clear()
 
@@ -121,6 +137,9 @@ class WorkerChannel:
                     self._changed.set()
                     if local_rank in self._assign:
                         self._send(local_rank, self._assign[local_rank])
+                elif "ready" in message and local_rank is not None:
+                    self._ready.add(local_rank)
+                    self._changed.set()
                 elif "broken" in message and local_rank is not None:
                     self._broken.append(
                         BrokenReport(local_rank, int(message["broken"]), str(message.get("error", "")))
@@ -131,6 +150,7 @@ class WorkerChannel:
         finally:
             if local_rank is not None and self._writers.get(local_rank) is writer:
                 del self._writers[local_rank]
+                self._ready.discard(local_rank)
             writer.close()
 
     def _send(self, local_rank: int, data: bytes) -> None:

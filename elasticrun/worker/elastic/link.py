@@ -5,7 +5,9 @@ The agent tells each of its workers, over a Unix socket named in
 master for a round, as the environment variables torchrun would have set) and `change`
 (the round the worker is in is superseded; `interrupt` when a peer is gone, so any
 collective in flight must be broken now rather than left to hang). The worker says
-`hello` once and `broken` when its training failed with no change announced, so the
+`hello` when the script imports the API, `ready` when it first asks for a round (its
+start-up is done: the agent of a node joining a running job joins only then), and
+`broken` when its training failed with no change announced, so the
 agent can ask the rendezvous for a restart (a failure the budget pays for).
 
 One JSON object per line in both directions. A reader thread keeps the latest word of
@@ -65,6 +67,7 @@ class AgentLink:
         self._superseded = 0  # the newest round the agent said is over
         self._gone = False
         self._on_interrupt: Callable[[], None] | None = None
+        self._said_ready = False
         self._send({"hello": local_rank, "pid": os.getpid()})
         threading.Thread(target=self._read, name="elasticrun-agent-link", daemon=True).start()
 
@@ -83,6 +86,9 @@ class AgentLink:
 
     def next_assignment(self, after: int) -> WorkerAssignment:
         """Block until the agent assigns a round newer than `after`."""
+        if not self._said_ready:
+            self._said_ready = True
+            self._send({"ready": True})
         with self._cond:
             while self._assignment is None or self._assignment.round <= after:
                 if self._gone:

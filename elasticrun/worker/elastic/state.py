@@ -6,19 +6,21 @@
 
 `commit()` keeps an in-memory copy (the point a failed step rolls back to) and is where
 a pending membership change is noticed; `restore()` rolls back to it; `sync()` makes
-every rank of a new group hold the newest commit any rank has, by broadcast: new
-workers get the model from a survivor, never from disk.
+every rank of a new group hold the newest commit any rank has: new workers get it from
+a survivor, never from disk, and survivors move nothing among themselves.
 
-Each named object is kept by what it is: a `torch.nn.Module` by its tensors (broadcast
-as tensors, so nccl moves them GPU to GPU), anything else with `state_dict()` and
+Each named object is kept by what it is: a `torch.nn.Module` by its tensors, anything else with `state_dict()` and
 `load_state_dict()` (an optimizer, an LR scheduler, a GradScaler) by its state dict,
-and plain values by value. Both of the latter travel in one pickled broadcast.
+and plain values by value. `sync()` sends every tensor among them as a tensor (in
+buckets, so nccl moves GPU tensors GPU to GPU and nothing is pickled twice) and pickles
+only what is left: the structure of the state dicts and the plain values.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -51,10 +53,9 @@ class _ModuleSlot:
     def restore(self) -> None:
         self.value.load_state_dict(self._copy)
 
-    @torch.no_grad()
-    def broadcast(self, root: int) -> None:
-        for tensor in self.value.state_dict().values():
-            dist.broadcast(tensor, src=root)
+    def tensors(self) -> list[torch.Tensor]:
+        """The module's tensors, sharing storage with it (a broadcast into them loads it)."""
+        return list(self.value.state_dict().values())
 
 
 class _StatefulSlot:
@@ -118,6 +119,8 @@ class State:
         object.__setattr__(self, "commits", 0)
         #: set by the elastic wrapper: raises MembershipChanged when the round is over
         object.__setattr__(self, "_check", None)
+        #: whether this process's state came out of a sync (see sync())
+        object.__setattr__(self, "_synced_before", False)
         for slot in slots.values():
             slot.snapshot()
 
@@ -155,28 +158,140 @@ class State:
         """Give every rank of the current group the newest commit any rank holds.
 
         Collective: every rank calls it (the elastic wrapper does, after each re-forming).
-        The source is the lowest rank among those with the most commits.
+        Ranks that hold the newest commit and have synced before (they trained in the
+        same rounds, so their commits are the same) are current and keep their state;
+        each other rank receives it from one of them, newcomers spread over the current
+        ranks. A node leaving moves no state at all; a node joining moves one copy per
+        newcomer. In a group where no one has synced yet (a job's first round), the
+        lowest rank with the most commits is the one source.
         """
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if not dist.is_initialized():
             return
-        counts = [torch.zeros(1, dtype=torch.int64, device=flag_device()) for _ in range(dist.get_world_size())]
-        dist.all_gather(counts, torch.tensor([self.commits], dtype=torch.int64, device=flag_device()))
-        newest = max(int(c.item()) for c in counts)
-        root = next(r for r, c in enumerate(counts) if int(c.item()) == newest)
-        objects: dict[str, Any] = {}
-        for name, slot in self._slots.items():
-            if isinstance(slot, _ModuleSlot):
-                slot.broadcast(root)
-            else:
-                objects[name] = slot.payload()
-        box = [objects if dist.get_rank() == root else None]
-        dist.broadcast_object_list(box, src=root)
-        if dist.get_rank() != root:
-            for name, payload in box[0].items():  # type: ignore[union-attr]
-                self._slots[name].load(payload)  # type: ignore[union-attr]
+        if dist.get_world_size() == 1:
+            object.__setattr__(self, "_synced_before", True)
+            return
+        device = flag_device()
+        mine = torch.tensor([self.commits, int(self._synced_before)], dtype=torch.int64, device=device)
+        gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        held = [(int(t[0].item()), bool(t[1].item())) for t in gathered]
+        newest = max(commits for commits, _ in held)
+        candidates = [r for r, (commits, _) in enumerate(held) if commits == newest]
+        current = [r for r in candidates if held[r][1]] or candidates[:1]
+        behind = [r for r in range(len(held)) if r not in current]
+        rank = dist.get_rank()
+        if rank in current:
+            for i, receiver in enumerate(behind):
+                if current[i % len(current)] == rank:
+                    self._send_to(receiver)
+        else:
+            self._receive_from(current[behind.index(rank) % len(current)])
         object.__setattr__(self, "commits", newest)
+        object.__setattr__(self, "_synced_before", True)
         for slot in self._slots.values():
             slot.snapshot()
 
+    def _module_tensors(self) -> list[torch.Tensor]:
+        return [t for slot in self._slots.values() if isinstance(slot, _ModuleSlot) for t in slot.tensors()]
+
+    def _send_to(self, receiver: int) -> None:
+        others: list[torch.Tensor] = []
+        payloads = {n: s.payload() for n, s in self._slots.items() if not isinstance(s, _ModuleSlot)}
+        dist.send_object_list([_hollow(payloads, others)], dst=receiver)
+        _send_tensors(self._module_tensors() + others, receiver)
+
+    def _receive_from(self, sender: int) -> None:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=sender)
+        others: list[torch.Tensor] = []
+        payloads = _fill(box[0], others)
+        _receive_tensors(self._module_tensors() + others, sender)
+        for name, payload in payloads.items():
+            self._slots[name].load(payload)  # type: ignore[union-attr]
+
     def _attach(self, check: Callable[[], None] | None) -> None:
         object.__setattr__(self, "_check", check)
+
+
+#: the most bytes of tensors copied into one buffer for one broadcast
+_BUCKET_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorHole:
+    """Where a tensor was in a pickled state dict: what the receivers allocate."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    on_cpu: bool
+
+
+def _hollow(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """`obj` with each tensor replaced by a _TensorHole; the tensors go to `tensors`."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return _TensorHole(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type == "cpu")
+    if isinstance(obj, dict):
+        return {k: _hollow(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_hollow(v, tensors) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of _hollow on a receiver: new, empty tensors in the holes."""
+    if isinstance(obj, _TensorHole):
+        device = torch.device("cpu") if obj.on_cpu else flag_device()
+        tensors.append(torch.empty(obj.shape, dtype=obj.dtype, device=device))
+        return tensors[-1]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped for transfer: one dtype per bucket, at most _BUCKET_BYTES (or one
+    bigger tensor). Sender and receiver hold tensors of the same shapes and dtypes in
+    the same order, so both make the same buckets.
+
+    Small tensors travel together, so an optimizer with thousands of small states costs
+    a few messages, not thousands, and a big model is never copied whole.
+    """
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in sorted(tensors, key=lambda t: str(t.dtype)):
+        if not buckets or buckets[-1][0].dtype != tensor.dtype or size + tensor.nbytes > _BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += tensor.nbytes
+    return buckets
+
+
+def _lone(bucket: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether the bucket is one tensor that can travel as it is (no copy)."""
+    return len(bucket) == 1 and bucket[0].device == device and bucket[0].is_contiguous()
+
+
+@torch.no_grad()
+def _send_tensors(tensors: list[torch.Tensor], receiver: int) -> None:
+    device = flag_device()
+    for bucket in _buckets(tensors):
+        flat = bucket[0].view(-1) if _lone(bucket, device) else torch.cat([t.reshape(-1).to(device) for t in bucket])
+        dist.send(flat, dst=receiver)
+
+
+@torch.no_grad()
+def _receive_tensors(tensors: list[torch.Tensor], sender: int) -> None:
+    device = flag_device()
+    for bucket in _buckets(tensors):
+        if _lone(bucket, device):
+            dist.recv(bucket[0].view(-1), src=sender)  # straight into the tensor
+            continue
+        flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=device)
+        dist.recv(flat, src=sender)
+        for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            tensor.copy_(part.view_as(tensor))

@@ -1,0 +1,56 @@
+"""One rank of tests/test_inprocess_parts.py's State.sync() check.
+
+argv: rank world port commits out_dir [survivor_port]. Every rank builds the same model and an Adam
+optimizer (its step counters are CPU tensors, its moments tensors), then makes its
+state differ: `commits` commits after training steps on rank-specific data (0: a fresh
+worker, whose optimizer has no state at all). Each rank writes its state before and
+after sync() to out_dir/<rank>.{before,after}.pt for the test to compare.
+
+With survivor_port, ranks 0 and 1 are survivors of an earlier round: they first sync in
+a group of two on that port, then each sets its own `tag` and commits once more (same
+count, different tag), so the test can see which rank a newcomer got its state from
+and that survivors kept their own.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from elasticrun.worker.elastic import State
+from elasticrun.worker.elastic import state as state_module
+
+rank, world, port, commits, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+survivor_port = int(sys.argv[6]) if len(sys.argv) > 6 else None
+state_module._BUCKET_BYTES = 4096  # several buckets, and tensors bigger than one
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+state = State(model=model, optimizer=optimizer, step=0, best=torch.tensor([float(rank)]), tag=f"rank{rank}")
+torch.manual_seed(100 + rank)
+for _ in range(commits):
+    optimizer.zero_grad()
+    model(torch.randn(5, 8)).pow(2).sum().backward()
+    optimizer.step()
+    state.step += 1
+    state.best = state.best + 1
+    state.commit()
+
+
+def snapshot(path):
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "step": state.step, "best": state.best, "tag": state.tag, "commits": state.commits}, path)
+
+
+if survivor_port is not None and rank < 2:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{survivor_port}", rank=rank, world_size=2)
+    state.sync()
+    dist.destroy_process_group()
+    state.tag = f"survivor{rank}"
+    state.commit()
+snapshot(f"{out}/{rank}.before.pt")
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+state.sync()
+snapshot(f"{out}/{rank}.after.pt")
+dist.destroy_process_group()
