@@ -29,11 +29,16 @@ import datetime
 import os
 import socket
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 from elasticrun.worker.elastic.link import WorkerAssignment
+
+
+#: how often a rank polls for rank 0's store while joining
+_PROBE_INTERVAL = 0.005
 
 
 class SupersededError(RuntimeError):
@@ -88,6 +93,8 @@ class GroupSession:
             if self._interrupted:
                 raise SupersededError(f"round {a.round} was superseded before it began")
             self._before = _socket_inodes()
+        if a.rank != 0:
+            self._await_master(a.master_addr, a.master_port)
         self._store = dist.TCPStore(
             a.master_addr,
             a.master_port,
@@ -108,6 +115,29 @@ class GroupSession:
             interrupted = self._interrupted
         if interrupted:
             raise SupersededError(f"round {a.round} was superseded while joining it")
+
+    def _await_master(self, host: str, port: int) -> None:
+        """Wait until rank 0's store accepts connections.
+
+        A TCPStore client that finds the port closed backs off for about half a
+        second before it tries again, and in a re-forming survivors reach the round a
+        moment after a waiting newcomer: probing every few ms keeps the group's start
+        at the few ms the store needs, not the client's back-off.
+        """
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            if self._interrupted:
+                raise SupersededError(f"round {self.assignment.round} was superseded while joining it")
+            try:
+                socket.create_connection((host, port), timeout=_PROBE_INTERVAL * 10).close()
+                return
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"round {self.assignment.round}: rank 0's store at {host}:{port} did not "
+                        f"accept connections within {self._timeout.total_seconds():g}s ({e})"
+                    ) from e
+            time.sleep(_PROBE_INTERVAL)
 
     def interrupt(self) -> None:
         """Break whatever collective is in flight (thread-safe, any thread)."""
