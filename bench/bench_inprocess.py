@@ -14,8 +14,11 @@ by node n1's agent, `--max-restarts=3`, otherwise default settings (heartbeat 5 
   torchrun     python -m torch.distributed.run, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
                (with its shared store torchrun did not scale up at all in bench_elastic)
 
-Phases, each from its own t0 (taken just before the action) to the first training step
-at the new world size; every wait is capped at --cap seconds:
+Phases, each timed two ways: recovery, the training the job lost (its last step at the
+old world size -> its first step at the new one; the issue's target, ≤ 0.1x torchrun),
+and the time from the action (t0, just before it) to the first step at the new size,
+which on scale-up includes the newcomer's own start while the job trains on. Every wait
+is capped at --cap seconds:
   scale-up   n1, n2 stepping at world 2; start n3 -> first step at world 3
   sigterm    n1..n3 stepping at world 3; SIGTERM to n3's agent -> first step at world 2
   sigkill    n1..n3 stepping at world 3; SIGKILL n3's agent and worker -> first step at 2
@@ -92,6 +95,24 @@ def _pause(job: Job, world_before: int, t0: float, t1: float) -> float | None:
     return None if not last else t1 - max(max(last), t0 if world_before == 3 else 0.0)
 
 
+def _table(summary: dict[str, dict[str, object]], key: str, target: str) -> None:
+    """One markdown table of the medians of `key` (s or pause_s), modes side by side."""
+    print("| phase | in-process | restart | torchrun | in-process / torchrun | restart / torchrun | in-process / restart |"
+          + (" target |" if target else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if target else ""))
+    for phase, cells in summary.items():
+        def cell(mode: str) -> str:
+            c = cells[mode]
+            if not c["runs"]:  # type: ignore[index]
+                return "—"
+            return f"{fmt(c[key])} ({c['ok']}/{c['runs']}; processes {c['started']})"  # type: ignore[index]
+
+        m = {k: cells[k][key] for k in MODES}  # type: ignore[index]
+        print(f"| {phase} | {cell('in-process')} | {cell('restart')} | {cell('torchrun')} | "
+              f"{ratio(m['in-process'], m['torchrun'])} | {ratio(m['restart'], m['torchrun'])} | "  # type: ignore[arg-type]
+              f"{ratio(m['in-process'], m['restart'])} |" + (f" {target} |" if target else ""))  # type: ignore[arg-type]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
@@ -117,11 +138,6 @@ def main() -> int:
                 trials.append({"rep": rep, "phase": phase, "mode": mode, "dir": str(job.workdir), "load": loadavg(), **res})
 
     print(f"\nall done in {time.monotonic() - started:.0f} s; load {loadavg()}; logs under {root}\n")
-    print("Cells: median seconds from the action to the first step at the new world size "
-          "(runs that got there / runs; worker processes started in each run, 3 when no "
-          "worker was restarted).\n")
-    print("| phase | in-process | restart | torchrun | in-process / torchrun | restart / torchrun | in-process / restart | target |")
-    print("|---|---|---|---|---|---|---|---|")
     summary: dict[str, dict[str, object]] = {}
     for phase in args.phases:
         cells: dict[str, dict[str, object]] = {}
@@ -129,27 +145,17 @@ def main() -> int:
             rs = [t for t in trials if t["phase"] == phase and t["mode"] == mode]
             times = [float(t["s"]) for t in rs if t.get("s") is not None]  # type: ignore[arg-type]
             pauses = [float(t["pause_s"]) for t in rs if t.get("pause_s") is not None]  # type: ignore[arg-type]
-            cells[mode] = {"median": median(times), "ok": len(times), "runs": len(rs), "times": times,
-                           "pause": median(pauses), "pauses": pauses, "started": [t.get("workers_started") for t in rs]}
+            cells[mode] = {"s": median(times), "ok": len(times), "runs": len(rs), "times": times,
+                           "pause_s": median(pauses), "pauses": pauses, "started": [t.get("workers_started") for t in rs]}
         summary[phase] = cells
-
-        def cell(mode: str) -> str:
-            c = cells[mode]
-            if not c["runs"]:
-                return "—"
-            return f"{fmt(c['median'])} ({c['ok']}/{c['runs']}; processes {c['started']})"  # type: ignore[arg-type]
-
-        m = {k: cells[k]["median"] for k in MODES}
-        print(f"| {phase} | {cell('in-process')} | {cell('restart')} | {cell('torchrun')} | "
-              f"{ratio(m['in-process'], m['torchrun'])} | {ratio(m['restart'], m['torchrun'])} | "  # type: ignore[arg-type]
-              f"{ratio(m['in-process'], m['restart'])} | ≤ 0.1 of torchrun |")  # type: ignore[arg-type]
-    print("\nTraining lost (last step at the old size -> first step at the new one), median seconds:\n")
-    print("| phase | in-process | restart | torchrun | in-process / torchrun |")
-    print("|---|---|---|---|---|")
-    for phase, cells in summary.items():
-        p = {k: cells[k]["pause"] for k in MODES}
-        print(f"| {phase} | {fmt(p['in-process'])} | {fmt(p['restart'])} | {fmt(p['torchrun'])} | "  # type: ignore[arg-type]
-              f"{ratio(p['in-process'], p['torchrun'])} |")  # type: ignore[arg-type]
+    print("Recovery: the training the job lost, from its last step at the old size to its first "
+          "step at the new one (median seconds; runs that got there / runs; worker processes "
+          "started in each run, 3 when no worker was restarted). For a node lost this is the "
+          "time from the loss; on scale-up the job trains on while the newcomer starts.\n")
+    _table(summary, "pause_s", "≤ 0.1 of torchrun")
+    print("\nTime from the action to the first step at the new world size (on scale-up this "
+          "includes the newcomer's own start: a Python process importing torch).\n")
+    _table(summary, "s", "")
     write_json(args.json, {"machine": info, "trials": trials, "summary": summary})
     return 0
 
