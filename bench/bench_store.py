@@ -16,6 +16,7 @@
    since the 1,000 receiving clients share the same cores.
 
     python bench/bench_store.py --only-scale     # part 3 only, ~1 minute
+    python bench/bench_store.py --only-scale --server-cpu 0   # the server alone on CPU 0
 
 Children are this same file with a hidden role argument; they talk over stdin/stdout
 lines. Nothing here runs in CI.
@@ -308,13 +309,19 @@ def watch_latency_tcp(port: int, samples: int) -> list[float]:
     return out
 
 
-def scale(clients: int, procs: int, seconds: float, profile: str | None = None) -> dict[str, float]:
+def scale(
+    clients: int, procs: int, seconds: float, profile: str | None = None, server_cpu: int | None = None
+) -> dict[str, float]:
     from elasticrun.rendezvous.grpc_store import GrpcStore
 
     send_log = Path(f"/tmp/bench_store_sends.{os.getpid()}.json")
     server = start_server("ours", profile, str(send_log))
     per = clients // procs
     holders = [child("_hold", str(server.port), str(per), str(i * per)) for i in range(procs)]
+    if server_cpu is not None:  # the server alone on one core, the clients on the others
+        os.sched_setaffinity(server.proc.pid, {server_cpu})
+        for h in holders:
+            os.sched_setaffinity(h.pid, os.sched_getaffinity(0) - {server_cpu})
     for h in holders:
         assert h.stdout is not None and h.stdout.readline().strip() == "ready"
     time.sleep(3)  # let every first keep-alive phase pass
@@ -391,6 +398,9 @@ def main() -> None:
     parser.add_argument("--skip-scale", action="store_true")
     parser.add_argument("--only-scale", action="store_true", help="skip ops/s and latency")
     parser.add_argument("--profile-scale", help="cProfile the server in the 1,000-client part")
+    parser.add_argument(
+        "--server-cpu", type=int, help="1,000-client part: pin the server to this CPU, the clients to the others"
+    )
     parser.add_argument("--profile-server", help="cProfile our server during ops/s into PATH")
     args = parser.parse_args()
 
@@ -427,7 +437,7 @@ def pairwise(args: argparse.Namespace) -> None:
 
 
 def report_scale(args: argparse.Namespace) -> None:
-    r = scale(args.clients, args.client_procs, args.scale_seconds, args.profile_scale)
+    r = scale(args.clients, args.client_procs, args.scale_seconds, args.profile_scale, args.server_cpu)
     print(
         f"\n{r['clients']:.0f} clients, lease keep-alive at 1 Hz + one watch each:\n"
         f"- server CPU, keep-alives only: {r['idle_cpu']:.1%} of one core\n"
