@@ -71,6 +71,13 @@ def test_conf_password_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         etcd_store_from_conf("h", {"user": "u", "password_env": "ELASTICRUN_TEST_NO_SUCH_VAR"})
     with pytest.raises(UsageError, match="password_file"):
         etcd_store_from_conf("h", {"user": "u", "password_file": str(tmp_path / "missing")})
+    undecodable = tmp_path / "undecodable"
+    undecodable.write_bytes(b"\xff\xfe")
+    with pytest.raises(UsageError, match="password_file=.* not UTF-8"):
+        etcd_store_from_conf("h", {"user": "u", "password_file": str(undecodable)})
+    monkeypatch.setenv("ELASTICRUN_TEST_PASSWORD", "a\udcffb")  # an undecodable byte in the environment
+    with pytest.raises(UsageError, match="password_env=ELASTICRUN_TEST_PASSWORD: the value is not UTF-8"):
+        etcd_store_from_conf("h", {"user": "u", "password_env": "ELASTICRUN_TEST_PASSWORD"})
     with pytest.raises(UsageError, match="user together with"):
         etcd_store_from_conf("h", {"password_env": "HOME"})
     with pytest.raises(UsageError, match="client_cert and client_key"):

@@ -384,6 +384,15 @@ def test_serve_config_checks_flags(tmp_path: Path) -> None:
     ):
         with pytest.raises(UsageError):
             store_cmd.serve_config(parser.parse_args(["store", "serve", *bad]), {})
+    # a gRPC header value must be printable ASCII: refused at start, with its source
+    for content in (b"\xff\xfe", "tok\u00e9n".encode(), b"a\x01b"):
+        token_file.write_bytes(content)
+        args = parser.parse_args(["store", "serve", "--token-file", str(token_file)])
+        with pytest.raises(UsageError, match="--token-file .*printable ASCII"):
+            store_cmd.serve_config(args, {})
+    args = parser.parse_args(["store", "serve"])
+    with pytest.raises(UsageError, match="ELASTICRUN_STORE_TOKEN.*printable ASCII"):
+        store_cmd.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "a\udcffb"})
 
 
 async def test_store_serve_runs_and_stops_on_sigterm(tmp_path: Path) -> None:

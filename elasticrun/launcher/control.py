@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -196,6 +197,13 @@ async def read_job(store: Store, target: JobTarget) -> JobView:
             "check --rdzv-id and --rdzv-endpoint"
         )
     return view
+
+
+def timeout_seconds(value: float) -> float:
+    """A subcommand's `--timeout`, checked: a positive, finite number of seconds."""
+    if not (value > 0 and math.isfinite(value)):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {value:g}")
+    return value
 
 
 async def wait_nodes_gone(store: Store, keys: Keys, node_ids: set[str], timeout: float) -> set[str]:

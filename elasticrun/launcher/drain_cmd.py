@@ -13,7 +13,7 @@ import socket
 import time
 
 from elasticrun.errors import ElasticrunError, UsageError
-from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, wait_nodes_gone
+from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_nodes_gone
 from elasticrun.rendezvous.state import DrainRequest, Event, encode
 
 
@@ -60,9 +60,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("give either --count N or --node NAME (repeatable)")
     if args.count is not None and args.count < 1:
         raise UsageError(f"--count must be at least 1, got {args.count}")
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    return asyncio.run(drain(job_target(args), count=args.count, names=args.node or [], timeout=args.timeout))
+    return asyncio.run(drain(job_target(args), count=args.count, names=args.node or [], timeout=timeout_seconds(args.timeout)))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -12,7 +12,7 @@ import asyncio
 import os
 
 from elasticrun.errors import UsageError
-from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job
+from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds
 
 
 async def _job_argv(target: JobTarget, timeout: float, local_addr: str | None, log_dir: str | None) -> tuple[list[str], str]:
@@ -51,10 +51,8 @@ async def _job_argv(target: JobTarget, timeout: float, local_addr: str | None, l
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     target = job_target(args)
-    argv, cwd = asyncio.run(_job_argv(target, args.timeout, args.local_addr, args.log_dir))
+    argv, cwd = asyncio.run(_job_argv(target, timeout_seconds(args.timeout), args.local_addr, args.log_dir))
     from elasticrun.launcher.config import build_config
     from elasticrun.launcher.cli import launch_parser
     from elasticrun.launcher.launch import run_launch

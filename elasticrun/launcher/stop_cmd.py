@@ -8,7 +8,7 @@ import getpass
 import socket
 
 from elasticrun.errors import ElasticrunError, UsageError
-from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, wait_nodes_gone
+from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_nodes_gone
 from elasticrun.rendezvous.leader import close_job
 
 #: how long a stopped job stays closed to late agents when its spec does not say
@@ -37,9 +37,7 @@ async def stop(target: JobTarget, *, timeout: float) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    return asyncio.run(stop(job_target(args), timeout=args.timeout))
+    return asyncio.run(stop(job_target(args), timeout=timeout_seconds(args.timeout)))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -28,15 +28,23 @@ class ServeConfig:
 
 
 def load_token(token_file: str | None, environ: Mapping[str, str]) -> str | None:
-    """The store token: the file's content (stripped), else $ELASTICRUN_STORE_TOKEN."""
+    """The store token: the file's content (stripped), else $ELASTICRUN_STORE_TOKEN.
+
+    It travels as a gRPC header value, which must be printable ASCII: anything else is
+    refused here, with the place it came from, rather than failing every call later.
+    """
     if token_file is None:
-        return environ.get(TOKEN_ENV) or None
-    try:
-        token = Path(token_file).read_text().strip()
-    except OSError as e:
-        raise UsageError(f"cannot read --token-file {token_file}: {e.strerror}") from None
-    if not token:
-        raise UsageError(f"--token-file {token_file} is empty")
+        token, where = environ.get(TOKEN_ENV) or None, f"${TOKEN_ENV}"
+    else:
+        try:
+            data = Path(token_file).read_bytes()
+        except OSError as e:
+            raise UsageError(f"cannot read --token-file {token_file}: {e.strerror}") from None
+        token, where = data.decode("latin-1").strip(), f"--token-file {token_file}"
+        if not token:
+            raise UsageError(f"{where} is empty")
+    if token is not None and not all(" " <= c <= "~" for c in token):
+        raise UsageError(f"{where}: the token must be printable ASCII text (it is sent as a gRPC header)")
     return token
 
 

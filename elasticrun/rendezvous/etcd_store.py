@@ -279,13 +279,20 @@ def etcd_store_from_conf(
         raise UsageError("--rdzv-conf: give password_file or password_env, not both")
     password = None
     if password_file is not None:
-        password = _read_file(password_file, "password_file").decode().rstrip("\r\n")
+        try:
+            password = _read_file(password_file, "password_file").decode().rstrip("\r\n")
+        except UnicodeDecodeError:
+            raise UsageError(f"--rdzv-conf password_file={password_file}: the file is not UTF-8 text") from None
     elif password_env is not None:
         password = os.environ.get(password_env)
         if password is None:
             raise UsageError(
                 f"--rdzv-conf password_env={password_env}: that environment variable is not set"
             )
+        try:
+            password.encode()
+        except UnicodeEncodeError:
+            raise UsageError(f"--rdzv-conf password_env={password_env}: the value is not UTF-8 text") from None
     return EtcdStore(
         parse_endpoints(endpoint),
         ca_cert=conf.get("ca_cert"),

@@ -468,6 +468,9 @@ FOUND = [
     (["--nnodes", "1\n2", "SCRIPT"], {}, "got '1\\n2'"),
     (["missing\n.py"], {}, "training script not found: missing\\n.py"),
     (["--bogus\x1b[2J", "SCRIPT"], {}, "unrecognized arguments: --bogus\\x1b[2J"),
+    (["stop", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=j", "--timeout=nan"], {}, "--timeout must be a positive number of seconds, got nan"),
+    (["drain", "--rdzv-endpoint=h:1", "--rdzv-id=j", "--count=1", "--timeout=inf"], {}, "--timeout must be a positive number of seconds, got inf"),
+    (["join", "--rdzv-endpoint=h:1", "--rdzv-id=j", "--timeout=-1"], {}, "--timeout must be a positive number of seconds, got -1"),
 ]
 
 
