@@ -7,6 +7,7 @@ The whole mode runs end to end in tests/test_inprocess.py.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import socket
 import subprocess
@@ -21,8 +22,8 @@ from elasticrun.agent import channel as agent_channel
 from elasticrun.agent.channel import WorkerChannel
 from elasticrun.worker.elastic import MembershipChanged, State
 from elasticrun.worker.elastic import link as worker_link
-from elasticrun.worker.elastic.link import AgentGoneError, AgentLink
-from elasticrun.worker.elastic.session import _shut_down, _socket_inodes
+from elasticrun.worker.elastic.link import AgentGoneError, AgentLink, WorkerAssignment
+from elasticrun.worker.elastic.session import GroupSession, SupersededError, _shut_down, _socket_inodes
 from tests.agent_helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -49,13 +50,15 @@ async def test_assign_ready_change_interrupt_and_broken_travel_over_the_line() -
         assert (a.round, a.rank, a.world_size, a.master_addr, a.master_port) == (3, 4, 6, "10.0.0.1", 1234)
         assert not link.superseded(3)
 
-        interrupted = threading.Event()
-        link.on_interrupt(interrupted.set)
-        ch.change(3, interrupt=False)  # nodes joined: no interrupt, noticed at commit
+        changes: list[tuple[int, bool]] = []
+        link.on_change(lambda round_number, interrupt: changes.append((round_number, interrupt)))
+        ch.change(3, interrupt=False)  # nodes joined: no interrupt
         await asyncio.to_thread(wait_until, lambda: link.superseded(3), 10, "the change", 0.01)
-        assert not interrupted.is_set()
+        assert not link.peer_lost(3)
         ch.change(3, interrupt=True)  # a peer is gone: interrupt now
-        assert await asyncio.to_thread(interrupted.wait, 10)
+        await asyncio.to_thread(wait_until, lambda: len(changes) == 2, 10, "the interrupt", 0.01)
+        assert changes == [(3, False), (3, True)]
+        assert link.peer_lost(3) and not link.peer_lost(4)
 
         ch.assign(4, {0: {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}})
         assert (await asyncio.to_thread(link.next_assignment, 3)).round == 4
@@ -88,6 +91,29 @@ async def test_a_bad_line_from_a_worker_drops_that_worker_only() -> None:
         writer.close()
     finally:
         await ch.close()
+
+
+def test_a_lost_peer_breaks_a_join_in_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 1 joins round 2, whose rank 0 never comes (its node died). The agent's word
+    # that round 2 lost a peer must end the join now, not after the group's 60 s timeout.
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)  # join() exports them; restored after the test
+    session = GroupSession(WorkerAssignment(2, env), "gloo", datetime.timedelta(seconds=60))
+    outcome: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            session.join()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome.append(e)
+
+    joining = threading.Thread(target=join, daemon=True)
+    joining.start()
+    session.round_over(2, interrupt=True)
+    joining.join(20)
+    assert not joining.is_alive() and len(outcome) == 1 and isinstance(outcome[0], SupersededError)
+    session.leave()
 
 
 def test_commit_and_restore_cover_model_optimizer_and_values() -> None:

@@ -15,8 +15,8 @@ lines:
 `hello` comes when the script imports the worker API (it can be re-formed in place),
 `ready` when it first asks for a round (its model is built, its data loaded): a node
 that joins a running job joins only then, so the job never waits for a newcomer's
-start-up. `change` says the worker's round is over: it leaves at its next `commit()`, or at once
-when `interrupt` is set (a peer is gone, so a collective may never finish). Workers
+start-up. `change` says the worker's round is over: it leaves at its next `commit()`, or at
+once when `interrupt` is set (a peer is gone, so a collective may never finish). Workers
 import none of this; the protocol is the contract (see elasticrun/worker/elastic/link.py).
 """
 

@@ -65,8 +65,9 @@ class AgentLink:
         self._cond = threading.Condition()
         self._assignment: WorkerAssignment | None = None
         self._superseded = 0  # the newest round the agent said is over
+        self._lost = 0  # the newest round the agent said lost a peer
         self._gone = False
-        self._on_interrupt: Callable[[], None] | None = None
+        self._on_change: Callable[[int, bool], None] | None = None
         self._said_ready = False
         self._send({"hello": local_rank, "pid": os.getpid()})
         threading.Thread(target=self._read, name="elasticrun-agent-link", daemon=True).start()
@@ -79,10 +80,11 @@ class AgentLink:
             return None
         return cls(path, int(os.environ.get("LOCAL_RANK", "0")))
 
-    def on_interrupt(self, callback: Callable[[], None] | None) -> None:
-        """Call `callback` (from the reader thread) when the agent says a peer is gone."""
+    def on_change(self, callback: Callable[[int, bool], None] | None) -> None:
+        """Call `callback(round, interrupt)` (from the reader thread) when the agent says
+        a round is over; `interrupt` is set when a peer is gone."""
         with self._cond:
-            self._on_interrupt = callback
+            self._on_change = callback
 
     def next_assignment(self, after: int) -> WorkerAssignment:
         """Block until the agent assigns a round newer than `after`."""
@@ -101,6 +103,10 @@ class AgentLink:
         return self._superseded >= round_number or (
             self._assignment is not None and self._assignment.round > round_number
         )
+
+    def peer_lost(self, round_number: int) -> bool:
+        """Whether the agent said round `round_number` lost a peer (read from memory)."""
+        return self._lost >= round_number
 
     def report_broken(self, round_number: int, error: str) -> None:
         """Training failed in `round_number` with no change announced: tell the agent."""
@@ -125,10 +131,11 @@ class AgentLink:
                     elif "change" in message:
                         self._superseded = max(self._superseded, int(message["change"]))
                         if message.get("interrupt"):
-                            callback = self._on_interrupt
+                            self._lost = max(self._lost, int(message["change"]))
+                        callback = self._on_change
                     self._cond.notify_all()
                 if callback is not None:
-                    callback()
+                    callback(int(message["change"]), bool(message.get("interrupt")))
         with self._cond:
             self._gone = True
             self._cond.notify_all()

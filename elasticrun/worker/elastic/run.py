@@ -97,7 +97,9 @@ def _run_elastic(
         assignment = link.next_assignment(after)
         after = assignment.round
         session = GroupSession(assignment, backend, timeout)
-        link.on_interrupt(session.interrupt)
+        link.on_change(session.round_over)
+        if link.peer_lost(assignment.round):
+            session.interrupt()  # said before the callback was in place: join() refuses
         try:
             session.join()
             state._attach(functools.partial(_check_membership, link, assignment.round))
@@ -120,7 +122,7 @@ def _run_elastic(
                 link.report_broken(assignment.round, error)
         finally:
             state._attach(None)
-            link.on_interrupt(None)
+            link.on_change(None)
             session.leave()
 
 

@@ -82,7 +82,7 @@ class GroupSession:
         self._lock = threading.Lock()
         self._interrupted = False
         self._before: set[str] | None = None  # sockets open before joining began
-        self._sockets: set[str] | None = None  # the group's own, once joined
+        self._sockets: set[str] | None = None  # the group's own, once joined (None before)
         self._store: dist.TCPStore | None = None
 
     def join(self) -> None:
@@ -138,6 +138,18 @@ class GroupSession:
                         f"accept connections within {self._timeout.total_seconds():g}s ({e})"
                     ) from e
             time.sleep(_PROBE_INTERVAL)
+
+    def round_over(self, round_number: int, interrupt: bool) -> None:
+        """The agent said `round_number` is over (any thread).
+
+        Only a lost peer (`interrupt`) breaks this round's group, joining or joined; news
+        of an earlier round is stale. A change without it (nodes joined) is left at the
+        next commit, where every rank notices it together: breaking a join for it would
+        strand the peers still joining (a TCPStore client whose server went away retries
+        for the whole timeout, and its retries open sockets the interrupt never saw).
+        """
+        if interrupt and round_number >= self.assignment.round:
+            self.interrupt()
 
     def interrupt(self) -> None:
         """Break whatever collective is in flight (thread-safe, any thread)."""
