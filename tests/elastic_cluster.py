@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -58,20 +59,42 @@ def tagged_pids(tag: str) -> list[int]:
 
 
 class Proc:
-    """A child process with its combined output in a log file, waited on by regex."""
+    """A child process with its combined output in a log file, waited on by regex.
+
+    A reader thread copies the output to the log and wakes whoever waits for a line,
+    so `wait_for` returns the moment the line is written.
+    """
 
     def __init__(self, name: str, argv: Sequence[str], log: Path, env: dict[str, str]) -> None:
         self.name = name
         self.log = log
-        self._out = open(log, "wb")
+        self._data = bytearray()
+        self._done = False  # the output has ended and the process has exited
+        self._changed = threading.Condition()
         self.popen = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT, env=env
+            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
         )
         self.pid = self.popen.pid
         self.tagged = True
+        threading.Thread(target=self._pump, name=f"output of {name}", daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        with open(self.log, "wb") as out, self.popen.stdout as pipe:
+            while chunk := pipe.read1(1 << 16):
+                out.write(chunk)
+                out.flush()
+                with self._changed:
+                    self._data += chunk
+                    self._changed.notify_all()
+        self.popen.wait()  # the output ends as the process exits
+        with self._changed:
+            self._done = True
+            self._changed.notify_all()
 
     def text(self) -> str:
-        return self.log.read_text(errors="replace")
+        with self._changed:
+            return self._data.decode(errors="replace")
 
     def wait_for(self, pattern: str, *, count: int = 1, start: int = 0, timeout: float = WAIT) -> re.Match[str]:
         """The `count`-th match of `pattern` (a multiline regex) in the output after `start`.
@@ -80,18 +103,19 @@ class Proc:
         """
         regex = re.compile(pattern, re.MULTILINE)
         deadline = time.monotonic() + timeout
-        while True:
-            exited = self.popen.poll() is not None
-            text = self.text()
-            matches = list(regex.finditer(text, start))
-            if len(matches) >= count:
-                return matches[count - 1]
-            if exited or time.monotonic() > deadline:
-                why = f"exited with {self.popen.returncode}" if exited else f"timed out after {timeout:g}s"
-                raise AssertionError(
-                    f"{self.name} {why} before {count} x /{pattern}/; its output:\n{text[-6000:]}"
-                )
-            time.sleep(0.05)
+        with self._changed:
+            while True:
+                text = self._data.decode(errors="replace")
+                matches = list(regex.finditer(text, start))
+                if len(matches) >= count:
+                    return matches[count - 1]
+                left = deadline - time.monotonic()
+                if self._done or left <= 0:
+                    why = f"exited with {self.popen.returncode}" if self._done else f"timed out after {timeout:g}s"
+                    raise AssertionError(
+                        f"{self.name} {why} before {count} x /{pattern}/; its output:\n{text[-6000:]}"
+                    )
+                self._changed.wait(left)
 
     def mark(self) -> int:
         """The current end of the output: `wait_for(..., start=mark)` sees only what follows."""
@@ -111,7 +135,6 @@ class Proc:
         if self.popen.poll() is None:
             os.kill(self.pid, signal.SIGKILL)
         self.popen.wait()
-        self._out.close()
 
 
 def start_store_server(port: int, log: Path) -> Proc:

@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -31,6 +30,8 @@ from pathlib import Path
 import grpc
 import pytest
 from pyetcd import etcdrpc
+
+from tests.agent_helpers import wait_until
 
 ETCD_BINARY = shutil.which("etcd")
 #: Raft timings for members on one loopback interface (etcd's defaults: 100 and 1000).
@@ -219,13 +220,13 @@ class EtcdCluster:
 
     def leader_index(self) -> int:
         """The index of the raft leader among running members, waiting for an election."""
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            for i in self.running():
-                if "etcd_server_is_leader 1" in self._http(i, "/metrics"):
-                    return i
-            time.sleep(0.05)
-        raise TimeoutError(f"no etcd leader among members {self.running()}: {self._log_tails()}")
+        def leaders() -> list[int]:
+            return [i for i in self.running() if "etcd_server_is_leader 1" in self._http(i, "/metrics")]
+
+        try:
+            return wait_until(leaders, READY_TIMEOUT, "an etcd leader")[0]
+        except AssertionError:
+            raise TimeoutError(f"no etcd leader among members {self.running()}: {self._log_tails()}") from None
 
     def enable_auth(self, user: str, password: str) -> None:
         """Create `user` with the root role and turn authentication on."""
@@ -306,14 +307,16 @@ class EtcdCluster:
     def _wait_healthy(self, index: int) -> None:
         """Poll the member's /health (the one bounded poll: etcd offers no event)."""
         member = self._members[index]
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
             if member.process is None or member.process.poll() is not None:
                 raise RuntimeError(f"etcd member {member.name} exited: {self._log_tails([index])}")
-            if '"health":"true"' in self._http(index, "/health"):
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"etcd member {member.name} not healthy: {self._log_tails([index])}")
+            return '"health":"true"' in self._http(index, "/health")
+
+        try:
+            wait_until(healthy, READY_TIMEOUT, f"etcd member {member.name} to be healthy")
+        except AssertionError:
+            raise TimeoutError(f"etcd member {member.name} not healthy: {self._log_tails([index])}") from None
 
     def _http(self, index: int, path: str) -> str:
         url = f"http://127.0.0.1:{self._members[index].metrics_port}{path}"

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import shlex
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from examples.elastic_demo import descendants, kill_tree
 from elasticrun.launcher.cli import SUBCOMMANDS, launch_parser, subcommand_parser
 from elasticrun.launcher.config import build_config
 from elasticrun.launcher.control import job_target
@@ -87,29 +87,7 @@ class Job:
 
     def kill_all(self) -> None:
         """SIGKILL the agent and every process below it, each by PID."""
-        for pid in [*descendants(self.proc.pid), self.proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(timeout=WAIT)
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+        kill_tree(self.proc)
 
 
 @pytest.fixture

@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from worker_tag import identity
+
 
 class Lines:
     """Numbered output, with the count printed so far kept in a side file."""
@@ -77,12 +79,7 @@ def main() -> int:
     args = p.parse_args()
 
     out = Lines(args.seq_dir)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    tag = (
-        f"rank={rank} world={world} group_rank={os.environ['GROUP_RANK']} "
-        f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} "
-        f"round={os.environ.get('ELASTICRUN_ROUND', '?')} pid={os.getpid()}"
-    )
+    rank, world, tag = identity()
 
     def on_sigterm(signum: int, frame: object) -> None:
         out.say(f"worker got SIGTERM {tag}", in_handler=True)

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from worker_tag import identity
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -41,12 +43,7 @@ def main() -> int:
     p.add_argument("--broken-wait", type=float, default=60.0)
     args = p.parse_args()
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    tag = (
-        f"rank={rank} world={world} group_rank={os.environ['GROUP_RANK']} "
-        f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} "
-        f"round={os.environ.get('ELASTICRUN_ROUND', '?')} pid={os.getpid()}"
-    )
+    rank, world, tag = identity()
 
     def on_sigterm(signum: int, frame: object) -> None:
         os.write(1, f"worker got SIGTERM {tag}\n".encode())
