@@ -37,8 +37,10 @@ import torch.distributed as dist
 from elasticrun.worker.elastic.link import WorkerAssignment
 
 
-#: how often a rank polls for rank 0's store while joining
+#: how often a rank polls for rank 0's store while joining (a refused connect is
+#: answered at once), and how long one probe may wait for a slow network's answer
 _PROBE_INTERVAL = 0.005
+_PROBE_CONNECT_LIMIT = 5.0
 
 
 class SupersededError(RuntimeError):
@@ -82,7 +84,7 @@ class GroupSession:
         self._lock = threading.Lock()
         self._interrupted = False
         self._before: set[str] | None = None  # sockets open before joining began
-        self._sockets: set[str] | None = None  # the group's own, once joined (None before)
+        self._sockets: set[str] | None = None  # the group's own, once joined
         self._store: dist.TCPStore | None = None
 
     def join(self) -> None:
@@ -129,7 +131,8 @@ class GroupSession:
             if self._interrupted:
                 raise SupersededError(f"round {self.assignment.round} was superseded while joining it")
             try:
-                socket.create_connection((host, port), timeout=_PROBE_INTERVAL * 10).close()
+                left = max(deadline - time.monotonic(), _PROBE_INTERVAL)
+                socket.create_connection((host, port), timeout=min(left, _PROBE_CONNECT_LIMIT)).close()
                 return
             except OSError as e:
                 if time.monotonic() > deadline:
