@@ -96,9 +96,19 @@ def _log_watch_sends(path: str) -> None:
     atexit.register(lambda: Path(path).write_text(json.dumps(sent)))
 
 
+def _settle_gc() -> None:
+    """Collect garbage as elasticrun's own processes do (`elasticrun store serve`, the
+    agent), unless the run compares against CPython's defaults (--default-gc)."""
+    from elasticrun.launcher.gc_settings import settle_gc
+
+    if not os.environ.get("BENCH_DEFAULT_GC"):
+        settle_gc()
+
+
 def role_serve_ours(profile: str | None) -> None:
     from elasticrun.rendezvous.server import StoreServer
 
+    _settle_gc()
     if os.environ.get("BENCH_SEND_LOG"):
         _log_watch_sends(os.environ["BENCH_SEND_LOG"])
 
@@ -163,6 +173,7 @@ def role_hold(port: int, clients: int, start: int) -> None:
     from elasticrun.rendezvous.grpc_store import GrpcStore
 
     os.nice(10)  # the server and the probe first: in a cluster each client has its own host
+    _settle_gc()  # each client stands for an agent
     latencies: list[float] = []
 
     async def one(i: int, ready: asyncio.Event, counter: list[int]) -> None:
@@ -402,7 +413,14 @@ def main() -> None:
         "--server-cpu", type=int, help="1,000-client part: pin the server to this CPU, the clients to the others"
     )
     parser.add_argument("--profile-server", help="cProfile our server during ops/s into PATH")
+    parser.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="our server and clients keep CPython's GC defaults instead of elasticrun's settings",
+    )
     args = parser.parse_args()
+    if args.default_gc:
+        os.environ["BENCH_DEFAULT_GC"] = "1"  # the children inherit it
 
     print(f"# store bench, {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
     if not args.only_scale:

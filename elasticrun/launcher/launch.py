@@ -21,6 +21,7 @@ from elasticrun.agent.gpu import Gpus, open_gpus
 from elasticrun.errors import GpuUnhealthyError, UsageError
 from elasticrun.launcher.config import DEFAULT_C10D_PORT, LaunchConfig, RendezvousConfig, parse_endpoint
 from elasticrun.launcher.control import open_client_store, read_conf_file
+from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.store_cmd import load_token
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
@@ -37,6 +38,7 @@ _HOST_LINGER = 300.0
 
 def run_launch(config: LaunchConfig) -> int:
     """Run this node's part of the job; return the process exit code."""
+    settle_gc()
     return asyncio.run(_launch(config))
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticrun.errors import UsageError
+from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.rendezvous.server import StoreServer, TlsKeyPair
 
 #: Where a token comes from when no --token-file is given (server and clients alike).
@@ -91,7 +92,9 @@ async def serve(config: ServeConfig) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    return asyncio.run(serve(serve_config(args, os.environ)))
+    config = serve_config(args, os.environ)
+    settle_gc()
+    return asyncio.run(serve(config))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
