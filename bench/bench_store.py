@@ -12,11 +12,14 @@
    connection per client), each with a lease kept alive at 1 Hz and a watch open: the
    server's CPU share, idle and while the watched key changes once a second, and the
    notification latency of those changes; apart from it, the server's own fan-out
-   (from the write to the last watcher's reply handed to gRPC, and to its send done),
-   since the 1,000 receiving clients share the same cores.
+   (from the write to the last watcher's reply handed to gRPC, and to its send done;
+   and the same per reply), since the 1,000 receiving clients share the same cores.
+   Our server and clients collect garbage as elasticrun's processes do
+   (`elasticrun/launcher/gc_settings.py`); --default-gc keeps CPython's defaults.
 
     python bench/bench_store.py --only-scale     # part 3 only, ~1 minute
     python bench/bench_store.py --only-scale --server-cpu 0   # the server alone on CPU 0
+    python bench/bench_store.py --only-scale --default-gc     # CPython's GC defaults
 
 Children are this same file with a hidden role argument; they talk over stdin/stdout
 lines. Nothing here runs in CI.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -234,8 +238,16 @@ class Server:
         self.proc.wait(30)
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
+
+
+def cpu_seconds(*pids: int) -> float:
+    """User + system CPU seconds the processes have used so far."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def start_server(kind: str, profile: str | None = None, send_log: str = "") -> Server:
@@ -336,9 +348,12 @@ def scale(
     for h in holders:
         assert h.stdout is not None and h.stdout.readline().strip() == "ready"
     time.sleep(3)  # let every first keep-alive phase pass
-    cpu0, t0 = server.cpu_seconds(), time.perf_counter()
+    clients_cpu = functools.partial(cpu_seconds, *(h.pid for h in holders))
+    cpu0, clients0, t0 = server.cpu_seconds(), clients_cpu(), time.perf_counter()
     time.sleep(seconds)
-    idle_share = (server.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
+    idle_seconds = time.perf_counter() - t0
+    idle_share = (server.cpu_seconds() - cpu0) / idle_seconds
+    clients_idle_share = (clients_cpu() - clients0) / idle_seconds
 
     probe: list[float] = []
     changes: list[int] = []  # perf_counter_ns at the start of each write
@@ -358,10 +373,13 @@ def scale(
         await writer.close()
         await watcher.close()
 
-    cpu0, t0 = server.cpu_seconds(), time.perf_counter()
+    cpu0, clients0, t0 = server.cpu_seconds(), clients_cpu(), time.perf_counter()
     asyncio.run(broadcast())
     busy_share = (server.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
     time.sleep(1.0)  # the last broadcast's stragglers
+    busy_seconds = time.perf_counter() - t0
+    # The clients' CPU for receiving the changes: their busy time less their keep-alives.
+    clients_receive = clients_cpu() - clients0 - clients_idle_share * busy_seconds
     latencies: list[float] = []
     for h in holders:
         assert h.stdin is not None and h.stdout is not None
@@ -375,22 +393,30 @@ def scale(
     sends = sorted(json.loads(send_log.read_text()))
     send_log.unlink()
     handed, done = [], []  # per change: when the last reply was handed over / sent
+    reply_handed, reply_done = [], []  # per reply, from the start of its change's write
     for i, start in enumerate(changes):
         end = changes[i + 1] if i + 1 < len(changes) else 1 << 62
-        mine = [(h - start, d - start) for h, d in sends if start <= h < end]
+        mine = [((h - start) / 1e6, (d - start) / 1e6) for h, d in sends if start <= h < end]
         if mine:
-            handed.append(max(h for h, _ in mine) / 1e6)
-            done.append(max(d for _, d in mine) / 1e6)
+            handed.append(max(h for h, _ in mine))
+            done.append(max(d for _, d in mine))
+            reply_handed += [h for h, _ in mine]
+            reply_done += [d for _, d in mine]
     return {
         "handed_p50": percentile(handed, 50),
         "handed_max": max(handed),
         "done_p50": percentile(done, 50),
         "done_max": max(done),
+        "reply_handed_p50": percentile(reply_handed, 50),
+        "reply_handed_p99": percentile(reply_handed, 99),
+        "reply_done_p50": percentile(reply_done, 50),
+        "reply_done_p99": percentile(reply_done, 99),
         "sends": len(sends),
         "clients": per * procs,
         "idle_cpu": idle_share,
         "busy_cpu": busy_share,
         "notifications": len(latencies),
+        "client_us": clients_receive / max(len(latencies), 1) * 1e6,
         "p50": percentile(latencies, 50),
         "p99": percentile(latencies, 99),
         "probe_p50": percentile(probe, 50),
@@ -463,10 +489,15 @@ def report_scale(args: argparse.Namespace) -> None:
         f"- notification latency, all clients ({r['notifications']:.0f} notifications, "
         f"clients niced and sharing the cores): p50 {r['p50']:.1f} ms, "
         f"p99 {r['p99']:.1f} ms\n"
+        f"- the clients' own CPU to receive a notification: {r['client_us']:.0f} µs "
+        f"({r['client_us'] * r['clients'] / 1e3:.0f} ms of CPU per change, on the same cores)\n"
         f"- server fan-out, from the start of the write to the last watcher's reply "
         f"handed to gRPC: p50 {r['handed_p50']:.1f} ms, max {r['handed_max']:.1f} ms; "
         f"to gRPC's send of it done: p50 {r['done_p50']:.1f} ms, "
         f"max {r['done_max']:.1f} ms ({r['sends']:.0f} replies)\n"
+        f"- server side, per reply, from the start of the write: handed to gRPC "
+        f"p50 {r['reply_handed_p50']:.1f} ms, p99 {r['reply_handed_p99']:.1f} ms; "
+        f"gRPC's send done p50 {r['reply_done_p50']:.1f} ms, p99 {r['reply_done_p99']:.1f} ms\n"
         f"- notification latency, one probe client ({r['probes']:.0f} changes): "
         f"p50 {r['probe_p50']:.1f} ms, max {r['probe_max']:.1f} ms"
     )
