@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import random
@@ -238,16 +237,8 @@ class Server:
         self.proc.wait(30)
 
     def cpu_seconds(self) -> float:
-        return cpu_seconds(self.proc.pid)
-
-
-def cpu_seconds(*pids: int) -> float:
-    """User + system CPU seconds the processes have used so far."""
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_server(kind: str, profile: str | None = None, send_log: str = "") -> Server:
@@ -348,12 +339,9 @@ def scale(
     for h in holders:
         assert h.stdout is not None and h.stdout.readline().strip() == "ready"
     time.sleep(3)  # let every first keep-alive phase pass
-    clients_cpu = functools.partial(cpu_seconds, *(h.pid for h in holders))
-    cpu0, clients0, t0 = server.cpu_seconds(), clients_cpu(), time.perf_counter()
+    cpu0, t0 = server.cpu_seconds(), time.perf_counter()
     time.sleep(seconds)
-    idle_seconds = time.perf_counter() - t0
-    idle_share = (server.cpu_seconds() - cpu0) / idle_seconds
-    clients_idle_share = (clients_cpu() - clients0) / idle_seconds
+    idle_share = (server.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
 
     probe: list[float] = []
     changes: list[int] = []  # perf_counter_ns at the start of each write
@@ -373,13 +361,10 @@ def scale(
         await writer.close()
         await watcher.close()
 
-    cpu0, clients0, t0 = server.cpu_seconds(), clients_cpu(), time.perf_counter()
+    cpu0, t0 = server.cpu_seconds(), time.perf_counter()
     asyncio.run(broadcast())
     busy_share = (server.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
     time.sleep(1.0)  # the last broadcast's stragglers
-    busy_seconds = time.perf_counter() - t0
-    # The clients' CPU for receiving the changes: their busy time less their keep-alives.
-    clients_receive = clients_cpu() - clients0 - clients_idle_share * busy_seconds
     latencies: list[float] = []
     for h in holders:
         assert h.stdin is not None and h.stdout is not None
@@ -416,7 +401,6 @@ def scale(
         "idle_cpu": idle_share,
         "busy_cpu": busy_share,
         "notifications": len(latencies),
-        "client_us": clients_receive / max(len(latencies), 1) * 1e6,
         "p50": percentile(latencies, 50),
         "p99": percentile(latencies, 99),
         "probe_p50": percentile(probe, 50),
@@ -489,8 +473,6 @@ def report_scale(args: argparse.Namespace) -> None:
         f"- notification latency, all clients ({r['notifications']:.0f} notifications, "
         f"clients niced and sharing the cores): p50 {r['p50']:.1f} ms, "
         f"p99 {r['p99']:.1f} ms\n"
-        f"- the clients' own CPU to receive a notification: {r['client_us']:.0f} µs "
-        f"({r['client_us'] * r['clients'] / 1e3:.0f} ms of CPU per change, on the same cores)\n"
         f"- server fan-out, from the start of the write to the last watcher's reply "
         f"handed to gRPC: p50 {r['handed_p50']:.1f} ms, max {r['handed_max']:.1f} ms; "
         f"to gRPC's send of it done: p50 {r['done_p50']:.1f} ms, "
