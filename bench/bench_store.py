@@ -20,6 +20,7 @@
     python bench/bench_store.py --only-scale     # part 3 only, ~1 minute
     python bench/bench_store.py --only-scale --server-cpu 0   # the server alone on CPU 0
     python bench/bench_store.py --only-scale --default-gc     # CPython's GC defaults
+    python bench/bench_store.py --only-scale --split-servers 2  # a fan-out split in 2, at best
 
 Children are this same file with a hidden role argument; they talk over stdin/stdout
 lines. Nothing here runs in CI.
@@ -324,46 +325,63 @@ def watch_latency_tcp(port: int, samples: int) -> list[float]:
 
 
 def scale(
-    clients: int, procs: int, seconds: float, profile: str | None = None, server_cpu: int | None = None
+    clients: int,
+    procs: int,
+    seconds: float,
+    profile: str | None = None,
+    server_cpu: int | None = None,
+    split: int = 1,
 ) -> dict[str, float]:
+    """The 1,000-client part. With `split` > 1, that many independent servers, the
+    client processes spread over them and every change written to all at once: what a
+    store whose fan-out were spread perfectly over `split` processes could do at best."""
     from elasticrun.rendezvous.grpc_store import GrpcStore
 
-    send_log = Path(f"/tmp/bench_store_sends.{os.getpid()}.json")
-    server = start_server("ours", profile, str(send_log))
+    send_logs = [Path(f"/tmp/bench_store_sends.{os.getpid()}.{k}.json") for k in range(split)]
+    servers = [start_server("ours", profile, str(log)) for log in send_logs]
     per = clients // procs
-    holders = [child("_hold", str(server.port), str(per), str(i * per)) for i in range(procs)]
+    holders = [
+        child("_hold", str(servers[i % split].port), str(per), str(i * per)) for i in range(procs)
+    ]
     if server_cpu is not None:  # the server alone on one core, the clients on the others
-        os.sched_setaffinity(server.proc.pid, {server_cpu})
+        os.sched_setaffinity(servers[0].proc.pid, {server_cpu})
         for h in holders:
             os.sched_setaffinity(h.pid, os.sched_getaffinity(0) - {server_cpu})
     for h in holders:
         assert h.stdout is not None and h.stdout.readline().strip() == "ready"
+
+    def servers_cpu() -> float:
+        return sum(server.cpu_seconds() for server in servers)
+
     time.sleep(3)  # let every first keep-alive phase pass
-    cpu0, t0 = server.cpu_seconds(), time.perf_counter()
+    cpu0, t0 = servers_cpu(), time.perf_counter()
     time.sleep(seconds)
-    idle_share = (server.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
+    idle_share = (servers_cpu() - cpu0) / (time.perf_counter() - t0)
 
     probe: list[float] = []
     changes: list[int] = []  # perf_counter_ns at the start of each write
 
     async def broadcast() -> None:
         """Change `round` once a second; a probe client times each notification."""
-        writer, watcher = GrpcStore(f"{HOST}:{server.port}"), GrpcStore(f"{HOST}:{server.port}")
-        watch = watcher.watch("round", start_revision=(await writer.get_prefix("")).revision + 1)
+        writers = [GrpcStore(f"{HOST}:{server.port}") for server in servers]
+        watcher = GrpcStore(f"{HOST}:{servers[0].port}")
+        start = (await writers[0].get_prefix("")).revision + 1
+        watch = watcher.watch("round", start_revision=start)
         end = time.perf_counter() + seconds
         while (t0 := time.perf_counter()) < end:
             changes.append(time.perf_counter_ns())
-            await writer.put("round", str(changes[-1]).encode())
+            value = str(changes[-1]).encode()
+            await asyncio.gather(*(writer.put("round", value) for writer in writers))
             await anext(watch)
             probe.append((time.perf_counter() - t0) * 1e3)
             await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
         await watch.aclose()
-        await writer.close()
-        await watcher.close()
+        for store in (*writers, watcher):
+            await store.close()
 
-    cpu0, t0 = server.cpu_seconds(), time.perf_counter()
+    cpu0, t0 = servers_cpu(), time.perf_counter()
     asyncio.run(broadcast())
-    busy_share = (server.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
+    busy_share = (servers_cpu() - cpu0) / (time.perf_counter() - t0)
     time.sleep(1.0)  # the last broadcast's stragglers
     latencies: list[float] = []
     for h in holders:
@@ -372,11 +390,14 @@ def scale(
         h.stdin.flush()
         latencies += json.loads(h.stdout.readline())
         h.wait(30)
-    server.stop()
+    sends = []
+    for server, log in zip(servers, send_logs):
+        server.stop()
+        sends += json.loads(log.read_text())
+        log.unlink()
     # Server-side fan-out: from the start of each write to the moment the server had
     # sent the change to its last watcher (every send before the next write).
-    sends = sorted(json.loads(send_log.read_text()))
-    send_log.unlink()
+    sends.sort()
     handed, done = [], []  # per change: when the last reply was handed over / sent
     reply_handed, reply_done = [], []  # per reply, from the start of its change's write
     for i, start in enumerate(changes):
@@ -422,6 +443,14 @@ def main() -> None:
     parser.add_argument(
         "--server-cpu", type=int, help="1,000-client part: pin the server to this CPU, the clients to the others"
     )
+    parser.add_argument(
+        "--split-servers",
+        type=int,
+        default=1,
+        metavar="K",
+        help="1,000-client part: K independent servers, the clients spread over them, "
+        "each change written to all (the best a fan-out spread over K processes could do)",
+    )
     parser.add_argument("--profile-server", help="cProfile our server during ops/s into PATH")
     parser.add_argument(
         "--default-gc",
@@ -429,6 +458,8 @@ def main() -> None:
         help="our server and clients keep CPython's GC defaults instead of elasticrun's settings",
     )
     args = parser.parse_args()
+    if args.split_servers < 1 or (args.split_servers > 1 and args.server_cpu is not None):
+        parser.error("--split-servers must be at least 1, and does not go with --server-cpu")
     if args.default_gc:
         os.environ["BENCH_DEFAULT_GC"] = "1"  # the children inherit it
 
@@ -465,9 +496,17 @@ def pairwise(args: argparse.Namespace) -> None:
 
 
 def report_scale(args: argparse.Namespace) -> None:
-    r = scale(args.clients, args.client_procs, args.scale_seconds, args.profile_scale, args.server_cpu)
+    r = scale(
+        args.clients,
+        args.client_procs,
+        args.scale_seconds,
+        args.profile_scale,
+        args.server_cpu,
+        args.split_servers,
+    )
+    servers = f" over {args.split_servers} independent servers" if args.split_servers > 1 else ""
     print(
-        f"\n{r['clients']:.0f} clients, lease keep-alive at 1 Hz + one watch each:\n"
+        f"\n{r['clients']:.0f} clients{servers}, lease keep-alive at 1 Hz + one watch each:\n"
         f"- server CPU, keep-alives only: {r['idle_cpu']:.1%} of one core\n"
         f"- server CPU, plus a watched change every second: {r['busy_cpu']:.1%} of one core\n"
         f"- notification latency, all clients ({r['notifications']:.0f} notifications, "
