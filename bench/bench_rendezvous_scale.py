@@ -44,7 +44,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import become_subreaper, fmt, loadavg, machine, run_profiled, write_json  # noqa: E402
+from common import (  # noqa: E402
+    add_default_gc_flag,
+    apply_default_gc_flag,
+    become_subreaper,
+    fmt,
+    loadavg,
+    machine,
+    run_profiled,
+    settle_gc,
+    write_json,
+)
 
 HOST = "127.0.0.1"
 LAST_CALL = 0.5
@@ -56,7 +66,8 @@ CAP_S = 60.0
 
 
 def role_serve(profile: str) -> None:
-    """A StoreServer over a MemoryStore that counts what the requests do."""
+    """A StoreServer over a MemoryStore that counts what the requests do, collecting
+    garbage as `elasticrun store serve` does (unless --default-gc)."""
     from elasticrun.rendezvous.memory_store import MemoryStore
     from elasticrun.rendezvous.server import StoreServer
 
@@ -126,12 +137,14 @@ def role_serve(profile: str) -> None:
         task.cancel()
         await server.stop(0)
 
+    settle_gc()
     run_profiled(serve, profile)
 
 
 def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int, total: int, leaver: int, profile: str,
                shared: bool = False) -> None:
-    """`count` ElasticRendezvous instances (node ids first..first+count-1) on one loop."""
+    """`count` ElasticRendezvous instances (node ids first..first+count-1) on one loop,
+    collecting garbage as an agent does (unless --default-gc)."""
     from elasticrun.rendezvous.decide import RendezvousSettings
     from elasticrun.rendezvous.elastic import ElasticRendezvous
     from elasticrun.rendezvous.state import NodeInfo
@@ -217,6 +230,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
         await asyncio.gather(*(r.aclose() for r in nodes.values()), return_exceptions=True)
         await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
 
+    settle_gc()  # the simulated nodes stand for agents
     run_profiled(main, profile)
 
 
@@ -292,7 +306,9 @@ def main() -> int:
     ap.add_argument("--profile-nodes", default="", help="cProfile the first client process here (.prof)")
     ap.add_argument("--shared-client", action="store_true", help="one store client per process (not per node)")
     ap.add_argument("--json")
+    add_default_gc_flag(ap)
     args = ap.parse_args()
+    apply_default_gc_flag(args)
     become_subreaper()
     info = machine()
     print(f"machine: {info}", flush=True)

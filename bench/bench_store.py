@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import run_profiled  # noqa: E402
+from common import add_default_gc_flag, apply_default_gc_flag, run_profiled, settle_gc  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -100,19 +100,10 @@ def _log_watch_sends(path: str) -> None:
     atexit.register(lambda: Path(path).write_text(json.dumps(sent)))
 
 
-def _settle_gc() -> None:
-    """Collect garbage as elasticrun's own processes do (`elasticrun store serve`, the
-    agent), unless the run compares against CPython's defaults (--default-gc)."""
-    from elasticrun.launcher.gc_settings import settle_gc
-
-    if not os.environ.get("BENCH_DEFAULT_GC"):
-        settle_gc()
-
-
 def role_serve_ours(profile: str | None) -> None:
     from elasticrun.rendezvous.server import StoreServer
 
-    _settle_gc()
+    settle_gc()
     if os.environ.get("BENCH_SEND_LOG"):
         _log_watch_sends(os.environ["BENCH_SEND_LOG"])
 
@@ -177,7 +168,7 @@ def role_hold(port: int, clients: int, start: int) -> None:
     from elasticrun.rendezvous.grpc_store import GrpcStore
 
     os.nice(10)  # the server and the probe first: in a cluster each client has its own host
-    _settle_gc()  # each client stands for an agent
+    settle_gc()  # each client stands for an agent
     latencies: list[float] = []
 
     async def one(i: int, ready: asyncio.Event, counter: list[int]) -> None:
@@ -452,16 +443,11 @@ def main() -> None:
         "each change written to all (the best a fan-out spread over K processes could do)",
     )
     parser.add_argument("--profile-server", help="cProfile our server during ops/s into PATH")
-    parser.add_argument(
-        "--default-gc",
-        action="store_true",
-        help="our server and clients keep CPython's GC defaults instead of elasticrun's settings",
-    )
+    add_default_gc_flag(parser)
     args = parser.parse_args()
     if args.split_servers < 1 or (args.split_servers > 1 and args.server_cpu is not None):
         parser.error("--split-servers must be at least 1, and does not go with --server-cpu")
-    if args.default_gc:
-        os.environ["BENCH_DEFAULT_GC"] = "1"  # the children inherit it
+    apply_default_gc_flag(args)
 
     print(f"# store bench, {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
     if not args.only_scale:

@@ -8,6 +8,7 @@ and reaps them. Nothing is killed by name.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import cProfile
 import ctypes
@@ -206,3 +207,32 @@ def run_profiled(main: Callable[[], Coroutine[object, object, object]], profile:
     if profiler:
         profiler.disable()
         profiler.dump_stats(profile)
+
+
+#: Set (and inherited by every child) when a run keeps CPython's GC defaults.
+_DEFAULT_GC_ENV = "BENCH_DEFAULT_GC"
+
+
+def add_default_gc_flag(parser: argparse.ArgumentParser) -> None:
+    """--default-gc: our store server and clients keep CPython's GC defaults."""
+    parser.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="our store server and clients keep CPython's GC defaults instead of "
+        "elasticrun's settings (elasticrun/launcher/gc_settings.py)",
+    )
+
+
+def apply_default_gc_flag(args: argparse.Namespace) -> None:
+    """Hand --default-gc down to the children this driver starts."""
+    if args.default_gc:
+        os.environ[_DEFAULT_GC_ENV] = "1"
+
+
+def settle_gc() -> None:
+    """In a child standing for `elasticrun store serve` or an agent: collect garbage as
+    they do, unless the run compares against CPython's defaults (--default-gc)."""
+    from elasticrun.launcher.gc_settings import settle_gc as settle
+
+    if not os.environ.get(_DEFAULT_GC_ENV):
+        settle()
