@@ -5,8 +5,8 @@ streams, and grpc.aio keeps ~75 GC-tracked objects per open stream: ~175,000 for
 nodes, each with a lease keep-alive stream and a watch. With CPython's default
 thresholds (700, 10, 10) the collector runs a young collection every few hundred
 allocations — several inside each fan-out of a change to 1,000 watchers — and, under
-keep-alive traffic alone, a full collection over all of those objects every few
-seconds, 50–130 ms during which no watcher is served. That was the whole tail of the
+keep-alive traffic alone, full collections over all of those objects (88–131 ms each,
+three in a 35-second run) during which no watcher is served. That was the tail of the
 store's notification latency (`bench/bench_store.py --only-scale`, BENCHMARKS.md).
 
 Almost nothing these processes allocate is cyclic garbage (reference counting frees it
