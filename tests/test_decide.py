@@ -163,7 +163,7 @@ def test_a_peer_that_died_makes_the_failure_free():
 def test_closed_job_opens_nothing():
     closed = Round(number=2, participants=(), restart_count=0, reason="", opened_at=0.0, closed="succeeded")
     d = decide(View(nodes=nodes(node("a"), node("b")), round=closed), SETTINGS, now=0.0)
-    assert d.round is None and d.reason == "job succeeded"
+    assert d.round is None and d.reason == "job succeeded" and d.ended
 
 
 # --- quarantine of flapping nodes --------------------------------------------------------

@@ -2,8 +2,9 @@
 
 For `--rdzv-backend=c10d` the agent on the endpoint's host serves the built-in store
 in-process (as torchrun's agent hosts its TCPStore) and uses its engine directly; the
-other agents connect to it. When the job ends, the hosting agent keeps serving until
-the other nodes have left, so that none of them loses the store while finishing.
+other agents connect to it. When the job ends, the hosting agent leaves the job, then
+keeps serving until the other nodes have left too, so that none of them loses the store
+while finishing (a lone agent exits at once).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ async def _launch(config: LaunchConfig) -> int:
             watches = gpu_watches(gpus, config.worker.gpu_devices, config.health_interval)
         handler, hosted = await _open_handler(config, stack)
         result = await Agent(config.worker, handler, watches=watches).run()
+        # Out of the job first (our lease and keys go, a leader of ours stops): the
+        # host waits for the others only, never for itself.
+        await handler.aclose()
         if hosted is not None:
             await _linger_while_nodes_remain(hosted, Keys(config.rdzv.settings.run_id))
     return result.exit_code

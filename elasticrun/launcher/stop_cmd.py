@@ -7,9 +7,9 @@ import asyncio
 import getpass
 import socket
 
-from elasticrun.errors import ElasticrunError, UsageError
+from elasticrun.errors import ElasticrunError, StoreUnavailableError, UsageError
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_nodes_gone
-from elasticrun.rendezvous.leader import close_job
+from elasticrun.rendezvous.leader import clear_job_records, close_round
 
 #: how long a stopped job stays closed to late agents when its spec does not say
 _DEFAULT_CLOSED_TTL = 60.0
@@ -28,8 +28,17 @@ async def stop(target: JobTarget, *, timeout: float) -> int:
         conf = dict((view.spec or {}).get("rdzv_conf", {}))  # type: ignore[call-overload]
         ttl = float(conf.get("closed_ttl", _DEFAULT_CLOSED_TTL))
         who = f"{getpass.getuser()}@{socket.gethostname()}"
-        await close_job(store, keys, "stopped", f"stopped by {who}", ttl)
-        still = await wait_nodes_gone(store, keys, set(view.nodes), timeout)
+        if not await close_round(store, keys, "stopped", f"stopped by {who}", ttl):
+            raise UsageError(f"job '{target.run_id}' has already ended")
+        try:
+            await clear_job_records(store, keys)
+            still = await wait_nodes_gone(store, keys, set(view.nodes), timeout)
+        except StoreUnavailableError as e:
+            # An agent that hosts the store serves it until the other nodes have left,
+            # then exits with the job: its store going away is the job's end, not an
+            # error (a node still running finds the job closed, or no store, and ends).
+            print(f"job '{target.run_id}' stopped; its store went away with the job ({e.endpoint})", flush=True)
+            return 0
     if still:
         raise StopTimeoutError(f"job stopped, but {', '.join(sorted(still))} did not exit within {timeout:g}s")
     print(f"job '{target.run_id}' stopped; {len(view.nodes)} node(s) exited", flush=True)

@@ -101,6 +101,10 @@ class RendezvousHandler(abc.ABC):
     async def leave(self, reason: str) -> None:
         """Leave the job on purpose (SIGTERM, drain): the others continue without us."""
 
+    async def aclose(self) -> None:
+        """Give up this node's membership now (idempotent): the agent is done with
+        the job, however it ended. Backends without a membership have nothing to do."""
+
     @property
     def waiting_status(self) -> str:
         """What the handler is waiting for right now, for the agent's log."""

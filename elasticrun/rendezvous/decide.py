@@ -99,6 +99,9 @@ class Decision:
     fail: str = ""
     #: the quarantine table changed: store this one (before the round)
     quarantine: QuarantineTable | None = None
+    #: the job has ended: there is nothing left to lead (a round after it would
+    #: re-form a job that every agent already took for finished)
+    ended: bool = False
 
 
 def _names(nodes: list[str], limit: int = 8) -> str:
@@ -130,7 +133,7 @@ def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
     """
     current = view.round
     if current is not None and current.closed:
-        return Decision(reason=f"job {current.closed}")
+        return Decision(reason=f"job {current.closed}", ended=True)
     book = _Book(view.quarantine, settings, now)
     decision = _decide(view, settings, now, book)
     if decision.round is None:

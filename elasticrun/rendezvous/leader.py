@@ -77,15 +77,18 @@ class Leader:
         self._published_at = -1e9
 
     async def run(self) -> None:
-        """Lead until cancelled (this node left or lost its lease).
+        """Lead until the job ends, or until cancelled (this node left or lost its lease).
 
         A store failure (a watch that broke, a write that timed out) does not end the
         leadership: the leader re-reads the job and goes on. Dying silently would leave
         the leader key held by a live lease, and no round would ever be decided again.
+        Once the job has ended the leader stops for good: when the closed record
+        expires, a leader still watching would form round 1 of a job nobody runs.
         """
         while True:
             try:
                 await self._lead()
+                return
             except StoreError as e:
                 log.warning("leader of job '%s': store call failed (%s); re-reading", self._settings.run_id, e)
                 await asyncio.sleep(self._settings.keep_alive_interval)
@@ -101,6 +104,9 @@ class Leader:
                 recheck: float | None = None
                 if not awaiting_write:
                     decision = decide(self._view(), self._settings, self._clock())
+                    if decision.ended:
+                        log.info("leader of job '%s': %s; leading no more", self._settings.run_id, decision.reason)
+                        return
                     awaiting_write = await self._act(decision)
                     recheck = decision.recheck_at
                     if self._published != decision.reason:
@@ -281,6 +287,14 @@ async def close_job(store: Store, keys: Keys, outcome: str, detail: str, closed_
     Returns False when the job was closed already. The job's spec and control records
     go, so a new job with the same id starts clean once the record expires.
     """
+    if not await close_round(store, keys, outcome, detail, closed_ttl):
+        return False
+    await clear_job_records(store, keys)
+    return True
+
+
+async def close_round(store: Store, keys: Keys, outcome: str, detail: str, closed_ttl: float) -> bool:
+    """The part of `close_job` that ends the job: every agent sees it and exits."""
     while True:
         kv = await store.get(keys.round)
         current = decode_round(kv.value) if kv else None
@@ -298,10 +312,14 @@ async def close_job(store: Store, keys: Keys, outcome: str, detail: str, closed_
             break
         await store.revoke_lease(lease)
     log.info("job '%s' closed (%s)", keys.run_id, outcome)
+    return True
+
+
+async def clear_job_records(store: Store, keys: Keys) -> None:
+    """The part of `close_job` that clears the ended job's spec and control records."""
     for key in (keys.spec, keys.restart, keys.master, keys.state, keys.ping, keys.quarantine):
         await store.delete(key)
     await store.delete_prefix(keys.drains)
-    return True
 
 
 def _plural(n: int, word: str) -> str:
