@@ -160,6 +160,36 @@ def test_a_peer_that_died_makes_the_failure_free():
     assert d.round is not None and d.round.restart_count == 2 and d.reason.startswith("lost a")
 
 
+def ran(seen: SeenNode, number: int, restarts: int = 0) -> SeenNode:
+    """`seen` registered again after running round `number`."""
+    return replace(seen, info=replace(seen.info, ran_round=number, ran_restarts=restarts))
+
+
+def test_members_that_registered_again_get_a_new_round_for_free():
+    # The store stalled past the lease TTL: every member lost its membership, stopped
+    # its workers and registered again under the same id. Round 4 lists them all, but
+    # nobody runs it any more: a new round follows, at once and without the budget.
+    view = View(nodes=nodes(ran(node("a"), 4, 1), ran(node("b"), 4, 1)), round=running("a", "b", number=4, restarts=1))
+    d = decide(view, SETTINGS, now=10.0)
+    assert members(d) == ["a", "b"]
+    assert d.round is not None and d.round.number == 5 and d.round.restart_count == 1
+    assert d.reason.startswith("a, b registered again")
+    # one member back, one gone: the one back rejoins at once, the lost one is named
+    one = View(nodes=nodes(node("c", 1.0), ran(node("a"), 4)), round=running("a", "b", "c", number=4))
+    d = decide(one, SETTINGS, now=10.0)
+    assert sorted(members(d)) == ["a", "c"] and d.reason.startswith("lost b; a registered again")
+    # a member still registered from before the round (it has not run it yet) stays
+    waiting = View(nodes=nodes(ran(node("a"), 3), node("b")), round=running("a", "b", number=4))
+    assert decide(waiting, SETTINGS, now=10.0).round is None
+
+
+def test_an_empty_store_numbers_rounds_above_what_the_nodes_ran():
+    # The store restarted empty: no round record, but the nodes say where they were.
+    view = View(nodes=nodes(ran(node("a"), 7, 2), ran(node("b"), 6, 2), node("c")), round=None)
+    d = decide(view, SETTINGS, now=10.0)
+    assert d.round is not None and d.round.number == 8 and d.round.restart_count == 2
+
+
 def test_closed_job_opens_nothing():
     closed = Round(number=2, participants=(), restart_count=0, reason="", opened_at=0.0, closed="succeeded")
     d = decide(View(nodes=nodes(node("a"), node("b")), round=closed), SETTINGS, now=0.0)

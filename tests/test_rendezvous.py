@@ -206,3 +206,36 @@ async def test_leader_loss_hands_over(store):
     again, rc = await asyncio.gather(other.next_round(), rc)
     assert (again.node_rank, rc.node_rank) == (0, 1)
     await asyncio.gather(other.aclose(), c.aclose())
+
+
+class LateRepliesStore(MemoryStore):
+    """A store whose keep-alive replies are held back while `late` is set: the renewals
+    land (the store keeps every lease), but the nodes cannot know, so each gives its
+    membership up after a TTL and registers again, its old key still in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = False
+        self.released = asyncio.Event()
+
+    async def keep_alive(self, lease: int) -> None:
+        await super().keep_alive(lease)
+        if self.late:
+            await self.released.wait()
+
+
+async def test_members_that_register_again_get_a_new_round_though_their_keys_stayed():
+    store = LateRepliesStore()
+    s = settings(2, 2)
+    a, b = make_node(store, "a", s), make_node(store, "b", s)
+    first = await asyncio.gather(a.next_round(), b.next_round())
+    store.late = True
+    ended = await asyncio.gather(a.round_ended(), b.round_ended())
+    assert all("lost its membership" in e for e in ended), ended
+    store.late = False
+    store.released.set()
+    again = await asyncio.gather(a.next_round(), b.next_round())
+    assert {x.round for x in again} == {first[0].round + 1}
+    assert all(x.restart_count == 0 and x.node_count == 2 for x in again)
+    await asyncio.gather(a.aclose(), b.aclose())
+    await store.close()

@@ -113,6 +113,14 @@ def _count(n: int) -> str:
     return f"{n} node" if n == 1 else f"{n} nodes"
 
 
+def _lost_reason(missing: list[str], back: list[str]) -> str:
+    """Why members left the round: gone from the store, or back with a new registration."""
+    parts = [f"lost {_names(missing)}"] if missing else []
+    if back:
+        parts.append(f"{_names(back)} registered again")
+    return "; ".join(parts)
+
+
 def _participant(node: SeenNode) -> Participant:
     return Participant(node_id=node.info.node_id, addr=node.info.addr, nproc=node.info.nproc)
 
@@ -147,12 +155,18 @@ def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
 def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -> Decision:
     current = view.round
     members = current.participants if current else ()
-    member_ids = {p.node_id for p in members}
-    survivors = [p for p in members if p.node_id in view.nodes]
-    lost = [p.node_id for p in members if p.node_id not in view.nodes]
-    newcomers = [n for n in view.nodes.values() if n.info.node_id not in member_ids]
-    number = current.number + 1 if current else 1
-    restarts = current.restart_count if current else 0
+    # A member registered with a round at or past the current one has run it and
+    # registered again since (its membership lapsed, or the store restarted): it
+    # stopped its workers, so it left the round, and comes back as a newcomer.
+    number_now = current.number if current else 0
+    back = [p.node_id for p in members if p.node_id in view.nodes and view.nodes[p.node_id].info.ran_round >= number_now]
+    survivors = [p for p in members if p.node_id in view.nodes and p.node_id not in back]
+    missing = [p.node_id for p in members if p.node_id not in view.nodes]
+    # Above every round a registered node ran, with the highest budget spent: a store
+    # that restarted empty has no round record, and its rounds must not start over.
+    ran = [n.info for n in view.nodes.values()]
+    number = max([number_now, *(i.ran_round for i in ran)]) + 1
+    restarts = max([current.restart_count if current else 0, *(i.ran_restarts for i in ran)])
     restart = view.restart
     if current is not None and members and restart is not None and restart.round == current.number:
         # A member that has not answered the liveness ping within a lease TTL is dead,
@@ -161,7 +175,10 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         silent = {p.node_id for p in survivors if p.node_id not in view.acks}
         if silent and now >= view.restart_seen_at + settings.heartbeat_ttl:
             survivors = [p for p in survivors if p.node_id not in silent]
-            lost += sorted(silent)
+            missing += sorted(silent)
+    lost = missing + back
+    not_new = set(missing) | {p.node_id for p in survivors}
+    newcomers = [n for n in view.nodes.values() if n.info.node_id not in not_new]
 
     def open_round(group: list[Participant], reason: str, restart_count: int = restarts) -> Decision:
         return Decision(
@@ -178,11 +195,12 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
     if lost:
         assert current is not None
         if book.counts(current.number):  # a node that drops out of rounds is flapping
-            for node_id in lost:
+            # (not one already back: a store stall drops every node at once)
+            for node_id in missing:
                 if node_id not in view.draining:
                     book.count(node_id, f"dropped out of round {current.number}")
         pick = _pick(survivors, newcomers, book, settings)
-        reason = f"lost {_names(lost)}"
+        reason = _lost_reason(missing, back)
         if len(pick.group) >= settings.min_nodes:
             return open_round(pick.group, reason + pick.joined + pick.notes(book, settings))
         # Too few to continue: an empty round stops the survivors' workers now.

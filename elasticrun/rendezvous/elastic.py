@@ -20,6 +20,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from elasticrun.errors import (
     LeaseExpiredError,
@@ -264,7 +265,8 @@ class ElasticRendezvous(RendezvousHandler):
             raise RendezvousClosedError(self.run_id, self._round.closed, self._round.detail)
         await self._check_spec()
         self._lease = await self._store.grant_lease(self._settings.heartbeat_ttl)
-        await self._store.put(keys.node(self._me.node_id), encode(self._me), lease=self._lease)
+        me = replace(self._me, ran_round=self._last_round, ran_restarts=self._ran.restart_count if self._ran else 0)
+        await self._store.put(keys.node(self._me.node_id), encode(me), lease=self._lease)
         self._spawn(self._keep_alive(self._lease))
         self._spawn(self._watch_job(snapshot.revision + 1))
         self._spawn(self._reports.publish(self._lease))

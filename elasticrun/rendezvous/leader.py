@@ -253,8 +253,11 @@ class Leader:
             node_id = key[len(keys.nodes):]
             if kv is None:
                 self._nodes.pop(node_id, None)
-            elif node_id not in self._nodes:
-                self._nodes[node_id] = SeenNode(info=decode_node(kv.value), seen_at=self._clock())
+            else:
+                info = decode_node(kv.value)
+                seen = self._nodes.get(node_id)
+                if seen is None or seen.info != info:  # new, or registered again
+                    self._nodes[node_id] = SeenNode(info=info, seen_at=self._clock())
         elif key == keys.round:
             self._round = decode_round(kv.value) if kv else None
             self._round_rev = kv.mod_revision if kv else 0

@@ -155,6 +155,13 @@ class NodeInfo:
     pid: int
     started_at: float  # wall-clock time, for display only
     gpus: tuple[str, ...] = ()  # GPU names, for display
+    #: The last round this node ran and that round's restart count (0: none yet). A
+    #: node registers again when its membership lapsed (a store stall longer than the
+    #: lease TTL) or when the store restarted empty; saying where it was lets the
+    #: leader see that it left its round, number the next round above every round a
+    #: registered node ran (a new store numbers from 1 again), and keep the budget.
+    ran_round: int = 0
+    ran_restarts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
