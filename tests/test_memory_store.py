@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -16,8 +18,14 @@ from elasticrun.errors import (
     StoreUnavailableError,
     UsageError,
 )
+from elasticrun.rendezvous import memory_store
 from elasticrun.rendezvous.memory_store import MemoryStore
-from elasticrun.rendezvous.store import EventType
+from elasticrun.rendezvous.store import EventType, WatchEvent
+
+#: Bounds every wait on the store in these tests; far above any healthy latency.
+EVENT_WAIT = 10.0
+#: Issue 17's history: enough writes that reading them one by one took seconds.
+LONG_HISTORY = 300_000
 
 
 async def test_key_and_value_bounds() -> None:
@@ -74,6 +82,102 @@ async def test_idle_watch_survives_unrelated_traffic_past_the_ring() -> None:
     async with asyncio.timeout(10):
         event = await pending
     assert (event.value, event.revision) == (b"news", rev)
+    await watch.aclose()
+    await store.close()
+
+
+async def fill(store: MemoryStore, writes: int, every_tenth: str = "other") -> None:
+    """`writes` puts of empty values: one in ten to `every_tenth`/<i % 100>, the rest to
+    other/<i % 1000>."""
+    for i in range(writes):
+        await store.put(f"{every_tenth}/{i % 100}" if i % 10 == 0 else f"other/{i % 1000}", b"")
+
+
+async def test_a_watch_from_revision_1_on_a_long_history_lets_the_loop_run() -> None:
+    """Issue 17: a watch from revision 1 read every revision kept without suspending:
+    after 300,000 writes one such 22-byte request held the loop for seconds (leases
+    expired meanwhile)."""
+    store = MemoryStore()
+    await fill(store, LONG_HISTORY)
+    rev = await store.put("quiet", b"news")
+    loop_ran: list[bool] = []
+    async with contextlib.aclosing(store.watch("quiet", start_revision=1)) as watch:
+        asyncio.get_running_loop().call_soon(loop_ran.append, True)
+        async with asyncio.timeout(EVENT_WAIT):
+            event = await anext(watch)
+    assert (event.value, event.revision) == (b"news", rev)
+    assert loop_ran, "the watch held the loop until it had read the whole history"
+    await store.close()
+
+
+async def test_catching_up_reads_only_the_batches_that_may_hold_its_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Letting the loop run is not enough: each catch-up must also cost little, or a few
+    such requests still take the server's CPU. Full segments of the history are indexed
+    by key, so only the newest (filling) segment and the watcher's own batches are read."""
+    store = MemoryStore()
+    await fill(store, LONG_HISTORY, every_tenth="job")
+    await store.put("quiet", b"news")
+    reads: list[int] = []
+    events_in = memory_store._Watcher.events_in
+
+    def counted(watcher: memory_store._Watcher, batch: tuple[WatchEvent, ...]) -> list[WatchEvent]:
+        reads.append(batch[0].revision)
+        return events_in(watcher, batch)
+
+    monkeypatch.setattr(memory_store._Watcher, "events_in", counted)
+    for key, prefix, own in (
+        ("quiet", False, 1),
+        ("quiet", True, 1),
+        ("job/70", False, LONG_HISTORY // 100),
+        ("job/", True, LONG_HISTORY // 10),
+    ):
+        reads.clear()
+        async with contextlib.aclosing(store.watch(key, start_revision=1, prefix=prefix)) as watch:
+            async with asyncio.timeout(EVENT_WAIT):
+                for _ in range(own):
+                    await anext(watch)
+        assert own <= len(reads) <= own + memory_store._SEGMENT_REVISIONS, (key, prefix)
+    await store.close()
+
+
+async def test_catching_up_through_many_events_of_its_own_lets_the_loop_run() -> None:
+    """An index does not shorten a catch-up through 10,000 events the watcher wants (a
+    reader in this process takes them without suspending): it must be cut in turns."""
+    store = MemoryStore()
+    await fill(store, 100_000, every_tenth="job")
+    seen = 0
+    seen_when_the_loop_ran: list[int] = []
+    async with contextlib.aclosing(store.watch("job/", start_revision=1, prefix=True)) as watch:
+        asyncio.get_running_loop().call_soon(lambda: seen_when_the_loop_ran.append(seen))
+        async with asyncio.timeout(EVENT_WAIT):
+            async for _ in watch:
+                seen += 1
+                if seen == 10_000:
+                    break
+    assert seen_when_the_loop_ran and seen_when_the_loop_ran[0] < 10_000
+    await store.close()
+
+
+async def test_a_catch_up_that_falls_behind_the_ring_while_it_lets_the_loop_run_is_compacted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between two turns the ring may move past the watch's cursor, as etcd compacts."""
+    monkeypatch.setattr(memory_store, "_WORK_PER_TURN", 8)
+    store = MemoryStore(history_bytes=100 * (memory_store._EVENT_OVERHEAD_BYTES + 8))
+    await fill(store, 50)
+    await store.put("k", b"")
+    watch = store.watch("k", start_revision=1)
+    pending = asyncio.ensure_future(anext(watch))
+    await asyncio.sleep(0)  # the watch reads its first turn's worth, then lets us run
+    assert not pending.done()
+    for i in range(200):
+        await store.put("other/0", str(i).encode())
+    with pytest.raises(CompactedError) as info:
+        async with asyncio.timeout(EVENT_WAIT):
+            await pending
+    assert info.value.requested < info.value.oldest
     await watch.aclose()
     await store.close()
 
@@ -190,6 +294,71 @@ def test_model_and_history_replay(ops: list[tuple]) -> None:  # type: ignore[typ
 
     asyncio.run(run())
 
+
+_WATCHED = [("a", False), ("a/1", False), ("b", False), ("", True), ("a", True), ("a/", True)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=_OPS, history_bytes=st.sampled_from([1 << 20, 1200]))
+def test_watches_from_every_revision_match_the_model(
+    ops: list[tuple], history_bytes: int  # type: ignore[type-arg]
+) -> None:
+    """With segments of 4 revisions and turns of 3 units, so that catching up crosses
+    indexed segments, the filling one, evicted batches and suspensions: a watch from any
+    revision gets exactly the model's events on its keys since then, or CompactedError
+    when that revision is older than the oldest kept."""
+
+    async def run() -> None:
+        store = MemoryStore(history_bytes=history_bytes)
+        model: dict[str, bytes] = {}
+        events: list[WatchEvent] = []
+
+        def record(kind: EventType, keys: list[str], value: bytes = b"") -> None:
+            events.extend(WatchEvent(kind, k, value, store.revision) for k in sorted(keys))
+
+        last_puts = [("put", key, b"end") for key in ("a", "a/1", "a/2", "b", "b/1")]
+        for op, *args in [*ops, *last_puts]:  # the last puts end every watch's events
+            if op == "put" or (op == "create" and args[0] not in model):
+                await store.put(args[0], args[1])
+                model[args[0]] = args[1]
+                record(EventType.PUT, [args[0]], args[1])
+            elif op == "delete" and args[0] in model:
+                await store.delete(args[0])
+                del model[args[0]]
+                record(EventType.DELETE, [args[0]])
+            elif op == "delete_prefix":
+                doomed = [k for k in model if k.startswith(args[0])]
+                await store.delete_prefix(args[0])
+                for k in doomed:
+                    del model[k]
+                record(EventType.DELETE, doomed)
+        assert events[-1].revision == store.revision
+        try:
+            async with contextlib.aclosing(store.watch("", start_revision=1, prefix=True)) as all_:
+                await anext(all_)
+            oldest = 1
+        except CompactedError as e:
+            oldest = e.oldest
+        assert oldest == 1 or history_bytes < 1 << 20
+        for key, prefix in _WATCHED:
+            for start in range(1, store.revision + 1):
+                mine = [
+                    e for e in events
+                    if e.revision >= start and (e.key.startswith(key) if prefix else e.key == key)
+                ]
+                watch = store.watch(key, start_revision=start, prefix=prefix)
+                async with contextlib.aclosing(watch), asyncio.timeout(EVENT_WAIT):
+                    if start < oldest:
+                        with pytest.raises(CompactedError):
+                            await anext(watch)
+                    else:
+                        assert [await anext(watch) for _ in mine] == mine, (key, prefix, start)
+        await store.close()
+
+    with mock.patch.object(memory_store, "_SEGMENT_REVISIONS", 4), mock.patch.object(
+        memory_store, "_WORK_PER_TURN", 3
+    ):
+        asyncio.run(run())
 
 
 async def test_a_due_lease_is_expired_even_before_its_timer_runs() -> None:

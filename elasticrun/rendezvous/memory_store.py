@@ -1,19 +1,29 @@
 """The in-process store: the etcd v3 model held in one asyncio event loop.
 
 It serves `--standalone` runs directly and is the engine behind the gRPC store server.
-Every method runs to completion without suspending (nothing in it awaits), so each
-call is atomic with respect to every other task on the loop: no locks are needed, and
-compare-and-put is a plain read-compare-write.
+Every method but `watch` runs to completion without suspending (nothing in it awaits),
+so each call is atomic with respect to every other task on the loop: no locks are
+needed, and compare-and-put is a plain read-compare-write. A watch suspends only
+between the batches it reads, and re-reads the store after each suspension.
 
 History for watches is a ring of write batches, one per revision. Every write bumps the
-revision by exactly one, so the batches in the ring have consecutive revisions and the
-batch of revision r sits at index `r - oldest`. A watcher is only a cursor into that
-ring plus a wake-up event: writes wake the watchers whose key they touch, and each
-watcher reads the ring from its cursor. A sleeping watcher is told the revision that
-woke it, so it skips the writes in between (none of them were its) and an idle watch
-survives any amount of unrelated traffic. A watcher that falls behind the ring on its
-own keys (or asks for a revision before it) gets CompactedError, as etcd's watchers do
-after compaction.
+revision by exactly one, so the batches in the ring have consecutive revisions. They
+are kept in segments of `_SEGMENT_REVISIONS` revisions; a full segment is indexed by
+key. A watcher is only a cursor into that ring plus a wake-up event: writes wake the
+watchers whose key they touch, and each watcher reads the ring from its cursor. A
+sleeping watcher is told the revision that woke it, so it skips the writes in between
+(none of them were its) and an idle watch survives any amount of unrelated traffic. A
+watcher that falls behind the ring on its own keys (or asks for a revision before it)
+gets CompactedError, as etcd's watchers do after compaction.
+
+A watch from an old revision catches up through the ring: the index skips each segment
+that holds none of its keys with a binary search and names the batches that do, so
+catching up costs about one look-up per segment plus the watcher's own events, not one
+step per revision (300,000 unrelated writes once held the loop for seconds). The work
+is also cut in turns of `_WORK_PER_TURN`, between which the watch lets the loop run: a
+catch-up through many events of its own (or a much larger ring) holds the loop for
+about a millisecond at a time. Other tasks may write meanwhile; a watcher whose
+next revision is evicted in between gets CompactedError, as above.
 
 Leases expire by themselves: one timer on the loop fires at the earliest deadline of a
 heap of (deadline, lease id). Keep-alives push a new entry and leave the old one to be
@@ -29,7 +39,7 @@ import heapq
 import math
 import secrets
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from elasticrun.errors import (
@@ -59,6 +69,14 @@ DEFAULT_MAX_LEASES = 100_000
 #: Bytes of watch history kept (keys + values + a fixed cost per event).
 DEFAULT_HISTORY_BYTES = 64 << 20
 _EVENT_OVERHEAD_BYTES = 64
+#: Revisions per segment of the ring. Indexing a full one costs ~0.1 ms (~0.1 µs a
+#: write); the ring's default 64 MiB holds at most ~1,000,000 events, ~1,000 segments,
+#: so a watch from its oldest revision does ~1,000 look-ups, and reads the newest,
+#: filling segment (not indexed) batch by batch.
+_SEGMENT_REVISIONS = 1024
+#: A catching-up watch lets the loop run after this much work (one unit per step, plus
+#: one per event read): 0.3–1.5 ms of CPU on the loaded 2-core box of BENCHMARKS.md.
+_WORK_PER_TURN = 256
 
 
 @dataclass(slots=True)
@@ -76,6 +94,79 @@ class _Watcher:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     #: the first revision that touched this watcher's keys since it last slept
     woken_at: int = 0
+    #: the revisions of the indexed segment from `plan_first` that touch its keys
+    #: (looked up once per segment, not once per revision read in it)
+    plan_first: int = 0
+    plan: Sequence[int] = ()
+
+    def events_in(self, batch: tuple[WatchEvent, ...]) -> list[WatchEvent]:
+        """The events of `batch` on this watcher's keys."""
+        if self.prefix:
+            return [e for e in batch if e.key.startswith(self.key)]
+        return [e for e in batch if e.key == self.key]
+
+    def next_candidate(self, segment: _Segment, cursor: int) -> int:
+        """The first revision from `cursor` on, in `segment` (cursor's), that may touch
+        this watcher's keys: cursor itself while the segment is filling (not indexed),
+        else the next its index names, else the first revision of the next segment."""
+        if not segment.indexed:
+            return cursor
+        if self.plan_first != segment.first:
+            self.plan_first = segment.first
+            self.plan = segment.touching(self.key, self.prefix)
+        i = bisect.bisect_left(self.plan, cursor)
+        return self.plan[i] if i < len(self.plan) else segment.end
+
+    def drop_plan(self) -> None:
+        """Caught up: free the plan (a sleeping watch may last for days)."""
+        self.plan_first, self.plan = 0, ()
+
+
+class _Segment:
+    """The write batches of `_SEGMENT_REVISIONS` consecutive revisions from `first`.
+
+    Once full it is indexed: the key of each of its events in sorted order (`keys`)
+    beside the event's revision (`revisions`), so that the revisions touching one key or
+    one prefix are a binary search away: two list slots (16 bytes) per event, the keys
+    and revision numbers shared with the events. An evicted batch is dropped at once (its
+    slot left empty) even while the rest of its segment is kept: values can be large.
+    """
+
+    __slots__ = ("first", "batches", "indexed", "keys", "revisions")
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.batches: list[tuple[WatchEvent, ...]] = []
+        self.indexed = False
+        self.keys: list[str] = []
+        self.revisions: list[int] = []
+
+    @property
+    def end(self) -> int:
+        """The first revision after this segment."""
+        return self.first + _SEGMENT_REVISIONS
+
+    def index(self) -> None:
+        """Index the full segment (once, by the write that fills it)."""
+        events = [e for batch in self.batches for e in batch]
+        keys = [e.key for e in events]
+        # A stable sort by key alone: each key's revisions stay ascending.
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        self.keys = [keys[i] for i in order]
+        self.revisions = [events[i].revision for i in order]
+        self.indexed = True
+
+    def touching(self, key: str, prefix: bool) -> list[int]:
+        """The revisions in this indexed segment with an event on `key` (on a key under
+        it, with `prefix`), ascending."""
+        keys = self.keys
+        lo = bisect.bisect_left(keys, key)
+        if not prefix:
+            return self.revisions[lo : bisect.bisect_right(keys, key, lo)]
+        hi = lo
+        while hi < len(keys) and keys[hi].startswith(key):
+            hi += 1
+        return sorted(set(self.revisions[lo:hi]))  # a delete_prefix: one revision, many keys
 
 
 class MemoryStore(Store):
@@ -110,8 +201,8 @@ class MemoryStore(Store):
         self._total_bytes = 0  # len(key) + len(value) over the keys held
         self._sorted_keys: list[str] = []
         self._revision = 0
-        self._ring: deque[tuple[WatchEvent, ...]] = deque()
-        self._ring_sizes: deque[int] = deque()
+        self._segments: deque[_Segment] = deque()
+        self._ring_sizes: deque[int] = deque()  # one per revision kept, oldest first
         self._ring_bytes = 0
         self._exact_watchers: dict[str, set[_Watcher]] = {}
         self._prefix_watchers: set[_Watcher] = set()
@@ -226,28 +317,43 @@ class MemoryStore(Store):
         watcher = _Watcher(key, prefix)
         self._add_watcher(watcher)
         cursor = max(start_revision, 1)
+        work = 0  # since the loop last ran other tasks
         try:
             while True:
                 if self._closed:
                     raise StoreUnavailableError(self.endpoint, "the store was closed")
                 if cursor > self._revision:
+                    watcher.drop_plan()
                     watcher.wake.clear()
                     await watcher.wake.wait()
-                    cursor = max(cursor, watcher.woken_at)
+                    cursor, work = max(cursor, watcher.woken_at), 0
                     continue
-                oldest = self._revision - len(self._ring) + 1
-                if cursor < oldest:
-                    raise CompactedError(cursor, oldest)
-                batch = self._ring[cursor - oldest]
-                cursor += 1
-                if prefix:
-                    mine = [e for e in batch if e.key.startswith(key)]
-                else:
-                    mine = [e for e in batch if e.key == key]
+                if work >= _WORK_PER_TURN:
+                    await asyncio.sleep(0)  # catching up: let the other tasks run
+                    work = 0
+                    continue
+                cursor, mine, read = self._catch_up_step(watcher, cursor)
+                work += 1 + read
                 if mine:
                     yield mine
         finally:
             self._remove_watcher(watcher)
+
+    def _catch_up_step(
+        self, watcher: _Watcher, cursor: int
+    ) -> tuple[int, list[WatchEvent], int]:
+        """One bounded step from `cursor` (at most the store revision): skip to the next
+        revision that may touch the watcher's keys, or read the batch of `cursor` if it
+        may. Returns the new cursor, the watcher's events, and the events read."""
+        oldest = self._oldest()
+        if cursor < oldest:
+            raise CompactedError(cursor, oldest)
+        segment = self._segments[(cursor - self._segments[0].first) // _SEGMENT_REVISIONS]
+        candidate = watcher.next_candidate(segment, cursor)
+        if candidate > cursor:
+            return candidate, [], 0  # the revisions in between hold none of its keys
+        batch = segment.batches[cursor - segment.first]
+        return cursor + 1, watcher.events_in(batch), len(batch)
 
     async def close(self) -> None:
         """Stop the expiry timer and end every open watch with StoreUnavailableError."""
@@ -351,13 +457,12 @@ class MemoryStore(Store):
 
     def _record(self, batch: tuple[WatchEvent, ...]) -> None:
         """Append the batch of the new revision to the ring and wake its watchers."""
+        self._append(batch)
         size = sum(len(e.key) + len(e.value) + _EVENT_OVERHEAD_BYTES for e in batch)
-        self._ring.append(batch)
         self._ring_sizes.append(size)
         self._ring_bytes += size
-        while self._ring_bytes > self.history_bytes and len(self._ring) > 1:
-            self._ring.popleft()
-            self._ring_bytes -= self._ring_sizes.popleft()
+        while self._ring_bytes > self.history_bytes and len(self._ring_sizes) > 1:
+            self._evict_oldest()
         rev = self._revision
         for event in batch:
             for watcher in self._exact_watchers.get(event.key, ()):
@@ -367,6 +472,28 @@ class MemoryStore(Store):
                 e.key.startswith(watcher.key) for e in batch
             ):
                 self._wake(watcher, rev)
+
+    def _append(self, batch: tuple[WatchEvent, ...]) -> None:
+        """Put the batch of the new revision in the newest segment; index it once full."""
+        segments = self._segments
+        if not segments or segments[-1].indexed:
+            segments.append(_Segment(self._revision))
+        tail = segments[-1]
+        tail.batches.append(batch)
+        if len(tail.batches) == _SEGMENT_REVISIONS:
+            tail.index()
+
+    def _evict_oldest(self) -> None:
+        oldest = self._oldest()
+        self._ring_bytes -= self._ring_sizes.popleft()
+        front = self._segments[0]
+        front.batches[oldest - front.first] = ()
+        if oldest + 1 == front.end:
+            self._segments.popleft()
+
+    def _oldest(self) -> int:
+        """The oldest revision kept in the ring (the store revision + 1 when empty)."""
+        return self._revision - len(self._ring_sizes) + 1
 
     @staticmethod
     def _wake(watcher: _Watcher, revision: int) -> None:
