@@ -364,6 +364,17 @@ def test_dropping_out_of_rounds_counts_but_a_drain_does_not():
     assert decide(back, Q, now=50.0).reason == "round 8 running with 2 nodes; quarantined: c"
 
 
+def test_every_member_going_at_once_counts_against_nobody():
+    # A store stall lets every lease lapse together: the new leader finds each member
+    # gone or registered again. That is the store's fault, not a flapping node's.
+    view = three_nodes()
+    for number in (1, 3, 5, 7):
+        stalled = replace(view, nodes=nodes(ran(node("a"), number)), round=running("a", "b", "c", number=number))
+        d = decide(stalled, Q, now=10.0 * number)
+        assert d.quarantine is None or not d.quarantine.entries, d.quarantine
+        assert d.reason.startswith("lost b, c; a registered again")
+
+
 def test_a_new_leader_takes_a_quarantined_member_out_of_the_round():
     view, _ = crash(three_nodes(), "c", at=10.0)
     table = replace(view.quarantine, entries=(replace(view.quarantine.get("c"), times=1, until=100.0),))

@@ -194,8 +194,10 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
 
     if lost:
         assert current is not None
-        if book.counts(current.number):  # a node that drops out of rounds is flapping
-            # (not one already back: a store stall drops every node at once)
+        # A node that drops out of rounds while the others stay is flapping. When no
+        # member stayed, the store stalled or restarted (or the whole job went down):
+        # that is nobody's fault, and counting it would quarantine every node.
+        if survivors and book.counts(current.number):
             for node_id in missing:
                 if node_id not in view.draining:
                     book.count(node_id, f"dropped out of round {current.number}")
