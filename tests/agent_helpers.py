@@ -87,14 +87,15 @@ _AGENT_MAIN = """
 import asyncio, json, logging, sys
 from pathlib import Path
 from elasticrun.agent.agent import Agent
-from elasticrun.agent.spec import WorkerSpec
+from elasticrun.agent.spec import Std, WorkerSpec
 from elasticrun.rendezvous.static import StaticRendezvous
 logging.basicConfig(level=logging.INFO, format="agent: %(message)s")
 c = json.loads(sys.argv[1])
 spec = WorkerSpec(run_id="test", node_id=f"node{c['node_rank']}",
                   entrypoint=tuple(c["entrypoint"]), nproc_per_node=c["nproc"],
                   max_restarts=c.get("max_restarts", 0), stop_grace=c.get("stop_grace", 10),
-                  log_dir=Path(c["log_dir"]))
+                  log_dir=Path(c["log_dir"]),
+                  tee={r: Std(c.get("tee", 0)) for r in range(c["nproc"])})
 handler = StaticRendezvous("test", node_rank=c["node_rank"], nnodes=c["nnodes"],
                            nproc_per_node=c["nproc"], master_addr="127.0.0.1",
                            master_port=c["master_port"])

@@ -147,7 +147,6 @@ INTERNAL = (
     "no new round without a restart request",  # static rendezvous misuse, internal
     "request_restart() before any round",
     "a lease TTL must be a positive number of seconds",  # in-memory store API
-    "worker started without output pipes",
 )
 
 #: messages written in errors.py's constructors

@@ -1,7 +1,12 @@
-"""Worker output: rank prefixes, whole lines, redirects/tee files, the ranks filter."""
+"""Worker output: rank prefixes, whole lines, redirects/tee files, the ranks filter;
+log files the workers write themselves, so a SIGKILLed agent loses none of their lines;
+following a growing file on inotify."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -9,10 +14,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticrun.agent.output import MAX_LINE, WorkerOutput, _split_lines, plan_streams
+from elasticrun.agent.filetail import FileTail
+from elasticrun.agent.output import MAX_LINE, WorkerOutput, _split_lines, plan_streams, worker_stdio
 from elasticrun.agent.processes import WorkerGroup
 from elasticrun.agent.spec import Std
-from tests.agent_helpers import make_spec, write_script
+from elasticrun.errors import UsageError, WorkerStartError
+from tests.agent_helpers import (
+    kill_and_reap,
+    make_spec,
+    read_lines_until,
+    start_agent_process,
+    wait_pid_gone,
+    write_script,
+)
 
 
 @given(st.lists(st.binary(max_size=200), max_size=20))
@@ -70,17 +84,16 @@ sys.stderr.write("err one\\nerr two, no newline")
 
 
 async def _run_workers(script: Path, plans_for: dict[int, dict], offset: int = 4) -> dict:
-    group = await WorkerGroup.start(
-        [sys.executable, "-u", str(script)],
-        {r: {"RANK": str(offset + r)} for r in plans_for},
-    )
+    with worker_stdio(plans_for) as stdio:
+        group = await WorkerGroup.start(
+            [sys.executable, "-u", str(script)],
+            {r: {"RANK": str(offset + r)} for r in plans_for},
+            stdio,
+        )
     outputs = {}
     try:
         for local_rank, proc in group.procs.items():
-            assert proc.stdout is not None and proc.stderr is not None
-            outputs[local_rank] = WorkerOutput(
-                proc.stdout, proc.stderr, offset + local_rank, plans_for[local_rank]
-            )
+            outputs[local_rank] = WorkerOutput(proc, offset + local_rank, plans_for[local_rank])
         await group.wait()
     finally:
         await group.stop(grace=5)
@@ -129,3 +142,116 @@ async def test_redirects_go_to_files_only_and_tee_to_both(
     assert not (tmp_path / "1/stdout.log").exists()
     # The tail is kept for the report even when stderr goes to a file only.
     assert list(outputs[0].stderr_tail) == ["err one", "err two, no newline"]
+
+
+_BURST = """
+import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+print(f"ready {os.getpid()}", flush=True)
+signal.sigwait({signal.SIGUSR1})  # the agent is frozen now: it reads nothing more
+for i in range(500):
+    print(f"out {i}", flush=True)
+    print(f"err {i}", file=sys.stderr, flush=True)
+"""
+
+
+async def test_a_sigkilled_agent_loses_no_line_its_worker_wrote(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "burst.py", _BURST)
+    agent = await start_agent_process(script, tmp_path / "logs", tee=int(Std.ALL))
+    try:
+        assert agent.stdout is not None
+        (ready,) = await read_lines_until(agent.stdout, 1, "<stdout>: ready")  # relayed
+        worker = int(ready.rsplit(" ", 1)[1])
+        # Frozen, the agent reads none of what follows: all of it would still be in a
+        # pipe when the agent dies.
+        agent.send_signal(signal.SIGSTOP)
+        os.kill(worker, signal.SIGUSR1)
+        await wait_pid_gone(worker)  # every line written
+        agent.kill()
+        assert await asyncio.wait_for(agent.wait(), 60) == -signal.SIGKILL
+    finally:
+        await kill_and_reap(agent)
+    (worker_dir,) = (tmp_path / "logs").glob("*/attempt_0/0")
+    stdout = (worker_dir / "stdout.log").read_text().splitlines()
+    assert stdout == [f"ready {worker}", *(f"out {i}" for i in range(500))]
+    stderr = (worker_dir / "stderr.log").read_text().splitlines()
+    assert stderr == [f"err {i}" for i in range(500)]
+
+
+def test_a_log_file_that_cannot_be_opened_fails_the_start_and_leaks_nothing(
+    tmp_path: Path,
+) -> None:
+    spec = make_spec(tmp_path / "t.py", nproc_per_node=2, tee={0: Std.ALL, 1: Std.ALL})
+    (tmp_path / "0").mkdir()
+    (tmp_path / "1" / "stderr.log").mkdir(parents=True)  # a folder: not writable as a file
+    plans = {r: plan_streams(spec, r, tmp_path / str(r)) for r in (0, 1)}
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(UsageError, match=r"cannot write the log file .*/1/stderr\.log: .*\(check --log-dir\)"):
+        with worker_stdio(plans):
+            pytest.fail("no worker may start")
+    assert len(os.listdir("/proc/self/fd")) == fds  # the three files opened are closed
+
+
+async def test_a_log_file_that_cannot_be_followed_is_a_start_error(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "quiet.py", "")
+    spec = make_spec(script, tee={0: Std.ALL})
+    (tmp_path / "0").mkdir()
+    plans = {0: plan_streams(spec, 0, tmp_path / "0")}
+    with worker_stdio(plans) as stdio:
+        group = await WorkerGroup.start(list(spec.entrypoint), {0: {}}, stdio)
+    try:
+        (tmp_path / "0" / "stderr.log").unlink()  # removed as the worker started
+        before = _inotify_instances()
+        with pytest.raises(WorkerStartError, match=r"cannot follow the log file .*/stderr\.log: No such file"):
+            WorkerOutput(group.procs[0], 0, plans[0])
+        assert _inotify_instances() == before  # the stdout follower was closed again
+    finally:
+        await group.stop(grace=5)
+
+
+async def test_a_followed_file_wakes_its_reader_and_ends_where_finish_found_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "grows.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    tail = FileTail(path)
+    try:
+        reading = asyncio.create_task(tail.read(100))
+        await asyncio.sleep(0)  # one turn of the loop: the read finds nothing and waits
+        assert not reading.done()
+        os.write(fd, b"one\n")
+        assert await asyncio.wait_for(reading, 30) == b"one\n"  # woken by inotify
+        os.write(fd, b"two\n")
+        tail.finish()
+        os.write(fd, b"three\n")  # after finish(): in the file only
+        assert await asyncio.wait_for(tail.read(100), 30) == b"two\n"
+        assert await asyncio.wait_for(tail.read(100), 30) == b""
+    finally:
+        tail.close()
+        os.close(fd)
+    assert path.read_bytes() == b"one\ntwo\nthree\n"
+
+
+def _inotify_instances() -> int:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:
+            pass  # the listing's own descriptor, closed by now
+    return links.count("anon_inode:inotify")
+
+
+async def test_followed_files_share_one_inotify_instance_closed_with_the_last(
+    tmp_path: Path,
+) -> None:
+    before = _inotify_instances()
+    for name in ("a.log", "b.log"):
+        (tmp_path / name).touch()
+    tails = [FileTail(tmp_path / "a.log"), FileTail(tmp_path / "b.log")]
+    try:
+        assert _inotify_instances() == before + 1
+    finally:
+        for tail in tails:
+            tail.close()
+    assert _inotify_instances() == before

@@ -1,8 +1,10 @@
-"""Worker processes: start, wait for exits, stop with escalation, reap, start errors."""
+"""Worker processes: start (streams as pipes or given files), wait for exits, stop with
+escalation, reap, start errors."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -27,6 +29,28 @@ async def test_success_records_every_exit(tmp_path: Path) -> None:
         await group.stop(grace=5)
     assert sorted(e.local_rank for e in exits) == [0, 1]
     assert all(e.returncode == 0 and not e.failed for e in exits)
+
+
+async def test_a_stream_given_a_file_descriptor_writes_that_file_the_other_is_a_pipe(
+    tmp_path: Path,
+) -> None:
+    script = write_script(
+        tmp_path, "both.py", "import sys\nprint('to the file')\nprint('to the pipe', file=sys.stderr)\n"
+    )
+    log = tmp_path / "stdout.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT)
+    try:
+        group = await WorkerGroup.start(_argv(script), {0: {}}, {0: (fd, asyncio.subprocess.PIPE)})
+    finally:
+        os.close(fd)  # the worker has its own copy
+    try:
+        proc = group.procs[0]
+        assert proc.stdout is None and proc.stderr is not None
+        assert await asyncio.wait_for(proc.stderr.read(), 60) == b"to the pipe\n"
+        await group.wait()
+    finally:
+        await group.stop(grace=5)
+    assert log.read_text() == "to the file\n"
 
 
 async def test_a_failure_returns_at_once_and_stop_terminates_the_rest(

@@ -31,7 +31,7 @@ from elasticrun.agent.failures import (
     make_report,
     read_error_file,
 )
-from elasticrun.agent.output import WorkerOutput, plan_streams
+from elasticrun.agent.output import WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import WorkerGroup
 from elasticrun.agent.spec import WorkerSpec, WorkerState
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
@@ -395,7 +395,7 @@ class Agent:
         attempt_dir = self.run_dir / f"attempt_{self._attempts}"
         self._attempts += 1
         socket_path = self._channel.path if self._channel is not None else None
-        envs, error_files = {}, {}
+        envs, error_files, plans = {}, {}, {}
         for local_rank in range(spec.nproc_per_node):
             worker_dir = attempt_dir / str(local_rank)
             try:
@@ -412,17 +412,16 @@ class Agent:
             )
             if dog is not None:
                 envs[local_rank].update(dog.env(local_rank))
-        workers = await WorkerGroup.start(spec.entrypoint, envs)
+            plans[local_rank] = plan_streams(spec, local_rank, worker_dir)
+        with worker_stdio(plans) as stdio:
+            workers = await WorkerGroup.start(spec.entrypoint, envs, stdio)
         group = _Group(workers, {}, error_files)
         try:
             for local_rank, proc in workers.procs.items():
-                if proc.stdout is None or proc.stderr is None:
-                    raise WorkerStartError("worker started without output pipes")
                 group.outputs[local_rank] = WorkerOutput(
-                    proc.stdout,
-                    proc.stderr,
+                    proc,
                     (assignment.rank_offset if assignment else 0) + local_rank,
-                    plan_streams(spec, local_rank, attempt_dir / str(local_rank)),
+                    plans[local_rank],
                     publish=self.handler.report_output,
                 )
         except BaseException:

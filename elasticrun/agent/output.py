@@ -1,24 +1,37 @@
-"""Carry each worker's stdout and stderr to the console and to its log files.
+"""Carry each worker's stdout and stderr to its log files and the console.
 
-Console lines carry the worker's global rank (`[3]<stderr>: text`) and are written whole,
-so the output of many workers never mixes inside a line. Log files get the worker's
-bytes unchanged. As torchrun: `redirects` sends a stream to its file only, `tee` to the
-console and its file, `local_ranks_filter` keeps other ranks off the console (not out of
-their files). The last lines of stderr stay in memory for the failure report.
+A stream that has a log file (`redirects` or `tee` names it) is that file: the agent
+opens it before the worker starts and the worker gets it as its stdout or stderr, so
+the kernel writes every byte there, whatever happens to the agent afterwards (SIGKILL
+included: a pipe would lose what the agent had not read yet). The agent follows the
+file as it grows (elasticrun.agent.filetail) for the console, as torchrun tails its
+workers' files for `--tee`. A stream without a file is a pipe that the agent reads.
+
+Console lines carry the worker's global rank (`[3]<stderr>: text`) and are written
+whole, so the output of many workers never mixes inside a line. Log files hold the
+worker's bytes unchanged. As torchrun: `redirects` sends a stream to its file only,
+`tee` to its file and the console, `local_ranks_filter` keeps other ranks off the
+console (not out of their files). Every line, shown or not, also goes to the `publish`
+sink (the job's `elasticrun logs`), and the last lines of stderr stay in memory for the
+failure report.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
+from elasticrun.agent.filetail import FileTail
 from elasticrun.agent.spec import Std, WorkerSpec
+from elasticrun.errors import UsageError, WorkerStartError
 
 logger = logging.getLogger("elasticrun.agent")
 
@@ -30,6 +43,14 @@ _CHUNK = 64 * 1024
 
 #: (global rank, "stdout" or "stderr", whole lines) -> None
 LineSink = Callable[[int, str, list[str]], None]
+
+
+class _Reader(Protocol):
+    """A worker stream: its pipe (asyncio.StreamReader) or its log file (FileTail)."""
+
+    async def read(self, n: int) -> bytes:
+        """Up to `n` bytes, waiting while there are none; b"" at the end."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,25 +78,71 @@ def plan_streams(
     return plans
 
 
+@contextlib.contextmanager
+def worker_stdio(
+    plans: Mapping[int, Mapping[Std, StreamPlan]],
+) -> Iterator[dict[int, tuple[int, int]]]:
+    """Per local rank, the (stdout, stderr) to start the worker with: the descriptor of
+    the stream's log file, or asyncio.subprocess.PIPE where it has none.
+
+    The files are opened here, before any worker starts, so a log folder we cannot write
+    to fails the start. They are emptied (a file left by an earlier run under the same
+    run and node id would be relayed again) and opened for appending (every write lands
+    at the end, whichever process of the worker's makes it). The agent's descriptors
+    close when the block ends: start the workers inside it; theirs stay open.
+    """
+    with contextlib.ExitStack() as opened:
+        yield {
+            local_rank: (
+                _open_log(streams[Std.OUT].file, opened),
+                _open_log(streams[Std.ERR].file, opened),
+            )
+            for local_rank, streams in plans.items()
+        }
+
+
+def _open_log(path: Path | None, opened: contextlib.ExitStack) -> int:
+    if path is None:
+        return asyncio.subprocess.PIPE
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        raise UsageError(
+            f"cannot write the log file {path}: {e.strerror} (check --log-dir)"
+        ) from e
+    opened.callback(os.close, fd)
+    return fd
+
+
 class WorkerOutput:
-    """Copies one worker's two pipes until they close."""
+    """Reads one worker's two streams, each its pipe or its log file, to their end."""
 
     def __init__(
         self,
-        stdout: asyncio.StreamReader,
-        stderr: asyncio.StreamReader,
+        proc: asyncio.subprocess.Process,
         global_rank: int,
-        plans: dict[Std, StreamPlan],
+        plans: Mapping[Std, StreamPlan],
         publish: LineSink | None = None,
     ) -> None:
-        """`publish(global_rank, stream, lines)` also gets every whole line, decoded."""
+        """`proc` was started with `worker_stdio(...)` of the same `plans`.
+
+        `publish(global_rank, stream, lines)` also gets every whole line, decoded.
+        """
         #: the worker's global rank, for prefixes and reports; in-process mode updates
         #: it when a round moves the worker
         self.global_rank = global_rank
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
-        # Files are opened here, so a log folder we cannot write to fails the start.
-        out_file = plans[Std.OUT].file.open("wb") if plans[Std.OUT].file else None
-        err_file = plans[Std.ERR].file.open("wb") if plans[Std.ERR].file else None
+        self._tails: list[FileTail] = []
+        streams = (
+            (proc.stdout, Std.OUT, "stdout", sys.stdout.buffer),
+            (proc.stderr, Std.ERR, "stderr", sys.stderr.buffer),
+        )
+        try:
+            readers = [self._reader(pipe, plans[std]) for pipe, std, _, _ in streams]
+        except BaseException:
+            self._close_tails()
+            raise
 
         def sink(stream: str) -> Callable[[list[str]], None]:
             def take(lines: list[str]) -> None:
@@ -92,67 +159,79 @@ class WorkerOutput:
                     reader,
                     lambda stream=stream: f"[{self.global_rank}]<{stream}>: ".encode(),  # type: ignore[misc]
                     console if plans[std].console else None,
-                    log_file,
                     sink(stream),
                 )
             )
-            for reader, stream, std, console, log_file in (
-                (stdout, "stdout", Std.OUT, sys.stdout.buffer, out_file),
-                (stderr, "stderr", Std.ERR, sys.stderr.buffer, err_file),
-            )
+            for reader, (_, std, stream, console) in zip(readers, streams)
         ]
 
-    async def drain(self, timeout: float) -> None:
-        """Wait for both pipes to close (the worker and its children are gone).
+    def _reader(self, pipe: asyncio.StreamReader | None, plan: StreamPlan) -> _Reader:
+        if plan.file is not None:
+            try:
+                tail = FileTail(plan.file)
+            except OSError as e:
+                raise WorkerStartError(
+                    f"cannot follow the log file {plan.file}: {e.strerror or e}"
+                ) from e
+            self._tails.append(tail)
+            return tail
+        assert pipe is not None, "a stream without a log file is started as a pipe"
+        return pipe
 
-        A grandchild that escaped the worker's process group may hold a pipe open for
-        ever: after `timeout` seconds its remaining output is dropped.
+    async def drain(self, timeout: float) -> None:
+        """Read what is left, once the worker has exited: each log file to its end as
+        of now, each pipe until it closes (the worker and its children are gone).
+
+        A grandchild that escaped the worker's process group may write on: to a log
+        file, what it writes from now on is in the file only; a pipe it may hold open
+        for ever, so after `timeout` seconds the pipe's remaining output is dropped.
         """
+        for tail in self._tails:
+            tail.finish()
         _, pending = await asyncio.wait(self._tasks, timeout=timeout)
         for task in pending:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._close_tails()
+
+    def _close_tails(self) -> None:
+        for tail in self._tails:
+            tail.close()
+        self._tails.clear()
 
 
 async def _copy(
-    reader: asyncio.StreamReader,
+    reader: _Reader,
     prefix: Callable[[], bytes],
     console: BinaryIO | None,
-    log_file: BinaryIO | None,
     sink: Callable[[list[str]], None],
 ) -> None:
-    """Copy one pipe until it closes: whole prefixed lines to the console, bytes to the
-    log file, decoded lines to the sink."""
-    log = log_file
-    try:
-        partial = b""
-        while True:
-            chunk = await reader.read(_CHUNK)
-            if log is not None and chunk:
-                log = _write(log, chunk)
-            lines, partial = _split_lines(partial + chunk, eof=not chunk)
-            if console is not None and lines:
+    """Read one stream to its end: whole prefixed lines to the console, decoded lines
+    to the sink."""
+    partial = b""
+    while True:
+        chunk = await reader.read(_CHUNK)
+        lines, partial = _split_lines(partial + chunk, eof=not chunk)
+        if lines:
+            if console is not None:
                 head = prefix()
                 console = _write(console, b"".join(head + line + b"\n" for line in lines))
-            if lines:
-                sink([line.decode(errors="replace") for line in lines])
-            if not chunk:
-                return
-    finally:
-        if log_file is not None:
-            log_file.close()
+            sink([line.decode(errors="replace") for line in lines])
+        if not chunk:
+            return
 
 
 def _write(sink: BinaryIO, data: bytes) -> BinaryIO | None:
     """Write and flush; on failure (disk full, closed console) warn and drop the sink.
 
-    The pipe must still be read to its end, or the worker would block on a full pipe.
+    The stream is still read to its end: a pipe must be, or the worker would block on
+    it, and the stderr tail and the `publish` sink still take every line.
     """
     try:
         sink.write(data)
         sink.flush()
     except OSError as e:
-        logger.warning("worker output to %s is lost from here on: %s", sink.name, e)
+        logger.warning("no more worker output to %s: %s", sink.name, e)
         return None
     return sink
 

@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import time
+from asyncio.subprocess import PIPE
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -101,12 +102,17 @@ class WorkerGroup:
 
     @classmethod
     async def start(
-        cls, argv: Sequence[str], envs: Mapping[int, Mapping[str, str]]
+        cls,
+        argv: Sequence[str],
+        envs: Mapping[int, Mapping[str, str]],
+        stdio: Mapping[int, tuple[int, int]] | None = None,
     ) -> WorkerGroup:
-        """Start one process per local rank in `envs`, with piped stdout and stderr.
+        """Start one process per local rank in `envs`.
 
-        Raises WorkerStartError when the command cannot be executed at all; workers
-        already started are stopped first.
+        `stdio` gives a local rank's (stdout, stderr): an open file descriptor (its log
+        file, see elasticrun.agent.output.worker_stdio) or asyncio.subprocess.PIPE;
+        ranks it leaves out get two pipes. Raises WorkerStartError when the command
+        cannot be executed at all; workers already started are stopped first.
         """
         procs: dict[int, asyncio.subprocess.Process] = {}
         exits: dict[int, asyncio.Future[int]] = {}
@@ -120,13 +126,14 @@ class WorkerGroup:
             else:
                 command, preexec = list(argv), lambda: _die_with_parent(agent_pid)
             for local_rank, env in envs.items():
+                stdout, stderr = (stdio or {}).get(local_rank, (PIPE, PIPE))
                 protocol: _ExitProtocol
                 transport, protocol = await loop.subprocess_exec(
                     lambda: _ExitProtocol(loop),
                     *command,
                     stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
+                    stdout=stdout,
+                    stderr=stderr,
                     env=dict(env),
                     start_new_session=True,
                     preexec_fn=preexec,
