@@ -9,15 +9,16 @@ the same protocol end to end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 import pytest
 
-from elasticrun.errors import RendezvousClosedError, RendezvousTimeoutError, SpecMismatchError
+from elasticrun.errors import LeaseExpiredError, RendezvousClosedError, RendezvousTimeoutError, SpecMismatchError
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.memory_store import MemoryStore
-from elasticrun.rendezvous.state import NodeInfo
+from elasticrun.rendezvous.state import Keys, NodeInfo
 from elasticrun.rendezvous.store import Store
 
 pytestmark = pytest.mark.timeout(30)
@@ -239,3 +240,30 @@ async def test_members_that_register_again_get_a_new_round_though_their_keys_sta
     assert all(x.restart_count == 0 and x.node_count == 2 for x in again)
     await asyncio.gather(a.aclose(), b.aclose())
     await store.close()
+
+
+async def test_a_member_silent_to_the_ping_is_dropped_and_its_registration_ended(store):
+    # etcd may expire a dead node's lease late: here the lease is kept alive on purpose.
+    s = settings(2, 3, heartbeat_ttl=1.0)
+    a, b, c = (make_node(store, n, s) for n in "abc")
+    await asyncio.gather(a.next_round(), b.next_round(), c.next_round())
+    key = Keys("job").node("c")
+    lease = (await store.get(key)).lease
+    c._lost = "killed"  # c dies: its tasks stop and nobody revokes its lease
+    await c.aclose()
+
+    async def zombie() -> None:
+        with contextlib.suppress(LeaseExpiredError):
+            while True:
+                await store.keep_alive(lease)
+                await asyncio.sleep(0.2)
+
+    kept = asyncio.ensure_future(zombie())
+    ended = asyncio.ensure_future(a.round_ended())
+    await b.request_restart("collective failed")  # c's death broke b's collectives
+    assert "lost c" in await ended
+    again = await asyncio.gather(a.next_round(), b.next_round())
+    assert all(x.node_count == 2 and x.restart_count == 0 for x in again)
+    await asyncio.wait_for(kept, 5.0)  # the leader revoked c's lease: the renewals fail
+    assert await store.get(key) is None
+    await asyncio.gather(a.aclose(), b.aclose())

@@ -99,6 +99,10 @@ class Decision:
     fail: str = ""
     #: the quarantine table changed: store this one (before the round)
     quarantine: QuarantineTable | None = None
+    #: members declared dead because they did not answer the liveness ping for a
+    #: lease TTL: the leader ends their registrations (etcd may keep a dead node's
+    #: lease for a while), or the next decision would admit them again as newcomers
+    dead: tuple[str, ...] = ()
     #: the job has ended: there is nothing left to lead (a round after it would
     #: re-form a job that every agent already took for finished)
     ended: bool = False
@@ -168,6 +172,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
     number = max([number_now, *(i.ran_round for i in ran)]) + 1
     restarts = max([current.restart_count if current else 0, *(i.ran_restarts for i in ran)])
     restart = view.restart
+    dead: tuple[str, ...] = ()
     if current is not None and members and restart is not None and restart.round == current.number:
         # A member that has not answered the liveness ping within a lease TTL is dead,
         # whether or not the store has expired its lease yet (etcd expires leases late):
@@ -176,6 +181,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         if silent and now >= view.restart_seen_at + settings.heartbeat_ttl:
             survivors = [p for p in survivors if p.node_id not in silent]
             missing += sorted(silent)
+            dead = tuple(sorted(silent))
     lost = missing + back
     not_new = set(missing) | {p.node_id for p in survivors}
     newcomers = [n for n in view.nodes.values() if n.info.node_id not in not_new]
@@ -183,6 +189,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
     def open_round(group: list[Participant], reason: str, restart_count: int = restarts) -> Decision:
         return Decision(
             reason=reason,
+            dead=dead,
             round=Round(
                 number=number,
                 participants=tuple(group),

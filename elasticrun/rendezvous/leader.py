@@ -175,6 +175,8 @@ class Leader:
             return True
         if decision.round is None:
             return False
+        for node_id in decision.dead:
+            await self._end_registration(node_id)
         new_round = replace(decision.round, opened_at=time.time())
         written = await self._store.compare_and_put(
             self._keys.round, encode(new_round), expected_mod_revision=self._round_rev
@@ -184,6 +186,15 @@ class Leader:
             await self._record_round(new_round)
         # Either way the watch brings the round record that now stands.
         return True
+
+    async def _end_registration(self, node_id: str) -> None:
+        """Revoke the lease of a node declared dead: its key goes now, not when the
+        store gets to expire it. Were it alive after all, its next renewal fails, and it
+        registers again as a newcomer (with its workers stopped)."""
+        kv = await self._store.get(self._keys.node(node_id))
+        if kv is not None and kv.lease:
+            log.warning("node %s did not show it is alive for a lease TTL: ending its registration", node_id)
+            await self._store.revoke_lease(kv.lease)
 
     async def _store_quarantine(self, table: QuarantineTable) -> None:
         """Store the failure records (on the wall clock); log each new quarantine."""
