@@ -19,8 +19,8 @@ keeping the node count within 2..4. After each fault the job must settle within
 SETTLE_S: every live agent's latest step is at one world size equal to the live nodes,
 in one round (a newer round than before the fault when the fault changes the
 membership); a killed agent's worker is gone; no agent has exited unless the fault
-made it leave. At the end every agent exits 0 when told to stop, and none printed a
-traceback of its own.
+made it leave. At the end every agent exits 0 when told to stop, none printed a
+traceback of its own, and every line every worker printed is in its log file.
 
 The seed is in every failure message; `ELASTICRUN_NEMESIS_SEED=<seed>` replays one
 run. CI runs the fixed seeds below; the `soak` test runs hundreds of faults.
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id, wait_until
-from tests.fault.conftest import STEP_RE, FaultCluster, Reliability, serve_store
+from tests.fault.conftest import STEP_RE, FaultCluster, Reliability, check_no_line_lost, serve_store
 
 SEED_VAR = "ELASTICRUN_NEMESIS_SEED"
 MIN_NODES, MAX_NODES = 2, 4
@@ -71,6 +71,8 @@ class Nemesis:
     #: fault kind -> seconds from the fault to the settled job, one per fault
     recovery: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     history: list[str] = field(default_factory=list)
+    #: log lines checked at the end, every one of them in its file
+    lines: int = 0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -244,6 +246,10 @@ class Nemesis:
         if self.store is not None:
             self.store.kill()
         self.cluster.assert_no_orphans()
+        try:
+            self.lines = check_no_line_lost(self.cluster)["lines"]
+        except AssertionError as e:
+            raise self.fail(str(e)) from None
 
     def record(self, reliability: Reliability, label: str) -> None:
         faults = sum(len(v) for v in self.recovery.values())
@@ -255,7 +261,7 @@ class Nemesis:
                 injected=f"{len(times)} x {kind}, among {faults} random faults (seed {self.seed})",
                 happened="settled every time: one world size = live nodes, one round",
                 recovery_s=statistics.median(times),
-                lost="nothing",
+                lost=f"nothing (0 of {self.lines} log lines of the run)",
                 faults=len(times),
                 recovered=len(times),
                 hung=0,
