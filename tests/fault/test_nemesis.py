@@ -43,6 +43,8 @@ from tests.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id, wait_until
 from tests.fault.conftest import STEP_RE, FaultCluster, Reliability, check_no_line_lost, serve_store
 
 SEED_VAR = "ELASTICRUN_NEMESIS_SEED"
+#: a worker's line on its agent's console (`[3]<stdout>: ...`), not the agent's own
+WORKER_LINE = re.compile(r"\[\d+\]<std(out|err)>: ")
 MIN_NODES, MAX_NODES = 2, 4
 #: heartbeat_timeout=2 in RDZV_CONF: short pauses stay well below it
 BLIP_S = 0.5
@@ -102,7 +104,7 @@ class Nemesis:
     def fail(self, why: str) -> AssertionError:
         tails = "".join(
             f"\n--- {p.name} (its last agent lines):\n" + "\n".join(
-                [ln for ln in p.text().splitlines() if not ln.startswith("[")][-25:]
+                [ln for ln in p.text().splitlines() if not WORKER_LINE.match(ln)][-25:]
             )
             for p in self.live()
         )
@@ -129,7 +131,7 @@ class Nemesis:
             state.update(live=[p.name for p in live], worlds=worlds, rounds=rounds)
             if worlds != {len(live)} or len(rounds) != 1:
                 return False
-            return not changed or rounds.pop() > before
+            return not changed or min(rounds) > before
 
         try:
             wait_until(settled, SETTLE_S, "the job to settle")
