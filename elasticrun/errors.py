@@ -39,6 +39,13 @@ class StoreUnavailableError(StoreError):
         self.cause = cause
 
 
+class StoreGoneError(StoreUnavailableError):
+    """The store is unreachable and will not come back: its agent host died.
+
+    Waiting out the deadline would only delay the job's end, so callers give up at once.
+    """
+
+
 class StoreAuthError(StoreError):
     """The store refused us: missing or wrong token, bad credentials, TLS mismatch."""
 

@@ -159,6 +159,44 @@ async def test_watch_on_a_server_that_lost_its_memory_is_compacted() -> None:
     await second.stop()
 
 
+@pytest.mark.timeout(30)
+async def test_every_call_fails_at_once_when_the_agent_hosting_the_store_is_gone() -> None:
+    """Such a server is never restarted: retrying for the client's 60 s would only delay
+    the job's end (the test's own timeout is shorter, so waiting fails it)."""
+    server = StoreServer("127.0.0.1", 0, hosted_by_agent=True)
+    await server.start()
+    client = GrpcStore(server.endpoint, timeout=60)
+    lease = await client.grant_lease(60)
+    watch = client.watch("k", start_revision=1)
+    await client.put("k", b"1")
+    await next_events(watch, 1)  # its replies said who hosts the server
+    await server.stop()
+    gone = "connection refused: the agent that hosted it is gone"
+    with pytest.raises(StoreUnavailableError, match=gone):
+        await next_events(watch, 1)
+    with pytest.raises(StoreUnavailableError, match=gone):
+        await client.keep_alive(lease)
+    with pytest.raises(StoreUnavailableError, match=gone):
+        await client.get("k")
+    await client.close()
+
+
+async def test_a_stopped_store_serve_is_waited_for() -> None:
+    """`store serve` may come back (restarted by its supervisor): calls retry until their
+    timeout, unlike those to a store hosted by an agent."""
+    server = StoreServer("127.0.0.1", 0)
+    await server.start()
+    client = GrpcStore(server.endpoint, timeout=1)
+    watch = client.watch("k", start_revision=1)
+    await client.put("k", b"1")
+    await next_events(watch, 1)
+    await server.stop()
+    with pytest.raises(StoreUnavailableError, match="gave up after 1 s"):
+        await client.get("k")
+    await watch.aclose()
+    await client.close()
+
+
 # --- bounds -------------------------------------------------------------------------
 
 

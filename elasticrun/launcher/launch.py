@@ -144,7 +144,9 @@ async def _host_store(rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack) 
     if "tls_cert" in rdzv.conf or "tls_key" in rdzv.conf:
         tls = TlsKeyPair(cert=read_conf_file(rdzv.conf, "tls_cert"), key=read_conf_file(rdzv.conf, "tls_key"))
     host, port = parse_endpoint(rdzv.endpoint, DEFAULT_C10D_PORT)
-    server = StoreServer(host, port, token=load_token(rdzv.conf.get("token_file"), os.environ), tls=tls)
+    server = StoreServer(
+        host, port, token=load_token(rdzv.conf.get("token_file"), os.environ), tls=tls, hosted_by_agent=True
+    )
     try:
         await server.start()
     except UsageError:

@@ -162,14 +162,16 @@ class WatchEvent(_message.Message):
     def __init__(self, type: _Optional[_Union[WatchEvent.Type, str]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class WatchReply(_message.Message):
-    __slots__ = ("store_id", "events", "compact_revision")
+    __slots__ = ("store_id", "events", "compact_revision", "hosted_by_agent")
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     COMPACT_REVISION_FIELD_NUMBER: _ClassVar[int]
+    HOSTED_BY_AGENT_FIELD_NUMBER: _ClassVar[int]
     store_id: int
     events: _containers.RepeatedCompositeFieldContainer[WatchEvent]
     compact_revision: int
-    def __init__(self, store_id: _Optional[int] = ..., events: _Optional[_Iterable[_Union[WatchEvent, _Mapping]]] = ..., compact_revision: _Optional[int] = ...) -> None: ...
+    hosted_by_agent: bool
+    def __init__(self, store_id: _Optional[int] = ..., events: _Optional[_Iterable[_Union[WatchEvent, _Mapping]]] = ..., compact_revision: _Optional[int] = ..., hosted_by_agent: _Optional[bool] = ...) -> None: ...
 
 class SetRequest(_message.Message):
     __slots__ = ("key", "value")

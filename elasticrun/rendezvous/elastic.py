@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 
 from elasticrun.errors import (
+    ElasticrunError,
     LeaseExpiredError,
     RendezvousClosedError,
     RendezvousTimeoutError,
     SpecMismatchError,
     StoreError,
+    StoreGoneError,
 )
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.rendezvous.decide import RendezvousSettings
@@ -242,11 +245,12 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def aclose(self) -> None:
         """Stop the background tasks and give up the lease (deleting our keys now)."""
-        for task in list(self._tasks):
+        # A task's own failure was handled as it ended (`_task_ended`); the caller's
+        # cancellation still propagates out of the gather.
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, StoreError):
-                await task
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         lease, self._lease = self._lease, None
         if lease is not None and not self._lost:
@@ -267,9 +271,9 @@ class ElasticRendezvous(RendezvousHandler):
         self._lease = await self._store.grant_lease(self._settings.heartbeat_ttl)
         me = replace(self._me, ran_round=self._last_round, ran_restarts=self._ran.restart_count if self._ran else 0)
         await self._store.put(keys.node(self._me.node_id), encode(me), lease=self._lease)
-        self._spawn(self._keep_alive(self._lease))
-        self._spawn(self._watch_job(snapshot.revision + 1))
-        self._spawn(self._reports.publish(self._lease))
+        self._spawn(self._keep_alive(self._lease), "keep-alive")
+        self._spawn(self._watch_job(snapshot.revision + 1), "job watch")
+        self._spawn(self._reports.publish(self._lease), "reporter")
         await self._try_lead()
 
     async def _check_spec(self) -> None:
@@ -312,15 +316,17 @@ class ElasticRendezvous(RendezvousHandler):
                 renewed = sent
             except LeaseExpiredError:
                 return self._lose("its lease expired")
+            except StoreGoneError as e:
+                return self._lose(str(e))
             except (StoreError, TimeoutError) as e:
                 if self._clock() >= renewed + ttl:
                     cause = str(e) or "no answer in time"
                     return self._lose(f"the store did not renew its lease for {ttl:g}s: {cause}")
                 log.warning("keep-alive failed (%s); retrying", e)
-            except Exception as e:  # noqa: BLE001 - a heartbeat that broke is a lost membership
-                return self._lose(f"its keep-alive failed: {e!r}")
 
     def _lose(self, why: str) -> None:
+        if self._lost:
+            return
         log.warning("node %s lost its membership: %s", self._me.node_id, why)
         self._lost = why
         if self._leader_task is not None:
@@ -339,6 +345,8 @@ class ElasticRendezvous(RendezvousHandler):
                     elif event.key == self._keys.ping and event.type is EventType.PUT:
                         await self._answer_ping(decode_ping(event.value))
                     self._pulse.fire()
+            except StoreGoneError:
+                raise
             except StoreError as e:
                 log.warning("watch on job '%s' broke (%s); re-reading", self.run_id, e)
                 await asyncio.sleep(self._settings.keep_alive_interval)
@@ -401,11 +409,25 @@ class ElasticRendezvous(RendezvousHandler):
     async def _close(self, outcome: str, detail: str) -> None:
         await close_job(self._store, self._keys, outcome, detail, self._settings.closed_ttl)
 
-    def _spawn(self, coro: object) -> asyncio.Task[None]:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[object, object, None], what: str) -> asyncio.Task[None]:
+        """Run `coro` for as long as we are registered; its failure is a lost membership.
+
+        The node then stops its workers and registers again, rather than looking alive
+        while its heartbeat, job watch, reporter or leader is dead.
+        """
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(functools.partial(self._task_ended, what))
         return task
+
+    def _task_ended(self, what: str, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            log.debug("the %s failed", what, exc_info=error)
+            self._lose(f"its {what} failed: {error if isinstance(error, ElasticrunError) else repr(error)}")
 
     # --- leadership -------------------------------------------------------------------
 
@@ -416,4 +438,4 @@ class ElasticRendezvous(RendezvousHandler):
         if await self._store.compare_and_put(self._keys.leader, me, expected_mod_revision=0, lease=self._lease):
             log.info("node %s leads job '%s'", self._me.node_id, self.run_id)
             leader = Leader(self._store, self._settings, self._me.node_id, self._lease, self._clock)
-            self._leader_task = self._spawn(leader.run())
+            self._leader_task = self._spawn(leader.run(), "leader")

@@ -7,6 +7,11 @@ then fails with StoreUnavailableError naming host:port and the last cause. Watch
 survive a dropped stream by resuming from the revision after the last one delivered;
 a watch that reconnects to a server holding a different history (it restarted and lost
 its memory) gets CompactedError, so the caller re-reads instead of missing changes.
+
+One exception to the retries: a server that said (in a watch reply) it is hosted by a
+launcher agent is never restarted, so when its port refuses connections every call
+fails at once, as torchrun's agents do when the agent hosting their TCPStore dies,
+rather than after the whole timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from elasticrun.errors import (
     LeaseExpiredError,
     StoreAuthError,
     StoreError,
+    StoreGoneError,
     StoreLimitError,
     StoreTimeoutError,
     StoreUnavailableError,
@@ -151,6 +157,8 @@ class GrpcStore(Store):
         self._channel: grpc.aio.Channel | None = None
         self._stub_cache: pb_grpc.StoreStub | None = None
         self._keepalive: _KeepAliveStream | None = None
+        #: The server said it lives inside an agent (learned from its watch replies).
+        self._hosted_by_agent = False
 
     # --- plumbing ------------------------------------------------------------------
 
@@ -181,12 +189,27 @@ class GrpcStore(Store):
                     request, timeout=max(deadline - loop.time(), 0.0), metadata=self._metadata
                 )
             except grpc.aio.AioRpcError as e:
-                if not _retryable(e) or loop.time() + delay >= deadline:
+                if not self._worth_retrying(e, _retryable) or loop.time() + delay >= deadline:
                     raise self._final_error(e, lease) from None
             await asyncio.sleep(delay)
             delay = min(2 * delay, _MAX_BACKOFF)
 
+    def _worth_retrying(
+        self, error: grpc.RpcError, retryable: Callable[[grpc.RpcError], bool]
+    ) -> bool:
+        return retryable(error) and not self._host_gone(error)
+
+    def _host_gone(self, error: grpc.RpcError) -> bool:
+        """The agent that hosted the server died: its port refuses us, and it won't return."""
+        return self._hosted_by_agent and "connection refused" in (error.details() or "").lower()
+
     def _final_error(self, error: grpc.RpcError, lease: int = 0) -> ElasticrunError:
+        if self._host_gone(error):
+            return StoreGoneError(
+                self.endpoint,
+                "connection refused: the agent that hosted it is gone, and a store "
+                "hosted by an agent is not restarted",
+            )
         translated = _error_from(error, self.endpoint, lease)
         if isinstance(translated, StoreUnavailableError):
             return StoreUnavailableError(
@@ -254,7 +277,7 @@ class GrpcStore(Store):
                     self.endpoint, f"no keep-alive reply within {self.timeout:g} s"
                 ) from None
             except grpc.aio.AioRpcError as e:
-                if not _stream_retryable(e) or loop.time() + delay >= deadline:
+                if not self._worth_retrying(e, _stream_retryable) or loop.time() + delay >= deadline:
                     raise self._final_error(e, lease) from None
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, _MAX_BACKOFF)
@@ -283,6 +306,7 @@ class GrpcStore(Store):
             )
             try:
                 async for reply in call:
+                    self._hosted_by_agent = reply.hosted_by_agent
                     if history_id is None:
                         history_id = reply.store_id
                     elif reply.store_id != history_id:
@@ -299,7 +323,7 @@ class GrpcStore(Store):
                         cursor = reply.events[-1].revision + 1
                 error: grpc.RpcError | None = None
             except grpc.aio.AioRpcError as e:
-                if not _stream_retryable(e):
+                if not self._worth_retrying(e, _stream_retryable):
                     raise self._final_error(e) from None
                 error = e
             finally:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from elasticrun.errors import StoreError
+from elasticrun.errors import StoreError, StoreGoneError
 from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
 from elasticrun.rendezvous.state import (
     Event,
@@ -89,6 +89,8 @@ class Leader:
             try:
                 await self._lead()
                 return
+            except StoreGoneError:
+                raise  # no store, no job: the node's supervisor ends its membership
             except StoreError as e:
                 log.warning("leader of job '%s': store call failed (%s); re-reading", self._settings.run_id, e)
                 await asyncio.sleep(self._settings.keep_alive_interval)

@@ -17,7 +17,7 @@ import functools
 import hmac
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
@@ -84,6 +84,9 @@ class StoreServer:
 
     It serves `engine` when given (and leaves it open on stop, so a new server can
     serve the same history) or a `MemoryStore` of its own (closed on stop).
+    `hosted_by_agent` tells the clients (in every watch reply) that this server lives
+    and dies with a launcher agent: a refused connection then means it is gone for good,
+    and they stop waiting for it at once instead of after their timeout.
     """
 
     def __init__(
@@ -95,8 +98,10 @@ class StoreServer:
         token: str | None = None,
         tls: TlsKeyPair | None = None,
         max_calls: int = DEFAULT_MAX_CALLS,
+        hosted_by_agent: bool = False,
     ) -> None:
         self.host = host
+        self.hosted_by_agent = hosted_by_agent
         self.max_calls = max_calls
         self.engine = engine if engine is not None else MemoryStore()
         self._owns_engine = engine is None
@@ -237,7 +242,7 @@ class _StoreService(pb_grpc.StoreServicer):
     def __init__(self, server: StoreServer) -> None:
         self._server = server
         self._engine = server.engine
-        self._confirm = pb.WatchReply(store_id=self._engine.history_id).SerializeToString()
+        self._confirm = self._reply().SerializeToString()
         #: Encoded watch replies of the latest revision sent, by (key, prefix).
         self._cache: dict[tuple[str, bool], bytes] = {}
         self._cache_revision = 0
@@ -331,11 +336,18 @@ class _StoreService(pb_grpc.StoreServicer):
                     async for batch in batches:
                         await write(self._encoded(cache_key, batch))
             except CompactedError as e:
-                await write(
-                    pb.WatchReply(
-                        store_id=self._engine.history_id, compact_revision=e.oldest
-                    ).SerializeToString()
-                )
+                await write(self._reply(compact_revision=e.oldest).SerializeToString())
+
+    def _reply(
+        self, *, events: Sequence[pb.WatchEvent] = (), compact_revision: int = 0
+    ) -> pb.WatchReply:
+        """A WatchReply that says which server life it comes from, and what kind of server."""
+        return pb.WatchReply(
+            store_id=self._engine.history_id,
+            hosted_by_agent=self._server.hosted_by_agent,
+            events=events,
+            compact_revision=compact_revision,
+        )
 
     def _encoded(self, cache_key: tuple[str, bool], batch: list[WatchEvent]) -> bytes:
         """The WatchReply carrying `batch`, encoded once per (revision, key, prefix)."""
@@ -345,8 +357,7 @@ class _StoreService(pb_grpc.StoreServicer):
             self._cache_revision = revision
         data = self._cache.get(cache_key)
         if data is None:
-            data = pb.WatchReply(
-                store_id=self._engine.history_id,
+            data = self._reply(
                 events=[
                     pb.WatchEvent(
                         type=_EVENT_TYPES[e.type], key=e.key, value=e.value, revision=e.revision

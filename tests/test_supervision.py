@@ -1,0 +1,107 @@
+"""Every background task of a node is supervised: one that dies of an unexpected error
+ends the node's membership with the cause (its workers stop, it registers again), so a
+node never looks alive while its heartbeat, job watch, reporter or leader is dead."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from elasticrun.rendezvous import leader as leader_module
+from elasticrun.rendezvous.elastic import ElasticRendezvous
+from elasticrun.rendezvous.memory_store import MemoryStore
+from elasticrun.rendezvous.state import Keys
+from elasticrun.rendezvous.store import WatchEvent
+from tests.test_rendezvous import make_node, settings
+
+pytestmark = pytest.mark.timeout(30)
+
+KEYS = Keys("job")
+
+
+class Injected(RuntimeError):
+    """The unexpected error a task dies of."""
+
+
+class FaultyStore(MemoryStore):
+    """A store whose calls raise `Injected` for one task once `broken` names it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = ""
+
+    async def keep_alive(self, lease: int) -> None:
+        if self.broken == "keep-alive":
+            raise Injected("heartbeat")
+        await super().keep_alive(lease)
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        if self.broken == "reporter" and key.startswith(KEYS.control):
+            raise Injected("report")
+        return await super().put(key, value, lease=lease)
+
+    async def watch(self, key: str, *, start_revision: int, prefix: bool = False) -> AsyncIterator[WatchEvent]:
+        async for event in super().watch(key, start_revision=start_revision, prefix=prefix):
+            if self.broken == "job watch" and key == KEYS.job:
+                raise Injected("watch")
+            yield event
+
+
+def the_leader(*nodes: ElasticRendezvous) -> ElasticRendezvous:
+    return next(n for n in nodes if n._leader_task is not None and not n._leader_task.done())
+
+
+@pytest.mark.parametrize("task", ["keep-alive", "job watch", "reporter", "leader"])
+async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
+    task: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = FaultyStore()
+    s = settings(2, 2)
+    a, b = make_node(store, "a", s), make_node(store, "b", s)
+    first = await asyncio.gather(a.next_round(), b.next_round())
+    victim = the_leader(a, b) if task == "leader" else a
+
+    real_decide = leader_module.decide
+    if task == "leader":
+        def decide(*args: object, **kw: object) -> object:
+            raise Injected("decision")
+        monkeypatch.setattr(leader_module, "decide", decide)
+    store.broken = task
+    # Something for every task to act on: a write the watches and the leader see, and
+    # an event to publish; the keep-alive runs by itself.
+    victim.report_event("test", "poke")
+    await store.put(KEYS.job + "poke", b"")
+
+    ended = await asyncio.wait_for(victim.round_ended(), 10)
+    assert ended.startswith(f"node {victim._me.node_id} lost its membership: its {task} failed: Injected("), ended
+
+    # The node registers again and the job goes on at the same size.
+    store.broken = ""
+    monkeypatch.setattr(leader_module, "decide", real_decide)
+    other = b if victim is a else a
+
+    async def after_round_ended(node: ElasticRendezvous) -> object:
+        await node.round_ended()  # the victim's loss (or its registering again) ends it
+        return await node.next_round()
+
+    again = await asyncio.wait_for(asyncio.gather(victim.next_round(), after_round_ended(other)), 10)
+    assert again[0].round == again[1].round > first[0].round
+    assert all(x.node_count == 2 and x.restart_count == first[0].restart_count for x in again)
+    await asyncio.gather(a.aclose(), b.aclose())
+    await store.close()
+
+
+async def test_aclose_lets_the_callers_cancellation_through() -> None:
+    store = MemoryStore()
+    s = settings(1, 1)
+    a = make_node(store, "a", s)
+    await a.next_round()
+    closing = asyncio.ensure_future(a.aclose())
+    await asyncio.sleep(0)  # aclose is inside its gather now
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    await a.aclose()
+    await store.close()
