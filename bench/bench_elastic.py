@@ -10,7 +10,8 @@ step with its wall-clock time and world size). Both use `--rdzv-backend=c10d` wi
 store hosted by the agent of node n1 (127.0.0.1, `--rdzv-conf is_host=true`; the other
 agents `is_host=false`), `--max-restarts=3` (with 0 neither launcher survives a lost
 peer), and otherwise default settings (elasticrun: last call 1 s, heartbeat 5 s;
-torchrun: last call 30 s, monitor interval 0.1 s). Only non-host nodes are stopped.
+torchrun: last call 30 s, monitor interval 0.1 s). Only non-host nodes are stopped,
+except in `host-kill`.
 
 Scenarios (t0 is taken just before the action; every wait is capped at --cap seconds):
   rdzv-N     --nnodes=N, N agents started together (N = 2, 4, 8): time until every
@@ -23,6 +24,11 @@ Scenarios (t0 is taken just before the action; every wait is capped at --cap sec
              sigterm:   SIGTERM to n3's agent -> first step at world 2
   kill       --nnodes=1:3, n1..n3 stepping at world 3, then SIGKILL of n3's agent and
              worker together (a node dies) -> first step of the survivors at world 2
+  host-kill  --nnodes=1:3, n1..n3 stepping at world 3, then SIGKILL of n1's agent (the
+             store's host) and worker together -> the last of n2's and n3's agents has
+             exited (`s`; polled every 0.02 s), and every process below them at t0 (their
+             workers) is gone (`spawn_s`); with their exit codes and last error lines.
+             No store, no job: both launchers can only end, the question is how soon.
   torchrun runs `grow` a second time with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
   ("torchrun-noshare"), for scale-up.
 A phase that did not happen within the cap is recorded as such, and the rest of that
@@ -50,6 +56,7 @@ from common import (  # noqa: E402
     WORKERS,
     ProcessTracker,
     base_env,
+    descendants,
     fmt,
     free_port,
     kill_tree,
@@ -153,10 +160,11 @@ def _spawned(job: Job, t0: float, world: int, exclude: set[object] = frozenset()
     return max(first.values()) if len(first) == world else None
 
 
-def _errors(job: Job) -> list[str]:
-    """The distinct exception lines in the agents' logs (why a phase did not happen)."""
+def _errors(job: Job, node: int | str = "*") -> list[str]:
+    """The distinct exception lines in the agents' logs (why a phase did not happen);
+    `node` picks one agent's log."""
     seen: list[str] = []
-    for log in sorted(job.workdir.glob("n*.log")):
+    for log in sorted(job.workdir.glob(f"n{node}.log")):
         for line in log.read_text(errors="replace").splitlines():
             line = line.strip()
             if ("Error:" in line or "error:" in line) and not line.startswith("File ") and f"{log.stem}: {line}" not in seen:
@@ -165,8 +173,9 @@ def _errors(job: Job) -> list[str]:
 
 
 def _phase(result: dict[str, object], name: str, t0: float, t1: float | None, cap: float, spawned: float | None = None,
-           job: Job | None = None, **extra: object) -> bool:
-    """Record a phase: t0 -> first step (`s`) and t0 -> all new workers started (`spawn_s`)."""
+           job: Job | None = None, labels: tuple[str, str] = ("first step", "workers started"), **extra: object) -> bool:
+    """Record a phase: t0 -> first step (`s`) and t0 -> all new workers started (`spawn_s`),
+    or whatever two moments `labels` names."""
     spawn_s = None if spawned is None else spawned - t0
     if t1 is None and job is not None:
         extra["errors"] = _errors(job)
@@ -174,7 +183,7 @@ def _phase(result: dict[str, object], name: str, t0: float, t1: float | None, ca
             print(f"      {line}", flush=True)
     result[name] = {"s": None if t1 is None else t1 - t0, "spawn_s": spawn_s, "cap": cap, **extra}
     status = "did not complete within %gs" % cap if t1 is None else f"{t1 - t0:.2f} s"
-    print(f"    {name}: first step {status}; workers started {fmt(spawn_s)} s", flush=True)
+    print(f"    {name}: {labels[0]} {status}; {labels[1]} {fmt(spawn_s)} s", flush=True)
     return t1 is not None
 
 
@@ -238,13 +247,18 @@ def run_grow(job: Job, cap: float) -> dict[str, object]:
     return result
 
 
-def run_kill(job: Job, cap: float) -> dict[str, object]:
-    result: dict[str, object] = {}
+def _form_three(job: Job, result: dict[str, object], cap: float) -> bool:
+    """Start n1..n3 together and record the phase up to their first step at world 3."""
     t0 = time.time()
     for i in (1, 2, 3):
         job.start_node(i)
     t1 = job.step_at(3, t0, cap)
-    if not _phase(result, "formation_3_of_max_3", t0, t1, cap, _spawned(job, t0, 3), job):
+    return _phase(result, "formation_3_of_max_3", t0, t1, cap, _spawned(job, t0, 3), job)
+
+
+def run_kill(job: Job, cap: float) -> dict[str, object]:
+    result: dict[str, object] = {}
+    if not _form_three(job, result, cap):
         return result
     time.sleep(0.5)
     t0 = time.time()
@@ -254,14 +268,54 @@ def run_kill(job: Job, cap: float) -> dict[str, object]:
     return result
 
 
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs; a zombie (exited, an orphan not yet reaped by us) does not."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def run_host_kill(job: Job, cap: float) -> dict[str, object]:
+    result: dict[str, object] = {}
+    if not _form_three(job, result, cap):
+        return result
+    time.sleep(0.5)
+    agents = {i: p for i in (2, 3) for p in job.tracker.procs if p.pid == job.nodes[i]}
+    workers = [pid for i in agents for pid in descendants(job.nodes[i])]
+    t0 = time.time()
+    kill_tree(job.nodes[1], signal.SIGKILL)
+    exited: dict[int, float] = {}
+    t_workers = None
+    while time.time() < t0 + cap and (len(exited) < len(agents) or t_workers is None):
+        for i, p in agents.items():
+            if i not in exited and p.poll() is not None:
+                exited[i] = time.time()
+        if t_workers is None and not any(_alive(pid) for pid in workers):
+            t_workers = time.time()
+        time.sleep(0.02)
+    t1 = max(exited.values()) if len(exited) == len(agents) else None
+    codes = {f"n{i}": p.returncode for i, p in agents.items()}
+    last_errors = {f"n{i}": (_errors(job, i) or [None])[-1] for i in agents}
+    _phase(result, "host_lost", t0, t1, cap, t_workers, job, labels=("last surviving agent exited", "their workers gone"),
+           exit_codes=codes, exit_s={f"n{i}": t - t0 for i, t in exited.items()}, last_errors=last_errors)
+    print(f"      exit codes {codes}", flush=True)
+    for line in last_errors.values():
+        print(f"      {line}", flush=True)
+    return result
+
+
 PHASES = {
     "rdzv-2": ["first_step"],
     "rdzv-4": ["first_step"],
     "rdzv-8": ["first_step"],
     "grow": ["formation", "scale_up", "crash", "sigterm"],
     "kill": ["formation_3_of_max_3", "sigkill"],
+    "host-kill": ["formation_3_of_max_3", "host_lost"],
 }
-TARGETS = {"grow/formation": "≤ 3 s", "grow/scale_up": "≤ 5 s", "kill/sigkill": "≤ 10 s", "grow/sigterm": "≤ 3 s", "grow/crash": "≤ 3 s"}
+TARGETS = {"grow/formation": "≤ 3 s", "grow/scale_up": "≤ 5 s", "kill/sigkill": "≤ 10 s", "grow/sigterm": "≤ 3 s", "grow/crash": "≤ 3 s",
+           "host-kill/host_lost": "≤ 3 s"}
+RUNNERS: dict[str, Callable[[Job, float], dict[str, object]]] = {"grow": run_grow, "kill": run_kill, "host-kill": run_host_kill}
 
 
 def main() -> int:
@@ -290,10 +344,8 @@ def main() -> int:
                 try:
                     if scenario.startswith("rdzv"):
                         res = run_rdzv(job, int(nnodes), args.cap)
-                    elif scenario == "grow":
-                        res = run_grow(job, args.cap)
                     else:
-                        res = run_kill(job, args.cap)
+                        res = RUNNERS[scenario](job, args.cap)
                 finally:
                     job.tracker.stop_all()
                 trials.append({"rep": rep, "scenario": scenario, "launcher": launcher, "dir": str(job.workdir),
@@ -301,7 +353,8 @@ def main() -> int:
 
     print(f"\nall done in {time.monotonic() - started:.0f} s; load {loadavg()}; logs under {root}\n")
     print("Cells: median seconds to the first step at the new world size / to all new workers started "
-          "(the script's first line), (runs that got there / runs).\n")
+          "(the script's first line), (runs that got there / runs); for host-kill / host_lost: to the last "
+          "surviving agent's exit / to its workers gone.\n")
     print("| scenario / phase | elasticrun | torchrun | torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 | ours / torchrun, first step | ours / torchrun, workers started | target |")
     print("|---|---|---|---|---|---|---|")
     summary: dict[str, dict[str, object]] = {}
