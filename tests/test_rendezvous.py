@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
+import socket
 
 import pytest
 
@@ -18,6 +20,7 @@ from elasticrun.errors import LeaseExpiredError, RendezvousClosedError, Rendezvo
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.memory_store import MemoryStore
+from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.state import Keys, NodeInfo
 from elasticrun.rendezvous.store import Store
 
@@ -30,9 +33,11 @@ def settings(min_nodes: int, max_nodes: int, **kw: float) -> RendezvousSettings:
     return RendezvousSettings(run_id="job", min_nodes=min_nodes, max_nodes=max_nodes, **base)
 
 
-def make_node(store: Store, name: str, s: RendezvousSettings, spec: dict | None = None) -> ElasticRendezvous:
+def make_node(
+    store: Store, name: str, s: RendezvousSettings, spec: dict | None = None, **kw: object
+) -> ElasticRendezvous:
     me = NodeInfo(node_id=name, host="localhost", addr="127.0.0.1", nproc=2, pid=os.getpid(), started_at=0.0)
-    return ElasticRendezvous(store, s, me, spec=spec or {"entrypoint": ["train.py"]})
+    return ElasticRendezvous(store, s, me, spec=spec or {"entrypoint": ["train.py"]}, **kw)
 
 
 @pytest.fixture
@@ -67,6 +72,54 @@ async def test_scale_up_ends_the_round_and_keeps_ranks(store):
     assert (second.node_rank, rb.node_rank) == (0, 1)
     assert second.world_size == 4 and second.restart_count == 0
     await asyncio.gather(a.aclose(), b.aclose())
+
+
+class TrackedReservation(PortReservation):
+    """A real port reservation that remembers whether it was released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = False
+
+    def close(self) -> None:
+        self.released = True
+        super().close()
+
+
+def port_taken(port: int) -> bool:
+    """Whether an ordinary bind of `port` (no SO_REUSEADDR) is refused."""
+    try:
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return True
+        raise
+    return False
+
+
+async def test_the_master_port_stays_reserved_until_the_next_round_or_leave(store):
+    s = settings(1, 3, heartbeat_ttl=30.0)
+    reservations: list[TrackedReservation] = []
+
+    def reserve() -> TrackedReservation:
+        reservations.append(TrackedReservation())
+        return reservations[-1]
+
+    a, b = make_node(store, "a", s, reserve_port=reserve), make_node(store, "b", s)
+    first = await a.next_round()
+    assert [r.port for r in reservations] == [first.master_port]
+    assert port_taken(first.master_port)  # nobody can take it before rank 0's store binds it
+    ended = asyncio.ensure_future(a.round_ended())
+    rb = asyncio.ensure_future(b.next_round())
+    assert "scale up" in await ended
+    assert port_taken(first.master_port)  # held until a asks for its next round
+    second, _ = await asyncio.gather(a.next_round(), rb)
+    assert [r.released for r in reservations] == [True, False]
+    assert reservations[1].port == second.master_port and port_taken(second.master_port)
+    await a.leave("done")
+    assert reservations[1].released and not port_taken(second.master_port)
+    await b.aclose()
 
 
 async def test_graceful_leave_restarts_the_others_at_once(store):

@@ -18,7 +18,6 @@ import contextlib
 import functools
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
@@ -35,6 +34,7 @@ from elasticrun.errors import (
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.leader import DETAIL_LIMIT, Leader, close_job
+from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.state import (
     DrainRequest,
@@ -61,15 +61,6 @@ from elasticrun.rendezvous.state import (
 from elasticrun.rendezvous.store import EventType, RangeResult, Store
 
 log = logging.getLogger("elasticrun.rendezvous")
-
-
-
-def free_port(addr: str) -> int:
-    """A TCP port that is free on `addr` now, for the workers' MASTER_PORT."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 class _Pulse:
@@ -100,7 +91,7 @@ class ElasticRendezvous(RendezvousHandler):
         *,
         spec: Mapping[str, object],
         clock: Callable[[], float] = time.monotonic,
-        pick_port: Callable[[str], int] = free_port,
+        reserve_port: Callable[[], PortReservation] = PortReservation,
     ) -> None:
         self.run_id = settings.run_id
         self._store = store
@@ -108,7 +99,8 @@ class ElasticRendezvous(RendezvousHandler):
         self._me = me
         self._spec = dict(spec)
         self._clock = clock
-        self._pick_port = pick_port
+        self._reserve_port = reserve_port
+        self._port: PortReservation | None = None  # the round's MASTER_PORT, while node rank 0
         self._keys = Keys(settings.run_id)
         self._pulse = _Pulse()
         self._lease: int | None = None
@@ -156,6 +148,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._reports.event(kind, detail)
 
     async def next_round(self) -> Assignment:
+        self._release_port()  # the round it was for is over
         deadline = self._clock() + self._settings.join_timeout
         logged = ""
         while True:
@@ -244,7 +237,8 @@ class ElasticRendezvous(RendezvousHandler):
                 await self._store.delete(self._keys.drain(self._me.node_id))
 
     async def aclose(self) -> None:
-        """Stop the background tasks and give up the lease (deleting our keys now)."""
+        """Stop the background tasks, give up the lease (deleting our keys now) and the port."""
+        self._release_port()
         # A task's own failure was handled as it ended (`_task_ended`); the caller's
         # cancellation still propagates out of the gather.
         tasks = list(self._tasks)
@@ -380,9 +374,15 @@ class ElasticRendezvous(RendezvousHandler):
             self._quarantine = decode_quarantine(value) if value else QuarantineTable()
 
     async def _master_of(self, current: Round, rank: int) -> Master | None:
-        """The round's master address; node rank 0 picks a port and publishes it."""
+        """The round's master address; node rank 0 reserves a port and publishes it.
+
+        The port stays reserved until the agent asks for the next round or leaves: its
+        rank-0 worker binds it seconds later, and a port merely found free now could
+        be taken by anyone in between (see `PortReservation`).
+        """
         if rank == 0:
-            master = Master(round=current.number, addr=self._me.addr, port=self._pick_port(self._me.addr))
+            self._port = self._reserve_port()
+            master = Master(round=current.number, addr=self._me.addr, port=self._port.port)
             await self._store.put(self._keys.master, encode(master), lease=self._lease or 0)
             self._master = master
             return master
@@ -392,6 +392,11 @@ class ElasticRendezvous(RendezvousHandler):
             if self._lost or self._round is not current:
                 return None
             await self._pulse.wait()
+
+    def _release_port(self) -> None:
+        port, self._port = self._port, None
+        if port is not None:
+            port.close()
 
     def _assignment(self, current: Round, rank: int, master: Master) -> Assignment:
         offset = sum(p.nproc for p in current.participants[:rank])
