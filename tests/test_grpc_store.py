@@ -197,6 +197,29 @@ async def test_a_stopped_store_serve_is_waited_for() -> None:
     await client.close()
 
 
+async def test_calls_cut_off_by_a_stopping_server_are_retried_as_unreachable() -> None:
+    """A server that stops cancels the calls it is serving (CANCELLED, not UNAVAILABLE):
+    that is the server going away, retried and then StoreUnavailableError, never a
+    failed request (`elasticrun stop` once failed so on a job whose agent hosted the store)."""
+    server = StoreServer("127.0.0.1", 0)
+    await server.start()
+    client = GrpcStore(server.endpoint, timeout=1)
+    await client.put("k", b"")
+    flowing = [asyncio.Event() for _ in range(20)]
+
+    async def busy(answered: asyncio.Event) -> None:
+        while True:  # a call in flight at every moment of the stop
+            await client.delete_prefix("k")
+            answered.set()
+
+    callers = [asyncio.ensure_future(busy(e)) for e in flowing]
+    await asyncio.gather(*(e.wait() for e in flowing))
+    await server.stop()
+    outcomes = await asyncio.gather(*callers, return_exceptions=True)
+    assert all(isinstance(o, StoreUnavailableError) for o in outcomes), outcomes
+    await client.close()
+
+
 # --- bounds -------------------------------------------------------------------------
 
 

@@ -86,15 +86,13 @@ def _is_tls_failure(details: str) -> bool:
     return any(marker in lowered for marker in _TLS_MARKERS)
 
 
+#: What a server that is gone or going answers, worth another try: nobody listens, or a
+#: stopping server cancelled the call (our own cancellations raise asyncio.CancelledError).
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
 def _retryable(error: grpc.RpcError) -> bool:
-    return error.code() is grpc.StatusCode.UNAVAILABLE and not _is_tls_failure(
-        error.details() or ""
-    )
-
-
-def _stream_retryable(error: grpc.RpcError) -> bool:
-    """A stream we did not cancel ourselves was cancelled by a stopping server."""
-    return _retryable(error) or error.code() is grpc.StatusCode.CANCELLED
+    return error.code() in _RETRYABLE and not _is_tls_failure(error.details() or "")
 
 
 def _error_from(error: grpc.RpcError, endpoint: str, lease: int = 0) -> ElasticrunError:
@@ -113,7 +111,7 @@ def _error_from(error: grpc.RpcError, endpoint: str, lease: int = 0) -> Elasticr
         return LeaseExpiredError(lease)
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         return UsageError(f"the store at {endpoint} refused the request: {details}")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code in (*_RETRYABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return StoreUnavailableError(endpoint, details or code.name)
     return StoreError(f"the store at {endpoint} failed: {code.name}: {details}")
 
@@ -189,15 +187,13 @@ class GrpcStore(Store):
                     request, timeout=max(deadline - loop.time(), 0.0), metadata=self._metadata
                 )
             except grpc.aio.AioRpcError as e:
-                if not self._worth_retrying(e, _retryable) or loop.time() + delay >= deadline:
+                if not self._worth_retrying(e) or loop.time() + delay >= deadline:
                     raise self._final_error(e, lease) from None
             await asyncio.sleep(delay)
             delay = min(2 * delay, _MAX_BACKOFF)
 
-    def _worth_retrying(
-        self, error: grpc.RpcError, retryable: Callable[[grpc.RpcError], bool]
-    ) -> bool:
-        return retryable(error) and not self._host_gone(error)
+    def _worth_retrying(self, error: grpc.RpcError) -> bool:
+        return _retryable(error) and not self._host_gone(error)
 
     def _host_gone(self, error: grpc.RpcError) -> bool:
         """The agent that hosted the server died: its port refuses us, and it won't return."""
@@ -277,7 +273,7 @@ class GrpcStore(Store):
                     self.endpoint, f"no keep-alive reply within {self.timeout:g} s"
                 ) from None
             except grpc.aio.AioRpcError as e:
-                if not self._worth_retrying(e, _stream_retryable) or loop.time() + delay >= deadline:
+                if not self._worth_retrying(e) or loop.time() + delay >= deadline:
                     raise self._final_error(e, lease) from None
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, _MAX_BACKOFF)
@@ -323,7 +319,7 @@ class GrpcStore(Store):
                         cursor = reply.events[-1].revision + 1
                 error: grpc.RpcError | None = None
             except grpc.aio.AioRpcError as e:
-                if not self._worth_retrying(e, _stream_retryable):
+                if not self._worth_retrying(e):
                     raise self._final_error(e) from None
                 error = e
             finally:
