@@ -76,6 +76,8 @@ async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
 
     ended = await asyncio.wait_for(victim.round_ended(), 10)
     assert ended.startswith(f"node {victim._me.node_id} lost its membership: its {task} failed: Injected("), ended
+    # What the agent shows while it stops its workers: not the lost round's state.
+    assert victim.waiting_status.startswith("registering again (this node lost its membership: "), victim.waiting_status
 
     # The node registers again and the job goes on at the same size.
     store.broken = ""

@@ -121,6 +121,8 @@ class ElasticRendezvous(RendezvousHandler):
 
     @property
     def waiting_status(self) -> str:
+        if self._lost:  # what we knew of the job is stale until we register again
+            return f"registering again (this node lost its membership: {self._lost})"
         leader = self._state.reason if self._state else "waiting for the leader's first decision"
         held = self._quarantined()
         if held is None:
