@@ -15,7 +15,10 @@ nobody listed. An elastic job (`--nnodes=2:4`, one worker per node, a standalone
     store_stall     SIGSTOP the store until every agent gave its membership up, SIGCONT
     store_restart   SIGKILL the store, start an empty one on the same port
 
-keeping the node count within 2..4. After each fault the job must settle within
+keeping the node count within 2..4. The fixed-size variant (`--nnodes=4`) draws the
+same faults but drains (it is at its minimum) and scale-ups (at its maximum); a node
+that dies or leaves is replaced at once by a new agent, as a spot fleet does, and the
+job must train at 4 again, with the newcomer. After each fault the job must settle within
 SETTLE_S: every live agent's latest step is at one world size equal to the live nodes,
 in one round (a newer round than before the fault when the fault changes the
 membership); a killed agent's worker is gone; no agent has exited unless the fault
@@ -45,7 +48,7 @@ from tests.fault.conftest import STEP_RE, FaultCluster, Reliability, check_no_li
 SEED_VAR = "ELASTICRUN_NEMESIS_SEED"
 #: a worker's line on its agent's console (`[3]<stdout>: ...`), not the agent's own
 WORKER_LINE = re.compile(r"\[\d+\]<std(out|err)>: ")
-MIN_NODES, MAX_NODES = 2, 4
+ELASTIC, FIXED = (2, 4), (4, 4)
 #: heartbeat_timeout=2 in RDZV_CONF: short pauses stay well below it
 BLIP_S = 0.5
 #: how long the job may take to settle after one fault (a hang is a failure)
@@ -64,6 +67,8 @@ class Nemesis:
 
     cluster: FaultCluster
     seed: int
+    #: --nnodes=MIN:MAX of the job
+    nnodes: tuple[int, int] = ELASTIC
     rng: random.Random = field(init=False)
     job: str = field(default_factory=run_id)
     store: Proc | None = None
@@ -93,7 +98,7 @@ class Nemesis:
         n = self.started
         proc = self.cluster.agent(
             f"n{n}", endpoint=f"127.0.0.1:{self.port}", run_id=self.job, local_addr=f"127.0.0.{10 + n}",
-            nnodes=f"{MIN_NODES}:{MAX_NODES}", conf=CONF, max_restarts=1000,
+            nnodes="%d:%d" % self.nnodes, conf=CONF, max_restarts=1000,
         )
         self.agents.append(proc)
         return proc
@@ -142,11 +147,13 @@ class Nemesis:
     # --- faults --------------------------------------------------------------------------
 
     def choices(self) -> list[str]:
-        n = len(self.live())
+        n, (least, most) = len(self.live()), self.nnodes
         kinds = ["agent_freeze", "worker_kill", "store_blip", "store_stall", "store_restart"]
-        if n > MIN_NODES:
+        if n > least:
             kinds += ["agent_kill", "agent_term", "drain"]
-        if n < MAX_NODES:
+        elif least == most:  # fixed size: a node that goes is replaced
+            kinds += ["agent_kill", "agent_term"]
+        if n < most:
             kinds += ["join", "join"]
         return kinds
 
@@ -209,6 +216,8 @@ class Nemesis:
             assert self.store is not None
             self.store.kill()
             self.start_store()
+        if len(self.live()) < self.nnodes[0]:
+            self.start_agent()  # the replacement of a fixed-size job's node
         return gone
 
     def worker_pid(self, agent: Proc) -> int | None:
@@ -219,7 +228,7 @@ class Nemesis:
 
     def run(self, faults: int) -> None:
         self.start_store()
-        for _ in range(MAX_NODES):
+        for _ in range(self.nnodes[1]):
             self.start_agent()
         self.history.append("start")
         current = self.settle({}, 0, changed=False)
@@ -283,6 +292,15 @@ def test_nemesis(fault_cluster: FaultCluster, reliability: Reliability, seed: in
     nemesis.run(faults=6)
     nemesis.finish()
     nemesis.record(reliability, f"seed {seed}")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("seed", _seeds([5]))  # draws agent kills and terms
+def test_nemesis_fixed_size(fault_cluster: FaultCluster, reliability: Reliability, seed: int) -> None:
+    nemesis = Nemesis(fault_cluster, seed, nnodes=FIXED)
+    nemesis.run(faults=6)
+    nemesis.finish()
+    nemesis.record(reliability, f"fixed size, seed {seed}")
 
 
 @pytest.mark.soak
