@@ -312,8 +312,8 @@ class ElasticRendezvous(RendezvousHandler):
                 renewed = sent
             except LeaseExpiredError:
                 return self._lose("its lease expired")
-            except StoreGoneError as e:
-                return self._lose(str(e))
+            except StoreGoneError:
+                raise  # no store to wait for: the supervisor ends the membership with it
             except (StoreError, TimeoutError) as e:
                 if self._clock() >= renewed + ttl:
                     cause = str(e) or "no answer in time"
@@ -342,7 +342,7 @@ class ElasticRendezvous(RendezvousHandler):
                         await self._answer_ping(decode_ping(event.value))
                     self._pulse.fire()
             except StoreGoneError:
-                raise
+                raise  # no store to wait for: the supervisor ends the membership with it
             except StoreError as e:
                 log.warning("watch on job '%s' broke (%s); re-reading", self.run_id, e)
                 await asyncio.sleep(self._settings.keep_alive_interval)
