@@ -68,8 +68,8 @@ CAP_S = 60.0
 def role_serve(profile: str) -> None:
     """A StoreServer over a MemoryStore that counts what the requests do, collecting
     garbage as `elasticrun store serve` does (unless --default-gc)."""
-    from elasticrun.rendezvous.memory_store import MemoryStore
-    from elasticrun.rendezvous.server import StoreServer
+    from elasticrun.store.memory import MemoryStore
+    from elasticrun.store.server import StoreServer
 
     counts: collections.Counter[str] = collections.Counter()
 
@@ -145,11 +145,11 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
                shared: bool = False) -> None:
     """`count` ElasticRendezvous instances (node ids first..first+count-1) on one loop,
     collecting garbage as an agent does (unless --default-gc)."""
+    import logging
+
     from elasticrun.rendezvous.decide import RendezvousSettings
     from elasticrun.rendezvous.elastic import ElasticRendezvous
     from elasticrun.rendezvous.state import NodeInfo
-
-    import logging
 
     os.nice(5)  # the store first: in a cluster each node has its own host
     lost = collections.Counter()
@@ -174,10 +174,10 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
 
     def make_store():  # type: ignore[no-untyped-def]
         if backend == "grpc":
-            from elasticrun.rendezvous.grpc_store import GrpcStore
+            from elasticrun.store.client import GrpcStore
 
             return GrpcStore(endpoint, timeout=60)
-        from elasticrun.rendezvous.etcd_store import EtcdStore
+        from elasticrun.store.etcd import EtcdStore
 
         return EtcdStore([endpoint], timeout=60)
 

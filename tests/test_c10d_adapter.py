@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from elasticrun.errors import StoreAuthError, StoreTimeoutError
-from elasticrun.rendezvous.server import StoreServer
+from elasticrun.store.server import StoreServer
 from elasticrun.worker.c10d_store import C10dStore
 
 REPO = Path(__file__).resolve().parents[1]

@@ -226,14 +226,14 @@ def test_budget_exhausted_every_agent_fails_with_the_root_cause(cluster: Cluster
 async def _round_gone(rdzv: Rdzv, run_id: str) -> None:
     """Wait until the job's closed round record expires from the store (closed_ttl)."""
     from elasticrun.rendezvous.state import Keys
-    from elasticrun.rendezvous.store import EventType
+    from elasticrun.store.api import EventType
 
     if rdzv.backend == "etcd":
-        from elasticrun.rendezvous.etcd_store import etcd_store_from_conf
+        from elasticrun.store.etcd import etcd_store_from_conf
 
         store = etcd_store_from_conf(rdzv.endpoint, {}, timeout=10)
     else:
-        from elasticrun.rendezvous.grpc_store import GrpcStore
+        from elasticrun.store.client import GrpcStore
 
         store = GrpcStore(rdzv.endpoint, timeout=10)
     try:

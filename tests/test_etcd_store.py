@@ -26,8 +26,8 @@ from elasticrun.errors import (
     StoreUnavailableError,
     UsageError,
 )
-from elasticrun.rendezvous.etcd_store import EtcdStore, etcd_store_from_conf, parse_endpoints
-from elasticrun.rendezvous.store import EventType, WatchEvent
+from elasticrun.store.api import EventType, WatchEvent
+from elasticrun.store.etcd import EtcdStore, etcd_store_from_conf, parse_endpoints
 from tests.etcd_support import AUTH_PASSWORD, AUTH_USER, EtcdCluster
 
 #: Bounds every wait for an event in these tests; far above any healthy latency.

@@ -21,8 +21,8 @@ from elasticrun.errors import GpuUnhealthyError
 from elasticrun.launcher.launch import gpu_watches
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.memory_store import MemoryStore
 from elasticrun.rendezvous.state import Keys, NodeInfo, decode_event
+from elasticrun.store.memory import MemoryStore
 from tests.agent_helpers import eventually
 from tests.test_gpu import FakeGpu, FakeNvml
 

@@ -30,10 +30,10 @@ from elasticrun.errors import (
     UsageError,
 )
 from elasticrun.launcher import store_cmd
-from elasticrun.rendezvous.grpc_store import C10dClient, GrpcStore
-from elasticrun.rendezvous.memory_store import MemoryStore
-from elasticrun.rendezvous.server import StoreServer, TlsKeyPair
-from elasticrun.rendezvous.store import EventType, WatchEvent
+from elasticrun.store.api import EventType, WatchEvent
+from elasticrun.store.client import C10dClient, GrpcStore
+from elasticrun.store.memory import MemoryStore
+from elasticrun.store.server import StoreServer, TlsKeyPair
 from tests.agent_helpers import eventually
 
 EVENT_WAIT = 10.0
@@ -491,7 +491,7 @@ async def test_store_serve_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
 
 def test_store_modules_do_not_import_torch() -> None:
     code = (
-        "import sys; import elasticrun.rendezvous.server, elasticrun.rendezvous.grpc_store, "
+        "import sys; import elasticrun.store.server, elasticrun.store.client, "
         "elasticrun.launcher.store_cmd; print('torch' in sys.modules)"
     )
     out = subprocess.run(

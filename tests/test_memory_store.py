@@ -18,9 +18,9 @@ from elasticrun.errors import (
     StoreUnavailableError,
     UsageError,
 )
-from elasticrun.rendezvous import memory_store
-from elasticrun.rendezvous.memory_store import MemoryStore
-from elasticrun.rendezvous.store import EventType, WatchEvent
+from elasticrun.store import memory as memory_store
+from elasticrun.store.api import EventType, WatchEvent
+from elasticrun.store.memory import MemoryStore
 
 #: Bounds every wait on the store in these tests; far above any healthy latency.
 EVENT_WAIT = 10.0

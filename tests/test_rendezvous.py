@@ -19,10 +19,10 @@ import pytest
 from elasticrun.errors import LeaseExpiredError, RendezvousClosedError, RendezvousTimeoutError, SpecMismatchError
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.memory_store import MemoryStore
 from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.state import Keys, NodeInfo
-from elasticrun.rendezvous.store import Store
+from elasticrun.store.api import Store
+from elasticrun.store.memory import MemoryStore
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from elasticrun.errors import CompactedError, LeaseExpiredError
-from elasticrun.rendezvous.etcd_store import EtcdStore
-from elasticrun.rendezvous.grpc_store import GrpcStore
-from elasticrun.rendezvous.memory_store import MemoryStore
-from elasticrun.rendezvous.server import StoreServer
-from elasticrun.rendezvous.store import EventType, Store, WatchEvent
+from elasticrun.store.api import EventType, Store, WatchEvent
+from elasticrun.store.client import GrpcStore
+from elasticrun.store.etcd import EtcdStore
+from elasticrun.store.memory import MemoryStore
+from elasticrun.store.server import StoreServer
 
 STORE_KINDS = ["memory", "grpc", pytest.param("etcd", marks=pytest.mark.etcd)]
 #: Small enough that a test outruns it with a few dozen writes.

@@ -11,9 +11,9 @@ import pytest
 
 from elasticrun.rendezvous import leader as leader_module
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.memory_store import MemoryStore
 from elasticrun.rendezvous.state import Keys
-from elasticrun.rendezvous.store import WatchEvent
+from elasticrun.store.api import WatchEvent
+from elasticrun.store.memory import MemoryStore
 from tests.test_rendezvous import make_node, settings
 
 pytestmark = pytest.mark.timeout(30)

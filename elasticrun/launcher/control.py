@@ -42,7 +42,7 @@ from elasticrun.rendezvous.state import (
     decode_state,
     decode_status,
 )
-from elasticrun.rendezvous.store import EventType, Store
+from elasticrun.store.api import EventType, Store
 
 DEFAULT_STORE_TIMEOUT = 10.0
 
@@ -65,12 +65,12 @@ def open_client_store(backend: str, endpoint: str, conf: Mapping[str, str]) -> S
     """A client of the job's store (c10d: the built-in gRPC store; etcd)."""
     timeout = float(conf.get("store_timeout", DEFAULT_STORE_TIMEOUT))
     if backend == "etcd":
-        from elasticrun.rendezvous.etcd_store import etcd_store_from_conf
+        from elasticrun.store.etcd import etcd_store_from_conf
 
         for part in endpoint.split(","):
             parse_endpoint(part.strip(), DEFAULT_ETCD_PORT)
         return etcd_store_from_conf(endpoint, conf, timeout=timeout)
-    from elasticrun.rendezvous.grpc_store import GrpcStore
+    from elasticrun.store.client import GrpcStore
 
     parse_endpoint(endpoint, DEFAULT_C10D_PORT)
     token = load_token(conf.get("token_file"), os.environ)

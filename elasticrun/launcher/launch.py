@@ -26,10 +26,10 @@ from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.store_cmd import load_token
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.memory_store import MemoryStore
 from elasticrun.rendezvous.state import Keys, NodeInfo
 from elasticrun.rendezvous.static import StaticRendezvous
-from elasticrun.rendezvous.store import EventType, Store
+from elasticrun.store.api import EventType, Store
+from elasticrun.store.memory import MemoryStore
 
 log = logging.getLogger("elasticrun")
 
@@ -133,7 +133,7 @@ async def _host_store(rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack) 
 
     `is_host=true` insists (a busy port is an error), `is_host=false` never tries.
     """
-    from elasticrun.rendezvous.server import StoreServer, TlsKeyPair
+    from elasticrun.store.server import StoreServer, TlsKeyPair
 
     is_host = rdzv.conf.get("is_host", "").lower()
     if is_host not in ("", "true", "false", "1", "0"):

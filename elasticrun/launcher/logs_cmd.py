@@ -13,7 +13,7 @@ import sys
 
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job
 from elasticrun.rendezvous.state import LogWindow, decode_log
-from elasticrun.rendezvous.store import EventType
+from elasticrun.store.api import EventType
 
 
 def _lines(window: LogWindow, after: int) -> list[str]:

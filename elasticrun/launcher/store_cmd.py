@@ -13,7 +13,7 @@ from pathlib import Path
 
 from elasticrun.errors import UsageError
 from elasticrun.launcher.gc_settings import settle_gc
-from elasticrun.rendezvous.server import StoreServer, TlsKeyPair
+from elasticrun.store.server import StoreServer, TlsKeyPair
 
 #: Where a token comes from when no --token-file is given (server and clients alike).
 TOKEN_ENV = "ELASTICRUN_STORE_TOKEN"

@@ -1,1 +1,1 @@
-"""The rendezvous protocol over a small key-value store interface, and its stores."""
+"""The rendezvous protocol: records, the pure round decision, the leader, the elastic and static handlers."""

@@ -58,7 +58,7 @@ from elasticrun.rendezvous.state import (
     encode,
     encode_spec,
 )
-from elasticrun.rendezvous.store import EventType, RangeResult, Store
+from elasticrun.store.api import EventType, RangeResult, Store
 
 log = logging.getLogger("elasticrun.rendezvous")
 

@@ -33,7 +33,7 @@ from elasticrun.rendezvous.state import (
     decode_round,
     encode,
 )
-from elasticrun.rendezvous.store import EventType, KeyValue, RangeResult, Store, WatchEvent
+from elasticrun.store.api import EventType, KeyValue, RangeResult, Store, WatchEvent
 
 log = logging.getLogger("elasticrun.rendezvous")
 

@@ -17,7 +17,7 @@ from collections import deque
 from elasticrun.errors import StoreError
 from elasticrun.rendezvous.api import AgentStatus
 from elasticrun.rendezvous.state import Event, Keys, LogLine, LogWindow, NodeInfo, NodeStatus, encode
-from elasticrun.rendezvous.store import Store
+from elasticrun.store.api import Store
 
 log = logging.getLogger("elasticrun.rendezvous")
 

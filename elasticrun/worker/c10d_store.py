@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from elasticrun.rendezvous.grpc_store import DEFAULT_TIMEOUT, C10dClient
+from elasticrun.store.client import DEFAULT_TIMEOUT, C10dClient
 
 #: torch's default store timeout: how long get/wait wait for a key.
 DEFAULT_WAIT = datetime.timedelta(seconds=300)

@@ -43,7 +43,7 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from elasticrun.errors import StoreUnavailableError, UsageError
+from elasticrun.errors import StoreUnavailableError
 from elasticrun.launcher import cli, launch, store_cmd
 from elasticrun.launcher.config import (
     RDZV_CONF_ALIASES,
@@ -51,10 +51,11 @@ from elasticrun.launcher.config import (
     RDZV_CONF_TORCHRUN_ONLY,
     LaunchConfig,
 )
-from elasticrun.rendezvous import etcd_store, grpc_store
-from tests.agent_helpers import wait_until
 from elasticrun.rendezvous.state import encode_spec
-from elasticrun.rendezvous.store import Store
+from elasticrun.store import client as grpc_store
+from elasticrun.store import etcd as etcd_store
+from elasticrun.store.api import Store
+from tests.agent_helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,7 +25,6 @@ file descriptors return to their level after the hostile clients are gone.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -33,7 +32,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +41,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from elasticrun.proto import store_pb2 as pb
 from elasticrun.errors import UsageError
-from elasticrun.rendezvous.grpc_store import C10dClient, grpc_target
-from elasticrun.rendezvous.memory_store import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
+from elasticrun.proto import store_pb2 as pb
+from elasticrun.store.client import C10dClient, grpc_target
+from elasticrun.store.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
 from tests.elastic_cluster import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,8 +65,8 @@ CALL_TIMEOUT = 0.3
 #: a server with chosen limits (store serve has no flags for them), otherwise the same
 RUNNER = """
 import asyncio, json, sys
-from elasticrun.rendezvous.memory_store import MemoryStore
-from elasticrun.rendezvous.server import StoreServer
+from elasticrun.store.memory import MemoryStore
+from elasticrun.store.server import StoreServer
 
 async def main():
     engine = MemoryStore(**json.loads(sys.argv[1]))

@@ -32,8 +32,8 @@ from elasticrun.launcher.control import JobTarget, read_job
 from elasticrun.launcher.status_cmd import as_json, render
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.memory_store import MemoryStore
 from elasticrun.rendezvous.state import Keys, NodeInfo, decode_quarantine
+from elasticrun.store.memory import MemoryStore
 from tests.elastic_cluster import Cluster, Proc, run_id
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "train_worker.py"

@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 
 from elasticrun.launcher.control import JobTarget, JobView, read_job
-from elasticrun.rendezvous.grpc_store import GrpcStore
+from elasticrun.store.client import GrpcStore
 from tests.agent_helpers import free_port
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, wait_until
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
 
 pytestmark = pytest.mark.timeout(120)
 

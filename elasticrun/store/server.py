@@ -33,8 +33,8 @@ from elasticrun.errors import (
 )
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
-from elasticrun.rendezvous.memory_store import MemoryStore
-from elasticrun.rendezvous.store import EventType, KeyValue, WatchEvent
+from elasticrun.store.api import EventType, KeyValue, WatchEvent
+from elasticrun.store.memory import MemoryStore
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from elasticrun.errors import (
     StoreUnavailableError,
     UsageError,
 )
-from elasticrun.rendezvous.store import (
+from elasticrun.store.api import (
     EventType,
     KeyValue,
     RangeResult,

@@ -38,14 +38,14 @@ from elasticrun.errors import (
 )
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
-from elasticrun.rendezvous.server import MAX_REPLY_BYTES, TOKEN_METADATA_KEY, bearer
-from elasticrun.rendezvous.store import (
+from elasticrun.store.api import (
     EventType,
     KeyValue,
     RangeResult,
     Store,
     WatchEvent,
 )
+from elasticrun.store.server import MAX_REPLY_BYTES, TOKEN_METADATA_KEY, bearer
 
 DEFAULT_TIMEOUT = 10.0
 _FIRST_BACKOFF = 0.05
