@@ -129,7 +129,7 @@ def role_serve_tcp() -> None:
 
 def _client(kind: str, port: int):  # type: ignore[no-untyped-def]
     if kind == "ours":
-        from elasticrun.store.client import C10dClient
+        from elasticrun.store.c10d_client import C10dClient
 
         return C10dClient(f"{HOST}:{port}")
     from torch.distributed import TCPStore

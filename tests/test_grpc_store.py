@@ -31,7 +31,8 @@ from elasticrun.errors import (
 )
 from elasticrun.launcher import store_cmd
 from elasticrun.store.api import EventType, WatchEvent
-from elasticrun.store.client import C10dClient, GrpcStore
+from elasticrun.store.c10d_client import C10dClient
+from elasticrun.store.client import GrpcStore
 from elasticrun.store.memory import MemoryStore
 from elasticrun.store.server import StoreServer, TlsKeyPair
 from tests.agent_helpers import eventually
@@ -491,7 +492,7 @@ async def test_store_serve_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
 
 def test_store_modules_do_not_import_torch() -> None:
     code = (
-        "import sys; import elasticrun.store.server, elasticrun.store.client, "
+        "import sys; import elasticrun.store.server, elasticrun.store.client, elasticrun.store.c10d_client, "
         "elasticrun.launcher.store_cmd; print('torch' in sys.modules)"
     )
     out = subprocess.run(

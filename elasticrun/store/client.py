@@ -1,5 +1,4 @@
-"""Clients of the built-in store server: `GrpcStore` (async, the rendezvous's Store) and
-`C10dClient` (blocking, the c10d operations for workers and the CLI).
+"""The async client of the built-in store server: `GrpcStore`, the rendezvous's Store.
 
 Every call carries a deadline (`timeout`). A call that finds the server unreachable is
 retried with backoff until that deadline (the channel reconnects on its own, quickly),
@@ -12,13 +11,15 @@ One exception to the retries: a server that said (in a watch reply) it is hosted
 launcher agent is never restarted, so when its port refuses connections every call
 fails at once, as torchrun's agents do when the agent hosting their TCPStore dies,
 rather than after the whole timeout.
+
+The blocking client of the c10d operations is `store/c10d_client.py`; what both share
+(endpoint check, channel options, error translation) is `store/channel.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -28,13 +29,8 @@ from elasticrun.errors import (
     CompactedError,
     ElasticrunError,
     LeaseExpiredError,
-    StoreAuthError,
-    StoreError,
     StoreGoneError,
-    StoreLimitError,
-    StoreTimeoutError,
     StoreUnavailableError,
-    UsageError,
 )
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
@@ -45,83 +41,19 @@ from elasticrun.store.api import (
     Store,
     WatchEvent,
 )
-from elasticrun.store.server import MAX_REPLY_BYTES, TOKEN_METADATA_KEY, bearer
-
-DEFAULT_TIMEOUT = 10.0
-_FIRST_BACKOFF = 0.05
-_MAX_BACKOFF = 1.0
-
-#: Reconnect fast (grpc's default backoff grows to two minutes); ping idle connections
-#: so that a dead server is noticed by a quiet watch too.
-CLIENT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
-    ("grpc.max_send_message_length", -1),
-]
-
-_TLS_MARKERS = ("ssl", "handshake", "certificate", "tsi_")
+from elasticrun.store.channel import (
+    CLIENT_OPTIONS,
+    FIRST_BACKOFF,
+    MAX_BACKOFF,
+    call_metadata,
+    credentials,
+    error_from,
+    grpc_target,
+    retryable,
+)
+from elasticrun.store.wire import DEFAULT_TIMEOUT
 
 _T = TypeVar("_T")
-
-
-def grpc_target(endpoint: str) -> str:
-    """Check `host:port` (`[v6]:port` too) and return it as a gRPC target."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise UsageError(
-            f"malformed store endpoint {endpoint!r}: expected host:port, e.g. node0:29400"
-        )
-    return endpoint
-
-
-def _is_tls_failure(details: str) -> bool:
-    # "tcp handshaker shutdown" is a plain connection that did not complete (a busy or
-    # stopping server): retryable, not a TLS failure.
-    lowered = details.lower().replace("tcp handshaker", "")
-    return any(marker in lowered for marker in _TLS_MARKERS)
-
-
-#: What a server that is gone or going answers, worth another try: nobody listens, or a
-#: stopping server cancelled the call (our own cancellations raise asyncio.CancelledError).
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-
-
-def _retryable(error: grpc.RpcError) -> bool:
-    return error.code() in _RETRYABLE and not _is_tls_failure(error.details() or "")
-
-
-def _error_from(error: grpc.RpcError, endpoint: str, lease: int = 0) -> ElasticrunError:
-    """The one translation of a gRPC status into our errors, for both clients."""
-    code, details = error.code(), error.details() or ""
-    if code is grpc.StatusCode.UNAUTHENTICATED:
-        return StoreAuthError(f"the store at {endpoint} refused us: {details}")
-    if _is_tls_failure(details):
-        return StoreAuthError(
-            f"TLS with the store at {endpoint} failed (is the CA right, and does the "
-            f"server speak TLS?): {details}"
-        )
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return StoreLimitError(f"the store at {endpoint} refused the request: {details}")
-    if code is grpc.StatusCode.NOT_FOUND and lease:
-        return LeaseExpiredError(lease)
-    if code is grpc.StatusCode.INVALID_ARGUMENT:
-        return UsageError(f"the store at {endpoint} refused the request: {details}")
-    if code in (*_RETRYABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return StoreUnavailableError(endpoint, details or code.name)
-    return StoreError(f"the store at {endpoint} failed: {code.name}: {details}")
-
-
-def _credentials(tls_ca: bytes | None) -> grpc.ChannelCredentials | None:
-    return grpc.ssl_channel_credentials(root_certificates=tls_ca) if tls_ca else None
-
-
-def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    return ((TOKEN_METADATA_KEY, bearer(token)),) if token else ()
 
 
 def _key_value(kv: pb.KeyValue) -> KeyValue:
@@ -150,7 +82,7 @@ class GrpcStore(Store):
         self.endpoint = endpoint
         self.timeout = timeout
         self._target = grpc_target(endpoint)
-        self._metadata = _metadata(token)
+        self._metadata = call_metadata(token)
         self._tls_ca = tls_ca
         self._channel: grpc.aio.Channel | None = None
         self._stub_cache: pb_grpc.StoreStub | None = None
@@ -164,7 +96,7 @@ class GrpcStore(Store):
     def _stub(self) -> pb_grpc.StoreStub:
         # Created on first use, inside the loop that will run it.
         if self._stub_cache is None:
-            creds = _credentials(self._tls_ca)
+            creds = credentials(self._tls_ca)
             if creds is None:
                 self._channel = grpc.aio.insecure_channel(self._target, options=CLIENT_OPTIONS)
             else:
@@ -180,7 +112,7 @@ class GrpcStore(Store):
         """One unary call under the deadline, retried with backoff while unreachable."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        delay = _FIRST_BACKOFF
+        delay = FIRST_BACKOFF
         while True:
             try:
                 return await method(
@@ -190,10 +122,10 @@ class GrpcStore(Store):
                 if not self._worth_retrying(e) or loop.time() + delay >= deadline:
                     raise self._final_error(e, lease) from None
             await asyncio.sleep(delay)
-            delay = min(2 * delay, _MAX_BACKOFF)
+            delay = min(2 * delay, MAX_BACKOFF)
 
     def _worth_retrying(self, error: grpc.RpcError) -> bool:
-        return _retryable(error) and not self._host_gone(error)
+        return retryable(error) and not self._host_gone(error)
 
     def _host_gone(self, error: grpc.RpcError) -> bool:
         """The agent that hosted the server died: its port refuses us, and it won't return."""
@@ -206,7 +138,7 @@ class GrpcStore(Store):
                 "connection refused: the agent that hosted it is gone, and a store "
                 "hosted by an agent is not restarted",
             )
-        translated = _error_from(error, self.endpoint, lease)
+        translated = error_from(error, self.endpoint, lease)
         if isinstance(translated, StoreUnavailableError):
             return StoreUnavailableError(
                 self.endpoint, f"{translated.cause} (gave up after {self.timeout:g} s)"
@@ -259,7 +191,7 @@ class GrpcStore(Store):
         """Keep the lease alive over the shared keep-alive stream (reopened as needed)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        delay = _FIRST_BACKOFF
+        delay = FIRST_BACKOFF
         while True:
             if self._keepalive is None or self._keepalive.broken is not None:
                 self._keepalive = _KeepAliveStream(
@@ -276,7 +208,7 @@ class GrpcStore(Store):
                 if not self._worth_retrying(e) or loop.time() + delay >= deadline:
                     raise self._final_error(e, lease) from None
                 await asyncio.sleep(delay)
-                delay = min(2 * delay, _MAX_BACKOFF)
+                delay = min(2 * delay, MAX_BACKOFF)
                 continue
             if reply.expired:
                 raise LeaseExpiredError(lease)
@@ -294,7 +226,7 @@ class GrpcStore(Store):
         cursor = max(start_revision, 1)
         history_id: int | None = None
         lost_since: float | None = None  # when the stream broke, while reconnecting
-        delay = _FIRST_BACKOFF
+        delay = FIRST_BACKOFF
         while True:
             call = self._stub.Watch(
                 pb.WatchRequest(key=key, prefix=prefix, start_revision=cursor),
@@ -308,7 +240,7 @@ class GrpcStore(Store):
                     elif reply.store_id != history_id:
                         # A different server memory: none of our revisions exist there.
                         raise CompactedError(cursor, 0)
-                    lost_since, delay = None, _FIRST_BACKOFF
+                    lost_since, delay = None, FIRST_BACKOFF
                     if reply.compact_revision:
                         raise CompactedError(cursor, reply.compact_revision)
                     for event in reply.events:
@@ -333,7 +265,7 @@ class GrpcStore(Store):
                     self.endpoint, f"{cause} (watch lost for {self.timeout:g} s)"
                 )
             await asyncio.sleep(delay)
-            delay = min(2 * delay, _MAX_BACKOFF)
+            delay = min(2 * delay, MAX_BACKOFF)
 
     async def close(self) -> None:
         if self._keepalive is not None:
@@ -415,107 +347,3 @@ def _ended() -> grpc.aio.AioRpcError:
         grpc.aio.Metadata(),
         details="the keep-alive stream ended",
     )
-
-
-class C10dClient:
-    """The c10d operations of the store server, blocking (for workers and the CLI).
-
-    Keys are str, values bytes; waiting calls take their own timeout in seconds (0: no
-    limit) on top of `timeout`, which bounds reaching the server.
-    """
-
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        token: str | None = None,
-        tls_ca: bytes | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
-    ) -> None:
-        self.endpoint = endpoint
-        self.timeout = timeout
-        target = grpc_target(endpoint)
-        creds = _credentials(tls_ca)
-        if creds is None:
-            self._channel = grpc.insecure_channel(target, options=CLIENT_OPTIONS)
-        else:
-            self._channel = grpc.secure_channel(target, creds, options=CLIENT_OPTIONS)
-        self._stub = pb_grpc.C10dStoreStub(self._channel)
-        self._metadata = _metadata(token)
-
-    def _call(
-        self, method: Callable[..., _T], request: object, wait: float | None = None
-    ) -> _T:
-        """One call, retried with backoff while the server is unreachable.
-
-        `wait` is how long the server may hold a waiting call (0: no limit); the
-        deadline is that plus `timeout`, and the retries stop after `timeout`.
-        """
-        start = time.monotonic()
-        deadline = None if wait == 0 else start + self.timeout + (wait or 0.0)
-        delay = _FIRST_BACKOFF
-        while True:
-            try:
-                return method(
-                    request,
-                    timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0),
-                    metadata=self._metadata,
-                )
-            except grpc.RpcError as e:
-                if not _retryable(e) or time.monotonic() + delay >= start + self.timeout:
-                    raise _error_from(e, self.endpoint) from None
-            time.sleep(delay)
-            delay = min(2 * delay, _MAX_BACKOFF)
-
-    def _timed_out(self, keys: list[str], timeout: float) -> StoreTimeoutError:
-        return StoreTimeoutError(
-            f"keys {keys} did not all appear in the store at {self.endpoint} "
-            f"within {timeout:g} s"
-        )
-
-    def set(self, key: str, value: bytes) -> None:
-        self._call(self._stub.Set, pb.SetRequest(key=key, value=value))
-
-    def get(self, key: str, timeout: float) -> bytes:
-        """The key's value, once it exists (StoreTimeoutError past `timeout`)."""
-        reply = self._call(self._stub.Get, pb.GetRequest(key=key, timeout_seconds=timeout), timeout)
-        if reply.timed_out:
-            raise self._timed_out([key], timeout)
-        return reply.value
-
-    def add(self, key: str, amount: int) -> int:
-        return self._call(self._stub.Add, pb.AddRequest(key=key, amount=amount)).value
-
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        request = pb.CompareSetRequest(key=key, expected=expected, desired=desired)
-        return self._call(self._stub.CompareSet, request).value
-
-    def wait(self, keys: list[str], timeout: float) -> None:
-        reply = self._call(
-            self._stub.Wait, pb.WaitRequest(keys=keys, timeout_seconds=timeout), timeout
-        )
-        if reply.timed_out:
-            raise self._timed_out(keys, timeout)
-
-    def check(self, keys: list[str]) -> bool:
-        return self._call(self._stub.Check, pb.CheckRequest(keys=keys)).ready
-
-    def num_keys(self) -> int:
-        return self._call(self._stub.NumKeys, pb.NumKeysRequest()).count
-
-    def delete_key(self, key: str) -> bool:
-        return self._call(self._stub.DeleteKey, pb.DeleteKeyRequest(key=key)).deleted
-
-    def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
-        reply = self._call(
-            self._stub.MultiGet, pb.MultiGetRequest(keys=keys, timeout_seconds=timeout), timeout
-        )
-        if reply.timed_out:
-            raise self._timed_out(keys, timeout)
-        return list(reply.values)
-
-    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
-        self._call(self._stub.MultiSet, pb.MultiSetRequest(keys=keys, values=values))
-
-    def close(self) -> None:
-        self._channel.close()

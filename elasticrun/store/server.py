@@ -35,15 +35,17 @@ from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
 from elasticrun.store.api import EventType, KeyValue, WatchEvent
 from elasticrun.store.memory import MemoryStore
+from elasticrun.store.wire import (
+    CLIENT_PING_MS,
+    MAX_REPLY_BYTES,
+    REQUEST_SLACK_BYTES,
+    TOKEN_ENV,
+    TOKEN_METADATA_KEY,
+    bearer,
+)
 
 logger = logging.getLogger(__name__)
 
-#: The call metadata that carries the token: `authorization: Bearer <token>`.
-TOKEN_METADATA_KEY = "authorization"
-#: Replies can carry many keys (a prefix range of a large job); requests are bounded
-#: by the engine's key and value limits plus this much framing.
-MAX_REPLY_BYTES = 256 << 20
-_REQUEST_SLACK_BYTES = 64 << 10
 #: Calls in progress at once (watches and waits last): about 25 KiB each, so at most
 #: ~2.5 GiB however many streams clients open; past it a call gets RESOURCE_EXHAUSTED.
 #: A 1,000-node job holds a few thousand.
@@ -58,17 +60,13 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # half the clients' pace: a ping that comes a little early is no abuse
+    ("grpc.http2.min_ping_interval_without_data_ms", CLIENT_PING_MS // 2),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_send_message_length", MAX_REPLY_BYTES),
 ]
 
 _T = TypeVar("_T")
-
-
-def bearer(token: str) -> str:
-    """The metadata value that carries `token`."""
-    return f"Bearer {token}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +125,7 @@ class StoreServer:
             maximum_concurrent_rpcs=self.max_calls,
             options=[
                 *SERVER_OPTIONS,
-                ("grpc.max_receive_message_length", max_request + _REQUEST_SLACK_BYTES),
+                ("grpc.max_receive_message_length", max_request + REQUEST_SLACK_BYTES),
             ],
         )
         _add_store_service(_StoreService(self), server)
@@ -439,7 +437,9 @@ def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.request_streaming and handler.response_streaming:
         inner_ss = handler.stream_stream
 
-        async def stream_stream(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+        async def stream_stream(
+            requests: AsyncIterator[object], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[object]:
             async def checked() -> AsyncIterator[object]:
                 async for request in requests:
                     if isinstance(request, _Malformed):
@@ -630,7 +630,7 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
 async def _refuse(request: object, context: grpc.aio.ServicerContext) -> None:
     await context.abort(
         grpc.StatusCode.UNAUTHENTICATED,
-        "missing or wrong store token (set it with --token-file or ELASTICRUN_STORE_TOKEN)",
+        f"missing or wrong store token (set it with --token-file or {TOKEN_ENV})",
     )
 
 

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from elasticrun.store.client import DEFAULT_TIMEOUT, C10dClient
+from elasticrun.store.c10d_client import C10dClient
+from elasticrun.store.wire import DEFAULT_TIMEOUT
 
 #: torch's default store timeout: how long get/wait wait for a key.
 DEFAULT_WAIT = datetime.timedelta(seconds=300)

@@ -52,6 +52,7 @@ from elasticrun.launcher.config import (
     LaunchConfig,
 )
 from elasticrun.rendezvous.state import encode_spec
+from elasticrun.store import channel
 from elasticrun.store import client as grpc_store
 from elasticrun.store import etcd as etcd_store
 from elasticrun.store.api import Store
@@ -262,7 +263,7 @@ class _NoStore(Store):
 
     def __init__(self, endpoint: object, **kw: object) -> None:
         if isinstance(endpoint, str):
-            grpc_store.grpc_target(endpoint)
+            channel.grpc_target(endpoint)
         self.endpoint = str(endpoint)
 
     def _gone(self) -> StoreUnavailableError:

@@ -43,7 +43,8 @@ from hypothesis import strategies as st
 
 from elasticrun.errors import UsageError
 from elasticrun.proto import store_pb2 as pb
-from elasticrun.store.client import C10dClient, grpc_target
+from elasticrun.store.c10d_client import C10dClient
+from elasticrun.store.channel import grpc_target
 from elasticrun.store.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
 from tests.elastic_cluster import wait_until
 

@@ -1,0 +1,139 @@
+"""The blocking client of the built-in store server: `C10dClient`, the c10d operations.
+
+Training scripts reach it through `elasticrun.worker.c10d_store` (a torch `Store`). It
+loads only what talking to the server needs (`store/channel.py`, `store/wire.py`, the
+generated stubs), never the server, its in-memory engine or the async client, so
+importing it costs a worker little.
+
+Like the async client, a call that finds the server unreachable is retried with backoff
+until `timeout`, then fails with StoreUnavailableError naming host:port.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from elasticrun.errors import StoreTimeoutError
+from elasticrun.proto import store_pb2 as pb
+from elasticrun.proto import store_pb2_grpc as pb_grpc
+from elasticrun.store.channel import (
+    CLIENT_OPTIONS,
+    FIRST_BACKOFF,
+    MAX_BACKOFF,
+    call_metadata,
+    credentials,
+    error_from,
+    grpc_target,
+    retryable,
+)
+from elasticrun.store.wire import DEFAULT_TIMEOUT
+
+_T = TypeVar("_T")
+
+
+class C10dClient:
+    """The c10d operations of the store server, blocking (for training scripts).
+
+    Keys are str, values bytes; waiting calls take their own timeout in seconds (0: no
+    limit) on top of `timeout`, which bounds reaching the server.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        target = grpc_target(endpoint)
+        creds = credentials(tls_ca)
+        if creds is None:
+            self._channel = grpc.insecure_channel(target, options=CLIENT_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(target, creds, options=CLIENT_OPTIONS)
+        self._stub = pb_grpc.C10dStoreStub(self._channel)
+        self._metadata = call_metadata(token)
+
+    def _call(
+        self, method: Callable[..., _T], request: object, wait: float | None = None
+    ) -> _T:
+        """One call, retried with backoff while the server is unreachable.
+
+        `wait` is how long the server may hold a waiting call (0: no limit); the
+        deadline is that plus `timeout`, and the retries stop after `timeout`.
+        """
+        start = time.monotonic()
+        deadline = None if wait == 0 else start + self.timeout + (wait or 0.0)
+        delay = FIRST_BACKOFF
+        while True:
+            try:
+                return method(
+                    request,
+                    timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0),
+                    metadata=self._metadata,
+                )
+            except grpc.RpcError as e:
+                if not retryable(e) or time.monotonic() + delay >= start + self.timeout:
+                    raise error_from(e, self.endpoint) from None
+            time.sleep(delay)
+            delay = min(2 * delay, MAX_BACKOFF)
+
+    def _timed_out(self, keys: list[str], timeout: float) -> StoreTimeoutError:
+        return StoreTimeoutError(
+            f"keys {keys} did not all appear in the store at {self.endpoint} "
+            f"within {timeout:g} s"
+        )
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call(self._stub.Set, pb.SetRequest(key=key, value=value))
+
+    def get(self, key: str, timeout: float) -> bytes:
+        """The key's value, once it exists (StoreTimeoutError past `timeout`)."""
+        reply = self._call(self._stub.Get, pb.GetRequest(key=key, timeout_seconds=timeout), timeout)
+        if reply.timed_out:
+            raise self._timed_out([key], timeout)
+        return reply.value
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call(self._stub.Add, pb.AddRequest(key=key, amount=amount)).value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        request = pb.CompareSetRequest(key=key, expected=expected, desired=desired)
+        return self._call(self._stub.CompareSet, request).value
+
+    def wait(self, keys: list[str], timeout: float) -> None:
+        reply = self._call(
+            self._stub.Wait, pb.WaitRequest(keys=keys, timeout_seconds=timeout), timeout
+        )
+        if reply.timed_out:
+            raise self._timed_out(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(self._stub.Check, pb.CheckRequest(keys=keys)).ready
+
+    def num_keys(self) -> int:
+        return self._call(self._stub.NumKeys, pb.NumKeysRequest()).count
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(self._stub.DeleteKey, pb.DeleteKeyRequest(key=key)).deleted
+
+    def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
+        reply = self._call(
+            self._stub.MultiGet, pb.MultiGetRequest(keys=keys, timeout_seconds=timeout), timeout
+        )
+        if reply.timed_out:
+            raise self._timed_out(keys, timeout)
+        return list(reply.values)
+
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        self._call(self._stub.MultiSet, pb.MultiSetRequest(keys=keys, values=values))
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,38 @@
+"""What both ends of a store connection agree on, each written once.
+
+The gRPC server and its clients read these; a client imports nothing else of the
+server, so a training script that only talks to the store (`elasticrun.worker.c10d_store`)
+does not load the server or its in-memory engine. The etcd backend and the launcher take
+their defaults (ports, the call timeout, the token's variable) from here as well.
+
+Plain values and one pure function: this module imports nothing.
+"""
+
+from __future__ import annotations
+
+#: The call metadata that carries the token: `authorization: Bearer <token>`.
+TOKEN_METADATA_KEY = "authorization"
+#: Where the token comes from when no --token-file is given, for server and clients alike.
+TOKEN_ENV = "ELASTICRUN_STORE_TOKEN"
+
+#: Replies can carry many keys (a prefix range of a large job): the server sends, and
+#: the clients accept, messages up to this size.
+MAX_REPLY_BYTES = 256 << 20
+#: Requests are bounded by the engine's key and value limits plus this much framing.
+REQUEST_SLACK_BYTES = 64 << 10
+
+#: How often a client pings an idle connection (a quiet watch), so that a dead server is
+#: noticed; the server must allow pings at least this often or it closes the connection.
+CLIENT_PING_MS = 10_000
+
+#: The built-in store's port when `--rdzv-endpoint` names none (torchrun's c10d port).
+DEFAULT_C10D_PORT = 29400
+#: etcd's client port, when an etcd endpoint names none.
+DEFAULT_ETCD_PORT = 2379
+#: Seconds one store call may take, retries and failover included (`store_timeout`).
+DEFAULT_TIMEOUT = 10.0
+
+
+def bearer(token: str) -> str:
+    """The metadata value that carries `token`."""
+    return f"Bearer {token}"
