@@ -23,14 +23,15 @@ from pathlib import Path
 from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
 from elasticrun.errors import UsageError
 from elasticrun.rendezvous.decide import RendezvousSettings
+from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TOKEN_ENV
 
 #: backend names as torchrun spells them -> ours
 BACKENDS = {"c10d": "c10d", "etcd": "etcd", "etcd-v2": "etcd", "static": "static"}
-DEFAULT_C10D_PORT = 29400
-DEFAULT_ETCD_PORT = 2379
 
 #: --rdzv-conf keys that hold seconds: checked when parsed (job control reads some too)
-TIMING_RDZV_CONF = ("join_timeout", "last_call_timeout", "heartbeat_timeout", "heartbeat_interval", "closed_ttl", "store_timeout")
+TIMING_RDZV_CONF = (
+    "join_timeout", "last_call_timeout", "heartbeat_timeout", "heartbeat_interval", "closed_ttl", "store_timeout",
+)
 
 #: --rdzv-conf keys that are part of the job spec: every node must use the same
 SHARED_RDZV_CONF = (
@@ -45,15 +46,18 @@ RDZV_CONF_KEYS = {
     "heartbeat_timeout": "lease TTL: seconds until a silent node is dropped (default 5)",
     "heartbeat_interval": "seconds between lease renewals (default: a third of heartbeat_timeout)",
     "closed_ttl": "seconds a finished job stays closed to late agents (default 60)",
-    "quarantine_after": "failures of one node (worker failures, drops out of a round) before it is kept out for a while (default 3; 0: never)",
+    "quarantine_after": (
+        "failures of one node (worker failures, drops out of a round) before it is kept out for a while "
+        "(default 3; 0: never)"
+    ),
     "quarantine_cooldown": "seconds of a node's first quarantine; each further one lasts twice as long (default 60)",
     "quarantine_cooldown_max": "the longest quarantine, in seconds; a node quiet this long is forgiven (default 3600)",
     "is_host": "c10d: this agent hosts the store (true/false; default: when the endpoint is local)",
-    "token_file": "c10d: file with the store's token (default: $ELASTICRUN_STORE_TOKEN)",
+    "token_file": f"c10d: file with the store's token (default: ${TOKEN_ENV})",
     "tls_ca": "c10d: CA certificate (PEM) to reach the store over TLS",
     "tls_cert": "c10d: certificate (PEM) of the store this agent hosts",
     "tls_key": "c10d: private key (PEM) of the store this agent hosts",
-    "store_timeout": "seconds a store call may take, retries included (default 10)",
+    "store_timeout": f"seconds a store call may take, retries included (default {DEFAULT_TIMEOUT:g})",
     "ca_cert": "etcd: CA certificate (PEM)",
     "client_cert": "etcd: client certificate (PEM)",
     "client_key": "etcd: client private key (PEM)",
@@ -193,7 +197,9 @@ def check_run_id(run_id: str) -> str:
     try:
         run_id.encode()
     except UnicodeError:
-        raise UsageError(f"--rdzv-id must be UTF-8 text, got {run_id!r} (a byte the terminal could not decode)") from None
+        raise UsageError(
+            f"--rdzv-id must be UTF-8 text, got {run_id!r} (a byte the terminal could not decode)"
+        ) from None
     return run_id
 
 
@@ -276,7 +282,9 @@ def entrypoint(args: argparse.Namespace) -> tuple[str, ...]:
     return (sys.executable, "-u", script, *rest)
 
 
-def resolve_workers(value: str, gpus_flag: str | None, environ: Mapping[str, str]) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
+def resolve_workers(
+    value: str, gpus_flag: str | None, environ: Mapping[str, str]
+) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
     """--nproc-per-node (N, `cpu`, `gpu`: every usable GPU, `auto`: GPUs, else CPUs)
     and --gpus -> (workers, their GPUs in local-rank order, the GPUs' names)."""
     from elasticrun.agent.gpu import open_gpus

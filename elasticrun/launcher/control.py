@@ -16,13 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elasticrun.errors import UsageError
-from elasticrun.launcher.config import (
-    BACKENDS,
-    DEFAULT_C10D_PORT,
-    DEFAULT_ETCD_PORT,
-    parse_endpoint,
-    parse_rdzv_conf,
-)
+from elasticrun.launcher.config import BACKENDS, parse_endpoint, parse_rdzv_conf
 from elasticrun.launcher.store_cmd import load_token
 from elasticrun.rendezvous.state import (
     Event,
@@ -43,8 +37,7 @@ from elasticrun.rendezvous.state import (
     decode_status,
 )
 from elasticrun.store.api import EventType, Store
-
-DEFAULT_STORE_TIMEOUT = 10.0
+from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT
 
 
 def add_job_flags(parser: argparse.ArgumentParser) -> None:
@@ -54,16 +47,21 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
         ("rdzv-id", dict(required=True, help="the job's id (--rdzv-id of its agents)")),
         ("rdzv-backend", dict(default="c10d", help="c10d (default) or etcd")),
     ):
-        parser.add_argument(f"--{name}", f"--{name.replace('-', '_')}", dest=name.replace("-", "_"), **kw)  # type: ignore[arg-type]
+        parser.add_argument(
+            f"--{name}", f"--{name.replace('-', '_')}", dest=name.replace("-", "_"), **kw
+        )
     parser.add_argument(
         "--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", action="append", default=[],
-        help="store access: token_file, tls_ca, store_timeout; etcd: ca_cert, client_cert, client_key, user, password_file, password_env",
+        help=(
+            "store access: token_file, tls_ca, store_timeout; "
+            "etcd: ca_cert, client_cert, client_key, user, password_file, password_env"
+        ),
     )
 
 
 def open_client_store(backend: str, endpoint: str, conf: Mapping[str, str]) -> Store:
     """A client of the job's store (c10d: the built-in gRPC store; etcd)."""
-    timeout = float(conf.get("store_timeout", DEFAULT_STORE_TIMEOUT))
+    timeout = float(conf.get("store_timeout", DEFAULT_TIMEOUT))
     if backend == "etcd":
         from elasticrun.store.etcd import etcd_store_from_conf
 

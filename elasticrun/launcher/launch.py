@@ -20,7 +20,7 @@ from dataclasses import replace
 from elasticrun.agent.agent import Agent, Watch
 from elasticrun.agent.gpu import Gpus, open_gpus
 from elasticrun.errors import GpuUnhealthyError, UsageError
-from elasticrun.launcher.config import DEFAULT_C10D_PORT, LaunchConfig, RendezvousConfig, parse_endpoint
+from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, parse_endpoint
 from elasticrun.launcher.control import open_client_store, read_conf_file
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.store_cmd import load_token
@@ -30,6 +30,7 @@ from elasticrun.rendezvous.state import Keys, NodeInfo
 from elasticrun.rendezvous.static import StaticRendezvous
 from elasticrun.store.api import EventType, Store
 from elasticrun.store.memory import MemoryStore
+from elasticrun.store.wire import DEFAULT_C10D_PORT
 
 log = logging.getLogger("elasticrun")
 

@@ -14,10 +14,7 @@ from pathlib import Path
 from elasticrun.errors import UsageError
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.store.server import StoreServer, TlsKeyPair
-
-#: Where a token comes from when no --token-file is given (server and clients alike).
-TOKEN_ENV = "ELASTICRUN_STORE_TOKEN"
-DEFAULT_PORT = 29400
+from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     serve_parser.add_argument(
         "--host", default="0.0.0.0", help="address to listen on (default: all interfaces)"
     )
-    serve_parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: any free port")
+    serve_parser.add_argument("--port", type=int, default=DEFAULT_C10D_PORT, help="0: any free port")
     serve_parser.add_argument(
         "--token-file",
         help=f"file holding the token clients must present (default: ${TOKEN_ENV})",

@@ -70,12 +70,10 @@ from elasticrun.store.api import (
     Store,
     WatchEvent,
 )
+from elasticrun.store.wire import DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT
 
 _T = TypeVar("_T")
 
-DEFAULT_PORT = 2379
-#: Seconds one operation may take, failover and retries included.
-DEFAULT_TIMEOUT = 10.0
 #: The `--rdzv-conf` keys this backend reads; the launcher may reject others.
 ETCD_CONF_KEYS = frozenset(
     {"ca_cert", "client_cert", "client_key", "user", "password_file", "password_env"}
@@ -196,7 +194,7 @@ def _store_error(
     if kind is _Kind.NOT_ETCD:
         return StoreError(
             f"{endpoint} is not an etcd v3 server ({details}): --rdzv-backend=etcd needs "
-            f"etcd >= 3.4 and --rdzv-endpoint naming its client port (usually {DEFAULT_PORT})"
+            f"etcd >= 3.4 and --rdzv-endpoint naming its client port (usually {DEFAULT_ETCD_PORT})"
         )
     if kind is _Kind.AUTH_REQUIRED:
         return StoreAuthError(
@@ -236,7 +234,7 @@ def parse_endpoints(spec: str) -> tuple[str, ...]:
         try:
             parts = urllib.parse.urlsplit("//" + item)
             host, port = parts.hostname or "", parts.port
-            port = DEFAULT_PORT if port is None else port
+            port = DEFAULT_ETCD_PORT if port is None else port
             extra = parts.path or parts.query or parts.fragment or parts.username
         except ValueError:  # a port that is no number in 0..65535
             host, extra = "", True
