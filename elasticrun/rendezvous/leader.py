@@ -219,7 +219,8 @@ class Leader:
         """Log the round in the job's events, and prune the oldest events."""
         keys, at = self._keys, new_round.opened_at
         world = f"{_plural(len(new_round.participants), 'node')}, world size {new_round.world_size}"
-        event = Event(at=at, node=self._node_id, kind="round", detail=f"round {new_round.number} ({world}): {new_round.reason}")
+        detail = f"round {new_round.number} ({world}): {new_round.reason}"
+        event = Event(at=at, node=self._node_id, kind="round", detail=detail)
         await self._store.put(keys.event(at, event.node), encode(event))
         events = await self._store.get_prefix(keys.events)
         for kv in events.kvs[: max(len(events.kvs) - EVENTS_KEPT, 0)]:
