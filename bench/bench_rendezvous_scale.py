@@ -149,7 +149,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
 
     from elasticrun.rendezvous.decide import RendezvousSettings
     from elasticrun.rendezvous.elastic import ElasticRendezvous
-    from elasticrun.rendezvous.state import NodeInfo
+    from elasticrun.rendezvous.state import JobSpec, NodeInfo
 
     os.nice(5)  # the store first: in a cluster each node has its own host
     lost = collections.Counter()
@@ -188,7 +188,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
                 stores.append(make_store())
             store = stores[-1]
             me = NodeInfo(node_id=f"node{n:05d}", host=socket.gethostname(), addr=HOST, nproc=1, pid=os.getpid(), started_at=time.time())
-            nodes[n] = Timed(store, settings, me, spec={"bench": 1})
+            nodes[n] = Timed(store, settings, me, spec=JobSpec(command=("bench",)))
         print("ready", flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # go
         round1: dict[int, float] = {}

@@ -261,8 +261,8 @@ def test_a_torchrun_command_line_with_underscores_builds_the_whole_config(tmp_pa
     assert w.local_ranks_filter == frozenset({0})
     assert w.log_dir == tmp_path
     assert [s.name for s in w.signals_to_handle] == ["SIGTERM", "SIGUSR1"]
-    assert cfg.job_spec["command"] == [str(SPEAK), "--epochs", "3"]
-    assert cfg.job_spec["nnodes"] == "1:3"
+    assert cfg.job_spec.command == (str(SPEAK), "--epochs", "3")
+    assert cfg.job_spec.nnodes == "1:3"
 
 
 def test_static_is_the_default_backend_with_torchruns_master_defaults() -> None:
@@ -362,8 +362,8 @@ def test_module_mode_runs_python_dash_m() -> None:
     for flag in ("-m", "--module"):
         cfg = config("--standalone", flag, "mypkg.train", "--lr", "1")
         assert cfg.worker.entrypoint == (sys.executable, "-u", "-m", "mypkg.train", "--lr", "1")
-        assert cfg.job_spec["command"] == ["-m", "mypkg.train", "--lr", "1"]
-        assert cfg.job_spec["no_python"] is False
+        assert cfg.job_spec.command == ("-m", "mypkg.train", "--lr", "1")
+        assert cfg.job_spec.no_python is False
 
 
 def test_no_python_runs_the_command_itself() -> None:
@@ -371,12 +371,12 @@ def test_no_python_runs_the_command_itself() -> None:
     assert sh is not None
     cfg = config("--standalone", "--no-python", "sh", "-c", "exit 0")
     assert cfg.worker.entrypoint == ("sh", "-c", "exit 0")
-    assert cfg.job_spec["command"] == ["sh", "-c", "exit 0"]
-    assert cfg.job_spec["no_python"] is True
+    assert cfg.job_spec.command == ("sh", "-c", "exit 0")
+    assert cfg.job_spec.no_python is True
     # the interpreter as a --no-python command keeps its script in the job spec
     cfg = config("--standalone", "--no_python", sys.executable, str(SPEAK))
     assert cfg.worker.entrypoint == (sys.executable, str(SPEAK))
-    assert cfg.job_spec["command"] == [sys.executable, str(SPEAK)]
+    assert cfg.job_spec.command == (sys.executable, str(SPEAK))
 
 
 def test_module_and_no_python_run_for_real(tmp_path: Path) -> None:

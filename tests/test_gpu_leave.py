@@ -21,7 +21,7 @@ from elasticrun.errors import GpuUnhealthyError
 from elasticrun.launcher.launch import gpu_watches
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import Keys, NodeInfo, decode_event
+from elasticrun.rendezvous.state import JobSpec, Keys, NodeInfo, decode_event
 from elasticrun.store.memory import MemoryStore
 from tests.agent_helpers import eventually
 from tests.test_gpu import FakeGpu, FakeNvml
@@ -43,7 +43,7 @@ def node(store: MemoryStore, name: str, stop_file: Path, tmp: Path) -> tuple[Wor
         gpu_devices=(0,),
     )
     me = NodeInfo(node_id=name, host="localhost", addr="127.0.0.1", nproc=1, pid=os.getpid(), started_at=0.0)
-    return spec, ElasticRendezvous(store, settings, me, spec={"entrypoint": "tick"})
+    return spec, ElasticRendezvous(store, settings, me, spec=JobSpec(command=("tick",)))
 
 
 async def wait_for(predicate, what: str) -> None:

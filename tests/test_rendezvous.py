@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import os
 import socket
 
@@ -20,7 +21,7 @@ from elasticrun.errors import LeaseExpiredError, RendezvousClosedError, Rendezvo
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.ports import PortReservation
-from elasticrun.rendezvous.state import Keys, NodeInfo
+from elasticrun.rendezvous.state import FORMAT_VERSION, JOB_SPEC_VERSION, JobSpec, Keys, NodeInfo
 from elasticrun.store.api import Store
 from elasticrun.store.memory import MemoryStore
 
@@ -34,10 +35,10 @@ def settings(min_nodes: int, max_nodes: int, **kw: float) -> RendezvousSettings:
 
 
 def make_node(
-    store: Store, name: str, s: RendezvousSettings, spec: dict | None = None, **kw: object
+    store: Store, name: str, s: RendezvousSettings, spec: JobSpec | None = None, **kw: object
 ) -> ElasticRendezvous:
     me = NodeInfo(node_id=name, host="localhost", addr="127.0.0.1", nproc=2, pid=os.getpid(), started_at=0.0)
-    return ElasticRendezvous(store, s, me, spec=spec or {"entrypoint": ["train.py"]}, **kw)
+    return ElasticRendezvous(store, s, me, spec=spec or JobSpec(command=("train.py",)), **kw)
 
 
 @pytest.fixture
@@ -199,7 +200,7 @@ async def test_success_closes_then_late_nodes_exit_and_the_id_is_reused(store):
         await late.next_round()
     assert info.value.outcome == "succeeded"
     # The close marker expires; a new job with the same id then starts clean.
-    fresh = make_node(store, "fresh", s, spec={"entrypoint": ["other.py"]})
+    fresh = make_node(store, "fresh", s, spec=JobSpec(command=("other.py",)))
     while True:
         try:
             assignment = await fresh.next_round()
@@ -219,11 +220,21 @@ async def store_change(store: Store) -> None:
 
 async def test_other_spec_is_refused_clearly(store):
     s = settings(1, 2)
-    a = make_node(store, "a", s, spec={"entrypoint": ["train.py"], "nproc": 2})
+    a = make_node(store, "a", s, spec=JobSpec(command=("train.py",), nproc_per_node="2"))
     await a.next_round()
-    b = make_node(store, "b", s, spec={"entrypoint": ["train.py"], "nproc": 4})
-    with pytest.raises(SpecMismatchError, match="nproc: job has 2, this node 4"):
+    b = make_node(store, "b", s, spec=JobSpec(command=("train.py",), nproc_per_node="4"))
+    with pytest.raises(SpecMismatchError, match="nproc_per_node: job has '2', this node '4'"):
         await b.next_round()
+    await a.aclose()
+
+
+async def test_a_spec_of_another_version_is_refused_before_its_fields_are_read(store):
+    s = settings(1, 2)
+    newer = {"v": FORMAT_VERSION, "version": JOB_SPEC_VERSION + 1, "command": ["train.py"], "what_v2_adds": 1}
+    await store.put(Keys("job").spec, json.dumps(newer).encode())
+    a = make_node(store, "a", s)
+    with pytest.raises(SpecMismatchError, match=f"spec has version {JOB_SPEC_VERSION + 1}, this node's"):
+        await a.next_round()
     await a.aclose()
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
 from elasticrun.errors import UsageError
 from elasticrun.rendezvous.decide import RendezvousSettings
+from elasticrun.rendezvous.state import JobSpec
 from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TOKEN_ENV
 
 #: backend names as torchrun spells them -> ours
@@ -107,7 +108,7 @@ class LaunchConfig:
     rdzv: RendezvousConfig
     worker: WorkerSpec
     #: what every node of the job must agree on (stored in the job's spec record)
-    job_spec: Mapping[str, object]
+    job_spec: JobSpec
     #: the --nproc-per-node value as given ("gpu", "auto", "cpu" or a number)
     nproc_request: str
     #: names of this node's GPUs, for status
@@ -437,19 +438,20 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         in_process=args.elastic_mode == "in-process",
     )
     no_python = bool(args.no_python and not args.run_path)
-    job_spec = {
+    job_spec = JobSpec(
         # without --no-python, argv starts with this node's interpreter and -u
-        "command": list(argv if no_python else argv[2:]),
-        "no_python": no_python,
-        "nproc_per_node": str(args.nproc_per_node),
-        "nnodes": f"{min_nodes}:{max_nodes}",
-        "max_restarts": args.max_restarts,
-        "elastic_mode": args.elastic_mode,
-        "progress_timeout": args.progress_timeout,
-        "role": args.role,
+        command=argv if no_python else argv[2:],
+        no_python=no_python,
+        nproc_per_node=str(args.nproc_per_node),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        max_restarts=args.max_restarts,
+        elastic_mode=args.elastic_mode,
+        progress_timeout=args.progress_timeout,
+        role=args.role,
         # rendezvous timings every node must share (secrets and local paths stay out)
-        "rdzv_conf": {k: v for k, v in conf.items() if k in SHARED_RDZV_CONF},
-    }
+        rdzv_conf={k: v for k, v in conf.items() if k in SHARED_RDZV_CONF},
+    )
     if not (args.health_interval > 0 and math.isfinite(args.health_interval)):
         raise UsageError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
     return LaunchConfig(

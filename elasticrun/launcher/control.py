@@ -21,6 +21,7 @@ from elasticrun.launcher.store_cmd import load_token
 from elasticrun.rendezvous.state import (
     Event,
     JobLaunch,
+    JobSpec,
     Keys,
     LeaderState,
     NodeInfo,
@@ -120,7 +121,7 @@ class JobView:
     round: Round | None = None
     leader: str = ""
     state: LeaderState | None = None
-    spec: Mapping[str, object] | None = None
+    spec: JobSpec | None = None
     launch: JobLaunch | None = None
     nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
     statuses: Mapping[str, NodeStatus] = field(default_factory=dict)
@@ -148,8 +149,7 @@ class JobView:
 
     @property
     def min_max(self) -> tuple[int, int]:
-        low, _, high = str((self.spec or {}).get("nnodes", "1:1")).partition(":")
-        return int(low), int(high or low)
+        return (self.spec.min_nodes, self.spec.max_nodes) if self.spec else (1, 1)
 
 
 async def read_job(store: Store, target: JobTarget) -> JobView:

@@ -22,26 +22,26 @@ async def _job_argv(target: JobTarget, timeout: float, local_addr: str | None, l
     spec = view.spec
     if spec is None or (view.round is not None and view.round.closed):
         raise UsageError(f"job '{target.run_id}' has ended; nothing to join")
-    conf = {**dict(spec.get("rdzv_conf", {})), **target.conf, "join_timeout": f"{timeout:g}"}  # type: ignore[arg-type]
+    conf = {**spec.rdzv_conf, **target.conf, "join_timeout": f"{timeout:g}"}
     argv = [
-        f"--nnodes={spec['nnodes']}",
-        f"--nproc-per-node={spec['nproc_per_node']}",
-        f"--max-restarts={spec['max_restarts']}",
-        f"--role={spec['role']}",
-        f"--elastic-mode={spec.get('elastic_mode', 'restart')}",
+        f"--nnodes={spec.nnodes}",
+        f"--nproc-per-node={spec.nproc_per_node}",
+        f"--max-restarts={spec.max_restarts}",
+        f"--role={spec.role}",
+        f"--elastic-mode={spec.elastic_mode}",
         f"--rdzv-backend={target.backend}",
         f"--rdzv-endpoint={target.endpoint}",
         f"--rdzv-id={target.run_id}",
         "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
     ]
-    if spec.get("progress_timeout") is not None:
-        argv.append(f"--progress-timeout={spec['progress_timeout']}")
+    if spec.progress_timeout is not None:
+        argv.append(f"--progress-timeout={spec.progress_timeout}")
     if local_addr:
         argv.append(f"--local-addr={local_addr}")
     if log_dir:
         argv.append(f"--log-dir={log_dir}")
-    command = [str(c) for c in spec["command"]]  # type: ignore[union-attr]
-    if spec.get("no_python"):
+    command = list(spec.command)
+    if spec.no_python:
         argv.append("--no-python")
     elif command[:1] == ["-m"]:
         argv.append("--module")

@@ -109,7 +109,7 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
             "leader": view.state.leader if view.state else view.leader or None,
             "reason": view.state.reason if view.state else (r.reason if r else ""),
             "detail": r.detail if r else "",
-            "spec": dict(view.spec or {}),
+            "spec": asdict(view.spec) if view.spec else {},
         },
         "nodes": [
             {

@@ -25,7 +25,7 @@ async def stop(target: JobTarget, *, timeout: float) -> int:
         view = await read_job(store, target)
         if view.round is not None and view.round.closed:
             raise UsageError(f"job '{target.run_id}' has already ended ({view.round.closed})")
-        conf = dict((view.spec or {}).get("rdzv_conf", {}))  # type: ignore[call-overload]
+        conf = view.spec.rdzv_conf if view.spec else {}
         ttl = float(conf.get("closed_ttl", _DEFAULT_CLOSED_TTL))
         who = f"{getpass.getuser()}@{socket.gethostname()}"
         if not await close_round(store, keys, "stopped", f"stopped by {who}", ttl):

@@ -19,7 +19,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 
 from elasticrun.errors import (
@@ -39,6 +39,7 @@ from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.state import (
     DrainRequest,
     JobLaunch,
+    JobSpec,
     Keys,
     LeaderState,
     Master,
@@ -56,7 +57,6 @@ from elasticrun.rendezvous.state import (
     decode_spec,
     decode_state,
     encode,
-    encode_spec,
 )
 from elasticrun.store.api import EventType, RangeResult, Store
 
@@ -89,7 +89,7 @@ class ElasticRendezvous(RendezvousHandler):
         settings: RendezvousSettings,
         me: NodeInfo,
         *,
-        spec: Mapping[str, object],
+        spec: JobSpec,
         clock: Callable[[], float] = time.monotonic,
         reserve_port: Callable[[], PortReservation] = PortReservation,
     ) -> None:
@@ -97,7 +97,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._store = store
         self._settings = settings
         self._me = me
-        self._spec = dict(spec)
+        self._spec = spec
         self._clock = clock
         self._reserve_port = reserve_port
         self._port: PortReservation | None = None  # the round's MASTER_PORT, while node rank 0
@@ -273,7 +273,7 @@ class ElasticRendezvous(RendezvousHandler):
         await self._try_lead()
 
     async def _check_spec(self) -> None:
-        raw = encode_spec(self._spec)
+        raw = encode(self._spec)
         if await self._store.compare_and_put(self._keys.spec, raw, expected_mod_revision=0):
             # A new job: the events of an earlier job with this id go.
             await self._store.delete_prefix(self._keys.events)
@@ -284,12 +284,10 @@ class ElasticRendezvous(RendezvousHandler):
         if stored is None:  # closed and cleared in between: ours is the new spec
             await self._store.put(self._keys.spec, raw)
             return
-        theirs = decode_spec(stored.value)
-        differ = sorted(k for k in set(theirs) | set(self._spec) if theirs.get(k) != self._spec.get(k))
+        differ = decode_spec(stored.value).differences(self._spec)
         if differ:
-            detail = "; ".join(f"{k}: job has {theirs.get(k)!r}, this node {self._spec.get(k)!r}" for k in differ)
             raise SpecMismatchError(
-                f"this node's job spec differs from the running job '{self.run_id}' ({detail}); "
+                f"this node's job spec differs from the running job '{self.run_id}' ({'; '.join(differ)}); "
                 "start it with the same arguments, or use another --rdzv-id"
             )
 

@@ -13,7 +13,7 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives u
     r/job/leader        the leader's node id, bound to its lease
     r/job/master        Master: MASTER_ADDR/PORT of the current round, by its node rank 0
     r/job/ping          Ping: the leader asks every node to show it is alive
-    r/job/spec          the job spec; a node with another spec is refused
+    r/job/spec          JobSpec: what every node must agree on; a node with another is refused
     r/job/state         LeaderState: what the leader waits for, for waiting nodes and status
     r/job/launch        JobLaunch: when and where the job was started (for status and join)
     r/job/drain/<node>  DrainRequest: an operator asked this node to leave
@@ -31,11 +31,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
-from elasticrun.errors import RendezvousError
+from elasticrun.errors import RendezvousError, SpecMismatchError
 
 FORMAT_VERSION = 1
+
+#: the job spec's own version, bumped whenever what a spec holds changes: a node whose
+#: spec has another version is refused as a mismatch, never compared field by field
+JOB_SPEC_VERSION = 1
 
 
 def job_prefix(run_id: str) -> str:
@@ -200,6 +204,46 @@ class Round:
     @property
     def world_size(self) -> int:
         return sum(p.nproc for p in self.participants)
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What every node of a job must agree on; the job's first node stores it (r/job/spec).
+
+    A node that registers with another spec is refused, naming each field that differs,
+    and `elasticrun join` starts an agent from the stored one, so that nobody repeats the
+    job's flags by hand. It holds no secret and no path of one node's: every node and
+    every operator of the job reads it.
+    """
+
+    #: what the workers run, without this node's interpreter: `script args`,
+    #: `-m module args`, or with `no_python` a program and its arguments
+    command: tuple[str, ...]
+    no_python: bool = False
+    #: --nproc-per-node as given (a number, gpu, auto or cpu): nodes may differ in GPUs
+    nproc_per_node: str = "1"
+    min_nodes: int = 1
+    max_nodes: int = 1
+    max_restarts: int = 0
+    elastic_mode: str = "restart"
+    progress_timeout: float | None = None
+    role: str = "default"
+    #: the --rdzv-conf timings every node must share
+    rdzv_conf: Mapping[str, str] = field(default_factory=dict)
+    version: int = JOB_SPEC_VERSION
+
+    @property
+    def nnodes(self) -> str:
+        """--nnodes as the launcher takes it."""
+        return f"{self.min_nodes}:{self.max_nodes}"
+
+    def differences(self, mine: JobSpec) -> list[str]:
+        """`field: job has X, this node Y` for each field where this node's spec differs."""
+        return [
+            f"{f.name}: job has {getattr(self, f.name)!r}, this node {getattr(mine, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(mine, f.name)
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,10 +484,13 @@ def decode_quarantine(raw: bytes) -> QuarantineTable:
     return QuarantineTable(**body)
 
 
-def encode_spec(spec: Mapping[str, object]) -> bytes:
-    """The job spec as stored in job/spec: what every node of the job must agree on."""
-    return json.dumps({"v": FORMAT_VERSION, "spec": dict(spec)}, sort_keys=True).encode()
-
-
-def decode_spec(raw: bytes) -> dict[str, object]:
-    return dict(_load(raw, "spec")["spec"])
+def decode_spec(raw: bytes) -> JobSpec:
+    """The stored job spec; one of another spec version is refused before its fields are read."""
+    body = _load(raw, "spec")
+    if body.get("version") != JOB_SPEC_VERSION:
+        raise SpecMismatchError(
+            f"the running job's spec has version {body.get('version')!r}, this node's {JOB_SPEC_VERSION} "
+            "(its nodes run another elasticrun version); start this node with that version, or use another --rdzv-id"
+        )
+    body["command"] = tuple(body["command"])
+    return JobSpec(**body)

@@ -51,7 +51,7 @@ from elasticrun.launcher.config import (
     RDZV_CONF_TORCHRUN_ONLY,
     LaunchConfig,
 )
-from elasticrun.rendezvous.state import encode_spec
+from elasticrun.rendezvous.state import encode
 from elasticrun.store import channel
 from elasticrun.store import client as grpc_store
 from elasticrun.store import etcd as etcd_store
@@ -384,7 +384,7 @@ def check_sane(config: LaunchConfig, argv: Sequence[str]) -> None:
             if not host.startswith("["):  # (a bracketed IPv6 address needs no name lookup)
                 host = host.rpartition(":")[0] if host.count(":") == 1 else host
                 host.encode("idna")  # what resolving the name does first
-    encode_spec(config.job_spec)
+    encode(config.job_spec)
 
 
 # --- the in-process properties ---------------------------------------------------------------

@@ -32,7 +32,7 @@ from elasticrun.launcher.control import JobTarget, read_job
 from elasticrun.launcher.status_cmd import as_json, render
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import Keys, NodeInfo, decode_quarantine
+from elasticrun.rendezvous.state import JobSpec, Keys, NodeInfo, decode_quarantine
 from elasticrun.store.memory import MemoryStore
 from tests.elastic_cluster import Cluster, Proc, run_id
 
@@ -44,7 +44,7 @@ WORKER = Path(__file__).resolve().parents[1] / "workers" / "train_worker.py"
 
 def _node(store: MemoryStore, name: str, s: RendezvousSettings) -> ElasticRendezvous:
     me = NodeInfo(node_id=name, host="localhost", addr="127.0.0.1", nproc=1, pid=os.getpid(), started_at=time.time())
-    return ElasticRendezvous(store, s, me, spec={"entrypoint": ["train.py"]})
+    return ElasticRendezvous(store, s, me, spec=JobSpec(command=("train.py",)))
 
 
 @pytest.mark.timeout(60)
