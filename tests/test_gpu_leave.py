@@ -21,7 +21,7 @@ from elasticrun.errors import GpuUnhealthyError
 from elasticrun.launcher.launch import gpu_watches
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import JobSpec, Keys, NodeInfo, decode_event
+from elasticrun.rendezvous.state import Event, JobSpec, Keys, NodeInfo, decode
 from elasticrun.store.memory import MemoryStore
 from tests.agent_helpers import eventually
 from tests.test_gpu import FakeGpu, FakeNvml
@@ -67,18 +67,18 @@ async def test_gpu_failing_during_training_makes_the_node_leave(tmp_path):
     agent_a = asyncio.ensure_future(Agent(spec_a, rdzv_a, watches=watches_a).run())
     agent_b = asyncio.ensure_future(Agent(spec_b, rdzv_b, watches=watches_b).run())
     try:
-        await wait_for(lambda: rdzv_a._round is not None and rdzv_a._round.world_size == 2, "world size 2")
-        round_at_two = rdzv_a._round.number
+        await wait_for(lambda: rdzv_a._job.round is not None and rdzv_a._job.round.world_size == 2, "world size 2")
+        round_at_two = rdzv_a._job.round.number
         failing_gpu.ecc = [3]  # an uncorrectable ECC error appears on node-b's GPU
         result_b = await asyncio.wait_for(agent_b, 30)
         assert result_b.exit_code == 1
         assert "GPU problem, leaving the job" in result_b.message and "uncorrect" in result_b.message
         # node-a goes on alone, in a new round
         await wait_for(
-            lambda: rdzv_a._round.number > round_at_two and rdzv_a._round.world_size == 1, "world size 1"
+            lambda: rdzv_a._job.round.number > round_at_two and rdzv_a._job.round.world_size == 1, "world size 1"
         )
-        await wait_for(lambda: rdzv_a._last_round == rdzv_a._round.number, "node-a running the new round")
-        events = [decode_event(kv.value) for kv in (await store.get_prefix(Keys("gpu").events)).kvs]
+        await wait_for(lambda: rdzv_a._last_round == rdzv_a._job.round.number, "node-a running the new round")
+        events = [decode(Event, kv.value) for kv in (await store.get_prefix(Keys("gpu").events)).kvs]
         assert any(e.node == "node-b" and "GPU problem" in e.detail for e in events)
         stop.touch()
         result_a = await asyncio.wait_for(agent_a, 30)

@@ -21,6 +21,7 @@ from elasticrun.launcher.store_cmd import load_token
 from elasticrun.rendezvous.state import (
     Event,
     JobLaunch,
+    JobRecords,
     JobSpec,
     Keys,
     LeaderState,
@@ -28,14 +29,6 @@ from elasticrun.rendezvous.state import (
     NodeStatus,
     QuarantineTable,
     Round,
-    decode_event,
-    decode_launch,
-    decode_node,
-    decode_quarantine,
-    decode_round,
-    decode_spec,
-    decode_state,
-    decode_status,
 )
 from elasticrun.store.api import EventType, Store
 from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT
@@ -154,40 +147,23 @@ class JobView:
 
 async def read_job(store: Store, target: JobTarget) -> JobView:
     """The job as the store holds it now; a job that is not there is a usage error."""
-    keys = target.keys
-    snapshot = await store.get_prefix(keys.prefix)
-    fields: dict[str, object] = {}
-    nodes, statuses, drains, events = {}, {}, set(), []
+    snapshot = await store.get_prefix(target.keys.prefix)
+    records = JobRecords(target.keys)
     for kv in snapshot.kvs:
-        key = kv.key
-        if key == keys.round:
-            fields["round"] = decode_round(kv.value)
-        elif key == keys.leader:
-            fields["leader"] = kv.value.decode()
-        elif key == keys.state:
-            fields["state"] = decode_state(kv.value)
-        elif key == keys.spec:
-            fields["spec"] = decode_spec(kv.value)
-        elif key == keys.launch:
-            fields["launch"] = decode_launch(kv.value)
-        elif key == keys.quarantine:
-            fields["quarantine"] = decode_quarantine(kv.value)
-        elif key.startswith(keys.nodes):
-            nodes[key[len(keys.nodes):]] = decode_node(kv.value)
-        elif key.startswith(keys.statuses):
-            statuses[key[len(keys.statuses):]] = decode_status(kv.value)
-        elif key.startswith(keys.drains):
-            drains.add(key[len(keys.drains):])
-        elif key.startswith(keys.events):
-            events.append(decode_event(kv.value))
+        records.apply(kv.key, kv.value, kv.mod_revision)
     view = JobView(
         run_id=target.run_id,
         revision=snapshot.revision,
-        nodes=nodes,
-        statuses=statuses,
-        drains=frozenset(drains),
-        events=tuple(events),
-        **fields,  # type: ignore[arg-type]
+        round=records.round,
+        leader=records.leader,
+        state=records.state,
+        spec=records.spec,
+        launch=records.launch,
+        nodes=records.nodes,
+        statuses=records.statuses,
+        drains=frozenset(records.drains),
+        events=tuple(records.events.values()),
+        quarantine=records.quarantine,
     )
     if not view.exists:
         raise UsageError(

@@ -12,7 +12,7 @@ import asyncio
 import sys
 
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job
-from elasticrun.rendezvous.state import LogWindow, decode_log
+from elasticrun.rendezvous.state import LogWindow, decode
 from elasticrun.store.api import EventType
 
 
@@ -27,7 +27,7 @@ async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None) 
         snapshot = await store.get_prefix(keys.logs)
         seen: dict[int, int] = {}
         for kv in snapshot.kvs:
-            window = decode_log(kv.value)
+            window = decode(LogWindow, kv.value)
             if rank is not None and window.rank != rank:
                 continue
             for text in _lines(window, 0)[-tail:] if tail else []:
@@ -39,7 +39,7 @@ async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None) 
         async for event in store.watch(keys.logs, start_revision=snapshot.revision + 1, prefix=True):
             if event.type is not EventType.PUT:
                 continue
-            window = decode_log(event.value)
+            window = decode(LogWindow, event.value)
             if rank is not None and window.rank != rank:
                 continue
             # A rank restarted by a new agent numbers its lines from 1 again.

@@ -37,25 +37,17 @@ from elasticrun.rendezvous.leader import DETAIL_LIMIT, Leader, close_job
 from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.state import (
-    DrainRequest,
     JobLaunch,
+    JobRecords,
     JobSpec,
     Keys,
-    LeaderState,
     Master,
     NodeInfo,
     Ping,
     QuarantineEntry,
-    QuarantineTable,
     RestartRequest,
     Round,
-    decode_drain,
-    decode_master,
-    decode_ping,
-    decode_quarantine,
-    decode_round,
-    decode_spec,
-    decode_state,
+    decode,
     encode,
 )
 from elasticrun.store.api import EventType, RangeResult, Store
@@ -107,12 +99,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._lost: str = ""
         self._tasks: set[asyncio.Task[None]] = set()
         self._leader_task: asyncio.Task[None] | None = None
-        # what this node knows of job/
-        self._round: Round | None = None
-        self._master: Master | None = None
-        self._state: LeaderState | None = None
-        self._drain: DrainRequest | None = None
-        self._quarantine = QuarantineTable()  # wall-clock times
+        self._job = JobRecords(self._keys)  # what this node knows of job/
         self._last_round = 0
         self._ran: Round | None = None  # the round this node last ran
         self._reports = Reporter(store, self._keys, me)
@@ -123,7 +110,8 @@ class ElasticRendezvous(RendezvousHandler):
     def waiting_status(self) -> str:
         if self._lost:  # what we knew of the job is stale until we register again
             return f"registering again (this node lost its membership: {self._lost})"
-        leader = self._state.reason if self._state else "waiting for the leader's first decision"
+        state = self._job.state
+        leader = state.reason if state else "waiting for the leader's first decision"
         held = self._quarantined()
         if held is None:
             return leader
@@ -132,13 +120,13 @@ class ElasticRendezvous(RendezvousHandler):
 
     def _quarantined(self) -> QuarantineEntry | None:
         """This node's quarantine, while the leader keeps it out."""
-        entry = self._quarantine.get(self._me.node_id)
+        entry = self._job.quarantine.get(self._me.node_id)
         return entry if entry is not None and entry.active(time.time()) else None
 
     async def drained(self) -> str:
-        while self._drain is None:
+        while (drain := self._job.drains.get(self._me.node_id)) is None:
             await self._pulse.wait()
-        return f"drained: {self._drain.reason}"
+        return f"drained: {drain.reason}"
 
     def report_status(self, status: AgentStatus) -> None:
         self._reports.status(status)
@@ -156,7 +144,7 @@ class ElasticRendezvous(RendezvousHandler):
         while True:
             if self._lease is None or self._lost:
                 await self._register()
-            current = self._round
+            current = self._job.round
             if current is not None and current.closed:
                 raise RendezvousClosedError(self.run_id, current.closed, current.detail)
             rank = current.rank_of(self._me.node_id) if current else None
@@ -187,7 +175,7 @@ class ElasticRendezvous(RendezvousHandler):
         while True:
             if self._lost:
                 return f"node {self._me.node_id} lost its membership: {self._lost}"
-            current = self._round
+            current = self._job.round
             if current is None:
                 return "the round record vanished from the store"
             if current.number != self._last_round:
@@ -197,7 +185,7 @@ class ElasticRendezvous(RendezvousHandler):
             await self._pulse.wait()
 
     def peers_lost(self) -> bool:
-        ran, current = self._ran, self._round
+        ran, current = self._ran, self._job.round
         if self._lost or ran is None or current is None or current.closed:
             return True
         if current.restart_count != ran.restart_count:
@@ -234,7 +222,7 @@ class ElasticRendezvous(RendezvousHandler):
         with contextlib.suppress(StoreError):
             await self._reports.flush(self._lease or 0)
         await self.aclose()
-        if self._drain is not None:
+        if self._me.node_id in self._job.drains:
             with contextlib.suppress(StoreError):
                 await self._store.delete(self._keys.drain(self._me.node_id))
 
@@ -261,8 +249,9 @@ class ElasticRendezvous(RendezvousHandler):
         self._lost = ""
         keys = self._keys
         snapshot = await self._reread_job()
-        if self._round is not None and self._round.closed:
-            raise RendezvousClosedError(self.run_id, self._round.closed, self._round.detail)
+        current = self._job.round
+        if current is not None and current.closed:
+            raise RendezvousClosedError(self.run_id, current.closed, current.detail)
         await self._check_spec()
         self._lease = await self._store.grant_lease(self._settings.heartbeat_ttl)
         me = replace(self._me, ran_round=self._last_round, ran_restarts=self._ran.restart_count if self._ran else 0)
@@ -284,7 +273,7 @@ class ElasticRendezvous(RendezvousHandler):
         if stored is None:  # closed and cleared in between: ours is the new spec
             await self._store.put(self._keys.spec, raw)
             return
-        differ = decode_spec(stored.value).differences(self._spec)
+        differ = decode(JobSpec, stored.value).differences(self._spec)
         if differ:
             raise SpecMismatchError(
                 f"this node's job spec differs from the running job '{self.run_id}' ({'; '.join(differ)}); "
@@ -333,11 +322,11 @@ class ElasticRendezvous(RendezvousHandler):
             try:
                 async for event in self._store.watch(self._keys.job, start_revision=start_revision, prefix=True):
                     start_revision = event.revision + 1
-                    self._apply_job(event.key, event.value if event.type is EventType.PUT else None)
+                    self._job.apply(event.key, event.value if event.type is EventType.PUT else None, event.revision)
                     if event.key == self._keys.leader and event.type is EventType.DELETE:
                         await self._try_lead()
-                    elif event.key == self._keys.ping and event.type is EventType.PUT:
-                        await self._answer_ping(decode_ping(event.value))
+                    elif event.key == self._keys.ping and self._job.ping is not None:
+                        await self._answer_ping(self._job.ping)
                     self._pulse.fire()
             except StoreGoneError:
                 raise  # no store to wait for: the supervisor ends the membership with it
@@ -354,24 +343,10 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def _reread_job(self) -> RangeResult:
         snapshot = await self._store.get_prefix(self._keys.job)
-        self._round = self._master = self._state = self._drain = None
-        self._quarantine = QuarantineTable()
+        self._job = JobRecords(self._keys)
         for kv in snapshot.kvs:
-            self._apply_job(kv.key, kv.value)
+            self._job.apply(kv.key, kv.value, kv.mod_revision)
         return snapshot
-
-    def _apply_job(self, key: str, value: bytes | None) -> None:
-        keys = self._keys
-        if key == keys.round:
-            self._round = decode_round(value) if value else None
-        elif key == keys.master:
-            self._master = decode_master(value) if value else None
-        elif key == keys.state:
-            self._state = decode_state(value) if value else None
-        elif key == keys.drain(self._me.node_id):
-            self._drain = decode_drain(value) if value else None
-        elif key == keys.quarantine:
-            self._quarantine = decode_quarantine(value) if value else QuarantineTable()
 
     async def _master_of(self, current: Round, rank: int) -> Master | None:
         """The round's master address; node rank 0 reserves a port and publishes it.
@@ -384,12 +359,13 @@ class ElasticRendezvous(RendezvousHandler):
             self._port = self._reserve_port()
             master = Master(round=current.number, addr=self._me.addr, port=self._port.port)
             await self._store.put(self._keys.master, encode(master), lease=self._lease or 0)
-            self._master = master
+            self._job.master = master
             return master
         while True:
-            if self._master is not None and self._master.round == current.number:
-                return self._master
-            if self._lost or self._round is not current:
+            known = self._job.master
+            if known is not None and known.round == current.number:
+                return known
+            if self._lost or self._job.round is not current:
                 return None
             await self._pulse.wait()
 

@@ -20,20 +20,17 @@ from elasticrun.errors import StoreError, StoreGoneError
 from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
 from elasticrun.rendezvous.state import (
     Event,
+    JobRecords,
     Keys,
     LeaderState,
     Ping,
     QuarantineTable,
     RestartRequest,
     Round,
-    decode_node,
-    decode_ping,
-    decode_quarantine,
-    decode_restart,
-    decode_round,
+    decode,
     encode,
 )
-from elasticrun.store.api import EventType, KeyValue, RangeResult, Store, WatchEvent
+from elasticrun.store.api import EventType, RangeResult, Store, WatchEvent
 
 log = logging.getLogger("elasticrun.rendezvous")
 
@@ -62,12 +59,12 @@ class Leader:
         self._node_id = node_id
         self._lease = lease
         self._clock = clock
+        #: r/ as the watch last showed it; what follows is what the leader makes of it
+        self._records = JobRecords(self._keys)
         self._nodes: dict[str, SeenNode] = {}
-        self._round: Round | None = None
-        self._round_rev = 0
+        #: the first restart request of the current round (the later ones echo it)
         self._restart: RestartRequest | None = None
         self._restart_seen_at = 0.0
-        self._acks: dict[str, int] = {}  # node -> the round its last ack answered
         self._pinged = 0
         #: failure records and quarantines, on this leader's clock (stored on the wall clock)
         self._quarantine = QuarantineTable()
@@ -134,28 +131,24 @@ class Leader:
 
     def _resync(self, snapshot: RangeResult) -> None:
         """Fold a fresh snapshot in: what vanished meanwhile goes, the rest is updated."""
-        present = {kv.key for kv in snapshot.kvs}
-        for node_id in [n for n in self._nodes if self._keys.node(n) not in present]:
-            del self._nodes[node_id]
-        if self._keys.round not in present:
-            self._round, self._round_rev = None, 0
-        if self._keys.restart not in present:
-            self._restart = None
-        for node_id in [n for n in self._acks if self._keys.ack(n) not in present]:
-            del self._acks[node_id]
-        if self._keys.quarantine not in present:
-            self._quarantine = QuarantineTable()
+        self._records = JobRecords(self._keys)
+        self._quarantine = QuarantineTable()
         for kv in snapshot.kvs:
-            self._apply(kv, None)
+            self._apply(kv.key, kv.value, kv.mod_revision)
+        for node_id in self._nodes.keys() - self._records.nodes.keys():
+            del self._nodes[node_id]
+        if self._records.restart is None:
+            self._restart = None
 
     def _view(self) -> View:
-        number = self._round.number if self._round else 0
-        acks = frozenset(n for n, r in self._acks.items() if r == number)
-        in_round = {p.node_id for p in self._round.participants} if self._round else set()
+        current = self._records.round
+        number = current.number if current else 0
+        acks = frozenset(n for n, ping in self._records.acks.items() if ping.round == number)
+        in_round = {p.node_id for p in current.participants} if current else set()
         self._draining &= set(self._nodes) | in_round
         return View(
             nodes=self._nodes,
-            round=self._round,
+            round=current,
             restart=self._restart,
             restart_seen_at=self._restart_seen_at,
             acks=acks,
@@ -181,7 +174,7 @@ class Leader:
             await self._end_registration(node_id)
         new_round = replace(decision.round, opened_at=time.time())
         written = await self._store.compare_and_put(
-            self._keys.round, encode(new_round), expected_mod_revision=self._round_rev
+            self._keys.round, encode(new_round), expected_mod_revision=self._records.round_revision
         )
         if written:
             log.info("round %d: %s", new_round.number, new_round.reason)
@@ -232,7 +225,8 @@ class Leader:
         due = self._published_at + _STATE_MIN_INTERVAL
         if now < due:
             return due
-        waiting = tuple(sorted(n for n in self._nodes if not (self._round and self._round.rank_of(n) is not None)))
+        current = self._records.round
+        waiting = tuple(sorted(n for n in self._nodes if not (current and current.rank_of(n) is not None)))
         state = LeaderState(
             leader=self._node_id,
             reason=decision.reason,
@@ -251,32 +245,22 @@ class Leader:
             raise event
         if event.key == self._keys.round:
             awaiting_write = False
-        kv = None
-        if event.type is EventType.PUT:
-            kv = KeyValue(event.key, event.value, 0, event.revision, 0, 0)
-        self._apply(kv, event.key)
+        self._apply(event.key, event.value if event.type is EventType.PUT else None, event.revision)
         return awaiting_write
 
-    def _apply(self, kv: KeyValue | None, deleted_key: str | None) -> None:
-        """Fold one key (or its deletion, when kv is None) into the leader's view."""
-        key = kv.key if kv else deleted_key
-        keys = self._keys
-        if key is None:
-            return
+    def _apply(self, key: str, value: bytes | None, revision: int) -> None:
+        """Fold one key (value None: deleted) in, and what the leader makes of it."""
+        records, keys = self._records, self._keys
+        records.apply(key, value, revision)
         if key.startswith(keys.nodes):
             node_id = key[len(keys.nodes):]
-            if kv is None:
+            info, seen = records.nodes.get(node_id), self._nodes.get(node_id)
+            if info is None:
                 self._nodes.pop(node_id, None)
-            else:
-                info = decode_node(kv.value)
-                seen = self._nodes.get(node_id)
-                if seen is None or seen.info != info:  # new, or registered again
-                    self._nodes[node_id] = SeenNode(info=info, seen_at=self._clock())
-        elif key == keys.round:
-            self._round = decode_round(kv.value) if kv else None
-            self._round_rev = kv.mod_revision if kv else 0
+            elif seen is None or seen.info != info:  # new, or registered again
+                self._nodes[node_id] = SeenNode(info=info, seen_at=self._clock())
         elif key == keys.restart:
-            restart = decode_restart(kv.value) if kv else None
+            restart = records.restart
             if restart is not None and self._restart is not None and self._restart.round == restart.round:
                 # Peers whose collectives broke ask too, after the node that failed
                 # first: the first request of a round names the failure (and its node).
@@ -285,17 +269,9 @@ class Leader:
                 self._restart_seen_at = self._clock()
             self._restart = restart
         elif key == keys.quarantine:
-            table = decode_quarantine(kv.value) if kv else QuarantineTable()
-            self._quarantine = table.shifted(self._clock() - time.time())
-        elif key.startswith(keys.drains):
-            if kv is not None:
-                self._draining.add(key[len(keys.drains):])
-        elif key.startswith(keys.acks):
-            node_id = key[len(keys.acks):]
-            if kv is None:
-                self._acks.pop(node_id, None)
-            else:
-                self._acks[node_id] = decode_ping(kv.value).round
+            self._quarantine = records.quarantine.shifted(self._clock() - time.time())
+        elif key.startswith(keys.drains) and value is not None:
+            self._draining.add(key[len(keys.drains):])
 
 
 async def close_job(store: Store, keys: Keys, outcome: str, detail: str, closed_ttl: float) -> bool:
@@ -314,7 +290,7 @@ async def close_round(store: Store, keys: Keys, outcome: str, detail: str, close
     """The part of `close_job` that ends the job: every agent sees it and exits."""
     while True:
         kv = await store.get(keys.round)
-        current = decode_round(kv.value) if kv else None
+        current = decode(Round, kv.value) if kv else None
         if current is not None and current.closed:
             return False
         closed = replace(

@@ -25,13 +25,20 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives u
 Only the leader watches `r/`; every node watches `r/job/`. A membership change
 therefore costs O(1) events per node, which is what lets one round span thousands of
 nodes, and the busy `c/` records (output windows) never wake the leader.
+
+`encode` and `decode` are the only JSON codec, and `JobRecords.apply` the only place a
+key becomes its record: the rendezvous, the leader and job control all read through it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 from elasticrun.errors import RendezvousError, SpecMismatchError
 
@@ -402,15 +409,24 @@ class Event:
 
 # --- JSON codec ----------------------------------------------------------------------
 
+#: every record kept in the store
+Record = (
+    NodeInfo | Round | RestartRequest | Ping | Master | LeaderState | JobSpec | JobLaunch | DrainRequest
+    | QuarantineTable | NodeStatus | LogWindow | Event
+)
+R = TypeVar("R", bound=Record)
 
-def encode(record: object) -> bytes:
+
+def encode(record: Record) -> bytes:
     """A record as versioned JSON bytes."""
-    body = asdict(record)  # type: ignore[call-overload]
+    body = asdict(record)
     body["v"] = FORMAT_VERSION
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def _load(raw: bytes, what: str) -> dict:
+def decode(kind: type[R], raw: bytes) -> R:
+    """A record of type `kind` from what `encode` wrote, its nested records included."""
+    what = kind.__name__
     try:
         body = json.loads(raw)
     except ValueError as e:
@@ -420,77 +436,113 @@ def _load(raw: bytes, what: str) -> dict:
             f"the {what} record in the store has another format version; "
             "is another elasticrun version using the same --rdzv-id?"
         )
-    return body
-
-
-def decode_node(raw: bytes) -> NodeInfo:
-    body = _load(raw, "node")
-    body["gpus"] = tuple(body.get("gpus", ()))
-    return NodeInfo(**body)
-
-
-def decode_launch(raw: bytes) -> JobLaunch:
-    return JobLaunch(**_load(raw, "launch"))
-
-
-def decode_drain(raw: bytes) -> DrainRequest:
-    return DrainRequest(**_load(raw, "drain"))
-
-
-def decode_status(raw: bytes) -> NodeStatus:
-    body = _load(raw, "status")
-    body["pids"] = tuple(body["pids"])
-    body["gpus"] = tuple(body["gpus"])
-    return NodeStatus(**body)
-
-
-def decode_log(raw: bytes) -> LogWindow:
-    body = _load(raw, "log")
-    body["lines"] = tuple(LogLine(**line) for line in body["lines"])
-    return LogWindow(**body)
-
-
-def decode_event(raw: bytes) -> Event:
-    return Event(**_load(raw, "event"))
-
-
-def decode_round(raw: bytes) -> Round:
-    body = _load(raw, "round")
-    body["participants"] = tuple(Participant(**p) for p in body["participants"])
-    return Round(**body)
-
-
-def decode_restart(raw: bytes) -> RestartRequest:
-    return RestartRequest(**_load(raw, "restart"))
-
-
-def decode_ping(raw: bytes) -> Ping:
-    return Ping(**_load(raw, "ping"))
-
-
-def decode_master(raw: bytes) -> Master:
-    return Master(**_load(raw, "master"))
-
-
-def decode_state(raw: bytes) -> LeaderState:
-    body = _load(raw, "state")
-    body["waiting"] = tuple(body.get("waiting", ()))
-    return LeaderState(**body)
-
-
-def decode_quarantine(raw: bytes) -> QuarantineTable:
-    body = _load(raw, "quarantine")
-    body["entries"] = tuple(QuarantineEntry(**e) for e in body.get("entries", ()))
-    return QuarantineTable(**body)
-
-
-def decode_spec(raw: bytes) -> JobSpec:
-    """The stored job spec; one of another spec version is refused before its fields are read."""
-    body = _load(raw, "spec")
-    if body.get("version") != JOB_SPEC_VERSION:
+    # The spec's own version comes first: another version's fields may mean other things.
+    if kind is JobSpec and body.get("version") != JOB_SPEC_VERSION:
         raise SpecMismatchError(
             f"the running job's spec has version {body.get('version')!r}, this node's {JOB_SPEC_VERSION} "
             "(its nodes run another elasticrun version); start this node with that version, or use another --rdzv-id"
         )
-    body["command"] = tuple(body["command"])
-    return JobSpec(**body)
+    try:
+        record: R = _build(kind, body)
+    except (KeyError, TypeError) as e:  # a field missing, unknown, or of another shape
+        raise RendezvousError(f"unreadable {what} record in the store: {e}") from None
+    return record
+
+
+def _build(kind: type, body: dict[str, Any]) -> Any:
+    """`kind(**body)`, each value first made what its field's type says."""
+    hints = _field_types(kind)
+    return kind(**{name: _typed(hints[name], value) for name, value in body.items()})
+
+
+@functools.cache
+def _field_types(kind: type) -> dict[str, Any]:
+    """A record type's fields and their types, resolved once: the annotations are strings."""
+    return typing.get_type_hints(kind)
+
+
+def _typed(hint: Any, value: Any) -> Any:
+    """A JSON value as its field's type has it: a list a tuple, an object a record."""
+    if typing.get_origin(hint) is tuple and isinstance(value, list):
+        item = typing.get_args(hint)[0]
+        return tuple(_typed(item, v) for v in value)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        return _build(hint, value)
+    return value
+
+
+# --- key -> record -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class JobRecords:
+    """A job's records as last read from the store: the one place a key becomes a record.
+
+    The rendezvous folds in what it watches (`r/job/`), the leader `r/`, job control the
+    whole job; each then reads the fields it needs. Output windows (`c/logs/`) are not
+    kept: only `elasticrun logs` reads them, one rank at a time.
+    """
+
+    keys: Keys
+    round: Round | None = None
+    #: the round key's mod revision: the leader writes the next round against it
+    round_revision: int = 0
+    #: the leader's node id (its key holds the bare id, which it compares and sets)
+    leader: str = ""
+    master: Master | None = None
+    ping: Ping | None = None
+    spec: JobSpec | None = None
+    state: LeaderState | None = None
+    launch: JobLaunch | None = None
+    restart: RestartRequest | None = None
+    quarantine: QuarantineTable = field(default_factory=QuarantineTable)
+    #: the records kept one per node (or per event), by the name that ends their key
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    acks: dict[str, Ping] = field(default_factory=dict)
+    drains: dict[str, DrainRequest] = field(default_factory=dict)
+    statuses: dict[str, NodeStatus] = field(default_factory=dict)
+    events: dict[str, Event] = field(default_factory=dict)
+
+    def apply(self, key: str, value: bytes | None, revision: int = 0) -> None:
+        """Fold one key in: `value` is what it holds at `revision`, None once deleted."""
+        keys = self.keys
+        if key.startswith(keys.nodes):
+            _fold(self.nodes, key[len(keys.nodes):], NodeInfo, value)
+        elif key.startswith(keys.acks):
+            _fold(self.acks, key[len(keys.acks):], Ping, value)
+        elif key.startswith(keys.drains):
+            _fold(self.drains, key[len(keys.drains):], DrainRequest, value)
+        elif key.startswith(keys.statuses):
+            _fold(self.statuses, key[len(keys.statuses):], NodeStatus, value)
+        elif key.startswith(keys.events):
+            _fold(self.events, key[len(keys.events):], Event, value)
+        elif key == keys.round:
+            self.round = _read(Round, value)
+            self.round_revision = revision if value is not None else 0
+        elif key == keys.leader:
+            self.leader = value.decode() if value is not None else ""
+        elif key == keys.master:
+            self.master = _read(Master, value)
+        elif key == keys.ping:
+            self.ping = _read(Ping, value)
+        elif key == keys.spec:
+            self.spec = _read(JobSpec, value)
+        elif key == keys.state:
+            self.state = _read(LeaderState, value)
+        elif key == keys.launch:
+            self.launch = _read(JobLaunch, value)
+        elif key == keys.restart:
+            self.restart = _read(RestartRequest, value)
+        elif key == keys.quarantine:
+            self.quarantine = _read(QuarantineTable, value) or QuarantineTable()
+
+
+def _read(kind: type[R], value: bytes | None) -> R | None:
+    return None if value is None else decode(kind, value)
+
+
+def _fold(records: dict[str, R], name: str, kind: type[R], value: bytes | None) -> None:
+    if value is None:
+        records.pop(name, None)
+    else:
+        records[name] = decode(kind, value)

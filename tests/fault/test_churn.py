@@ -56,9 +56,9 @@ def node_id(p: Proc) -> str:
 
 
 async def _registered(endpoint: str, job: str) -> set[str]:
-    from elasticrun.rendezvous.state import Keys, decode_node
+    from elasticrun.rendezvous.state import Keys, NodeInfo, decode
 
-    return {decode_node(kv.value).node_id for kv in await _keys(endpoint, Keys(job).nodes)}
+    return {decode(NodeInfo, kv.value).node_id for kv in await _keys(endpoint, Keys(job).nodes)}
 
 
 async def _keys(endpoint: str, prefix: str) -> list:

@@ -32,7 +32,7 @@ from elasticrun.launcher.control import JobTarget, read_job
 from elasticrun.launcher.status_cmd import as_json, render
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import JobSpec, Keys, NodeInfo, decode_quarantine
+from elasticrun.rendezvous.state import JobSpec, Keys, NodeInfo, QuarantineTable, decode
 from elasticrun.store.memory import MemoryStore
 from tests.elastic_cluster import Cluster, Proc, run_id
 
@@ -78,7 +78,7 @@ async def test_flapping_node_is_left_out_and_a_new_leader_keeps_it_out() -> None
         assert re.match(r"quarantined until \d\d:\d\d:\d\d \(2 failures, the latest: worker failure: ", c.waiting_status)
 
         # the record in the store, and `elasticrun status` (table and JSON) from it
-        table = decode_quarantine((await store.get(keys.quarantine)).value)
+        table = decode(QuarantineTable, (await store.get(keys.quarantine)).value)
         assert table.get("c").times == 1 and table.get("c").until > time.time() + 500
         view = await read_job(store, JobTarget("c10d", "memory", "job", {}))
         page = render(view, time.time())
