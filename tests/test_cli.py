@@ -23,7 +23,7 @@ import pytest
 from elasticrun.agent.spec import Std
 from elasticrun.errors import UsageError
 from elasticrun.launcher.cli import launch_parser
-from elasticrun.launcher.config import LaunchConfig, build_config
+from elasticrun.launcher.config import HostFacts, LaunchConfig, assemble, build_config, discover, parse_launch
 from tests.agent_helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -390,6 +390,21 @@ def test_module_and_no_python_run_for_real(tmp_path: Path) -> None:
                        PROBE, cmd_out])
     assert command.returncode == 0, command.stderr
     assert sorted(read_probes(mod_out)) == sorted(read_probes(cmd_out)) == [0, 1]
+
+
+def test_parsing_asks_nothing_of_the_host_and_discovery_comes_apart() -> None:
+    # a script that is not here and GPUs this machine may not have: parsing takes them
+    argv = ("--nproc-per-node=gpu", "--rdzv-backend=c10d", "--rdzv-endpoint=store.example:29400",
+            "--rdzv-id=job", "--redirects=3", "no_such_train.py")
+    request = parse_launch(parse(*argv), {})
+    assert request.rdzv.local_addr == "" and request.job_spec.command == ("no_such_train.py",)
+    with pytest.raises(UsageError, match="training script not found"):
+        discover(request, {})
+    host = HostFacts(node_id="n1", run_id="job", local_addr="10.0.0.9", nproc=2, gpu_devices=(0, 1),
+                     gpu_names=("H100", "H100"))
+    cfg = assemble(request, host)
+    assert (cfg.rdzv.local_addr, cfg.worker.node_id, cfg.worker.gpu_devices) == ("10.0.0.9", "n1", (0, 1))
+    assert cfg.worker.redirects == {0: Std.ALL, 1: Std.ALL}
 
 
 # --- --nproc-per-node cpu / auto / gpu ----------------------------------------------------

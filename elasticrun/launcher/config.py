@@ -1,7 +1,14 @@
-"""From parsed flags to one frozen `LaunchConfig`, by one pure function.
+"""From parsed flags to one frozen `LaunchConfig`, in three steps kept apart.
 
-Every check of the user's input happens here (or in the dataclasses it builds) and
-fails with a `UsageError` naming the flag, so nothing later has to second-guess it.
+- `parse_launch` is pure: it checks every flag (and the PET_/TORCH_ELASTIC_ variables it
+  is handed) and fails with a `UsageError` naming the flag, so nothing later has to
+  second-guess it. It reads nothing else, so it is tested and fuzzed without a host.
+- `discover` asks this host what only it can answer: whether the training script or
+  command exists, its GPUs (through NVML) and CPUs, the address on the route to the
+  store, the node id, a fresh id for a `--standalone` job.
+- `assemble` puts a request and its host's facts together, purely.
+
+`build_config` runs the three; the launcher and `elasticrun join` call it.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
@@ -117,6 +124,9 @@ class LaunchConfig:
     health_interval: float = 10.0
 
 
+# --- parsing: pure -------------------------------------------------------------------
+
+
 def parse_nnodes(value: str) -> tuple[int, int]:
     """`N` or `MIN:MAX` -> (min, max)."""
     parts = value.split(":")
@@ -132,15 +142,15 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return low, high
 
 
-def parse_std(value: str, flag: str, nproc: int) -> dict[int, Std]:
-    """torchrun's `3` (every local rank) or `0:3,1:0` (per local rank) -> rank -> Std."""
+def parse_std(value: str, flag: str) -> Std | dict[int, Std]:
+    """torchrun's `3` (one Std for every local rank) or `0:3,1:0` (rank -> Std)."""
     def std(text: str) -> Std:
         if text.strip() not in ("0", "1", "2", "3"):
             raise UsageError(f"{flag} values are 0..3 (none, out, err, all), got {value!r}")
         return Std(int(text))
 
     if ":" not in value:
-        return {rank: std(value) for rank in range(nproc)}
+        return std(value)
     result = {}
     for item in value.split(","):
         rank, _, streams = item.partition(":")
@@ -252,60 +262,16 @@ def _port(text: str, endpoint: str) -> int:
     return int(text)
 
 
-def route_addr(host: str) -> str:
-    """The address of this host on the route towards `host` (no packet is sent)."""
-    try:
-        info = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(info[0], socket.SOCK_DGRAM) as s:
-            s.connect(info[4])
-            return s.getsockname()[0]
-    except (OSError, UnicodeError):
-        return socket.getfqdn()
-
-
-def entrypoint(args: argparse.Namespace) -> tuple[str, ...]:
-    """The argv of one worker, checking that what it runs exists."""
+def worker_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The argv of one worker: this interpreter and `-u` in front, unless --no-python."""
     script, rest = args.training_script, list(args.training_script_args)
     if args.module:
         if args.no_python:
             raise UsageError("--module and --no-python cannot be combined")
         return (sys.executable, "-u", "-m", script, *rest)
     if args.no_python and not args.run_path:
-        if shutil.which(script) is None:
-            raise UsageError(f"--no-python: command not found: {script}")
         return (script, *rest)
-    try:
-        found = Path(script).is_file()
-    except OSError:  # a name too long for the file system, say
-        found = False
-    if not found:
-        raise UsageError(f"training script not found: {script}")
     return (sys.executable, "-u", script, *rest)
-
-
-def resolve_workers(
-    value: str, gpus_flag: str | None, environ: Mapping[str, str]
-) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
-    """--nproc-per-node (N, `cpu`, `gpu`: every usable GPU, `auto`: GPUs, else CPUs)
-    and --gpus -> (workers, their GPUs in local-rank order, the GPUs' names)."""
-    from elasticrun.agent.gpu import open_gpus
-
-    if not (_digits(value) and int(value) > 0) and value not in ("cpu", "gpu", "auto"):
-        raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu or auto; got {value!r}")
-    gpus = open_gpus()
-    try:
-        selection = gpus.select(environ, gpus_flag)
-        if _digits(value):
-            nproc = int(value)
-        elif value == "cpu":
-            nproc = os.cpu_count() or 1
-        else:
-            nproc = selection.nproc(value, os.cpu_count() or 1)
-        devices = selection.devices
-        names = tuple(f.name or "GPU" for f in gpus.facts(devices))
-    finally:
-        gpus.close()
-    return nproc, devices, names
 
 
 def parse_signals(value: str) -> tuple[signal.Signals, ...]:
@@ -320,8 +286,34 @@ def parse_signals(value: str) -> tuple[signal.Signals, ...]:
     return signals
 
 
-def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchConfig:
-    """The whole launch, checked: the one place flags become typed configuration."""
+@dataclass(frozen=True)
+class LaunchRequest:
+    """A launch as its flags ask for it, every flag checked, before this host is looked at.
+
+    Two answers are the host's to give (see `discover`): under --standalone the run id of
+    `rdzv.settings` is empty, and for c10d and etcd without --local-addr so is
+    `rdzv.local_addr`.
+    """
+
+    rdzv: RendezvousConfig
+    job_spec: JobSpec
+    #: the argv of one worker (`worker_argv`)
+    entrypoint: tuple[str, ...]
+    #: --gpus: the GPUs to use, among those visible and healthy (None: all of them)
+    gpus: str | None
+    stop_grace: float
+    signals_to_handle: tuple[signal.Signals, ...]
+    #: --redirects and --tee: one Std for every local rank, or one per named rank
+    redirects: Std | dict[int, Std]
+    tee: Std | dict[int, Std]
+    log_dir: Path | None
+    local_ranks_filter: frozenset[int] | None
+    isolate_gpus: bool
+    health_interval: float
+
+
+def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchRequest:
+    """Every flag of a launch, checked: the one place flags become typed configuration."""
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     backend = "standalone" if args.standalone else BACKENDS.get(args.rdzv_backend)
     if backend is None:
@@ -343,7 +335,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     endpoint = args.rdzv_endpoint
     master_addr, master_port = args.master_addr, args.master_port
     if backend == "standalone":
-        run_id, endpoint = uuid.uuid4().hex[:12], "memory"
+        run_id, endpoint = "", "memory"  # a fresh run id is the host's to make up
     elif backend == "etcd":
         for part in endpoint.split(","):
             parse_endpoint(part.strip(), DEFAULT_ETCD_PORT)
@@ -362,16 +354,12 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
                 "(a list of endpoints is for etcd)"
             )
         parse_endpoint(endpoint, DEFAULT_C10D_PORT)
-    check_run_id(run_id)
+    if backend != "standalone":
+        check_run_id(run_id)
 
-    local_addr = args.local_addr
-    if local_addr is None:
-        if backend in ("c10d", "etcd"):
-            local_addr = route_addr(parse_endpoint(endpoint.split(",")[0], 1)[0])
-        elif backend == "standalone":
-            local_addr = "localhost"  # torchrun's MASTER_ADDR under --standalone
-        else:
-            local_addr = "127.0.0.1"
+    # c10d and etcd without --local-addr: the address on the route to the store, which
+    # `discover` finds (an empty --local-addr, an address of no use, counts as none)
+    local_addr = args.local_addr or {"standalone": "localhost", "static": "127.0.0.1"}.get(backend, "")
     probe = RendezvousConfig(backend, endpoint, RendezvousSettings(run_id, 1, 1), conf)
     settings = RendezvousSettings(
         run_id=run_id,
@@ -402,8 +390,10 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         master_port=master_port,
     )
 
-    argv = entrypoint(args)
-    nproc, gpu_devices, gpu_names = resolve_workers(str(args.nproc_per_node), args.gpus, environ)
+    argv = worker_argv(args)
+    nproc_request = str(args.nproc_per_node)
+    if not (_digits(nproc_request) and int(nproc_request) > 0) and nproc_request not in ("cpu", "gpu", "auto"):
+        raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu or auto; got {nproc_request!r}")
     shutdown = args.shutdown_timeout
     if shutdown is None:
         shutdown = _positive(environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0)
@@ -419,30 +409,12 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
             raise UsageError(
                 f"--local-ranks-filter takes local ranks like 0,1,2; got {args.local_ranks_filter!r}"
             ) from None
-    worker = WorkerSpec(
-        run_id=run_id,
-        entrypoint=argv,
-        nproc_per_node=nproc,
-        node_id=default_node_id(),
-        role=args.role,
-        max_restarts=args.max_restarts,
-        stop_grace=shutdown,
-        signals_to_handle=parse_signals(args.signals_to_handle),
-        redirects=parse_std(args.redirects, "--redirects", nproc),
-        tee=parse_std(args.tee, "--tee", nproc),
-        log_dir=Path(args.log_dir) if args.log_dir else None,
-        local_ranks_filter=filter_ranks,
-        gpu_devices=gpu_devices,
-        isolate_gpus=args.isolate_gpus,
-        progress_timeout=args.progress_timeout,
-        in_process=args.elastic_mode == "in-process",
-    )
     no_python = bool(args.no_python and not args.run_path)
     job_spec = JobSpec(
         # without --no-python, argv starts with this node's interpreter and -u
         command=argv if no_python else argv[2:],
         no_python=no_python,
-        nproc_per_node=str(args.nproc_per_node),
+        nproc_per_node=nproc_request,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         max_restarts=args.max_restarts,
@@ -454,12 +426,148 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     )
     if not (args.health_interval > 0 and math.isfinite(args.health_interval)):
         raise UsageError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
-    return LaunchConfig(
+    return LaunchRequest(
         rdzv=rdzv,
-        worker=worker,
         job_spec=job_spec,
-        nproc_request=str(args.nproc_per_node),
-        gpu_names=gpu_names,
+        entrypoint=argv,
+        gpus=args.gpus,
+        stop_grace=shutdown,
+        signals_to_handle=parse_signals(args.signals_to_handle),
+        redirects=parse_std(args.redirects, "--redirects"),
+        tee=parse_std(args.tee, "--tee"),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        local_ranks_filter=filter_ranks,
+        isolate_gpus=args.isolate_gpus,
         health_interval=args.health_interval,
     )
 
+
+# --- discovery: this host ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What this host answers for one launch request (see `discover`)."""
+
+    node_id: str
+    #: the request's run id, or a fresh one for a --standalone job
+    run_id: str
+    #: this node's address as the other nodes' workers reach it
+    local_addr: str
+    nproc: int
+    #: the workers' GPUs, in local-rank order, and their names (for status)
+    gpu_devices: tuple[int, ...]
+    gpu_names: tuple[str, ...]
+
+
+def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
+    """Ask this host what `request` leaves open; a missing script or GPU is a usage error."""
+    check_command(request.job_spec)
+    rdzv = request.rdzv
+    nproc, devices, names = resolve_workers(request.job_spec.nproc_per_node, request.gpus, environ)
+    local_addr = rdzv.local_addr or route_addr(parse_endpoint(rdzv.endpoint.split(",")[0], 1)[0])
+    return HostFacts(
+        node_id=default_node_id(),
+        run_id=rdzv.settings.run_id or uuid.uuid4().hex[:12],
+        local_addr=local_addr,
+        nproc=nproc,
+        gpu_devices=devices,
+        gpu_names=names,
+    )
+
+
+def check_command(spec: JobSpec) -> None:
+    """That what the workers run exists here: the script, or the --no-python command."""
+    target = spec.command[0]
+    if spec.no_python:
+        if shutil.which(target) is None:
+            raise UsageError(f"--no-python: command not found: {target}")
+        return
+    if target == "-m":
+        return  # a module is found by the workers' interpreter, on their sys.path
+    try:
+        found = Path(target).is_file()
+    except OSError:  # a name too long for the file system, say
+        found = False
+    if not found:
+        raise UsageError(f"training script not found: {target}")
+
+
+def route_addr(host: str) -> str:
+    """The address of this host on the route towards `host` (no packet is sent)."""
+    try:
+        info = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+            s.connect(info[4])
+            return s.getsockname()[0]
+    except (OSError, UnicodeError):
+        return socket.getfqdn()
+
+
+def resolve_workers(
+    value: str, gpus_flag: str | None, environ: Mapping[str, str]
+) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
+    """--nproc-per-node (N, `cpu`, `gpu`: every usable GPU, `auto`: GPUs, else CPUs)
+    and --gpus -> (workers, their GPUs in local-rank order, the GPUs' names)."""
+    from elasticrun.agent.gpu import open_gpus
+
+    gpus = open_gpus()
+    try:
+        selection = gpus.select(environ, gpus_flag)
+        if _digits(value):
+            nproc = int(value)
+        elif value == "cpu":
+            nproc = os.cpu_count() or 1
+        else:
+            nproc = selection.nproc(value, os.cpu_count() or 1)
+        devices = selection.devices
+        names = tuple(f.name or "GPU" for f in gpus.facts(devices))
+    finally:
+        gpus.close()
+    return nproc, devices, names
+
+
+# --- assembly: pure ------------------------------------------------------------------
+
+
+def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
+    """The launch configuration: a checked request completed with its host's facts."""
+    rdzv = request.rdzv
+    rdzv = replace(rdzv, local_addr=host.local_addr, settings=replace(rdzv.settings, run_id=host.run_id))
+    spec = request.job_spec
+    worker = WorkerSpec(
+        run_id=host.run_id,
+        entrypoint=request.entrypoint,
+        nproc_per_node=host.nproc,
+        node_id=host.node_id,
+        role=spec.role,
+        max_restarts=spec.max_restarts,
+        stop_grace=request.stop_grace,
+        signals_to_handle=request.signals_to_handle,
+        redirects=_per_rank(request.redirects, host.nproc),
+        tee=_per_rank(request.tee, host.nproc),
+        log_dir=request.log_dir,
+        local_ranks_filter=request.local_ranks_filter,
+        gpu_devices=host.gpu_devices,
+        isolate_gpus=request.isolate_gpus,
+        progress_timeout=spec.progress_timeout,
+        in_process=spec.elastic_mode == "in-process",
+    )
+    return LaunchConfig(
+        rdzv=rdzv,
+        worker=worker,
+        job_spec=spec,
+        nproc_request=spec.nproc_per_node,
+        gpu_names=host.gpu_names,
+        health_interval=request.health_interval,
+    )
+
+
+def _per_rank(std: Std | dict[int, Std], nproc: int) -> dict[int, Std]:
+    return {rank: std for rank in range(nproc)} if isinstance(std, Std) else std
+
+
+def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchConfig:
+    """The whole launch: its flags checked, then this host asked, then the two put together."""
+    request = parse_launch(args, environ)
+    return assemble(request, discover(request, environ))
