@@ -114,8 +114,9 @@ class WorkerChannel:
         def found() -> BrokenReport | None:
             return next((r for r in self._broken if r.round == round_number), None)
 
-        await self._wait(lambda: found() is not None)
-        return found()  # type: ignore[return-value]
+        while (report := found()) is None:
+            await self._wait(lambda: found() is not None)
+        return report
 
     def disconnect(self) -> None:
         """Forget the current workers (they are being stopped): new ones say hello anew."""

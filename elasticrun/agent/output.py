@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -157,13 +158,17 @@ class WorkerOutput:
             asyncio.create_task(
                 _copy(
                     reader,
-                    lambda stream=stream: f"[{self.global_rank}]<{stream}>: ".encode(),  # type: ignore[misc]
+                    functools.partial(self._prefix, stream),
                     console if plans[std].console else None,
                     sink(stream),
                 )
             )
-            for reader, (_, std, stream, console) in zip(readers, streams)
+            for reader, (_, std, stream, console) in zip(readers, streams, strict=True)
         ]
+
+    def _prefix(self, stream: str) -> bytes:
+        # read for every line: an in-process round may move the worker to another rank
+        return f"[{self.global_rank}]<{stream}>: ".encode()
 
     def _reader(self, pipe: asyncio.StreamReader | None, plan: StreamPlan) -> _Reader:
         if plan.file is not None:

@@ -77,8 +77,10 @@ class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
         self.exited: asyncio.Future[int] = loop.create_future()
 
     def process_exited(self) -> None:
-        if self._transport is not None:  # read it before the base class drops it
-            returncode = self._transport.get_returncode()
+        # read it before the base class drops it; typeshed leaves asyncio's private attribute out
+        transport = self._transport  # type: ignore[attr-defined]  # SubprocessStreamProtocol's own
+        if transport is not None:
+            returncode = transport.get_returncode()
             if returncode is not None:
                 self.exited.set_result(returncode)
         super().process_exited()

@@ -499,7 +499,7 @@ def route_addr(host: str) -> str:
         info = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
         with socket.socket(info[0], socket.SOCK_DGRAM) as s:
             s.connect(info[4])
-            return s.getsockname()[0]
+            return str(s.getsockname()[0])
     except (OSError, UnicodeError):
         return socket.getfqdn()
 

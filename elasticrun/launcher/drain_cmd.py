@@ -60,13 +60,15 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("give either --count N or --node NAME (repeatable)")
     if args.count is not None and args.count < 1:
         raise UsageError(f"--count must be at least 1, got {args.count}")
-    return asyncio.run(drain(job_target(args), count=args.count, names=args.node or [], timeout=timeout_seconds(args.timeout)))
+    timeout = timeout_seconds(args.timeout)
+    return asyncio.run(drain(job_target(args), count=args.count, names=args.node or [], timeout=timeout))
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("drain", help="scale a job in: the newest N nodes (or named ones) leave gracefully")
     add_job_flags(p)
     p.add_argument("--count", type=int, default=None, help="drain the N newest nodes")
     p.add_argument("--node", action="append", default=None, help="drain this node (repeatable)")
-    p.add_argument("--timeout", type=float, default=300.0, help="fail if they have not left within this many seconds (default 300)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="fail if they have not left within this many seconds (default 300)")
     p.set_defaults(run=_run)

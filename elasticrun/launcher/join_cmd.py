@@ -15,7 +15,9 @@ from elasticrun.errors import UsageError
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds
 
 
-async def _job_argv(target: JobTarget, timeout: float, local_addr: str | None, log_dir: str | None) -> tuple[list[str], str]:
+async def _job_argv(
+    target: JobTarget, timeout: float, local_addr: str | None, log_dir: str | None
+) -> tuple[list[str], str]:
     """The launcher command line that joins the job, and the folder to run it in."""
     async with target.open() as store:
         view = await read_job(store, target)
@@ -53,18 +55,19 @@ async def _job_argv(target: JobTarget, timeout: float, local_addr: str | None, l
 def _run(args: argparse.Namespace) -> int:
     target = job_target(args)
     argv, cwd = asyncio.run(_job_argv(target, timeout_seconds(args.timeout), args.local_addr, args.log_dir))
-    from elasticrun.launcher.config import build_config
     from elasticrun.launcher.cli import launch_parser
+    from elasticrun.launcher.config import build_config
     from elasticrun.launcher.launch import run_launch
 
     os.chdir(cwd)
     return run_launch(build_config(launch_parser().parse_args(argv), os.environ))
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("join", help="scale a job out: run an agent here with the job's stored spec")
     add_job_flags(p)
-    p.add_argument("--timeout", type=float, default=600.0, help="leave and fail if not admitted within this many seconds (default 600)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="leave and fail if not admitted within this many seconds (default 600)")
     p.add_argument("--local-addr", default=None, help="this node's address as the others reach it")
     p.add_argument("--log-dir", default=None, help="folder for this node's worker logs")
     p.set_defaults(run=_run)

@@ -59,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("logs", help="print the latest output of every rank of a job")
     add_job_flags(p)
     p.add_argument("--tail", type=int, default=20, help="lines per rank to show first (default 20; 0: none)")

@@ -26,7 +26,7 @@ def _age(seconds: float) -> str:
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 def render(view: JobView, now: float) -> str:
@@ -84,8 +84,9 @@ def render(view: JobView, now: float) -> str:
         lines += ["", _table(rows)]
     if view.events:
         lines += ["", f"EVENTS (last {min(EVENTS_SHOWN, len(view.events))})"]
-        for e in view.events[-EVENTS_SHOWN:]:
-            lines.append(f"{time.strftime('%H:%M:%S', time.localtime(e.at))}  {e.kind:<10} {e.node}  {e.detail}")
+        for event in view.events[-EVENTS_SHOWN:]:
+            at = time.strftime("%H:%M:%S", time.localtime(event.at))
+            lines.append(f"{at}  {event.kind:<10} {event.node}  {event.detail}")
     return "\n".join(lines)
 
 
@@ -159,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("status", help="show a job: its state, nodes and latest events")
     add_job_flags(p)
     p.add_argument("--json", action="store_true", help="print JSON for scripts")

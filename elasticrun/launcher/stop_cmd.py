@@ -49,7 +49,7 @@ def _run(args: argparse.Namespace) -> int:
     return asyncio.run(stop(job_target(args), timeout=timeout_seconds(args.timeout)))
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("stop", help="end a job everywhere: workers stop gracefully, agents exit 0")
     add_job_flags(p)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the agents to exit (default 120)")

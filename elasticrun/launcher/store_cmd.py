@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
     return asyncio.run(serve(config))
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `store serve` to the CLI; the parsed args carry `run(args) -> int`."""
     store = subparsers.add_parser("store", help="the built-in key-value store")
     commands = store.add_subparsers(dest="store_command", required=True)

@@ -7,7 +7,7 @@ membership policy in one readable place, tested without sleeping.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
 from elasticrun.rendezvous.state import (
@@ -163,7 +163,9 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
     # registered again since (its membership lapsed, or the store restarted): it
     # stopped its workers, so it left the round, and comes back as a newcomer.
     number_now = current.number if current else 0
-    back = [p.node_id for p in members if p.node_id in view.nodes and view.nodes[p.node_id].info.ran_round >= number_now]
+    back = [
+        p.node_id for p in members if p.node_id in view.nodes and view.nodes[p.node_id].info.ran_round >= number_now
+    ]
     survivors = [p for p in members if p.node_id in view.nodes and p.node_id not in back]
     missing = [p.node_id for p in members if p.node_id not in view.nodes]
     # Above every round a registered node ran, with the highest budget spent: a store
@@ -213,25 +215,26 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         if len(pick.group) >= settings.min_nodes:
             return open_round(pick.group, reason + pick.joined + pick.notes(book, settings))
         # Too few to continue: an empty round stops the survivors' workers now.
-        return open_round(
-            [], f"{reason}{pick.notes(book, settings)}; {_waiting(list(view.nodes), settings)}{book.held_note(view.nodes, ())}"
-        )
+        registered = _waiting(list(view.nodes), settings)
+        return open_round([], f"{reason}{pick.notes(book, settings)}; {registered}{book.held_note(view.nodes, ())}")
 
     if current is not None and members and restart is not None and restart.round == current.number:
         # A peer that died breaks the others' collectives too, and their workers fail
         # before its lease expires. Only when every member shows it is alive is this a
         # worker failure (spending the budget); a dead one's lease expires first.
-        silent = [p.node_id for p in members if p.node_id not in view.acks]
+        unanswered = [p.node_id for p in members if p.node_id not in view.acks]
         deadline = view.restart_seen_at + settings.heartbeat_ttl
-        if silent and now < deadline:
+        if unanswered and now < deadline:
             return Decision(
                 reason=f"worker failure on {restart.node_id}: checking that every node is "
-                f"alive (no answer yet from {_names(silent)})",
+                f"alive (no answer yet from {_names(unanswered)})",
                 recheck_at=deadline,
                 ping=current.number,
             )
         if restart.final:
-            return Decision(reason=f"job failed on {restart.node_id}: {restart.reason}", fail=restart.report or restart.reason)
+            return Decision(
+                reason=f"job failed on {restart.node_id}: {restart.reason}", fail=restart.report or restart.reason
+            )
         if book.counts(restart.round):
             book.count(restart.node_id, f"worker failure: {restart.reason}")
         pick = _pick(survivors, newcomers, book, settings)
@@ -261,11 +264,11 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
             recheck_at=deadline,
         )
 
-    if members:
+    if current is not None and members:
         if not admitted:
             waiting = [n for n in newcomers if not book.blocked(n.info.node_id)]
             full = f" ({len(waiting)} waiting, max {settings.max_nodes} reached)" if waiting else ""
-            return Decision(reason=f"round {current.number} running with {_count(len(members))}{full}{held}")  # type: ignore[union-attr]
+            return Decision(reason=f"round {current.number} running with {_count(len(members))}{full}{held}")
         deadline = book.arrival(admitted[0]) + settings.last_call
         if len(group) >= settings.max_nodes or now >= deadline:
             return open_round(group, f"scale up to {_count(len(group))}{pick.joined}{pick.notes(book, settings)}")
@@ -279,7 +282,8 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         return Decision(reason=_waiting([n.info.node_id for n in newcomers], settings) + held)
     deadline = book.arrival(admitted[settings.min_nodes - 1]) + settings.last_call
     if len(admitted) >= settings.max_nodes or now >= deadline:
-        return open_round(group, f"formed with {_count(len(group))}: {_names([p.node_id for p in group])}{pick.notes(book, settings)}")
+        formed = _names([p.node_id for p in group])
+        return open_round(group, f"formed with {_count(len(group))}: {formed}{pick.notes(book, settings)}")
     return Decision(
         reason=f"last call for more nodes: {len(admitted)} registered "
         f"(min {settings.min_nodes}, max {settings.max_nodes}){held}",
@@ -344,7 +348,10 @@ class _Book:
             self.entries[node_id] = replace(entry, failures=failures, reason=failure, last_failure_at=self.now)
             return
         times = entry.times + 1
-        why = f"{_plural(failures, 'failure')}, the latest: {failure}" if threshold > 1 else f"again after its release: {failure}"
+        why = (
+            f"{_plural(failures, 'failure')}, the latest: {failure}" if threshold > 1
+            else f"again after its release: {failure}"
+        )
         self.entries[node_id] = replace(
             entry, failures=0, times=times, until=self.now + s.cooldown(times), reason=why, last_failure_at=self.now
         )
@@ -355,9 +362,9 @@ class _Book:
         ends = [e.until for n, e in self.entries.items() if n in registered and e.active(self.now)]
         return min(ends) if ends else None
 
-    def held_note(self, registered: Mapping[str, SeenNode], group: object) -> str:
+    def held_note(self, registered: Mapping[str, SeenNode], group: Collection[str]) -> str:
         """`; quarantined: x` for the registered nodes kept out of `group`."""
-        held = sorted(n for n in registered if self.blocked(n) and n not in group)  # type: ignore[operator]
+        held = sorted(n for n in registered if self.blocked(n) and n not in group)
         return f"; quarantined: {_names(held)}" if held else ""
 
 
@@ -419,7 +426,9 @@ def _plural(n: int, word: str) -> str:
 
 
 def _seconds(seconds: float) -> str:
-    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    return f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

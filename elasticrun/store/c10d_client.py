@@ -96,17 +96,19 @@ class C10dClient:
 
     def get(self, key: str, timeout: float) -> bytes:
         """The key's value, once it exists (StoreTimeoutError past `timeout`)."""
-        reply = self._call(self._stub.Get, pb.GetRequest(key=key, timeout_seconds=timeout), timeout)
+        reply: pb.GetReply = self._call(self._stub.Get, pb.GetRequest(key=key, timeout_seconds=timeout), timeout)
         if reply.timed_out:
             raise self._timed_out([key], timeout)
         return reply.value
 
     def add(self, key: str, amount: int) -> int:
-        return self._call(self._stub.Add, pb.AddRequest(key=key, amount=amount)).value
+        reply: pb.AddReply = self._call(self._stub.Add, pb.AddRequest(key=key, amount=amount))
+        return reply.value
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         request = pb.CompareSetRequest(key=key, expected=expected, desired=desired)
-        return self._call(self._stub.CompareSet, request).value
+        reply: pb.CompareSetReply = self._call(self._stub.CompareSet, request)
+        return reply.value
 
     def wait(self, keys: list[str], timeout: float) -> None:
         reply = self._call(
@@ -116,13 +118,16 @@ class C10dClient:
             raise self._timed_out(keys, timeout)
 
     def check(self, keys: list[str]) -> bool:
-        return self._call(self._stub.Check, pb.CheckRequest(keys=keys)).ready
+        reply: pb.CheckReply = self._call(self._stub.Check, pb.CheckRequest(keys=keys))
+        return reply.ready
 
     def num_keys(self) -> int:
-        return self._call(self._stub.NumKeys, pb.NumKeysRequest()).count
+        reply: pb.NumKeysReply = self._call(self._stub.NumKeys, pb.NumKeysRequest())
+        return reply.count
 
     def delete_key(self, key: str) -> bool:
-        return self._call(self._stub.DeleteKey, pb.DeleteKeyRequest(key=key)).deleted
+        reply: pb.DeleteKeyReply = self._call(self._stub.DeleteKey, pb.DeleteKeyRequest(key=key))
+        return reply.deleted
 
     def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
         reply = self._call(

@@ -156,7 +156,7 @@ class GrpcStore(Store):
         return RangeResult(tuple(_key_value(kv) for kv in reply.kvs), reply.revision)
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
-        reply = await self._call(
+        reply: pb.PutReply = await self._call(
             self._stub.Put, pb.PutRequest(key=key, value=value, lease=lease), lease=lease
         )
         return reply.revision
@@ -167,24 +167,27 @@ class GrpcStore(Store):
         request = pb.CompareAndPutRequest(
             key=key, value=value, expected_mod_revision=expected_mod_revision, lease=lease
         )
-        return (await self._call(self._stub.CompareAndPut, request, lease=lease)).succeeded
+        reply: pb.CompareReply = await self._call(self._stub.CompareAndPut, request, lease=lease)
+        return reply.succeeded
 
     async def delete(self, key: str) -> bool:
-        reply = await self._call(self._stub.DeleteRange, pb.DeleteRangeRequest(key=key))
+        reply: pb.DeleteRangeReply = await self._call(self._stub.DeleteRange, pb.DeleteRangeRequest(key=key))
         return reply.deleted > 0
 
     async def compare_and_delete(self, key: str, *, expected_mod_revision: int) -> bool:
         request = pb.CompareAndDeleteRequest(key=key, expected_mod_revision=expected_mod_revision)
-        return (await self._call(self._stub.CompareAndDelete, request)).succeeded
+        reply: pb.CompareReply = await self._call(self._stub.CompareAndDelete, request)
+        return reply.succeeded
 
     async def delete_prefix(self, prefix: str) -> int:
         request = pb.DeleteRangeRequest(key=prefix, prefix=True)
-        return (await self._call(self._stub.DeleteRange, request)).deleted
+        reply: pb.DeleteRangeReply = await self._call(self._stub.DeleteRange, request)
+        return reply.deleted
 
     # --- leases --------------------------------------------------------------------
 
     async def grant_lease(self, ttl: float) -> int:
-        reply = await self._call(self._stub.LeaseGrant, pb.LeaseGrantRequest(ttl_seconds=ttl))
+        reply: pb.LeaseGrantReply = await self._call(self._stub.LeaseGrant, pb.LeaseGrantRequest(ttl_seconds=ttl))
         return reply.lease
 
     async def keep_alive(self, lease: int) -> None:
@@ -301,8 +304,9 @@ class _KeepAliveStream:
                 await self._call.write(pb.LeaseKeepAliveRequest(lease=lease))
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
                 # The call ended under us: this stream is done, the caller opens another.
-                self._give_up(future, e if isinstance(e, grpc.aio.AioRpcError) else _ended())
-                raise self.broken from None
+                error = e if isinstance(e, grpc.aio.AioRpcError) else _ended()
+                self._give_up(future, error)
+                raise error from None
             except asyncio.CancelledError:
                 # Whether the request went out is unknown, so replies can no longer be
                 # paired with requests: end this stream.

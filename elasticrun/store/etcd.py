@@ -47,7 +47,7 @@ import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 import grpc.aio
@@ -82,7 +82,7 @@ ETCD_CONF_KEYS = frozenset(
 _Metadata = tuple[tuple[str, str], ...]
 _Rpc = Callable[["_Stubs", float, _Metadata], _T]
 _FutureRpc = Callable[["_Stubs", float, _Metadata], grpc.Future]
-_AioStream = grpc.aio.StreamStreamCall
+_AioStream: TypeAlias = "grpc.aio.StreamStreamCall"
 
 _CHANNEL_OPTIONS = (
     # Pings find a member that vanished without closing the connection (a partition).
@@ -235,7 +235,7 @@ def parse_endpoints(spec: str) -> tuple[str, ...]:
             parts = urllib.parse.urlsplit("//" + item)
             host, port = parts.hostname or "", parts.port
             port = DEFAULT_ETCD_PORT if port is None else port
-            extra = parts.path or parts.query or parts.fragment or parts.username
+            extra = bool(parts.path or parts.query or parts.fragment or parts.username)
         except ValueError:  # a port that is no number in 0..65535
             host, extra = "", True
         if not host or extra or port == 0:
@@ -621,24 +621,18 @@ class EtcdStore(Store):
         self._lease_streams: dict[int, tuple[str, _AioStream]] = {}
         self._lease_locks: dict[int, asyncio.Lock] = {}
 
-    async def _run(
-        self,
-        rpc: _FutureRpc,
-        *,
-        lease: int = 0,
-        then: Callable[[object], _T] | None = None,
-    ) -> _T:
+    async def _run(self, rpc: _FutureRpc, *, lease: int = 0) -> Any:
         """`rpc` through the cluster (failover, auth, errors), awaited on the loop.
 
         `rpc` starts a call and returns its grpc future: no thread waits on an answer,
         so a client with hundreds of nodes' operations in flight does not queue them
         behind a handful of threads (where a node's lease could expire between its
-        grant and its first use).
+        grant and its first use). The response is etcd's message, untyped (pyetcd ships
+        no type information).
         """
 
-        async def attempt(stubs: _Stubs, timeout: float, metadata: _Metadata) -> _T:
-            response = await _awaited(rpc(stubs, timeout, metadata))
-            return response if then is None else then(response)  # type: ignore[return-value]
+        async def attempt(stubs: _Stubs, timeout: float, metadata: _Metadata) -> Any:
+            return await _awaited(rpc(stubs, timeout, metadata))
 
         return await self._with_failover(attempt, lease=lease)
 
@@ -723,14 +717,14 @@ class EtcdStore(Store):
                 kvs[0].mod_revision > expected_mod_revision
             )
 
-        return await self._run(txn, lease=lease, then=outcome)  # type: ignore[arg-type]
+        return outcome(await self._run(txn, lease=lease))
 
     async def delete(self, key: str) -> bool:
         request = etcdrpc.DeleteRangeRequest(key=key.encode())
         response = await self._run(
             lambda s, t, m: s.kv.DeleteRange.future(request, timeout=t, metadata=m)
         )
-        return response.deleted > 0
+        return int(response.deleted) > 0
 
     async def compare_and_delete(self, key: str, *, expected_mod_revision: int) -> bool:
         raw = key.encode()

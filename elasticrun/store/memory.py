@@ -39,7 +39,7 @@ import heapq
 import math
 import secrets
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from elasticrun.errors import (
@@ -303,7 +303,7 @@ class MemoryStore(Store):
 
     async def watch(
         self, key: str, *, start_revision: int, prefix: bool = False
-    ) -> AsyncIterator[WatchEvent]:
+    ) -> AsyncGenerator[WatchEvent, None]:
         async with contextlib.aclosing(self.watch_batches(key, start_revision, prefix)) as it:
             async for batch in it:
                 for event in batch:
@@ -311,7 +311,7 @@ class MemoryStore(Store):
 
     async def watch_batches(
         self, key: str, start_revision: int, prefix: bool
-    ) -> AsyncIterator[list[WatchEvent]]:
+    ) -> AsyncGenerator[list[WatchEvent], None]:
         """Like `watch`, one non-empty list per revision: what the server sends as a reply."""
         self._check_open()
         watcher = _Watcher(key, prefix)

@@ -598,7 +598,7 @@ class _C10dService(pb_grpc.C10dStoreServicer):
             raise UsageError(
                 f"multi_set got {len(request.keys)} keys but {len(request.values)} values"
             )
-        for key, value in zip(request.keys, request.values):
+        for key, value in zip(request.keys, request.values, strict=True):
             await self._engine.put(key, value)
         return pb.MultiSetReply()
 

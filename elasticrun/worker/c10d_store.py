@@ -47,7 +47,9 @@ class C10dStore(dist.Store):
         self._client = C10dClient(endpoint, token=token, tls_ca=tls_ca, timeout=connect_timeout)
 
     def _wait_seconds(self, timeout: datetime.timedelta | None = None) -> float:
-        return (timeout if timeout is not None else self.timeout).total_seconds()
+        # torch's Store has `timeout` (what set_timeout set); its type stubs leave it out
+        default: datetime.timedelta = self.timeout  # type: ignore[attr-defined]  # see above
+        return (timeout if timeout is not None else default).total_seconds()
 
     def set(self, key: str, value: str | bytes) -> None:
         self._client.set(key, _as_bytes(value))

@@ -36,7 +36,6 @@ import torch.distributed as dist
 
 from elasticrun.worker.elastic.link import WorkerAssignment
 
-
 #: how often a rank polls for rank 0's store while joining (a refused connect is
 #: answered at once), and how long one probe may wait for a slow network's answer
 _PROBE_INTERVAL = 0.005
@@ -163,9 +162,10 @@ class GroupSession:
             # While joining, every socket opened since it began is the group's.
             sockets = self._sockets if self._sockets is not None else _socket_inodes() - self._before
         _shut_down(sockets)
-        if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        world = dist.group.WORLD if dist.is_initialized() else None
+        if world is not None and "nccl" in str(dist.get_backend()):
             with contextlib.suppress(RuntimeError):
-                dist.group.WORLD.abort()  # type: ignore[union-attr]
+                world.abort()
 
     def leave(self) -> None:
         """Destroy the group (whatever state it is in) so a new one can be made."""

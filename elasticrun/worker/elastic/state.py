@@ -207,7 +207,7 @@ class State:
         payloads = _fill(box[0], others)
         _receive_tensors(self._module_tensors() + others, sender)
         for name, payload in payloads.items():
-            self._slots[name].load(payload)  # type: ignore[union-attr]
+            self._slots[name].load(payload)
 
     def _attach(self, check: Callable[[], None] | None) -> None:
         object.__setattr__(self, "_check", check)
@@ -293,5 +293,5 @@ def _receive_tensors(tensors: list[torch.Tensor], sender: int) -> None:
             continue
         flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=device)
         dist.recv(flat, src=sender)
-        for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+        for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
             tensor.copy_(part.view_as(tensor))
