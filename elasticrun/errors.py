@@ -52,6 +52,35 @@ class StoreAuthError(StoreError):
     exit_code = 2
 
 
+class StoreSettingError(StoreError):
+    """A store setting that cannot work: an unreadable file, a malformed endpoint,
+    credentials that do not go together.
+
+    `settings` name the setting, or those that do not go together, as the store knows
+    them (`token_file`, `ca_cert`, `endpoint`); the command that took them from the user
+    says which flags they were.
+    """
+
+    exit_code = 2
+
+    def __init__(self, settings: str | tuple[str, ...], problem: str) -> None:
+        self.settings = (settings,) if isinstance(settings, str) else settings
+        self.problem = problem
+        super().__init__(f"{', '.join(self.settings)}: {problem}")
+
+
+class StoreAddressError(StoreError):
+    """The store server cannot listen where it was asked: the port is taken, or the
+    address is not one of this host's."""
+
+    exit_code = 2
+
+
+class StoreRequestError(StoreError):
+    """The store refused a request as malformed (a TTL that is no duration, adding to a
+    value that is no integer): retrying it cannot help."""
+
+
 class StoreLimitError(StoreError):
     """A request exceeded a bound of the store (key size, value size, key count)."""
 

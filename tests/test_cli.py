@@ -349,10 +349,10 @@ def test_torchruns_own_rdzv_conf_keys_are_accepted(caplog: pytest.LogCaptureFixt
     for key in ("read_timeout", "close_timeout", "keep_alive_interval", "store_type", "use_libuv"):
         assert f"--rdzv-conf {key} is accepted for torchrun compatibility" in caplog.text
     # torchrun's etcd backends name their TLS files differently: same meaning here
-    cfg = config("--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-conf",
-                 "protocol=https,cacert=ca.pem,ssl_cert=c.pem,ssl_cert_key=k.pem", str(SPEAK))
-    assert cfg.rdzv.backend == "etcd"
-    assert cfg.rdzv.conf == {"ca_cert": "ca.pem", "client_cert": "c.pem", "client_key": "k.pem"}
+    request = parse_launch(parse("--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-conf",
+                                 "protocol=https,cacert=ca.pem,ssl_cert=c.pem,ssl_cert_key=k.pem", str(SPEAK)), {})
+    assert request.rdzv.backend == "etcd"
+    assert request.rdzv.conf == {"ca_cert": "ca.pem", "client_cert": "c.pem", "client_key": "k.pem"}
 
 
 # --- entrypoints --------------------------------------------------------------------------

@@ -229,9 +229,9 @@ async def _round_gone(rdzv: Rdzv, run_id: str) -> None:
     from elasticrun.store.api import EventType
 
     if rdzv.backend == "etcd":
-        from elasticrun.store.etcd import etcd_store_from_conf
+        from elasticrun.store.access import open_client, parse_access
 
-        store = etcd_store_from_conf(rdzv.endpoint, {}, timeout=10)
+        store = open_client(parse_access("etcd", rdzv.endpoint, {"store_timeout": "10"}, {}))
     else:
         from elasticrun.store.client import GrpcStore
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import os
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -23,11 +24,12 @@ from elasticrun.errors import (
     LeaseExpiredError,
     StoreAuthError,
     StoreError,
+    StoreSettingError,
     StoreUnavailableError,
-    UsageError,
 )
-from elasticrun.store.api import EventType, WatchEvent
-from elasticrun.store.etcd import EtcdStore, etcd_store_from_conf, parse_endpoints
+from elasticrun.store.access import open_client, parse_access, parse_endpoints
+from elasticrun.store.api import EventType, Store, WatchEvent
+from elasticrun.store.etcd import EtcdStore
 from tests.etcd_support import AUTH_PASSWORD, AUTH_USER, EtcdCluster
 
 #: Bounds every wait for an event in these tests; far above any healthy latency.
@@ -50,37 +52,44 @@ def closed_port() -> int:
 # --- configuration ------------------------------------------------------------------
 
 
+def etcd_store_from_conf(endpoint: str, conf: dict[str, str], *, timeout: float | None = None) -> Store:
+    """An etcd client opened as the launcher opens one, from its --rdzv-conf settings."""
+    if timeout is not None:
+        conf = {**conf, "store_timeout": f"{timeout:g}"}
+    return open_client(parse_access("etcd", endpoint, conf, os.environ))
+
+
 def test_parse_endpoints() -> None:
-    assert parse_endpoints("h1:2379, h2,[::1]:23790") == ("h1:2379", "h2:2379", "[::1]:23790")
+    assert parse_endpoints("h1:2379, h2,[::1]:23790", 2379) == ("h1:2379", "h2:2379", "[::1]:23790")
     for bad in ("", "h1:2379,", "h:port", "https://h1:2379", "h:99999", "h:0", "u@h:1"):
-        with pytest.raises(UsageError, match="--rdzv-endpoint"):
-            parse_endpoints(bad)
+        with pytest.raises(StoreSettingError, match="endpoint"):
+            parse_endpoints(bad, 2379)
 
 
 def test_conf_refuses_a_password_on_the_command_line() -> None:
-    with pytest.raises(UsageError, match="password_file") as info:
+    with pytest.raises(StoreSettingError, match="password_file") as info:
         etcd_store_from_conf("h:2379", {"user": "u", "password": "hunter2"})
     assert "hunter2" not in str(info.value)
 
 
 def test_conf_password_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(UsageError, match="not both"):
+    with pytest.raises(StoreSettingError, match="password_file, password_env: .*not both"):
         etcd_store_from_conf("h", {"user": "u", "password_file": "f", "password_env": "V"})
     monkeypatch.delenv("ELASTICRUN_TEST_NO_SUCH_VAR", raising=False)
-    with pytest.raises(UsageError, match="ELASTICRUN_TEST_NO_SUCH_VAR"):
+    with pytest.raises(StoreSettingError, match="ELASTICRUN_TEST_NO_SUCH_VAR"):
         etcd_store_from_conf("h", {"user": "u", "password_env": "ELASTICRUN_TEST_NO_SUCH_VAR"})
-    with pytest.raises(UsageError, match="password_file"):
+    with pytest.raises(StoreSettingError, match="password_file"):
         etcd_store_from_conf("h", {"user": "u", "password_file": str(tmp_path / "missing")})
     undecodable = tmp_path / "undecodable"
     undecodable.write_bytes(b"\xff\xfe")
-    with pytest.raises(UsageError, match="password_file=.* not UTF-8"):
+    with pytest.raises(StoreSettingError, match="password_file: .* not UTF-8"):
         etcd_store_from_conf("h", {"user": "u", "password_file": str(undecodable)})
     monkeypatch.setenv("ELASTICRUN_TEST_PASSWORD", "a\udcffb")  # an undecodable byte in the environment
-    with pytest.raises(UsageError, match="password_env=ELASTICRUN_TEST_PASSWORD: the value is not UTF-8"):
+    with pytest.raises(StoreSettingError, match="password_env: ELASTICRUN_TEST_PASSWORD: the value is not UTF-8"):
         etcd_store_from_conf("h", {"user": "u", "password_env": "ELASTICRUN_TEST_PASSWORD"})
-    with pytest.raises(UsageError, match="user together with"):
+    with pytest.raises(StoreSettingError, match="user together with"):
         etcd_store_from_conf("h", {"password_env": "HOME"})
-    with pytest.raises(UsageError, match="client_cert and client_key"):
+    with pytest.raises(StoreSettingError, match="client_cert, client_key: give both or neither"):
         etcd_store_from_conf("h", {"client_cert": "c.pem"})
 
 

@@ -23,8 +23,11 @@ from cryptography.x509.oid import NameOID
 from elasticrun.errors import (
     CompactedError,
     LeaseExpiredError,
+    StoreAddressError,
     StoreAuthError,
     StoreLimitError,
+    StoreRequestError,
+    StoreSettingError,
     StoreTimeoutError,
     StoreUnavailableError,
     UsageError,
@@ -34,7 +37,8 @@ from elasticrun.store.api import EventType, WatchEvent
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.client import GrpcStore
 from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer, TlsKeyPair
+from elasticrun.store.server import StoreServer
+from elasticrun.store.wire import TlsKeyPair
 from tests.agent_helpers import eventually
 
 EVENT_WAIT = 10.0
@@ -278,7 +282,7 @@ async def test_token_missing_wrong_and_right() -> None:
 
 def _ca_and_server_cert(tmp: Path) -> tuple[bytes, TlsKeyPair]:
     """A fresh CA and a certificate it signed for 127.0.0.1 / localhost."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test CA")])
     ca_cert = (
@@ -364,7 +368,7 @@ async def test_unreachable_store_names_host_port_and_cause() -> None:
 
 async def test_wrong_addresses() -> None:
     for malformed in ("no-port", "host:", ":29400", "host:99999", "host:http"):
-        with pytest.raises(UsageError, match="malformed store endpoint"):
+        with pytest.raises(StoreSettingError, match="malformed store endpoint"):
             GrpcStore(malformed)
     client = GrpcStore("no-such-host.invalid:29400", timeout=1)
     with pytest.raises(StoreUnavailableError, match="no-such-host.invalid:29400"):
@@ -372,9 +376,9 @@ async def test_wrong_addresses() -> None:
     await client.close()
 
 
-async def test_port_in_use_is_a_usage_error(server: StoreServer) -> None:
+async def test_port_in_use_is_an_address_error(server: StoreServer) -> None:
     second = StoreServer("127.0.0.1", server.port)
-    with pytest.raises(UsageError, match=f"127.0.0.1:{server.port}"):
+    with pytest.raises(StoreAddressError, match=f"127.0.0.1:{server.port}"):
         await second.start()
 
 
@@ -404,7 +408,7 @@ async def test_c10d_operations(server: StoreServer) -> None:
             c10d.wait(["absent"], 0.2)
         with pytest.raises(StoreTimeoutError):
             c10d.get("absent", 0.2)
-        with pytest.raises(UsageError, match="not an integer"):
+        with pytest.raises(StoreRequestError, match="not an integer"):
             c10d.add("m1", 1)
 
     await asyncio.to_thread(ops)
@@ -450,7 +454,7 @@ def test_serve_config_checks_flags(tmp_path: Path) -> None:
     for content in (b"\xff\xfe", "tok\u00e9n".encode(), b"a\x01b"):
         token_file.write_bytes(content)
         args = parser.parse_args(["store", "serve", "--token-file", str(token_file)])
-        with pytest.raises(UsageError, match="--token-file .*printable ASCII"):
+        with pytest.raises(UsageError, match="--token-file.*printable ASCII"):
             store_cmd.serve_config(args, {})
     args = parser.parse_args(["store", "serve"])
     with pytest.raises(UsageError, match="ELASTICRUN_STORE_TOKEN.*printable ASCII"):

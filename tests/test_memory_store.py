@@ -15,8 +15,8 @@ from elasticrun.errors import (
     CompactedError,
     LeaseExpiredError,
     StoreLimitError,
+    StoreRequestError,
     StoreUnavailableError,
-    UsageError,
 )
 from elasticrun.store import memory as memory_store
 from elasticrun.store.api import EventType, WatchEvent
@@ -222,7 +222,7 @@ async def test_close_ends_open_watches() -> None:
 
 async def test_lease_ttl_must_be_positive() -> None:
     store = MemoryStore()
-    with pytest.raises(UsageError):
+    with pytest.raises(StoreRequestError):
         await store.grant_lease(0)
     await store.close()
 

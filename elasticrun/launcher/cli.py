@@ -11,184 +11,29 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
 
-from elasticrun import __version__
-from elasticrun.errors import ElasticrunError, UsageError
+from elasticrun.errors import ElasticrunError
+from elasticrun.launcher.flags import COMPAT_ONLY, Parser, launch_parser
 
 #: subcommand name -> the module that registers it
 SUBCOMMANDS = ("status", "logs", "join", "drain", "stop", "store")
 
-#: flags accepted so torchrun command lines run unchanged, though they change nothing here
-_COMPAT_ONLY = {
-    "event_log_handler": "null",
-    "logs_specs": None,
-    "numa_binding": None,
-    "duplicate_stdout_filters": None,
-    "duplicate_stderr_filters": None,
-    "virtual_local_rank": False,
-}
-
-
 _GRPC_ENV = {"GRPC_VERBOSITY": "NONE", "GRPC_ENABLE_FORK_SUPPORT": "0"}
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError (one line at the edge) instead of exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        if "training_script" in message:
-            message = "no training script given (elasticrun [options] train.py [script args])"
-        raise UsageError(f"{message} (see --help)")
-
-    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> object:
-        # Python 3.11's argparse drops a '--' given as a flag's value (`--nnodes=--`)
-        # and hands on an empty list where one string belongs: keep '--' as the value.
-        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
-            value = self._get_value(action, "--")
-            self._check_value(action, value)
-            return value
-        return super()._get_values(action, arg_strings)
-
-
-# The actions below take argparse's keyword arguments (`**kw: Any`) and pass them on.
-class _EnvDefault(argparse.Action):
-    """A flag whose default comes from PET_<NAME>, as torchrun's do."""
-
-    def __init__(self, dest: str, default: object = None, required: bool = False, **kw: Any) -> None:
-        env_name = "PET_" + dest.upper()
-        default = os.environ.get(env_name, default)
-        super().__init__(dest=dest, default=default, required=required and default is None, **kw)
-
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, values)
-
-
-class _EnvAppend(argparse.Action):
-    """A repeatable flag (values merged), with PET_<NAME> as the first value."""
-
-    def __init__(self, dest: str, default: object = None, **kw: Any) -> None:
-        env = os.environ.get("PET_" + dest.upper())
-        super().__init__(dest=dest, default=[env] if env else [], **kw)
-
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, [*getattr(namespace, self.dest), values])
-
-
-class _EnvFlag(argparse.Action):
-    """A boolean flag, also set by PET_<NAME>=1."""
-
-    def __init__(self, dest: str, default: bool = False, **kw: Any) -> None:
-        env = os.environ.get("PET_" + dest.upper(), "")
-        default = env.lower() in ("1", "true", "yes") if env else default
-        super().__init__(dest=dest, default=default, nargs=0, **kw)
-
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, True)
-
-
-def _flag(parser: argparse.ArgumentParser, name: str, *extra: str, **kw: Any) -> None:
-    """Add `--a-b` with its torchrun twin `--a_b` (and any short form)."""
-    names = [f"--{name}", *extra]
-    if "-" in name:
-        names.insert(1, f"--{name.replace('-', '_')}")
-    kw.setdefault("action", _EnvDefault)
-    parser.add_argument(*names, dest=name.replace("-", "_"), **kw)
-
-
-def launch_parser() -> argparse.ArgumentParser:
-    """The torchrun-compatible launcher flags."""
-    p = _Parser(
-        prog="elasticrun",
-        description="Elastic, fault-tolerant launcher for distributed PyTorch training, "
-        "used exactly like torchrun. Job control: elasticrun {status,logs,join,drain,stop} --help; "
-        "the standalone store: elasticrun store serve --help",
-        epilog="Every flag also takes its default from PET_<FLAG> (e.g. PET_NNODES), as torchrun's do.",
-    )
-    p.add_argument("--version", action="version", version=f"elasticrun {__version__}")
-    _flag(p, "nnodes", default="1:1", help="number of nodes N, or MIN:MAX for an elastic job")
-    _flag(p, "nproc-per-node", default="1",
-          help="workers per node: N, cpu, gpu (one per GPU) or auto (GPUs, else CPUs)")
-    _flag(p, "rdzv-backend", default="static", help="c10d (built-in store), etcd (v3) or static")
-    _flag(p, "rdzv-endpoint", default="", help="c10d: host:port (default port 29400); etcd: h1:2379,h2:2379,...")
-    _flag(p, "rdzv-id", default="none", help="the job's id: nodes with the same id form one job")
-    _flag(p, "rdzv-conf", action=_EnvAppend,
-          help="key=value,... (repeatable, merged): join_timeout, last_call_timeout, heartbeat_timeout, closed_ttl, "
-               "quarantine_after, quarantine_cooldown, quarantine_cooldown_max, is_host, token_file, tls_ca, "
-               "tls_cert, tls_key, store_timeout; etcd: ca_cert, client_cert, client_key, user, password_file, "
-               "password_env")
-    _flag(p, "standalone", action=_EnvFlag, help="one node, no server: an in-memory rendezvous and a free port")
-    _flag(p, "max-restarts", type=int, default=0,
-          help="worker-failure restarts before the job fails (membership changes never count)")
-    _flag(p, "elastic-mode", default="restart", choices=["restart", "in-process"],
-          help="on a membership change: restart every worker (torchrun's way), or keep the survivors running "
-               "(in-process; the script uses elasticrun.worker.elastic)")
-    _flag(p, "monitor-interval", type=float, default=0.1,
-          help="accepted for torchrun compatibility: elasticrun reacts to events at once")
-    _flag(p, "start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
-          help="accepted for compatibility: workers are always fresh processes")
-    _flag(p, "event-log-handler", default="null", help="accepted for compatibility; no effect")
-    _flag(p, "role", default="default", help="the workers' role name (ROLE_NAME)")
-    _flag(p, "module", "-m", action=_EnvFlag, help="run the script argument as a module, like python -m")
-    _flag(p, "no-python", action=_EnvFlag, help="run the script argument as an executable, without python")
-    _flag(p, "run-path", action=_EnvFlag, help="accepted for compatibility: the script runs with python")
-    _flag(p, "log-dir", default=None, help="folder for per-attempt worker logs and error files")
-    _flag(p, "redirects", "-r", default="0",
-          help="send streams to log files only: 0-3 or RANK:N,... (1 out, 2 err, 3 both)")
-    _flag(p, "tee", "-t", default="0",
-          help="copy streams to log files as well as the console (same format as --redirects)")
-    _flag(p, "local-ranks-filter", default="", help="show only these local ranks on the console, e.g. 0,1")
-    _flag(p, "duplicate-stdout-filters", default=None, help="accepted for compatibility; no effect")
-    _flag(p, "duplicate-stderr-filters", default=None, help="accepted for compatibility; no effect")
-    _flag(p, "node-rank", type=int, default=0, help="static backend: this node's rank")
-    _flag(p, "master-addr", default="127.0.0.1", help="static backend: address of node rank 0")
-    _flag(p, "master-port", type=int, default=29500, help="static backend: port on node rank 0")
-    _flag(p, "local-addr", default=None,
-          help="this node's address as others reach it (default: the route to the endpoint)")
-    _flag(p, "logs-specs", default=None, help="accepted for compatibility; no effect")
-    _flag(p, "numa-binding", default=None, choices=["node", "socket", "exclusive", "core-complex"],
-          help="accepted for compatibility; no effect")
-    _flag(p, "signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-          help="signals that stop the workers (forwarded) and make this node leave")
-    _flag(p, "shutdown-timeout", type=float, default=None,
-          help="seconds between SIGTERM and SIGKILL for workers (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)")
-    _flag(p, "virtual-local-rank", action=_EnvFlag, help="accepted for compatibility; no effect")
-    _flag(p, "gpus", default=None,
-          help="the GPUs this node's workers use, e.g. 0,2,3 (default: every healthy visible GPU)")
-    _flag(p, "isolate-gpus", action=_EnvFlag,
-          help="give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker)")
-    _flag(p, "health-interval", type=float, default=10.0,
-          help="seconds between GPU health checks while training (default 10)")
-    _flag(p, "progress-timeout", type=float, default=None,
-          help="opt-in hang watchdog (off by default): stop and restart the workers when one has not called "
-               "elasticrun.worker.heartbeat() for this many seconds; the workers must call it")
-    p.add_argument("training_script", help="the training script (or module, or executable)")
-    p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
-    return p
 
 
 def subcommand_parser() -> argparse.ArgumentParser:
     """`elasticrun <subcommand> ...`: job control and the store server."""
     from elasticrun.launcher import drain_cmd, join_cmd, logs_cmd, status_cmd, stop_cmd, store_cmd
 
-    p = _Parser(prog="elasticrun")
-    commands = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = Parser(prog="elasticrun")
+    commands = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for module in (status_cmd, logs_cmd, join_cmd, drain_cmd, stop_cmd, store_cmd):
         module.register(commands)
     return p
 
 
 def _warn_compat_only(args: argparse.Namespace) -> None:
-    for dest, inert in _COMPAT_ONLY.items():
+    for dest, inert in COMPAT_ONLY.items():
         if getattr(args, dest) != inert:
             flag = "--" + dest.replace("_", "-")
             logging.getLogger("elasticrun").warning("%s is accepted for torchrun compatibility and has no effect", flag)

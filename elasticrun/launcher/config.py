@@ -5,7 +5,8 @@
   second-guess it. It reads nothing else, so it is tested and fuzzed without a host.
 - `discover` asks this host what only it can answer: whether the training script or
   command exists, its GPUs (through NVML) and CPUs, the address on the route to the
-  store, the node id, a fresh id for a `--standalone` job.
+  store, the node id, a fresh id for a `--standalone` job, and the store's settings with
+  the files they name (`elasticrun.store.access`).
 - `assemble` puts a request and its host's facts together, purely.
 
 `build_config` runs the three; the launcher and `elasticrun join` call it.
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import math
@@ -23,14 +25,15 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
-from elasticrun.errors import UsageError
+from elasticrun.errors import StoreSettingError, UsageError
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.state import JobSpec
+from elasticrun.store.access import StoreAccess, parse_access
 from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TOKEN_ENV
 
 #: backend names as torchrun spells them -> ours
@@ -97,6 +100,8 @@ class RendezvousConfig:
     endpoint: str
     settings: RendezvousSettings
     conf: Mapping[str, str] = field(default_factory=dict)
+    #: c10d and etcd: the store's settings of `conf`, read (see `discover`)
+    store: StoreAccess | None = None
     #: this node's address, as the other nodes' workers reach it
     local_addr: str = "127.0.0.1"
     # static backend only
@@ -246,6 +251,22 @@ def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     if not host or any(c in host for c in " /,") or not _host_name(host):
         raise UsageError(f"--rdzv-endpoint must be host:port, got {endpoint!r}")
     return host, port
+
+
+def rdzv_flag(setting: str) -> str:
+    """The launcher flag a store setting comes from (a variable is named as it is)."""
+    if setting == "endpoint":
+        return "--rdzv-endpoint"
+    return setting if setting.startswith("$") else f"--rdzv-conf {setting}"
+
+
+@contextlib.contextmanager
+def settings_from_flags(flag_of: Callable[[str], str] = rdzv_flag) -> Iterator[None]:
+    """A store setting that cannot work, as the usage error that names its flag."""
+    try:
+        yield
+    except StoreSettingError as e:
+        raise UsageError(f"{', '.join(map(flag_of, e.settings))}: {e.problem}") from None
 
 
 def _is_ipv6(host: str) -> bool:
@@ -458,6 +479,8 @@ class HostFacts:
     #: the workers' GPUs, in local-rank order, and their names (for status)
     gpu_devices: tuple[int, ...]
     gpu_names: tuple[str, ...]
+    #: c10d and etcd: the store's settings, read
+    store: StoreAccess | None = None
 
 
 def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
@@ -466,6 +489,10 @@ def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
     rdzv = request.rdzv
     nproc, devices, names = resolve_workers(request.job_spec.nproc_per_node, request.gpus, environ)
     local_addr = rdzv.local_addr or route_addr(parse_endpoint(rdzv.endpoint.split(",")[0], 1)[0])
+    store = None
+    if rdzv.backend in ("c10d", "etcd"):
+        with settings_from_flags():
+            store = parse_access(rdzv.backend, rdzv.endpoint, rdzv.conf, environ)
     return HostFacts(
         node_id=default_node_id(),
         run_id=rdzv.settings.run_id or uuid.uuid4().hex[:12],
@@ -473,6 +500,7 @@ def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
         nproc=nproc,
         gpu_devices=devices,
         gpu_names=names,
+        store=store,
     )
 
 
@@ -533,7 +561,9 @@ def resolve_workers(
 def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
     """The launch configuration: a checked request completed with its host's facts."""
     rdzv = request.rdzv
-    rdzv = replace(rdzv, local_addr=host.local_addr, settings=replace(rdzv.settings, run_id=host.run_id))
+    rdzv = replace(
+        rdzv, local_addr=host.local_addr, store=host.store, settings=replace(rdzv.settings, run_id=host.run_id)
+    )
     spec = request.job_spec
     worker = WorkerSpec(
         run_id=host.run_id,

@@ -13,11 +13,9 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from elasticrun.errors import UsageError
-from elasticrun.launcher.config import BACKENDS, parse_endpoint, parse_rdzv_conf
-from elasticrun.launcher.store_cmd import load_token
+from elasticrun.launcher.config import BACKENDS, parse_rdzv_conf, settings_from_flags
 from elasticrun.rendezvous.state import (
     Event,
     JobLaunch,
@@ -30,8 +28,8 @@ from elasticrun.rendezvous.state import (
     QuarantineTable,
     Round,
 )
+from elasticrun.store.access import StoreAccess, open_client, parse_access
 from elasticrun.store.api import EventType, Store
-from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT
 
 
 def add_job_flags(parser: argparse.ArgumentParser) -> None:
@@ -53,32 +51,6 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def open_client_store(backend: str, endpoint: str, conf: Mapping[str, str]) -> Store:
-    """A client of the job's store (c10d: the built-in gRPC store; etcd)."""
-    timeout = float(conf.get("store_timeout", DEFAULT_TIMEOUT))
-    if backend == "etcd":
-        from elasticrun.store.etcd import etcd_store_from_conf
-
-        for part in endpoint.split(","):
-            parse_endpoint(part.strip(), DEFAULT_ETCD_PORT)
-        return etcd_store_from_conf(endpoint, conf, timeout=timeout)
-    from elasticrun.store.client import GrpcStore
-
-    parse_endpoint(endpoint, DEFAULT_C10D_PORT)
-    token = load_token(conf.get("token_file"), os.environ)
-    tls_ca = read_conf_file(conf, "tls_ca") if "tls_ca" in conf else None
-    return GrpcStore(endpoint, token=token, tls_ca=tls_ca, timeout=timeout)
-
-
-def read_conf_file(conf: Mapping[str, str], key: str) -> bytes:
-    """The file that --rdzv-conf `key` names (a certificate, a key)."""
-    path = conf[key]
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read --rdzv-conf {key}={path}: {e.strerror}") from None
-
-
 @dataclass(frozen=True)
 class JobTarget:
     """Which job a subcommand acts on, checked."""
@@ -86,14 +58,16 @@ class JobTarget:
     backend: str
     endpoint: str
     run_id: str
+    #: the --rdzv-conf pairs as given (`elasticrun join` hands them on)
     conf: Mapping[str, str]
+    access: StoreAccess
 
     @property
     def keys(self) -> Keys:
         return Keys(self.run_id)
 
     def open(self) -> Store:
-        return open_client_store(self.backend, self.endpoint, self.conf)
+        return open_client(self.access)
 
 
 def job_target(args: argparse.Namespace) -> JobTarget:
@@ -102,7 +76,10 @@ def job_target(args: argparse.Namespace) -> JobTarget:
         raise UsageError(f"--rdzv-backend must be c10d or etcd for job control, got {args.rdzv_backend!r}")
     if not args.rdzv_id or "/" in args.rdzv_id:
         raise UsageError(f"--rdzv-id must be a non-empty name without '/', got {args.rdzv_id!r}")
-    return JobTarget(backend, args.rdzv_endpoint, args.rdzv_id, parse_rdzv_conf(args.rdzv_conf))
+    conf = parse_rdzv_conf(args.rdzv_conf)
+    with settings_from_flags():
+        access = parse_access(backend, args.rdzv_endpoint, conf, os.environ)
+    return JobTarget(backend, args.rdzv_endpoint, args.rdzv_id, conf, access)
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,8 @@ async def _job_argv(
 def _run(args: argparse.Namespace) -> int:
     target = job_target(args)
     argv, cwd = asyncio.run(_job_argv(target, timeout_seconds(args.timeout), args.local_addr, args.log_dir))
-    from elasticrun.launcher.cli import launch_parser
     from elasticrun.launcher.config import build_config
+    from elasticrun.launcher.flags import launch_parser
     from elasticrun.launcher.launch import run_launch
 
     os.chdir(cwd)

@@ -19,18 +19,16 @@ from dataclasses import replace
 
 from elasticrun.agent.agent import Agent, Watch
 from elasticrun.agent.gpu import Gpus, open_gpus
-from elasticrun.errors import GpuUnhealthyError, UsageError
-from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, parse_endpoint
-from elasticrun.launcher.control import open_client_store, read_conf_file
+from elasticrun.errors import GpuUnhealthyError
+from elasticrun.launcher.config import LaunchConfig, RendezvousConfig
 from elasticrun.launcher.gc_settings import settle_gc
-from elasticrun.launcher.store_cmd import load_token
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.state import Keys, NodeInfo
 from elasticrun.rendezvous.static import StaticRendezvous
+from elasticrun.store.access import open_client, serve_here
 from elasticrun.store.api import EventType, Store
 from elasticrun.store.memory import MemoryStore
-from elasticrun.store.wire import DEFAULT_C10D_PORT
 
 log = logging.getLogger("elasticrun")
 
@@ -116,48 +114,18 @@ async def _open_handler(
 
 async def _open_store(rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack) -> tuple[Store, Store | None]:
     """Connect to the store the backend names (c10d: host it when the endpoint is ours)."""
-    if rdzv.backend == "standalone":
+    if rdzv.store is None:  # standalone: the job lives in this process
         store: Store = MemoryStore()
         stack.push_async_callback(store.close)
         return store, None
-    if rdzv.backend == "c10d":
-        hosted = await _host_store(rdzv, stack)
-        if hosted is not None:
-            return hosted, hosted
-    store = open_client_store(rdzv.backend, rdzv.endpoint, rdzv.conf)
+    server = await serve_here(rdzv.store)
+    if server is not None:
+        log.info("hosting the rendezvous store on %s", server.endpoint)
+        stack.push_async_callback(server.stop)
+        return server.engine, server.engine
+    store = open_client(rdzv.store)
     stack.push_async_callback(store.close)
     return store, None
-
-
-async def _host_store(rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack) -> MemoryStore | None:
-    """Serve the store on the endpoint when it is this host's and free (as torchrun does).
-
-    `is_host=true` insists (a busy port is an error), `is_host=false` never tries.
-    """
-    from elasticrun.store.server import StoreServer, TlsKeyPair
-
-    is_host = rdzv.conf.get("is_host", "").lower()
-    if is_host not in ("", "true", "false", "1", "0"):
-        raise UsageError(f"--rdzv-conf is_host must be true or false, got {is_host!r}")
-    if is_host in ("false", "0"):
-        return None
-    tls = None
-    if "tls_cert" in rdzv.conf or "tls_key" in rdzv.conf:
-        tls = TlsKeyPair(cert=read_conf_file(rdzv.conf, "tls_cert"), key=read_conf_file(rdzv.conf, "tls_key"))
-    host, port = parse_endpoint(rdzv.endpoint, DEFAULT_C10D_PORT)
-    server = StoreServer(
-        host, port, token=load_token(rdzv.conf.get("token_file"), os.environ), tls=tls, hosted_by_agent=True
-    )
-    try:
-        await server.start()
-    except UsageError:
-        if is_host in ("true", "1"):
-            raise
-        log.debug("not hosting the store: %s:%d is taken or not ours", host, port)
-        return None
-    log.info("hosting the rendezvous store on %s", server.endpoint)
-    stack.push_async_callback(server.stop)
-    return server.engine
 
 
 async def _linger_while_nodes_remain(store: Store, keys: Keys) -> None:

@@ -9,12 +9,13 @@ import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from elasticrun.errors import UsageError
+from elasticrun.launcher.config import settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
-from elasticrun.store.server import StoreServer, TlsKeyPair
-from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV
+from elasticrun.store.access import key_pair, read_token
+from elasticrun.store.server import StoreServer
+from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV, TlsKeyPair
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,46 +26,19 @@ class ServeConfig:
     tls: TlsKeyPair | None
 
 
-def load_token(token_file: str | None, environ: Mapping[str, str]) -> str | None:
-    """The store token: the file's content (stripped), else $ELASTICRUN_STORE_TOKEN.
-
-    It travels as a gRPC header value, which must be printable ASCII: anything else is
-    refused here, with the place it came from, rather than failing every call later.
-    """
-    if token_file is None:
-        token, where = environ.get(TOKEN_ENV) or None, f"${TOKEN_ENV}"
-    else:
-        try:
-            data = Path(token_file).read_bytes()
-        except OSError as e:
-            raise UsageError(f"cannot read --token-file {token_file}: {e.strerror}") from None
-        token, where = data.decode("latin-1").strip(), f"--token-file {token_file}"
-        if not token:
-            raise UsageError(f"{where} is empty")
-    if token is not None and not all(" " <= c <= "~" for c in token):
-        raise UsageError(f"{where}: the token must be printable ASCII text (it is sent as a gRPC header)")
-    return token
-
-
-def _read_pem(path: str, flag: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read {flag} {path}: {e.strerror}") from None
+#: the flag of each store setting `store serve` takes
+_FLAGS = {"token_file": "--token-file", "tls_cert": "--tls-cert", "tls_key": "--tls-key"}
 
 
 def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeConfig:
     """Check the flags of `store serve` and gather what the server needs."""
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be within 0..65535, got {args.port}")
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise UsageError("--tls-cert and --tls-key go together: give both or neither")
-    tls = None
-    if args.tls_cert is not None:
-        tls = TlsKeyPair(
-            cert=_read_pem(args.tls_cert, "--tls-cert"), key=_read_pem(args.tls_key, "--tls-key")
-        )
-    return ServeConfig(args.host, args.port, load_token(args.token_file, environ), tls)
+    given = {setting: getattr(args, setting) for setting in _FLAGS if getattr(args, setting) is not None}
+    with settings_from_flags(lambda setting: _FLAGS.get(setting, setting)):
+        tls = key_pair(given, "tls_cert", "tls_key")
+        token = read_token(args.token_file, environ)
+    return ServeConfig(args.host, args.port, token, tls)
 
 
 async def serve(config: ServeConfig) -> int:

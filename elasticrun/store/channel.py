@@ -17,8 +17,9 @@ from elasticrun.errors import (
     StoreAuthError,
     StoreError,
     StoreLimitError,
+    StoreRequestError,
+    StoreSettingError,
     StoreUnavailableError,
-    UsageError,
 )
 from elasticrun.store.wire import (
     CLIENT_PING_MS,
@@ -57,8 +58,8 @@ def grpc_target(endpoint: str) -> str:
     """Check `host:port` (`[v6]:port` too) and return it as a gRPC target."""
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise UsageError(
-            f"malformed store endpoint {endpoint!r}: expected host:port, e.g. node0:{DEFAULT_C10D_PORT}"
+        raise StoreSettingError(
+            "endpoint", f"malformed store endpoint {endpoint!r}: expected host:port, e.g. node0:{DEFAULT_C10D_PORT}"
         )
     return endpoint
 
@@ -100,7 +101,7 @@ def error_from(error: grpc.RpcError, endpoint: str, lease: int = 0) -> Elasticru
     if code is grpc.StatusCode.NOT_FOUND and lease:
         return LeaseExpiredError(lease)
     if code is grpc.StatusCode.INVALID_ARGUMENT:
-        return UsageError(f"the store at {endpoint} refused the request: {details}")
+        return StoreRequestError(f"the store at {endpoint} refused the request: {details}")
     if code in (*_RETRYABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return StoreUnavailableError(endpoint, details or code.name)
     return StoreError(f"the store at {endpoint} failed: {code.name}: {details}")

@@ -25,9 +25,8 @@ and replaces gRPC errors with detail-less exceptions. What this module adds inst
 - watches: one grpc.aio stream per watch, read on the loop (no thread), and
   re-created from the next undelivered revision on another endpoint when it breaks.
 
-Settings from `--rdzv-conf` (see `etcd_store_from_conf`): `ca_cert`, `client_cert`,
-`client_key` (TLS), `user` with `password_file` or `password_env` (auth). The password
-itself is never accepted on the command line and never appears in a message.
+Its settings (TLS material, user and password) come read and checked from
+`elasticrun.store.access`; the password never appears in a message.
 
 Leases: etcd counts TTLs in whole seconds (`grant_lease` rounds up) and raises any TTL
 below its minimum, 1.5 election timeouts rounded up to a second (2 s with etcd's
@@ -40,11 +39,9 @@ import asyncio
 import enum
 import functools
 import math
-import os
 import threading
 import time
-import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeVar
@@ -60,8 +57,8 @@ from elasticrun.errors import (
     StoreAuthError,
     StoreError,
     StoreLimitError,
+    StoreSettingError,
     StoreUnavailableError,
-    UsageError,
 )
 from elasticrun.store.api import (
     EventType,
@@ -70,14 +67,9 @@ from elasticrun.store.api import (
     Store,
     WatchEvent,
 )
-from elasticrun.store.wire import DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT
+from elasticrun.store.wire import DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TlsKeyPair
 
 _T = TypeVar("_T")
-
-#: The `--rdzv-conf` keys this backend reads; the launcher may reject others.
-ETCD_CONF_KEYS = frozenset(
-    {"ca_cert", "client_cert", "client_key", "user", "password_file", "password_env"}
-)
 
 _Metadata = tuple[tuple[str, str], ...]
 _Rpc = Callable[["_Stubs", float, _Metadata], _T]
@@ -217,89 +209,6 @@ def _store_error(
     if kind is _Kind.LIMIT:
         return StoreLimitError(f"etcd at {endpoint} refused a request over a limit: {details}")
     return StoreError(f"etcd at {endpoint} failed: {details}")
-
-
-# --- configuration --------------------------------------------------------------------
-
-
-def parse_endpoints(spec: str) -> tuple[str, ...]:
-    """Split `--rdzv-endpoint` ("h1:2379,h2,[::1]:2379") into host:port strings."""
-    endpoints = []
-    for item in (part.strip() for part in spec.split(",")):
-        if "://" in item:
-            raise UsageError(
-                f"--rdzv-endpoint={spec!r}: give host:port without a scheme; "
-                "for TLS set ca_cert (and client_cert, client_key) in --rdzv-conf"
-            )
-        try:
-            parts = urllib.parse.urlsplit("//" + item)
-            host, port = parts.hostname or "", parts.port
-            port = DEFAULT_ETCD_PORT if port is None else port
-            extra = bool(parts.path or parts.query or parts.fragment or parts.username)
-        except ValueError:  # a port that is no number in 0..65535
-            host, extra = "", True
-        if not host or extra or port == 0:
-            raise UsageError(
-                f"--rdzv-endpoint={spec!r}: {item!r} is not host[:port] "
-                "(e.g. --rdzv-endpoint=etcd1:2379,etcd2:2379,etcd3:2379)"
-            )
-        endpoints.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    return tuple(endpoints)
-
-
-def _read_file(path: str, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise UsageError(f"cannot read {what} file {path!r}: {exc.strerror}") from None
-
-
-def etcd_store_from_conf(
-    endpoint: str, conf: Mapping[str, str], *, timeout: float = DEFAULT_TIMEOUT
-) -> EtcdStore:
-    """Build the store from `--rdzv-endpoint` and the `--rdzv-conf` keys.
-
-    Keys read (others are left to the rendezvous): `ca_cert` (PEM file of the CA that
-    signed etcd's certificate: turns TLS on), `client_cert` and `client_key` (PEM files,
-    together, for etcd's --client-cert-auth), `user` with exactly one of
-    `password_file` (a file holding the password) or `password_env` (the name of an
-    environment variable holding it).
-    """
-    if "password" in conf:
-        raise UsageError(
-            "--rdzv-conf password=... would put the etcd password on the command line: "
-            "use password_file=<path> or password_env=<VARIABLE> instead"
-        )
-    user = conf.get("user")
-    password_file, password_env = conf.get("password_file"), conf.get("password_env")
-    if password_file is not None and password_env is not None:
-        raise UsageError("--rdzv-conf: give password_file or password_env, not both")
-    password = None
-    if password_file is not None:
-        try:
-            password = _read_file(password_file, "password_file").decode().rstrip("\r\n")
-        except UnicodeDecodeError:
-            raise UsageError(f"--rdzv-conf password_file={password_file}: the file is not UTF-8 text") from None
-    elif password_env is not None:
-        password = os.environ.get(password_env)
-        if password is None:
-            raise UsageError(
-                f"--rdzv-conf password_env={password_env}: that environment variable is not set"
-            )
-        try:
-            password.encode()
-        except UnicodeEncodeError:
-            raise UsageError(f"--rdzv-conf password_env={password_env}: the value is not UTF-8 text") from None
-    return EtcdStore(
-        parse_endpoints(endpoint),
-        ca_cert=conf.get("ca_cert"),
-        cert_key=conf.get("client_key"),
-        cert_cert=conf.get("client_cert"),
-        user=user,
-        password=password,
-        timeout=timeout,
-    )
 
 
 # --- the blocking side ----------------------------------------------------------------
@@ -536,17 +445,13 @@ def _prefix_range(prefix: str) -> tuple[bytes, bytes]:
     return start, bytes(end)
 
 
-def _channel_credentials(
-    ca_cert: str | None, cert_key: str | None, cert_cert: str | None
-) -> grpc.ChannelCredentials | None:
-    if (cert_key is None) != (cert_cert is None):
-        raise UsageError("--rdzv-conf: give client_cert and client_key together, or neither")
-    if ca_cert is None and cert_cert is None:
+def _channel_credentials(tls_ca: bytes | None, client: TlsKeyPair | None) -> grpc.ChannelCredentials | None:
+    if tls_ca is None and client is None:
         return None
     return grpc.ssl_channel_credentials(
-        root_certificates=_read_file(ca_cert, "ca_cert") if ca_cert else None,
-        private_key=_read_file(cert_key, "client_key") if cert_key else None,
-        certificate_chain=_read_file(cert_cert, "client_cert") if cert_cert else None,
+        root_certificates=tls_ca,
+        private_key=client.key if client else None,
+        certificate_chain=client.cert if client else None,
     )
 
 
@@ -587,7 +492,7 @@ class EtcdStore(Store):
     """The Store interface over an etcd v3 cluster, for use from asyncio.
 
     `endpoints` are "host:port" client endpoints of the cluster's members, tried in
-    order on failure. TLS is on when `ca_cert` (or a client certificate) is given;
+    order on failure. TLS is on when `tls_ca` (or a client certificate) is given;
     `user` and `password` authenticate. `timeout` bounds each operation, failover
     included. Keys are used as given: the caller namespaces them.
     """
@@ -596,22 +501,19 @@ class EtcdStore(Store):
         self,
         endpoints: Sequence[str],
         *,
-        ca_cert: str | None = None,
-        cert_key: str | None = None,
-        cert_cert: str | None = None,
+        tls_ca: bytes | None = None,
+        client_tls: TlsKeyPair | None = None,
         user: str | None = None,
         password: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         if not endpoints:
-            raise UsageError("--rdzv-endpoint: name at least one etcd endpoint (host:port)")
+            raise StoreSettingError("endpoint", "name at least one etcd endpoint (host:port)")
         if (user is None) != (password is None):
-            raise UsageError(
-                "--rdzv-conf: etcd auth needs user together with password_file or password_env"
-            )
+            raise StoreSettingError("user", "etcd auth needs user together with password_file or password_env")
         self.endpoint = ",".join(endpoints)
         self._cluster = _Cluster(
-            endpoints, _channel_credentials(ca_cert, cert_key, cert_cert), user, password, timeout
+            endpoints, _channel_credentials(tls_ca, client_tls), user, password, timeout
         )
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="etcd")
         self._closed = False

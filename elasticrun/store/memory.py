@@ -46,8 +46,8 @@ from elasticrun.errors import (
     CompactedError,
     LeaseExpiredError,
     StoreLimitError,
+    StoreRequestError,
     StoreUnavailableError,
-    UsageError,
 )
 from elasticrun.store.api import (
     EventType,
@@ -269,7 +269,7 @@ class MemoryStore(Store):
     async def grant_lease(self, ttl: float) -> int:
         self._check_open()
         if not 0 < ttl < math.inf:
-            raise UsageError(f"a lease TTL must be a positive number of seconds, got {ttl}")
+            raise StoreRequestError(f"a lease TTL must be a positive number of seconds, got {ttl}")
         if len(self._leases) >= self.max_leases:
             raise StoreLimitError(
                 f"the store holds its maximum of {self.max_leases} leases (max_leases); "

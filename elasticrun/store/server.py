@@ -18,7 +18,6 @@ import hmac
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import grpc
@@ -27,9 +26,10 @@ from elasticrun.errors import (
     CompactedError,
     ElasticrunError,
     LeaseExpiredError,
+    StoreAddressError,
     StoreLimitError,
+    StoreRequestError,
     StoreUnavailableError,
-    UsageError,
 )
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
@@ -41,6 +41,7 @@ from elasticrun.store.wire import (
     REQUEST_SLACK_BYTES,
     TOKEN_ENV,
     TOKEN_METADATA_KEY,
+    TlsKeyPair,
     bearer,
 )
 
@@ -67,14 +68,6 @@ SERVER_OPTIONS = [
 ]
 
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True, slots=True)
-class TlsKeyPair:
-    """The server's certificate chain and private key, PEM-encoded."""
-
-    cert: bytes
-    key: bytes
 
 
 class StoreServer:
@@ -140,7 +133,7 @@ class StoreServer:
         except (RuntimeError, UnicodeError):  # UnicodeError: an undecodable byte in host
             self.port = 0
         if self.port == 0:  # grpc raises, or (older versions) returns 0
-            raise UsageError(
+            raise StoreAddressError(
                 f"the store cannot listen on {address}: the port is in use or the "
                 "address is not one of this host's; choose another host or port"
             )
@@ -195,7 +188,7 @@ def _status_of(error: ElasticrunError) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(error, LeaseExpiredError):
         return grpc.StatusCode.NOT_FOUND
-    if isinstance(error, UsageError):
+    if isinstance(error, StoreRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, StoreUnavailableError):
         return grpc.StatusCode.UNAVAILABLE
@@ -534,11 +527,11 @@ class _C10dService(pb_grpc.C10dStoreServicer):
         try:
             value = (int(kv.value) if kv else 0) + request.amount
         except ValueError:
-            raise UsageError(
+            raise StoreRequestError(
                 f"cannot add to key {request.key!r}: its value is not an integer"
             ) from None
         if not -(1 << 63) <= value < (1 << 63):
-            raise UsageError(
+            raise StoreRequestError(
                 f"cannot add {request.amount} to key {request.key!r}: the sum leaves the "
                 "64-bit integer range"
             )
@@ -595,7 +588,7 @@ class _C10dService(pb_grpc.C10dStoreServicer):
     @_unary
     async def MultiSet(self, request: pb.MultiSetRequest, context: object) -> pb.MultiSetReply:
         if len(request.keys) != len(request.values):
-            raise UsageError(
+            raise StoreRequestError(
                 f"multi_set got {len(request.keys)} keys but {len(request.values)} values"
             )
         for key, value in zip(request.keys, request.values, strict=True):

@@ -5,10 +5,12 @@ server, so a training script that only talks to the store (`elasticrun.worker.c1
 does not load the server or its in-memory engine. The etcd backend and the launcher take
 their defaults (ports, the call timeout, the token's variable) from here as well.
 
-Plain values and one pure function: this module imports nothing.
+Plain values and one pure function: this module imports nothing of elasticrun.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 #: The call metadata that carries the token: `authorization: Bearer <token>`.
 TOKEN_METADATA_KEY = "authorization"
@@ -36,3 +38,12 @@ DEFAULT_TIMEOUT = 10.0
 def bearer(token: str) -> str:
     """The metadata value that carries `token`."""
     return f"Bearer {token}"
+
+
+@dataclass(frozen=True, slots=True)
+class TlsKeyPair:
+    """A certificate chain and its private key, PEM-encoded: a server's, or a client's
+    for servers that check client certificates (etcd's --client-cert-auth)."""
+
+    cert: bytes
+    key: bytes

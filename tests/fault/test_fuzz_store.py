@@ -41,7 +41,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from elasticrun.errors import UsageError
+from elasticrun.errors import StoreSettingError
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.channel import grpc_target
@@ -268,7 +268,7 @@ def channel(served: Served) -> Iterator[grpc.Channel]:
 def test_client_endpoint_check_never_crashes(endpoint: str) -> None:
     try:
         assert grpc_target(endpoint) == endpoint
-    except UsageError as e:
+    except StoreSettingError as e:
         assert "malformed store endpoint" in str(e)
 
 

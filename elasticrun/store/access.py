@@ -1,0 +1,269 @@
+"""How a launcher reaches its job's store: one record, read once from the store settings.
+
+`--rdzv-conf` carries the store's settings for both backends next to the rendezvous
+timings: the built-in store's token and TLS files, etcd's TLS files and credentials, the
+call timeout. `parse_access` reads them once, files and secrets included, so that a
+missing certificate fails before anything starts and the store classes take plain
+values; `open_client` and `serve_here` are the one place a store is opened from them.
+
+Errors are `StoreSettingError`s naming the setting; the command that took the setting
+from the user turns them into usage messages naming its flag.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import re
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from elasticrun.errors import StoreAddressError, StoreSettingError
+from elasticrun.store.api import Store
+from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TOKEN_ENV, TlsKeyPair
+
+if TYPE_CHECKING:
+    from elasticrun.store.server import StoreServer
+
+log = logging.getLogger("elasticrun")
+
+#: Where each backend listens when an endpoint names no port.
+DEFAULT_PORTS = {"c10d": DEFAULT_C10D_PORT, "etcd": DEFAULT_ETCD_PORT}
+
+
+@dataclass(frozen=True)
+class StoreAccess:
+    """Everything needed to open the job's store, checked and read.
+
+    For c10d, `tls_ca` is the CA a client trusts and `tls_pair` the certificate of the
+    store an agent hosts; for etcd, `tls_ca` is `ca_cert` and `tls_pair` the client's own
+    certificate (etcd's --client-cert-auth).
+    """
+
+    backend: str  # "c10d" or "etcd"
+    #: host:port each (IPv6 in brackets); c10d has exactly one
+    endpoints: tuple[str, ...]
+    timeout: float = DEFAULT_TIMEOUT
+    token: str | None = field(default=None, repr=False)
+    tls_ca: bytes | None = None
+    tls_pair: TlsKeyPair | None = field(default=None, repr=False)
+    #: c10d: True hosts the store or fails, False never hosts it, None hosts it when the
+    #: endpoint is this host's and free (as torchrun does)
+    is_host: bool | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(self.endpoints)
+
+
+def parse_endpoints(spec: str, default_port: int) -> tuple[str, ...]:
+    """Split an endpoint list ("h1:2379,h2,[::1]:2379") into host:port strings."""
+    endpoints = []
+    for item in (part.strip() for part in spec.split(",")):
+        if "://" in item:
+            raise StoreSettingError(
+                "endpoint", f"{spec!r}: give host:port without a scheme; TLS is set by its own settings"
+            )
+        try:
+            parts = urllib.parse.urlsplit("//" + item)
+            host, port = parts.hostname or "", parts.port
+            port = default_port if port is None else port
+            extra = bool(parts.path or parts.query or parts.fragment or parts.username)
+        except ValueError:  # a port that is no number in 0..65535
+            host, extra = "", True
+        if extra or port == 0 or not _is_host(host):
+            raise StoreSettingError(
+                "endpoint", f"malformed store endpoint {item!r}: expected host[:port], e.g. node0:{default_port}"
+            )
+        endpoints.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    return tuple(endpoints)
+
+
+#: a host name as the resolver takes it: dot-separated labels of letters, digits, '-' and
+#: '_' (which internal names use), a label neither starting nor ending with '-'
+_HOST_NAME = re.compile(r"(?!-)[\w-]+(?<!-)(\.(?!-)[\w-]+(?<!-))*\.?", re.ASCII)
+
+
+def _is_host(host: str) -> bool:
+    """An IP address (v6 without its brackets) or a host name, IDNA names included."""
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        return True
+    try:
+        ascii_name = host.encode("idna").decode()
+    except UnicodeError:  # an empty or over-long label, an undecodable byte
+        return False
+    return _HOST_NAME.fullmatch(ascii_name) is not None
+
+
+def read_token(token_file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The built-in store's token: the file's content (stripped), else $ELASTICRUN_STORE_TOKEN.
+
+    It travels as a gRPC header value, which must be printable ASCII: anything else is
+    refused here, with the place it came from, rather than failing every call later.
+    """
+    if token_file is None:
+        token, setting = environ.get(TOKEN_ENV) or None, f"${TOKEN_ENV}"
+    else:
+        token, setting = read_file("token_file", token_file).decode("latin-1").strip(), "token_file"
+        if not token:
+            raise StoreSettingError(setting, f"{token_file} is empty")
+    if token is not None and not all(" " <= c <= "~" for c in token):
+        raise StoreSettingError(setting, "the token must be printable ASCII text (it is sent as a gRPC header)")
+    return token
+
+
+def read_file(setting: str, path: str) -> bytes:
+    """The file a setting names (a certificate, a key, a token, a password)."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise StoreSettingError(setting, f"cannot read {path}: {e.strerror}") from None
+
+
+def key_pair(settings: Mapping[str, str], cert: str, key: str) -> TlsKeyPair | None:
+    """The certificate and key that two settings name: both or neither."""
+    if (cert in settings) != (key in settings):
+        raise StoreSettingError((cert, key), "give both or neither")
+    if cert not in settings:
+        return None
+    return TlsKeyPair(cert=read_file(cert, settings[cert]), key=read_file(key, settings[key]))
+
+
+def parse_access(
+    backend: str, endpoint: str, settings: Mapping[str, str], environ: Mapping[str, str]
+) -> StoreAccess:
+    """Read the settings of `backend` ("c10d" or "etcd") once; unrelated keys are ignored."""
+    endpoints = parse_endpoints(endpoint, DEFAULT_PORTS[backend])
+    timeout = _seconds(settings.get("store_timeout"))
+    if backend == "etcd":
+        user, password = _etcd_credentials(settings, environ)
+        ca = settings.get("ca_cert")
+        return StoreAccess(
+            backend,
+            endpoints,
+            timeout,
+            tls_ca=read_file("ca_cert", ca) if ca else None,
+            tls_pair=key_pair(settings, "client_cert", "client_key"),
+            user=user,
+            password=password,
+        )
+    if len(endpoints) != 1:
+        raise StoreSettingError("endpoint", f"the built-in store has one endpoint, got {endpoint!r}")
+    ca = settings.get("tls_ca")
+    return StoreAccess(
+        backend,
+        endpoints,
+        timeout,
+        token=read_token(settings.get("token_file"), environ),
+        tls_ca=read_file("tls_ca", ca) if ca else None,
+        tls_pair=key_pair(settings, "tls_cert", "tls_key"),
+        is_host=_hosting(settings.get("is_host")),
+    )
+
+
+def _seconds(value: str | None) -> float:
+    if value is None:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise StoreSettingError("store_timeout", f"must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _hosting(value: str | None) -> bool | None:
+    if value is None or value == "":
+        return None
+    answer = {"true": True, "1": True, "false": False, "0": False}.get(value.lower())
+    if answer is None:
+        raise StoreSettingError("is_host", f"must be true or false, got {value!r}")
+    return answer
+
+
+def _etcd_credentials(settings: Mapping[str, str], environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """etcd's user and password; the password comes from a file or the environment only."""
+    if "password" in settings:
+        raise StoreSettingError(
+            "password",
+            "it would put the etcd password on the command line: use password_file=<path> or "
+            "password_env=<VARIABLE> instead",
+        )
+    user = settings.get("user")
+    password_file, password_env = settings.get("password_file"), settings.get("password_env")
+    if password_file is not None and password_env is not None:
+        raise StoreSettingError(("password_file", "password_env"), "give one of them, not both")
+    password = None
+    if password_file is not None:
+        try:
+            password = read_file("password_file", password_file).decode().rstrip("\r\n")
+        except UnicodeDecodeError:
+            raise StoreSettingError("password_file", f"{password_file}: the file is not UTF-8 text") from None
+    elif password_env is not None:
+        password = environ.get(password_env)
+        if password is None:
+            raise StoreSettingError("password_env", f"{password_env}: that environment variable is not set")
+        try:
+            password.encode()
+        except UnicodeEncodeError:
+            raise StoreSettingError("password_env", f"{password_env}: the value is not UTF-8 text") from None
+    if (user is None) != (password is None):
+        raise StoreSettingError(
+            ("user", "password_file", "password_env"),
+            "etcd auth needs user together with password_file or password_env",
+        )
+    return user, password
+
+
+def open_client(access: StoreAccess) -> Store:
+    """A client of the job's store: the built-in gRPC store, or etcd."""
+    if access.backend == "etcd":
+        from elasticrun.store.etcd import EtcdStore
+
+        return EtcdStore(
+            access.endpoints,
+            tls_ca=access.tls_ca,
+            client_tls=access.tls_pair,
+            user=access.user,
+            password=access.password,
+            timeout=access.timeout,
+        )
+    from elasticrun.store.client import GrpcStore
+
+    return GrpcStore(access.endpoint, token=access.token, tls_ca=access.tls_ca, timeout=access.timeout)
+
+
+async def serve_here(access: StoreAccess) -> StoreServer | None:
+    """Serve the built-in store on its endpoint, started, when this agent is to host it.
+
+    Without `is_host` that is when the endpoint is this host's and its port is free; with
+    `is_host=true` a port that cannot be had is an error, with `is_host=false` nothing is
+    tried. The caller stops the server.
+    """
+    from elasticrun.store.server import StoreServer
+
+    if access.backend != "c10d" or access.is_host is False:
+        return None
+    host, _, port = access.endpoint.rpartition(":")
+    server = StoreServer(
+        host.strip("[]"), int(port), token=access.token, tls=access.tls_pair, hosted_by_agent=True
+    )
+    try:
+        await server.start()
+    except StoreAddressError:
+        if access.is_host:
+            raise
+        log.debug("not hosting the store: %s is taken or not ours", access.endpoint)
+        return None
+    return server
