@@ -44,7 +44,7 @@ class FaultyStore(MemoryStore):
 
     async def watch(self, key: str, *, start_revision: int, prefix: bool = False) -> AsyncIterator[WatchEvent]:
         async for event in super().watch(key, start_revision=start_revision, prefix=prefix):
-            if self.broken == "job watch" and key == KEYS.job:
+            if (self.broken, key) in (("job watch", KEYS.job), ("leader's watch", KEYS.rdzv)):
                 raise Injected("watch")
             yield event
 
@@ -53,15 +53,24 @@ def the_leader(*nodes: ElasticRendezvous) -> ElasticRendezvous:
     return next(n for n in nodes if n._leader_task is not None and not n._leader_task.done())
 
 
-@pytest.mark.parametrize("task", ["keep-alive", "job watch", "reporter", "leader"])
+@pytest.mark.parametrize(
+    ("task", "failed"),
+    [
+        ("keep-alive", "keep-alive"),
+        ("job watch", "job watch"),
+        ("reporter", "reporter"),
+        ("leader", "leader"),
+        ("leader's watch", "leader"),  # the leader's own helper task: the leader fails
+    ],
+)
 async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
-    task: str, monkeypatch: pytest.MonkeyPatch
+    task: str, failed: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = FaultyStore()
     s = settings(2, 2)
     a, b = make_node(store, "a", s), make_node(store, "b", s)
     first = await asyncio.gather(a.next_round(), b.next_round())
-    victim = the_leader(a, b) if task == "leader" else a
+    victim = the_leader(a, b) if failed == "leader" else a
 
     real_decide = leader_module.decide
     if task == "leader":
@@ -75,7 +84,7 @@ async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
     await store.put(KEYS.job + "poke", b"")
 
     ended = await asyncio.wait_for(victim.round_ended(), 10)
-    assert ended.startswith(f"node {victim._me.node_id} lost its membership: its {task} failed: Injected("), ended
+    assert ended.startswith(f"node {victim._me.node_id} lost its membership: its {failed} failed: Injected("), ended
     # What the agent shows while it stops its workers: not the lost round's state.
     assert victim.waiting_status.startswith("registering again (this node lost its membership: "), victim.waiting_status
 

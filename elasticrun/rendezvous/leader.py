@@ -95,7 +95,7 @@ class Leader:
     async def _lead(self) -> None:
         snapshot = await self._store.get_prefix(self._keys.rdzv)
         self._resync(snapshot)
-        events: asyncio.Queue[WatchEvent | StoreError] = asyncio.Queue()
+        events: asyncio.Queue[WatchEvent | Exception] = asyncio.Queue()
         pump = asyncio.ensure_future(self._pump(snapshot.revision + 1, events))
         try:
             awaiting_write = False
@@ -122,11 +122,15 @@ class Leader:
             with contextlib.suppress(asyncio.CancelledError):
                 await pump
 
-    async def _pump(self, start: int, events: asyncio.Queue[WatchEvent | StoreError]) -> None:
+    async def _pump(self, start: int, events: asyncio.Queue[WatchEvent | Exception]) -> None:
+        """Feed the job's changes to the leader's loop; how the watch ended goes there too
+        (a store error: the loop re-reads; anything else: the leader fails, and its node's
+        supervisor notices), so the loop never waits on a pump that is gone."""
         try:
             async for event in self._store.watch(self._keys.rdzv, start_revision=start, prefix=True):
                 events.put_nowait(event)
-        except StoreError as e:  # handed to the leader's loop, which re-reads
+            events.put_nowait(StoreError("the watch of the job's keys ended"))
+        except Exception as e:
             events.put_nowait(e)
 
     def _resync(self, snapshot: RangeResult) -> None:
@@ -240,8 +244,8 @@ class Leader:
         self._published, self._published_at = decision.reason, now
         return None
 
-    def _apply_event(self, event: WatchEvent | StoreError, awaiting_write: bool) -> bool:
-        if isinstance(event, StoreError):
+    def _apply_event(self, event: WatchEvent | Exception, awaiting_write: bool) -> bool:
+        if isinstance(event, Exception):
             raise event
         if event.key == self._keys.round:
             awaiting_write = False
