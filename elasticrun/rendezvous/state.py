@@ -245,12 +245,23 @@ class JobSpec:
         return f"{self.min_nodes}:{self.max_nodes}"
 
     def differences(self, mine: JobSpec) -> list[str]:
-        """`field: job has X, this node Y` for each field where this node's spec differs."""
-        return [
-            f"{f.name}: job has {getattr(self, f.name)!r}, this node {getattr(mine, f.name)!r}"
-            for f in fields(self)
-            if getattr(self, f.name) != getattr(mine, f.name)
-        ]
+        """`field: job has X, this node Y` for each field where this node's spec differs;
+        min_nodes and max_nodes as one `nnodes`, the flag the user gave them with."""
+        found = []
+        for f in fields(self):
+            name, theirs, ours = f.name, getattr(self, f.name), getattr(mine, f.name)
+            if name == "max_nodes":
+                continue
+            if name == "min_nodes":
+                name, theirs, ours = "nnodes", self.nnodes, mine.nnodes
+            if theirs != ours:
+                found.append(f"{name}: job has {_shown(theirs)!r}, this node {_shown(ours)!r}")
+        return found
+
+
+def _shown(value: object) -> object:
+    """A spec value as the stored JSON has it (a command is a list), for messages."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.launcher.control import JobTarget, JobView, read_job
+from elasticrun.store.access import StoreAccess
 from elasticrun.store.client import GrpcStore
 from tests.agent_helpers import free_port
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
@@ -87,7 +88,7 @@ class Job:
 
     def view(self) -> JobView:
         async def read() -> JobView:
-            target = JobTarget("c10d", self.endpoint, self.run_id, {})
+            target = JobTarget("c10d", self.endpoint, self.run_id, {}, StoreAccess("c10d", (self.endpoint,)))
             async with GrpcStore(self.endpoint, token=self.token) as store:
                 return await read_job(store, target)
 
