@@ -223,8 +223,13 @@ def test_budget_exhausted_every_agent_fails_with_the_root_cause(cluster: Cluster
 # --- scenario 7: a closed rendezvous, and jobs sharing one store -------------------------
 
 
-async def _round_gone(rdzv: Rdzv, run_id: str) -> None:
-    """Wait until the job's closed round record expires from the store (closed_ttl)."""
+async def _end_closed_window(rdzv: Rdzv, run_id: str) -> None:
+    """End the closed job's window now, as its closed_ttl would: revoke the lease its
+    round record is bound to, and wait for the record to go.
+
+    The test sets the window's end itself: with a short closed_ttl instead, a late agent
+    that is slow to start (a loaded machine) would miss the window and start a new job.
+    """
     from elasticrun.rendezvous.state import Keys
     from elasticrun.store.api import EventType
 
@@ -239,17 +244,19 @@ async def _round_gone(rdzv: Rdzv, run_id: str) -> None:
     try:
         key = Keys(run_id).round
         kv = await store.get(key)
-        if kv is not None:
-            async with asyncio.timeout(30):
-                async for event in store.watch(key, start_revision=kv.mod_revision + 1):
-                    if event.type is EventType.DELETE:
-                        break
+        assert kv is not None and kv.lease, f"the closed round record should be bound to a lease: {kv}"
+        async with asyncio.timeout(30):
+            watch = store.watch(key, start_revision=kv.mod_revision + 1)
+            await store.revoke_lease(kv.lease)
+            async for event in watch:
+                if event.type is EventType.DELETE:
+                    break
     finally:
         await store.close()
 
 
 def test_closed_rendezvous_then_fresh_job_and_two_jobs_on_one_store(cluster: Cluster, rdzv: Rdzv) -> None:
-    conf = rdzv.conf + ",closed_ttl=1"
+    conf = rdzv.conf + ",closed_ttl=600"
     first = start(cluster, rdzv, "first", 2, "1", conf=conf, worker_args=["--steps", "3"])
     assert first.wait_exit() == 0
     first.wait_for(r"closed \(succeeded\)")
@@ -259,7 +266,7 @@ def test_closed_rendezvous_then_fresh_job_and_two_jobs_on_one_store(cluster: Clu
     late.wait_for(r"rendezvous '" + re.escape(rdzv.run_id) + r"' is closed \(succeeded\)")
     assert "worker started" not in late.text()
 
-    asyncio.run(_round_gone(rdzv, rdzv.run_id))
+    asyncio.run(_end_closed_window(rdzv, rdzv.run_id))
     again = start(cluster, rdzv, "again", 2, "1", conf=conf)
     other = start(cluster, rdzv, "other", 3, "1", conf=conf, run_id=run_id())
     for p in (again, other):  # both jobs train at the same time on one store
