@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.launcher.control import JobTarget, JobView, read_job
-from elasticrun.store.client import GrpcStore
+from elasticrun.store.access import parse_access
 from tests.agent_helpers import free_port
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
 
@@ -87,8 +87,9 @@ class Job:
 
     def view(self) -> JobView:
         async def read() -> JobView:
-            target = JobTarget("c10d", self.endpoint, self.run_id, {})
-            async with GrpcStore(self.endpoint, token=self.token) as store:
+            conf = {"token_file": str(self.token_file)}
+            target = JobTarget("c10d", self.endpoint, self.run_id, conf, parse_access("c10d", self.endpoint, conf, {}))
+            async with target.open() as store:
                 return await read_job(store, target)
 
         return asyncio.run(read())
@@ -147,15 +148,15 @@ def test_nodes_with_another_spec_are_refused(job: Job, reliability) -> None:
         "min:max": job.agent("other-nnodes", nnodes="1:4"),
     }
     lines = {
-        "script": refused(others["script"], r"job spec differs from the running job", rf"command: job has \[.*{job.script.name}",
-                          rf"this node \[.*{job.other_script.name}", r"start it with the same arguments, or use another --rdzv-id"),
+        "script": refused(others["script"], r"job spec differs from the running job", rf"command: job has [\[(].*{job.script.name}",
+                          rf"this node [\[(].*{job.other_script.name}", r"start it with the same arguments, or use another --rdzv-id"),
         "nproc": refused(others["nproc"], r"nproc_per_node: job has '1', this node '2'"),
-        "min:max": refused(others["min:max"], r"nnodes: job has '1:3', this node '1:4'"),
+        "min:max": refused(others["min:max"], r"max_nodes: job has 3, this node 4"),
     }
     for field, line in lines.items():
         # exactly the field that differs is named, no other
         named = re.findall(r"(\w+): job has", line)
-        assert named == [{"script": "command", "nproc": "nproc_per_node", "min:max": "nnodes"}[field]], line
+        assert named == [{"script": "command", "nproc": "nproc_per_node", "min:max": "max_nodes"}[field]], line
     refused_s = clock()
     assert_undisturbed(job, a, ticks(a))
     finish(job, a)
@@ -166,7 +167,7 @@ def test_nodes_with_another_spec_are_refused(job: Job, reliability) -> None:
         injected="three agents joined a running job (1:3 nodes, 1 worker) with another script, "
         "--nproc-per-node=2, --nnodes=1:4",
         happened="each refused before registering: exit 2, one line naming the differing field "
-        "(command / nproc_per_node / nnodes) and the fix; the job stayed at round 1, its worker never restarted",
+        "(command / nproc_per_node / max_nodes) and the fix; the job stayed at round 1, its worker never restarted",
         recovery_s=refused_s, restarts=0, lost="nothing",
     )
 
@@ -176,7 +177,7 @@ def test_second_job_reusing_a_running_id_is_refused(job: Job, reliability) -> No
     a.wait_for(r"^\[0\]<stdout>: tick 3$")
     second = job.agent("second-job", script=job.other_script, nnodes="2", nproc=2, max_restarts=3)
     line = refused(second, r"job spec differs from the running job", r"use another --rdzv-id")
-    assert set(re.findall(r"(\w+): job has", line)) == {"command", "nnodes", "nproc_per_node", "max_restarts"}, line
+    assert set(re.findall(r"(\w+): job has", line)) == {"command", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts"}, line
     assert_undisturbed(job, a, ticks(a))
     # the same second job under its own id is fine: the refusal was about the id's job
     job.run_id, first_id = "sec-" + secrets.token_hex(4), job.run_id
@@ -191,7 +192,7 @@ def test_second_job_reusing_a_running_id_is_refused(job: Job, reliability) -> No
         scenario="second job reusing a running job's id",
         injected="a job with another script, --nnodes=2, --nproc-per-node=2, --max-restarts=3 started with "
         "the running job's --rdzv-id",
-        happened="refused at once (exit 2) naming command, nnodes, nproc_per_node, max_restarts; the running "
+        happened="refused at once (exit 2) naming command, min_nodes, max_nodes, nproc_per_node, max_restarts; the running "
         "job undisturbed; the same job under its own id ran",
         restarts=0, lost="nothing",
     )
