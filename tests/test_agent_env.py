@@ -80,3 +80,19 @@ def test_base_and_extra_env_pass_through_but_torchrun_variables_win() -> None:
     assert env["RANK"] == "2"
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
     assert base["RANK"] == "7"  # the agent's own environment is left alone
+
+
+def test_the_agents_secrets_are_withheld_and_the_token_comes_as_a_file() -> None:
+    spec = make_spec(Path("train.py"), withheld_env=frozenset({"ELASTICRUN_STORE_TOKEN", "DB_PASSWORD"}))
+    base = {
+        "PATH": "/bin",
+        "ELASTICRUN_STORE_TOKEN": "t0ken",
+        "DB_PASSWORD": "pw",
+        "ELASTICRUN_STORE_TOKEN_FILE": "/elsewhere/stale",  # a parent agent's file: not ours
+    }
+    token_file = Path("/logs/job_node0/store_token")
+    env = worker_env(spec, ASSIGNMENT, 0, base, ERROR_FILE, token_file=token_file)
+    assert "ELASTICRUN_STORE_TOKEN" not in env and "DB_PASSWORD" not in env
+    assert env["ELASTICRUN_STORE_TOKEN_FILE"] == str(token_file)
+    assert env["PATH"] == "/bin"
+    assert "ELASTICRUN_STORE_TOKEN_FILE" not in worker_env(spec, ASSIGNMENT, 0, base, ERROR_FILE)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elasticrun.errors import StoreAuthError, StoreTimeoutError
+from elasticrun.errors import StoreAuthError, StoreSettingError, StoreTimeoutError
 from elasticrun.store.server import StoreServer
 from elasticrun.worker.c10d_store import C10dStore
 
@@ -89,5 +89,29 @@ async def test_adapter_operations_through_a_prefix_store(server: StoreServer) ->
         with pytest.raises(StoreAuthError):
             refused.set("a", b"")
         refused.close()
+
+    await asyncio.to_thread(ops)
+
+
+async def test_without_a_token_the_agents_token_file_is_used(
+    server: StoreServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token_file = tmp_path / "store_token"
+    token_file.write_text(TOKEN)
+    monkeypatch.delenv("ELASTICRUN_STORE_TOKEN_FILE", raising=False)
+
+    def ops() -> None:
+        outside = C10dStore(server.endpoint)  # no file named: no token, refused
+        with pytest.raises(StoreAuthError):
+            outside.set("k", b"v")
+        outside.close()
+        monkeypatch.setenv("ELASTICRUN_STORE_TOKEN_FILE", str(token_file))
+        store = C10dStore(server.endpoint)  # as a worker under an agent builds it
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        store.close()
+        token_file.unlink()  # the agent has ended
+        with pytest.raises(StoreSettingError, match="ELASTICRUN_STORE_TOKEN_FILE.*cannot read"):
+            C10dStore(server.endpoint)
 
     await asyncio.to_thread(ops)

@@ -39,11 +39,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without PET_*, TORCHELASTIC_* or LOGLEVEL, plus `extra`."""
+    """This environment without PET_*, TORCHELASTIC_*, LOGLEVEL or a store token, plus `extra`."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("PET_", "TORCHELASTIC_")) and k != "LOGLEVEL"
+        if not k.startswith(("PET_", "TORCHELASTIC_")) and k not in ("LOGLEVEL", "ELASTICRUN_STORE_TOKEN")
     }
     env.update(extra)
     return env
@@ -545,6 +545,19 @@ BAD_INPUT = {
                                          ["--tls-cert", "--tls-key"]),
     "store serve bad port": (["store", "serve", "--port", "70000"], ["--port", "70000"]),
     "store without a command": (["store"], ["store_command"]),
+    # require_token with no token anywhere: refused before anything starts, naming the flags
+    "agent requiring a token it lacks": (
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "require_token=true", S],
+        ["--rdzv-conf require_token, --rdzv-conf token_file: no store token is set", "$ELASTICRUN_STORE_TOKEN"]),
+    "job control requiring a token it lacks": (
+        ["status", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "j", "--rdzv-conf", "require_token=1"],
+        ["--rdzv-conf require_token, --rdzv-conf token_file: no store token is set"]),
+    "store serve requiring a token it lacks": (
+        ["store", "serve", "--host", "127.0.0.1", "--port", "0", "--require-token"],
+        ["--require-token, --token-file: no store token is set"]),
+    "require_token not a boolean": (
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "require_token=maybe", S],
+        ["--rdzv-conf require_token: must be true or false", "'maybe'"]),
 }
 
 

@@ -33,6 +33,7 @@ from elasticrun.errors import (
     UsageError,
 )
 from elasticrun.launcher import store_cmd
+from elasticrun.store.access import exposure_warning, parse_access
 from elasticrun.store.api import EventType, WatchEvent
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.client import GrpcStore
@@ -459,6 +460,42 @@ def test_serve_config_checks_flags(tmp_path: Path) -> None:
     args = parser.parse_args(["store", "serve"])
     with pytest.raises(UsageError, match="ELASTICRUN_STORE_TOKEN.*printable ASCII"):
         store_cmd.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "a\udcffb"})
+    # --require-token: a token from either place, or a usage error naming both flags
+    args = parser.parse_args(["store", "serve", "--require-token"])
+    assert store_cmd.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "env"}).token == "env"
+    with pytest.raises(UsageError, match=r"^--require-token, --token-file: no store token is set"):
+        store_cmd.serve_config(args, {})
+
+
+def test_the_store_settings_name_the_secret_variables_and_can_require_a_token() -> None:
+    c10d = parse_access("c10d", "h:1", {"password_env": "DB_PW"}, {"ELASTICRUN_STORE_TOKEN": "t"})
+    assert c10d.token == "t" and c10d.secret_env == {"ELASTICRUN_STORE_TOKEN", "DB_PW"}
+    etcd = parse_access("etcd", "h:1", {"user": "u", "password_env": "DB_PW"}, {"DB_PW": "pw"})
+    assert etcd.password == "pw" and etcd.secret_env == {"ELASTICRUN_STORE_TOKEN", "DB_PW"}
+    assert parse_access("c10d", "h:1", {}, {}).secret_env == {"ELASTICRUN_STORE_TOKEN"}
+    required = {"require_token": "true"}
+    assert parse_access("c10d", "h:1", required, {"ELASTICRUN_STORE_TOKEN": "t"}).token == "t"
+    with pytest.raises(StoreSettingError, match="no store token is set") as refused:
+        parse_access("c10d", "h:1", required, {})
+    assert refused.value.settings == ("require_token", "token_file")
+    with pytest.raises(StoreSettingError, match="require_token: must be true or false"):
+        parse_access("c10d", "h:1", {"require_token": "yes"}, {"ELASTICRUN_STORE_TOKEN": "t"})
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "warns"),
+    [
+        ("127.0.0.1:1", False), ("[::1]:1", False), ("localhost:1", False), ("127.0.0.2:1", False),
+        ("0.0.0.0:1", True), ("[::]:1", True), ("10.1.2.3:1", True), ("[2001:db8::1]:1", True),
+    ],
+)
+def test_a_store_without_a_token_warns_where_others_can_reach_it(endpoint: str, warns: bool) -> None:
+    warning = exposure_warning(endpoint, None, "--token-file")
+    assert (warning is not None) == warns, warning
+    if warning is not None:
+        assert warning.startswith(f"the store on {endpoint} has no token: anyone who can reach"), warning
+        assert "--token-file or $ELASTICRUN_STORE_TOKEN" in warning and "\n" not in warning
+    assert exposure_warning(endpoint, "t", "--token-file") is None
 
 
 async def test_store_serve_runs_and_stops_on_sigterm(tmp_path: Path) -> None:

@@ -144,6 +144,23 @@ async def test_redirects_go_to_files_only_and_tee_to_both(
     assert list(outputs[0].stderr_tail) == ["err one", "err two, no newline"]
 
 
+async def test_a_copy_that_fails_is_reported_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def broken(self: FileTail, size: int) -> bytes:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(FileTail, "read", broken)
+    script = write_script(tmp_path, "chatty.py", _CHATTY)
+    spec = make_spec(script, nproc_per_node=1, tee={0: Std.OUT})
+    (tmp_path / "0").mkdir()
+    outputs = await _run_workers(script, {0: plan_streams(spec, 0, tmp_path / "0")}, offset=0)
+    assert "rank 0: its stdout is no longer followed: OSError(5, 'Input/output error')" in caplog.text
+    assert "its stderr" not in caplog.text  # the pipe it reads works
+    assert len((tmp_path / "0/stdout.log").read_text().splitlines()) == 300  # the file has it all
+    assert list(outputs[0].stderr_tail) == ["err one", "err two, no newline"]
+
+
 _BURST = """
 import os, signal, sys
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})

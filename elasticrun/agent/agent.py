@@ -170,6 +170,8 @@ class Agent:
         root = spec.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
         #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/
         self.run_dir = root / f"{spec.run_id}_{spec.node_id}"
+        #: the store's token for the workers, while the agent runs (see `_write_token_file`)
+        self._token_file: Path | None = None
 
     async def run(self) -> AgentResult:
         """Run until the job ends for this node; signals to the agent are handled here."""
@@ -177,15 +179,41 @@ class Agent:
         for sig in self.spec.signals_to_handle:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
+            self._token_file = self._write_token_file()
             if self._channel is not None:
                 await self._channel.start()
             return await self._run()
         finally:
             await self._stop_group()
+            if self._token_file is not None:
+                self._token_file.unlink(missing_ok=True)
             if self._channel is not None:
                 await self._channel.close()
             for sig in self.spec.signals_to_handle:
                 loop.remove_signal_handler(sig)
+
+    def _write_token_file(self) -> Path | None:
+        """Write the store's token once, for the workers' store clients, readable by this
+        user only; None when the store has no token.
+
+        A file rather than a variable: a worker's environment ends up in logs, crash
+        reports and experiment trackers, a file in the agent's run folder does not.
+        """
+        token = self.spec.store_token
+        if token is None:
+            return None
+        path = self.run_dir / "store_token"
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o600)  # a file already there keeps its mode otherwise
+                f.write(token)
+        except OSError as e:
+            raise UsageError(
+                f"cannot write the store token file {path}: {e.strerror} (check --log-dir)"
+            ) from e
+        return path
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self._signal is None:
@@ -408,7 +436,7 @@ class Agent:
             error_files[local_rank] = worker_dir / "error.json"
             error_files[local_rank].unlink(missing_ok=True)
             envs[local_rank] = worker_env(
-                spec, assignment, local_rank, os.environ, error_files[local_rank], socket_path
+                spec, assignment, local_rank, os.environ, error_files[local_rank], socket_path, self._token_file
             )
             if dog is not None:
                 envs[local_rank].update(dog.env(local_rank))

@@ -8,6 +8,10 @@ by variable. Two deliberate differences:
   fresh TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it) in every round.
 - `TORCHELASTIC_SIGNALS_TO_HANDLE` is not set: torchrun sets it in its own process for its
   own signal handling, and workers only inherit it by accident.
+
+And one on purpose beyond torchrun: the agent's secrets (`spec.withheld_env`: the store
+token's variable, etcd's password_env) are not inherited. A worker that needs the store
+finds its token in the file `ELASTICRUN_STORE_TOKEN_FILE` names.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from elasticrun.agent.channel import SOCKET_VAR
 from elasticrun.agent.gpu import worker_gpu_env
 from elasticrun.agent.spec import WorkerSpec
 from elasticrun.rendezvous.api import Assignment
+from elasticrun.store.wire import TOKEN_FILE_ENV
 
 
 def worker_env(
@@ -28,6 +33,7 @@ def worker_env(
     base_env: Mapping[str, str],
     error_file: Path,
     agent_socket: str | None = None,
+    token_file: Path | None = None,
 ) -> dict[str, str]:
     """The complete environment of local rank `local_rank` in this round.
 
@@ -36,9 +42,13 @@ def worker_env(
     in-process mode (`agent_socket` given) the variables that change from round to
     round are left out: the worker gets them over that socket, for each round, so a
     script that does not use `elasticrun.worker.elastic` fails at once instead of
-    joining a group that no longer exists.
+    joining a group that no longer exists. `token_file` is the file that holds the
+    store's token for the workers (the token itself stays out, see `spec.withheld_env`).
     """
-    env = dict(base_env)
+    env = {key: value for key, value in base_env.items() if key not in spec.withheld_env}
+    env.pop(TOKEN_FILE_ENV, None)  # only this agent's file, never one inherited
+    if token_file is not None:
+        env[TOKEN_FILE_ENV] = str(token_file)
     env.update(spec.extra_env)
     env.update(worker_gpu_env(spec.gpu_devices, local_rank, spec.isolate_gpus))
     if "OMP_NUM_THREADS" not in env and spec.nproc_per_node > 1:

@@ -165,6 +165,16 @@ class WorkerOutput:
             )
             for reader, (_, std, stream, console) in zip(readers, streams, strict=True)
         ]
+        for task, (_, _, stream, _) in zip(self._tasks, streams, strict=True):
+            task.add_done_callback(functools.partial(self._copy_ended, stream))
+
+    def _copy_ended(self, stream: str, task: asyncio.Task[None]) -> None:
+        """A copy that fails is said at once: the worker runs on (a log file still takes
+        its output), but the stream no longer reaches the console, the tail or status."""
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning(
+                "rank %d: its %s is no longer followed: %r", self.global_rank, stream, task.exception()
+            )
 
     def _prefix(self, stream: str) -> bytes:
         # read for every line: an in-process round may move the worker to another rank

@@ -81,6 +81,12 @@ class WorkerSpec:
     local_ranks_filter: frozenset[int] | None = None
     #: added to every worker's environment (the torchrun variables still win)
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    #: variables of the agent's environment that hold secrets (the store's token, etcd's
+    #: password): left out of the workers', where training code could log or upload them
+    withheld_env: frozenset[str] = frozenset()
+    #: the built-in store's token, for the workers' store clients: the agent hands it on
+    #: in a file only its user can read (`ELASTICRUN_STORE_TOKEN_FILE`), never by value
+    store_token: str | None = field(default=None, repr=False)
     #: the workers' GPUs (NVML indices, in local-rank order); () without GPUs
     gpu_devices: tuple[int, ...] = ()
     #: give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker)

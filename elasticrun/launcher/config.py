@@ -33,7 +33,7 @@ from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
 from elasticrun.errors import StoreSettingError, UsageError
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.state import JobSpec
-from elasticrun.store.access import StoreAccess, parse_access
+from elasticrun.store.access import SECRET_ENV, StoreAccess, parse_access
 from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TOKEN_ENV
 
 #: backend names as torchrun spells them -> ours
@@ -65,6 +65,7 @@ RDZV_CONF_KEYS = {
     "quarantine_cooldown_max": "the longest quarantine, in seconds; a node quiet this long is forgiven (default 3600)",
     "is_host": "c10d: this agent hosts the store (true/false; default: when the endpoint is local)",
     "token_file": f"c10d: file with the store's token (default: ${TOKEN_ENV})",
+    "require_token": "c10d: refuse to run without a store token (true/false; default false)",
     "tls_ca": "c10d: CA certificate (PEM) to reach the store over TLS",
     "tls_cert": "c10d: certificate (PEM) of the store this agent hosts",
     "tls_key": "c10d: private key (PEM) of the store this agent hosts",
@@ -565,6 +566,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         rdzv, local_addr=host.local_addr, store=host.store, settings=replace(rdzv.settings, run_id=host.run_id)
     )
     spec = request.job_spec
+    store = host.store
     worker = WorkerSpec(
         run_id=host.run_id,
         entrypoint=request.entrypoint,
@@ -582,6 +584,9 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         isolate_gpus=request.isolate_gpus,
         progress_timeout=spec.progress_timeout,
         in_process=spec.elastic_mode == "in-process",
+        # the store's secrets stay in the agent; its workers get the token in a file
+        withheld_env=store.secret_env if store is not None else SECRET_ENV,
+        store_token=store.token if store is not None else None,
     )
     return LaunchConfig(
         rdzv=rdzv,

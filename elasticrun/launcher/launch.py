@@ -20,13 +20,13 @@ from dataclasses import replace
 from elasticrun.agent.agent import Agent, Watch
 from elasticrun.agent.gpu import Gpus, open_gpus
 from elasticrun.errors import GpuUnhealthyError
-from elasticrun.launcher.config import LaunchConfig, RendezvousConfig
+from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, rdzv_flag
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.state import Keys, NodeInfo
 from elasticrun.rendezvous.static import StaticRendezvous
-from elasticrun.store.access import open_client, serve_here
+from elasticrun.store.access import exposure_warning, open_client, serve_here
 from elasticrun.store.api import EventType, Store
 from elasticrun.store.memory import MemoryStore
 
@@ -121,6 +121,9 @@ async def _open_store(rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack) 
     server = await serve_here(rdzv.store)
     if server is not None:
         log.info("hosting the rendezvous store on %s", server.endpoint)
+        warning = exposure_warning(server.endpoint, rdzv.store.token, rdzv_flag("token_file"))
+        if warning is not None:
+            log.warning("%s", warning)
         stack.push_async_callback(server.stop)
         return server.engine, server.engine
     store = open_client(rdzv.store)

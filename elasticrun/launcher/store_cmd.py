@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
-from elasticrun.store.access import key_pair, read_token
+from elasticrun.store.access import exposure_warning, key_pair, read_token
 from elasticrun.store.server import StoreServer
 from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV, TlsKeyPair
 
@@ -27,7 +27,12 @@ class ServeConfig:
 
 
 #: the flag of each store setting `store serve` takes
-_FLAGS = {"token_file": "--token-file", "tls_cert": "--tls-cert", "tls_key": "--tls-key"}
+_FLAGS = {
+    "token_file": "--token-file",
+    "require_token": "--require-token",
+    "tls_cert": "--tls-cert",
+    "tls_key": "--tls-key",
+}
 
 
 def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeConfig:
@@ -37,7 +42,7 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeC
     given = {setting: getattr(args, setting) for setting in _FLAGS if getattr(args, setting) is not None}
     with settings_from_flags(lambda setting: _FLAGS.get(setting, setting)):
         tls = key_pair(given, "tls_cert", "tls_key")
-        token = read_token(args.token_file, environ)
+        token = read_token(args.token_file, environ, required=args.require_token)
     return ServeConfig(args.host, args.port, token, tls)
 
 
@@ -50,13 +55,9 @@ async def serve(config: ServeConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"elasticrun store serving on {server.endpoint}", flush=True)
-    if config.token is None:
-        print(
-            f"elasticrun store: no token, so anyone who can reach {server.endpoint} may "
-            f"read and write it (set --token-file or {TOKEN_ENV})",
-            file=sys.stderr,
-            flush=True,
-        )
+    warning = exposure_warning(server.endpoint, config.token, "--token-file")
+    if warning is not None:
+        print(f"elasticrun store: warning: {warning}", file=sys.stderr, flush=True)
     await stop.wait()
     await server.stop()
     return 0
@@ -83,6 +84,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve_parser.add_argument(
         "--token-file",
         help=f"file holding the token clients must present (default: ${TOKEN_ENV})",
+    )
+    serve_parser.add_argument(
+        "--require-token",
+        action="store_true",
+        help=f"refuse to start without a token (from --token-file or ${TOKEN_ENV})",
     )
     serve_parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS only")
     serve_parser.add_argument("--tls-key", help="PEM private key of --tls-cert")

@@ -5,6 +5,9 @@ timings: the built-in store's token and TLS files, etcd's TLS files and credenti
 call timeout. `parse_access` reads them once, files and secrets included, so that a
 missing certificate fails before anything starts and the store classes take plain
 values; `open_client` and `serve_here` are the one place a store is opened from them.
+It also knows which environment variables hold the store's secrets (`StoreAccess.secret_env`),
+so that the launcher can keep them from the workers, and when a store served without a
+token is open to others (`exposure_warning`).
 
 Errors are `StoreSettingError`s naming the setting; the command that took the setting
 from the user turns them into usage messages naming its flag.
@@ -16,6 +19,7 @@ import ipaddress
 import logging
 import math
 import re
+import socket
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +37,9 @@ log = logging.getLogger("elasticrun")
 
 #: Where each backend listens when an endpoint names no port.
 DEFAULT_PORTS = {"c10d": DEFAULT_C10D_PORT, "etcd": DEFAULT_ETCD_PORT}
+
+#: The variables that hold a store secret whatever the settings: kept from the workers.
+SECRET_ENV = frozenset({TOKEN_ENV})
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,9 @@ class StoreAccess:
     is_host: bool | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
+    #: the environment variables that hold this store's secrets (the token's, etcd's
+    #: password_env): the agent keeps them from its workers
+    secret_env: frozenset[str] = SECRET_ENV
 
     @property
     def endpoint(self) -> str:
@@ -105,11 +115,14 @@ def _is_host(host: str) -> bool:
     return _HOST_NAME.fullmatch(ascii_name) is not None
 
 
-def read_token(token_file: str | None, environ: Mapping[str, str]) -> str | None:
+def read_token(token_file: str | None, environ: Mapping[str, str], *, required: bool = False) -> str | None:
     """The built-in store's token: the file's content (stripped), else $ELASTICRUN_STORE_TOKEN.
 
     It travels as a gRPC header value, which must be printable ASCII: anything else is
     refused here, with the place it came from, rather than failing every call later.
+    `required` (the require_token setting) makes a missing token an error: a site that
+    wants every store protected says so once, and a launch that lost its token on the
+    way fails at once instead of running open to anyone who reaches the port.
     """
     if token_file is None:
         token, setting = environ.get(TOKEN_ENV) or None, f"${TOKEN_ENV}"
@@ -119,6 +132,10 @@ def read_token(token_file: str | None, environ: Mapping[str, str]) -> str | None
             raise StoreSettingError(setting, f"{token_file} is empty")
     if token is not None and not all(" " <= c <= "~" for c in token):
         raise StoreSettingError(setting, "the token must be printable ASCII text (it is sent as a gRPC header)")
+    if token is None and required:
+        raise StoreSettingError(
+            ("require_token", "token_file"), f"no store token is set: give a token file, or set ${TOKEN_ENV}"
+        )
     return token
 
 
@@ -145,6 +162,9 @@ def parse_access(
     """Read the settings of `backend` ("c10d" or "etcd") once; unrelated keys are ignored."""
     endpoints = parse_endpoints(endpoint, DEFAULT_PORTS[backend])
     timeout = _seconds(settings.get("store_timeout"))
+    # a variable named as holding a password is a secret, whichever backend reads it
+    password_env = settings.get("password_env")
+    secret_env = SECRET_ENV | ({password_env} if password_env else set())
     if backend == "etcd":
         user, password = _etcd_credentials(settings, environ)
         ca = settings.get("ca_cert")
@@ -156,6 +176,7 @@ def parse_access(
             tls_pair=key_pair(settings, "client_cert", "client_key"),
             user=user,
             password=password,
+            secret_env=secret_env,
         )
     if len(endpoints) != 1:
         raise StoreSettingError("endpoint", f"the built-in store has one endpoint, got {endpoint!r}")
@@ -164,10 +185,11 @@ def parse_access(
         backend,
         endpoints,
         timeout,
-        token=read_token(settings.get("token_file"), environ),
+        token=read_token(settings.get("token_file"), environ, required=bool(_boolean("require_token", settings))),
         tls_ca=read_file("tls_ca", ca) if ca else None,
         tls_pair=key_pair(settings, "tls_cert", "tls_key"),
-        is_host=_hosting(settings.get("is_host")),
+        is_host=_boolean("is_host", settings),
+        secret_env=secret_env,
     )
 
 
@@ -183,12 +205,14 @@ def _seconds(value: str | None) -> float:
     return seconds
 
 
-def _hosting(value: str | None) -> bool | None:
+def _boolean(setting: str, settings: Mapping[str, str]) -> bool | None:
+    """A true/false setting (1/0 too); None when it is not given or empty."""
+    value = settings.get(setting)
     if value is None or value == "":
         return None
     answer = {"true": True, "1": True, "false": False, "0": False}.get(value.lower())
     if answer is None:
-        raise StoreSettingError("is_host", f"must be true or false, got {value!r}")
+        raise StoreSettingError(setting, f"must be true or false, got {value!r}")
     return answer
 
 
@@ -242,6 +266,37 @@ def open_client(access: StoreAccess) -> Store:
     from elasticrun.store.client import GrpcStore
 
     return GrpcStore(access.endpoint, token=access.token, tls_ca=access.tls_ca, timeout=access.timeout)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this host can reach `host`: a loopback address, or a name that
+    resolves to loopback addresses only. A wildcard (0.0.0.0, ::) is every interface."""
+    try:
+        addresses = {ipaddress.ip_address(host.strip("[]"))}
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return False
+        addresses = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
+    return bool(addresses) and all(address.is_loopback for address in addresses)
+
+
+def exposure_warning(endpoint: str, token: str | None, token_flag: str) -> str | None:
+    """What to tell whoever serves the store on `endpoint` without a token, when others
+    can reach it (None when a token is set or it listens on loopback only).
+
+    Without a token the store cannot tell a node of the job from anyone else on the
+    network, so the line says who can do what, and how to close it (`token_flag` is
+    the token's flag in the command at hand).
+    """
+    if token is not None or is_loopback(endpoint.rpartition(":")[0]):
+        return None
+    return (
+        f"the store on {endpoint} has no token: anyone who can reach that port can join the job, "
+        f"read and change its records, and stop it; set {token_flag} or ${TOKEN_ENV} on every node "
+        "and for job control"
+    )
 
 
 async def serve_here(access: StoreAccess) -> StoreServer | None:

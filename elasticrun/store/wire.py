@@ -16,6 +16,10 @@ from dataclasses import dataclass
 TOKEN_METADATA_KEY = "authorization"
 #: Where the token comes from when no --token-file is given, for server and clients alike.
 TOKEN_ENV = "ELASTICRUN_STORE_TOKEN"
+#: Where a worker finds the token: the path of a file only its user can read, written by
+#: its agent. Workers never get the token itself in their environment, where whatever
+#: they log or send to an experiment tracker would carry it.
+TOKEN_FILE_ENV = "ELASTICRUN_STORE_TOKEN_FILE"
 
 #: Replies can carry many keys (a prefix range of a large job): the server sends, and
 #: the clients accept, messages up to this size.

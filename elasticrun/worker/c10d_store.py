@@ -1,21 +1,30 @@
 """A `torch.distributed.Store` backed by the built-in store server.
 
-    store = C10dStore("node0:29400", token=os.environ.get("ELASTICRUN_STORE_TOKEN"))
+    store = C10dStore("node0:29400")
     torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=n)
 
 Unlike TCPStore it needs no extra port, speaks to a server that can require a token and
 TLS, and loads nothing but bytes from the wire.
+
+Under an elasticrun agent whose store has a token, a worker finds it without being told:
+the agent keeps the token out of its workers' environment (whatever a script logs or
+sends to an experiment tracker would carry it) and writes it instead to a file only its
+user can read, named by `$ELASTICRUN_STORE_TOKEN_FILE`, which `C10dStore` reads when no
+`token` is passed.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch.distributed as dist
 
+from elasticrun.errors import StoreSettingError
 from elasticrun.store.c10d_client import C10dClient
-from elasticrun.store.wire import DEFAULT_TIMEOUT
+from elasticrun.store.wire import DEFAULT_TIMEOUT, TOKEN_FILE_ENV
 
 #: torch's default store timeout: how long get/wait wait for a key.
 DEFAULT_WAIT = datetime.timedelta(seconds=300)
@@ -26,11 +35,26 @@ def _as_bytes(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
+def agent_token() -> str | None:
+    """The store token the agent left for its workers: the content of the file
+    `$ELASTICRUN_STORE_TOKEN_FILE` names; None when it names none (a store without one)."""
+    path = os.environ.get(TOKEN_FILE_ENV)
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not text"
+        raise StoreSettingError(f"${TOKEN_FILE_ENV}", f"cannot read the store token file {path}: {why}") from None
+
+
 class C10dStore(dist.Store):
     """The c10d operations of the store server at `endpoint` (host:port).
 
-    `timeout` is how long get/wait wait for keys (torch's store timeout);
-    `connect_timeout` bounds reaching the server for each call.
+    `token` is the store's token; without one, the token the agent left for its
+    workers (`agent_token`) is used, if any. `timeout` is how long get/wait wait for
+    keys (torch's store timeout); `connect_timeout` bounds reaching the server for
+    each call.
     """
 
     def __init__(
@@ -44,6 +68,8 @@ class C10dStore(dist.Store):
     ) -> None:
         super().__init__()
         self.set_timeout(timeout)
+        if token is None:
+            token = agent_token()
         self._client = C10dClient(endpoint, token=token, tls_ca=tls_ca, timeout=connect_timeout)
 
     def _wait_seconds(self, timeout: datetime.timedelta | None = None) -> float:

@@ -28,8 +28,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.launcher.control import JobTarget, JobView, read_job
-from elasticrun.store.access import StoreAccess
-from elasticrun.store.client import GrpcStore
+from elasticrun.store.access import parse_access
 from tests.agent_helpers import free_port
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
 
@@ -88,8 +87,9 @@ class Job:
 
     def view(self) -> JobView:
         async def read() -> JobView:
-            target = JobTarget("c10d", self.endpoint, self.run_id, {}, StoreAccess("c10d", (self.endpoint,)))
-            async with GrpcStore(self.endpoint, token=self.token) as store:
+            conf = {"token_file": str(self.token_file)}
+            target = JobTarget("c10d", self.endpoint, self.run_id, conf, parse_access("c10d", self.endpoint, conf, {}))
+            async with target.open() as store:
                 return await read_job(store, target)
 
         return asyncio.run(read())
