@@ -139,6 +139,11 @@ class SpecMismatchError(RendezvousError):
 # --- workers -------------------------------------------------------------------------
 
 
+class StateTransferError(ElasticrunError):
+    """In-process mode: a state's structure cannot be sent (a value of a type the format
+    does not carry), or what a peer sent is not one (malformed, too big, or a pickle)."""
+
+
 class WorkerStartError(ElasticrunError):
     """A worker process could not be started at all (missing script, bad interpreter)."""
 

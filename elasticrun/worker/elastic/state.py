@@ -12,21 +12,23 @@ a survivor, never from disk, and survivors move nothing among themselves.
 Each named object is kept by what it is: a `torch.nn.Module` by its tensors, anything else with `state_dict()` and
 `load_state_dict()` (an optimizer, an LR scheduler, a GradScaler) by its state dict,
 and plain values by value. `sync()` sends every tensor among them as a tensor (in
-buckets, so nccl moves GPU tensors GPU to GPU and nothing is pickled twice) and pickles
-only what is left: the structure of the state dicts and the plain values.
+buckets, so nccl moves GPU tensors GPU to GPU) and what is left, the structure of the
+state dicts and the plain values, as plain data (`structure`): nothing is pickled, so
+nothing a peer sends can run code here.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from elasticrun.errors import StateTransferError
 from elasticrun.worker.elastic.session import flag_device
+from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
 
 
 class MembershipChanged(BaseException):
@@ -197,14 +199,12 @@ class State:
     def _send_to(self, receiver: int) -> None:
         others: list[torch.Tensor] = []
         payloads = {n: s.payload() for n, s in self._slots.items() if not isinstance(s, _ModuleSlot)}
-        dist.send_object_list([_hollow(payloads, others)], dst=receiver)
+        _send_structure(_hollow(payloads, others), receiver)
         _send_tensors(self._module_tensors() + others, receiver)
 
     def _receive_from(self, sender: int) -> None:
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=sender)
         others: list[torch.Tensor] = []
-        payloads = _fill(box[0], others)
+        payloads = _fill(_receive_structure(sender), others)
         _receive_tensors(self._module_tensors() + others, sender)
         for name, payload in payloads.items():
             self._slots[name].load(payload)
@@ -217,21 +217,31 @@ class State:
 _BUCKET_BYTES = 64 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class _TensorHole:
-    """Where a tensor was in a pickled state dict: what the receivers allocate."""
+def _send_structure(obj: Any, receiver: int) -> None:
+    """One message: its length, then its bytes (as uint8 tensors, so nccl carries them)."""
+    data = encode(obj)
+    device = flag_device()
+    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst=receiver)
+    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst=receiver)
 
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    on_cpu: bool
+
+def _receive_structure(sender: int) -> Any:
+    device = flag_device()
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src=sender)
+    length = int(size.item())
+    if not 0 < length <= MAX_BYTES:
+        raise StateTransferError(f"rank {sender} announced a state structure of {length} bytes (1..{MAX_BYTES})")
+    data = torch.empty(length, dtype=torch.uint8, device=device)
+    dist.recv(data, src=sender)
+    return decode(bytes(data.cpu().tolist()))
 
 
 def _hollow(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """`obj` with each tensor replaced by a _TensorHole; the tensors go to `tensors`."""
+    """`obj` with each tensor replaced by a TensorHole; the tensors go to `tensors`."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj.detach())
-        return _TensorHole(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type == "cpu")
+        return TensorHole(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type == "cpu")
     if isinstance(obj, dict):
         return {k: _hollow(v, tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -241,7 +251,7 @@ def _hollow(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """The inverse of _hollow on a receiver: new, empty tensors in the holes."""
-    if isinstance(obj, _TensorHole):
+    if isinstance(obj, TensorHole):
         device = torch.device("cpu") if obj.on_cpu else flag_device()
         tensors.append(torch.empty(obj.shape, dtype=obj.dtype, device=device))
         return tensors[-1]
