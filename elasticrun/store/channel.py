@@ -45,6 +45,9 @@ CLIENT_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
     ("grpc.max_send_message_length", -1),
+    # A connection of its own per client (grpc shares them within a process by
+    # default): the server's per-connection limits then hold per client.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 _TLS_MARKERS = ("ssl", "handshake", "certificate", "tsi_")
