@@ -457,6 +457,30 @@ async def test_tls_right_ca_wrong_ca_and_plaintext(tmp_path: Path) -> None:
     await server.stop()
 
 
+@pytest.mark.timeout(60)
+async def test_a_plaintext_client_of_a_tls_server_is_told_at_once(tmp_path: Path) -> None:
+    """The server hangs up on plaintext, which grpc words as a server going away; the
+    clients must not retry for their whole timeout (600 s here, far past the test's)."""
+    _, pair = _ca_and_server_cert(tmp_path)
+    server = StoreServer("127.0.0.1", 0, tls=pair)
+    await server.start()
+    told = f"the store at {server.endpoint} speaks TLS but this client does not"
+    client = GrpcStore(server.endpoint, timeout=600)
+    with pytest.raises(StoreAuthError, match=told) as info:
+        await client.get("k")
+    assert info.value.exit_code == 2
+    with pytest.raises(StoreAuthError, match=told):
+        await next_events(client.watch("k", start_revision=1), 1)
+    with pytest.raises(StoreAuthError, match=told):
+        await client.keep_alive(1)
+    await client.close()
+    c10d = C10dClient(server.endpoint, timeout=600)
+    with pytest.raises(StoreAuthError, match=told):
+        await asyncio.to_thread(c10d.num_keys)
+    c10d.close()
+    await server.stop()
+
+
 async def test_a_tls_key_that_does_not_fit_is_a_setting_error(tmp_path: Path) -> None:
     _, pair = _ca_and_server_cert(tmp_path)
     _, other = _ca_and_server_cert(tmp_path)
