@@ -104,6 +104,8 @@ class StoreServer:
     `hosted_by_agent` tells the clients (in every watch reply) that this server lives
     and dies with a launcher agent: a refused connection then means it is gone for good,
     and they stop waiting for it at once instead of after their timeout.
+    `max_calls` bounds the calls in progress from all clients, `connection_limits` what
+    each client connection may take of them (and of the engine's leases).
     """
 
     def __init__(
@@ -211,7 +213,8 @@ class StoreServer:
     @contextlib.asynccontextmanager
     async def counted_call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         """Count a call against its connection's `max_calls` for as long as it runs."""
-        async with _counted(self._calls, context, self.connection_limits.max_calls, "calls in progress", "max_calls"):
+        limit = self.connection_limits.max_calls
+        async with _counted(self._calls, context, limit, "calls in progress", "max_calls"):
             yield
 
     @contextlib.asynccontextmanager
