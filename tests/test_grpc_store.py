@@ -37,8 +37,8 @@ from elasticrun.store.access import exposure_warning, parse_access
 from elasticrun.store.api import EventType, WatchEvent
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.client import GrpcStore
-from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.memory import MAX_LEASE_TTL, MemoryStore
+from elasticrun.store.server import ConnectionLimits, StoreServer
 from elasticrun.store.wire import TlsKeyPair
 from tests.agent_helpers import eventually
 
@@ -250,6 +250,117 @@ async def test_limits_are_clear_errors() -> None:
     await server.engine.close()
 
 
+async def test_multi_set_is_all_or_nothing() -> None:
+    """A batch that breaks a bound midway leaves nothing of it behind (etcd's txn)."""
+    server = StoreServer("127.0.0.1", 0, engine=MemoryStore(max_keys=3, max_value_bytes=16))
+    await server.start()
+    c10d = C10dClient(server.endpoint)
+
+    def ops() -> None:
+        c10d.set("a", b"1")
+        with pytest.raises(StoreLimitError, match="max_keys"):
+            c10d.multi_set(["b", "c", "d"], [b"2", b"3", b"4"])  # "d" is one key too many
+        with pytest.raises(StoreLimitError, match="max_value_bytes"):
+            c10d.multi_set(["a", "b"], [b"changed", b"x" * 17])
+        assert c10d.num_keys() == 1 and not c10d.check(["b"])
+        assert c10d.get("a", 5) == b"1"
+        c10d.multi_set(["b", "c"], [b"2", b"3"])  # within the bounds: all of it
+        assert c10d.multi_get(["a", "b", "c"], 5) == [b"1", b"2", b"3"]
+
+    await asyncio.to_thread(ops)
+    c10d.close()
+    await server.stop()
+    await server.engine.close()
+
+
+async def test_empty_keys_are_refused(server: StoreServer) -> None:
+    client, c10d = GrpcStore(server.endpoint), C10dClient(server.endpoint)
+    for call in (client.put("", b"v"), client.get(""), client.delete("")):
+        with pytest.raises(StoreRequestError, match="a key must not be empty"):
+            await call
+    with pytest.raises(StoreRequestError, match="a key must not be empty"):
+        await asyncio.to_thread(c10d.set, "", b"v")
+    with pytest.raises(StoreRequestError, match="a key must not be empty"):
+        await asyncio.to_thread(c10d.multi_set, ["ok", ""], [b"1", b"2"])
+    with pytest.raises(StoreRequestError, match="a key must not be empty"):
+        await next_events(client.watch("", start_revision=1), 1)
+    assert (await client.get_prefix("")).kvs == ()  # a prefix may be empty: everything
+    c10d.close()
+    await client.close()
+
+
+async def test_absurd_lease_ttls_are_refused(server: StoreServer) -> None:
+    client = GrpcStore(server.endpoint)
+    for ttl in (1e300, MAX_LEASE_TTL * 2):
+        with pytest.raises(StoreRequestError, match="etcd's limit"):
+            await client.grant_lease(ttl)
+    await client.revoke_lease(await client.grant_lease(MAX_LEASE_TTL))
+    await client.close()
+
+
+# --- limits per connection ----------------------------------------------------------
+
+
+async def test_one_connection_cannot_take_the_leases_of_others() -> None:
+    server = StoreServer("127.0.0.1", 0, connection_limits=ConnectionLimits(max_leases=2))
+    await server.start()
+    greedy, other = GrpcStore(server.endpoint), GrpcStore(server.endpoint)
+    held = [await greedy.grant_lease(60), await greedy.grant_lease(0.2)]
+    with pytest.raises(StoreLimitError, match="max_leases per connection"):
+        await greedy.grant_lease(60)
+    await other.put("other", b"", lease=await other.grant_lease(60))  # unaffected
+    await greedy.revoke_lease(held[0])  # a revoked lease no longer counts
+    held[0] = await greedy.grant_lease(60)
+    with pytest.raises(StoreLimitError, match="max_leases per connection"):
+        await greedy.grant_lease(60)
+    # nor does an expired one (the 0.2 s lease, never kept alive)
+    peer = server.engine._leases[held[0]].owner
+    await eventually(lambda: server.engine.leases_owned_by(peer) < 2, EVENT_WAIT)
+    await greedy.grant_lease(60)
+    await greedy.close()
+    await other.close()
+    await server.stop()
+
+
+async def test_one_connection_cannot_take_the_watches_of_others() -> None:
+    server = StoreServer("127.0.0.1", 0, connection_limits=ConnectionLimits(max_watches=2))
+    await server.start()
+    greedy, other = GrpcStore(server.endpoint), GrpcStore(server.endpoint)
+    revision = await other.put("k", b"1")
+    watches = [greedy.watch("k", start_revision=revision) for _ in range(2)]
+    for watch in watches:  # each stream open on the server, holding its event
+        await next_events(watch, 1)
+    with pytest.raises(StoreLimitError, match="max_watches per connection"):
+        await next_events(greedy.watch("k", start_revision=revision), 1)
+    mine = other.watch("k", start_revision=revision)
+    assert [e.value for e in await next_events(mine, 1)] == [b"1"]
+    for watch in (*watches, mine):
+        await watch.aclose()
+    await greedy.close()
+    await other.close()
+    await server.stop()
+
+
+async def test_one_connection_cannot_take_the_calls_of_others() -> None:
+    limits = ConnectionLimits(max_calls=2)
+    server = StoreServer("127.0.0.1", 0, connection_limits=limits)
+    await server.start()
+    greedy, other = GrpcStore(server.endpoint), GrpcStore(server.endpoint)
+    revision = await other.put("k", b"1")
+    watches = [greedy.watch("k", start_revision=revision) for _ in range(2)]
+    for watch in watches:  # two calls in progress for as long as they stay open
+        await next_events(watch, 1)
+    with pytest.raises(StoreLimitError, match="max_calls per connection"):
+        await greedy.get("k")
+    kv = await other.get("k")
+    assert kv is not None and kv.value == b"1"
+    for watch in watches:
+        await watch.aclose()
+    await greedy.close()
+    await other.close()
+    await server.stop()
+
+
 # --- token ----------------------------------------------------------------------------
 
 
@@ -345,6 +456,46 @@ async def test_tls_right_ca_wrong_ca_and_plaintext(tmp_path: Path) -> None:
         await plaintext.get("k")
     await plaintext.close()
     await server.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_plaintext_client_of_a_tls_server_is_told_at_once(tmp_path: Path) -> None:
+    """The server hangs up on plaintext, which grpc words as a server going away; the
+    clients must not retry for their whole timeout (600 s here, far past the test's)."""
+    _, pair = _ca_and_server_cert(tmp_path)
+    server = StoreServer("127.0.0.1", 0, tls=pair)
+    await server.start()
+    told = f"the store at {server.endpoint} speaks TLS but this client does not"
+    client = GrpcStore(server.endpoint, timeout=600)
+    with pytest.raises(StoreAuthError, match=told) as info:
+        await client.get("k")
+    assert info.value.exit_code == 2
+    with pytest.raises(StoreAuthError, match=told):
+        await next_events(client.watch("k", start_revision=1), 1)
+    with pytest.raises(StoreAuthError, match=told):
+        await client.keep_alive(1)
+    await client.close()
+    c10d = C10dClient(server.endpoint, timeout=600)
+    with pytest.raises(StoreAuthError, match=told):
+        await asyncio.to_thread(c10d.num_keys)
+    c10d.close()
+    await server.stop()
+
+
+async def test_a_tls_key_that_does_not_fit_is_a_setting_error(tmp_path: Path) -> None:
+    _, pair = _ca_and_server_cert(tmp_path)
+    _, other = _ca_and_server_cert(tmp_path)
+    wrong = {
+        ("tls_cert", "tls_key"): TlsKeyPair(cert=pair.cert, key=other.key),
+        ("tls_cert",): TlsKeyPair(cert=b"not a certificate", key=pair.key),
+        ("tls_key",): TlsKeyPair(cert=pair.cert, key=b"not a key"),
+    }
+    for settings, tls in wrong.items():
+        with pytest.raises(StoreSettingError) as info:
+            await StoreServer("127.0.0.1", 0, tls=tls).start()
+        assert info.value.settings == settings and info.value.exit_code == 2
+    with pytest.raises(StoreSettingError, match="the key does not belong to the certificate"):
+        await StoreServer("127.0.0.1", 0, tls=wrong[("tls_cert", "tls_key")]).start()
 
 
 # --- unreachable and wrong addresses -----------------------------------------------

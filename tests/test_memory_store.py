@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from unittest import mock
 
@@ -220,10 +221,42 @@ async def test_close_ends_open_watches() -> None:
         await store.get("k")
 
 
-async def test_lease_ttl_must_be_positive() -> None:
+async def test_lease_ttl_must_be_positive_and_at_most_etcds_limit() -> None:
     store = MemoryStore()
-    with pytest.raises(StoreRequestError):
-        await store.grant_lease(0)
+    for ttl in (0, -1, math.nan, math.inf, 1e300, memory_store.MAX_LEASE_TTL + 1):
+        with pytest.raises(StoreRequestError):
+            await store.grant_lease(ttl)
+    await store.grant_lease(memory_store.MAX_LEASE_TTL)
+    await store.close()
+
+
+async def test_leases_are_counted_by_owner_until_revoked_or_expired() -> None:
+    store = MemoryStore()
+    kept = await store.grant_lease(60, owner="a")
+    await store.grant_lease(0.05, owner="a")
+    await store.grant_lease(60, owner="b")
+    assert (store.leases_owned_by("a"), store.leases_owned_by("b")) == (2, 1)
+    await store.revoke_lease(kept)
+    assert store.leases_owned_by("a") == 1
+    async with asyncio.timeout(EVENT_WAIT):
+        while store.leases_owned_by("a"):  # the short one expires on the timer
+            await asyncio.sleep(0.01)
+    assert store.leases_owned_by("b") == 1 and not store._owned.get("a")
+    await store.close()
+
+
+async def test_put_all_is_all_or_nothing() -> None:
+    store = MemoryStore(max_total_bytes=100)
+    await store.put("a", b"x" * 40)
+    revision = store.revision
+    with pytest.raises(StoreLimitError, match="max_total_bytes"):
+        await store.put_all([("b", b"y" * 30), ("c", b"z" * 30)])
+    with pytest.raises(StoreRequestError, match="empty"):
+        await store.put_all([("b", b""), ("", b"")])
+    assert store.revision == revision and len(store) == 1
+    # the total after the batch is what counts: "a" shrinks as "b" grows
+    await store.put_all([("b", b"y" * 50), ("a", b"")])
+    assert [kv.value for kv in (await store.get_prefix("")).kvs] == [b"", b"y" * 50]
     await store.close()
 
 

@@ -6,7 +6,8 @@ generated stubs), never the server, its in-memory engine or the async client, so
 importing it costs a worker little.
 
 Like the async client, a call that finds the server unreachable is retried with backoff
-until `timeout`, then fails with StoreUnavailableError naming host:port.
+until `timeout`, then fails with StoreUnavailableError naming host:port; a plaintext
+client of a TLS server gets StoreAuthError at once.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from elasticrun.store.channel import (
     credentials,
     error_from,
     grpc_target,
+    hung_up,
     retryable,
+    tls_refusal,
 )
 from elasticrun.store.wire import DEFAULT_TIMEOUT
 
@@ -52,6 +55,7 @@ class C10dClient:
     ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self._tls_ca = tls_ca
         target = grpc_target(endpoint)
         creds = credentials(tls_ca)
         if creds is None:
@@ -80,6 +84,9 @@ class C10dClient:
                     metadata=self._metadata,
                 )
             except grpc.RpcError as e:
+                refusal = tls_refusal(self.endpoint) if self._tls_ca is None and hung_up(e) else None
+                if refusal is not None:
+                    raise refusal from None
                 if not retryable(e) or time.monotonic() + delay >= start + self.timeout:
                     raise error_from(e, self.endpoint) from None
             time.sleep(delay)

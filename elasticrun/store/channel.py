@@ -9,6 +9,9 @@ from either client so that a worker loading the blocking one does not load the o
 
 from __future__ import annotations
 
+import socket
+import ssl
+
 import grpc
 
 from elasticrun.errors import (
@@ -45,6 +48,9 @@ CLIENT_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
     ("grpc.max_send_message_length", -1),
+    # A connection of its own per client (grpc shares them within a process by
+    # default): the server's per-connection limits then hold per client.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 _TLS_MARKERS = ("ssl", "handshake", "certificate", "tsi_")
@@ -72,6 +78,52 @@ def credentials(tls_ca: bytes | None) -> grpc.ChannelCredentials | None:
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """The metadata every call carries: the token's header, when there is a token."""
     return ((TOKEN_METADATA_KEY, bearer(token)),) if token else ()
+
+
+#: How long the probe of `tls_refusal` may take: a TLS server answers at once.
+TLS_PROBE_TIMEOUT = 2.0
+
+
+def hung_up(error: grpc.RpcError) -> bool:
+    """Whether the server closed the connection before HTTP/2 began: what a plaintext
+    client sees of a TLS server (and of a server going away). See `tls_refusal`."""
+    return "socket closed" in (error.details() or "").lower()
+
+
+def tls_refusal(endpoint: str) -> StoreAuthError | None:
+    """For a plaintext client that the server at `endpoint` hung up on: the error to
+    raise if that server speaks TLS, else None (it is going away: retry). Blocking.
+
+    grpc words a TLS server's hang-up as "Socket closed" (UNAVAILABLE), as it does a
+    server going away, so the client would retry for its whole timeout and end in
+    "unreachable". A server that answers a TLS ClientHello with a TLS handshake record
+    speaks TLS: say so at once.
+    """
+    if not _speaks_tls(endpoint):
+        return None
+    return StoreAuthError(
+        f"the store at {endpoint} speaks TLS but this client does not: give the store's CA "
+        "certificate (--rdzv-conf tls_ca=<file>)"
+    )
+
+
+def _speaks_tls(endpoint: str) -> bool:
+    host, _, port = endpoint.rpartition(":")
+    outgoing = ssl.MemoryBIO()
+    hello = ssl.create_default_context()
+    hello.check_hostname = False
+    hello.verify_mode = ssl.CERT_NONE
+    try:  # only to write our ClientHello into `outgoing`: no reply is read here
+        hello.wrap_bio(ssl.MemoryBIO(), outgoing).do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=TLS_PROBE_TIMEOUT) as sock:
+            sock.sendall(outgoing.read())
+            reply = sock.recv(2)
+    except OSError:
+        return False
+    return reply == b"\x16\x03"  # a TLS handshake record (ServerHello), any TLS version
 
 
 def _is_tls_failure(details: str) -> bool:

@@ -10,7 +10,8 @@ its memory) gets CompactedError, so the caller re-reads instead of missing chang
 One exception to the retries: a server that said (in a watch reply) it is hosted by a
 launcher agent is never restarted, so when its port refuses connections every call
 fails at once, as torchrun's agents do when the agent hosting their TCPStore dies,
-rather than after the whole timeout.
+rather than after the whole timeout. Nor are calls retried when a plaintext client
+finds that the server speaks TLS (`channel.tls_refusal`): StoreAuthError at once.
 
 The blocking client of the c10d operations is `store/c10d_client.py`; what both share
 (endpoint check, channel options, error translation) is `store/channel.py`.
@@ -49,7 +50,9 @@ from elasticrun.store.channel import (
     credentials,
     error_from,
     grpc_target,
+    hung_up,
     retryable,
+    tls_refusal,
 )
 from elasticrun.store.wire import DEFAULT_TIMEOUT
 
@@ -119,10 +122,20 @@ class GrpcStore(Store):
                     request, timeout=max(deadline - loop.time(), 0.0), metadata=self._metadata
                 )
             except grpc.aio.AioRpcError as e:
-                if not self._worth_retrying(e) or loop.time() + delay >= deadline:
-                    raise self._final_error(e, lease) from None
+                await self._retry_or_raise(e, lease, out_of_time=loop.time() + delay >= deadline)
             await asyncio.sleep(delay)
             delay = min(2 * delay, MAX_BACKOFF)
+
+    async def _retry_or_raise(self, error: grpc.RpcError, lease: int = 0, *, out_of_time: bool = False) -> None:
+        """Return if `error` is worth another try, else raise what it means (a plaintext
+        client that a TLS server hangs up on is told so, not left retrying)."""
+        worth_it = self._worth_retrying(error)
+        if worth_it and self._tls_ca is None and hung_up(error):
+            refusal = await asyncio.to_thread(tls_refusal, self.endpoint)
+            if refusal is not None:
+                raise refusal from None
+        if not worth_it or out_of_time:
+            raise self._final_error(error, lease) from None
 
     def _worth_retrying(self, error: grpc.RpcError) -> bool:
         return retryable(error) and not self._host_gone(error)
@@ -208,8 +221,7 @@ class GrpcStore(Store):
                     self.endpoint, f"no keep-alive reply within {self.timeout:g} s"
                 ) from None
             except grpc.aio.AioRpcError as e:
-                if not self._worth_retrying(e) or loop.time() + delay >= deadline:
-                    raise self._final_error(e, lease) from None
+                await self._retry_or_raise(e, lease, out_of_time=loop.time() + delay >= deadline)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, MAX_BACKOFF)
                 continue
@@ -254,8 +266,7 @@ class GrpcStore(Store):
                         cursor = reply.events[-1].revision + 1
                 error: grpc.RpcError | None = None
             except grpc.aio.AioRpcError as e:
-                if not self._worth_retrying(e):
-                    raise self._final_error(e) from None
+                await self._retry_or_raise(e)
                 error = e
             finally:
                 call.cancel()

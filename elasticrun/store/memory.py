@@ -36,7 +36,6 @@ import asyncio
 import bisect
 import contextlib
 import heapq
-import math
 import secrets
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable, Sequence
@@ -66,6 +65,10 @@ DEFAULT_MAX_KEYS = 100_000
 DEFAULT_MAX_TOTAL_BYTES = 1 << 30
 #: Live leases (one per agent, about): each never-expiring lease would be kept forever.
 DEFAULT_MAX_LEASES = 100_000
+#: The longest lease TTL granted: etcd's own (`MaxLeaseTTL`, about 285 years), so a TTL
+#: one backend accepts the other does too; anything longer is a mistake of units or a
+#: value that no longer fits a deadline (1e300 s).
+MAX_LEASE_TTL = 9_000_000_000.0
 #: Bytes of watch history kept (keys + values + a fixed cost per event).
 DEFAULT_HISTORY_BYTES = 64 << 20
 _EVENT_OVERHEAD_BYTES = 64
@@ -84,6 +87,8 @@ class _Lease:
     id: int
     ttl: float
     deadline: float
+    #: who granted it (the server's client connection), counted in `_owned`
+    owner: str = ""
     keys: set[str] = field(default_factory=set)
 
 
@@ -174,7 +179,8 @@ class MemoryStore(Store):
 
     `max_key_bytes`, `max_value_bytes`, `max_keys`, `max_total_bytes` (keys and values
     together) and `max_leases` bound what a writer can make the store hold
-    (StoreLimitError past them); `history_bytes` bounds the watch history.
+    (StoreLimitError past them); `history_bytes` bounds the watch history. Empty keys
+    are refused (StoreRequestError), as etcd refuses them.
     """
 
     def __init__(
@@ -207,6 +213,7 @@ class MemoryStore(Store):
         self._exact_watchers: dict[str, set[_Watcher]] = {}
         self._prefix_watchers: set[_Watcher] = set()
         self._leases: dict[int, _Lease] = {}
+        self._owned: dict[str, int] = {}  # live leases by owner; no entry at zero
         self._expiry_heap: list[tuple[float, int]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
@@ -224,6 +231,7 @@ class MemoryStore(Store):
 
     async def get(self, key: str) -> KeyValue | None:
         self._check_open()
+        _check_not_empty(key)
         return self._kvs.get(key)
 
     async def get_prefix(self, prefix: str) -> RangeResult:
@@ -239,6 +247,29 @@ class MemoryStore(Store):
         self._put(key, value, lease)
         return self._revision
 
+    async def put_all(self, items: Sequence[tuple[str, bytes]]) -> int:
+        """Put every (key, value) without a lease, or none if one of them would break a
+        bound (etcd's transactions are all or nothing too). A key given twice takes its
+        last value, written once. Returns the store revision."""
+        self._check_open()
+        batch = dict(items)
+        for key, value in batch.items():
+            self._check_key(key)
+            self._check_value(key, value)
+        created = [key for key in batch if key not in self._kvs]
+        if created and len(self._kvs) + len(created) > self.max_keys:
+            raise self._too_many_keys(created[0])
+        total = self._total_bytes
+        for key, value in batch.items():
+            current = self._kvs.get(key)
+            total += len(key) + len(value) - (len(key) + len(current.value) if current else 0)
+        if total > self.max_total_bytes:
+            key = next(iter(batch))
+            raise self._too_many_bytes(key, sum(len(v) for v in batch.values()))
+        for key, value in batch.items():
+            self._write(key, value, 0, None)
+        return self._revision
+
     async def compare_and_put(
         self, key: str, value: bytes, *, expected_mod_revision: int, lease: int = 0
     ) -> bool:
@@ -251,10 +282,12 @@ class MemoryStore(Store):
 
     async def delete(self, key: str) -> bool:
         self._check_open()
+        _check_not_empty(key)
         return self._delete([key]) == 1
 
     async def compare_and_delete(self, key: str, *, expected_mod_revision: int) -> bool:
         self._check_open()
+        _check_not_empty(key)
         current = self._kvs.get(key)
         if current is None or current.mod_revision != expected_mod_revision:
             return False
@@ -266,10 +299,14 @@ class MemoryStore(Store):
 
     # --- leases --------------------------------------------------------------------
 
-    async def grant_lease(self, ttl: float) -> int:
+    async def grant_lease(self, ttl: float, *, owner: str = "") -> int:
+        """A new lease; `owner` names who asked for it, for `leases_owned_by`."""
         self._check_open()
-        if not 0 < ttl < math.inf:
-            raise StoreRequestError(f"a lease TTL must be a positive number of seconds, got {ttl}")
+        if not 0 < ttl <= MAX_LEASE_TTL:
+            raise StoreRequestError(
+                f"a lease TTL must be a positive number of seconds up to {MAX_LEASE_TTL:.0f} "
+                f"(etcd's limit), got {ttl}"
+            )
         if len(self._leases) >= self.max_leases:
             raise StoreLimitError(
                 f"the store holds its maximum of {self.max_leases} leases (max_leases); "
@@ -278,8 +315,9 @@ class MemoryStore(Store):
         lease_id = 0
         while lease_id == 0 or lease_id in self._leases:
             lease_id = secrets.randbits(63)  # random: an old id never names a new lease
-        lease = _Lease(lease_id, ttl, asyncio.get_running_loop().time() + ttl)
+        lease = _Lease(lease_id, ttl, asyncio.get_running_loop().time() + ttl, owner)
         self._leases[lease_id] = lease
+        self._owned[owner] = self._owned.get(owner, 0) + 1
         self._push_deadline(lease)
         return lease_id
 
@@ -294,6 +332,10 @@ class MemoryStore(Store):
         held = self._leases.get(lease)
         if held is not None:
             self._end_lease(held)
+
+    def leases_owned_by(self, owner: str) -> int:
+        """How many live leases `owner` was granted (revoked and expired ones not counted)."""
+        return self._owned.get(owner, 0)
 
     def lease_ttl(self, lease: int) -> float:
         """The lease's TTL in seconds (for keep-alive replies); LeaseExpiredError if gone."""
@@ -314,6 +356,8 @@ class MemoryStore(Store):
     ) -> AsyncGenerator[list[WatchEvent], None]:
         """Like `watch`, one non-empty list per revision: what the server sends as a reply."""
         self._check_open()
+        if not prefix:
+            _check_not_empty(key)
         watcher = _Watcher(key, prefix)
         self._add_watcher(watcher)
         cursor = max(start_revision, 1)
@@ -390,28 +434,22 @@ class MemoryStore(Store):
 
     def _put(self, key: str, value: bytes, lease: int) -> None:
         self._check_key(key)
-        if len(value) > self.max_value_bytes:
-            raise StoreLimitError(
-                f"value of {len(value)} bytes for key {key!r} is over the store's "
-                f"limit of {self.max_value_bytes} bytes (max_value_bytes)"
-            )
+        self._check_value(key, value)
         held = self._live_lease(lease) if lease else None
         current = self._kvs.get(key)
         if current is None and len(self._kvs) >= self.max_keys:
-            raise StoreLimitError(
-                f"the store holds its maximum of {self.max_keys} keys (max_keys); "
-                f"cannot create {key!r}"
-            )
+            raise self._too_many_keys(key)
         total = self._total_bytes + len(key) + len(value)
         if current is not None:
             total -= len(key) + len(current.value)
         if total > self.max_total_bytes:
-            raise StoreLimitError(
-                f"the store holds {self._total_bytes} bytes of keys and values, near its "
-                f"limit of {self.max_total_bytes} (max_total_bytes); cannot store "
-                f"{len(value)} bytes for key {key[:64]!r}"
-            )
-        self._total_bytes = total
+            raise self._too_many_bytes(key, len(value))
+        self._write(key, value, lease, held)
+
+    def _write(self, key: str, value: bytes, lease: int, held: _Lease | None) -> None:
+        """Store `value` at a new revision: the bounds are checked, `held` is `lease`'s."""
+        current = self._kvs.get(key)
+        self._total_bytes += len(key) + len(value) - (len(key) + len(current.value) if current else 0)
         self._revision += 1
         rev = self._revision
         if current is None:
@@ -426,7 +464,28 @@ class MemoryStore(Store):
         self._kvs[key] = kv
         self._record((WatchEvent(EventType.PUT, key, value, rev),))
 
+    def _check_value(self, key: str, value: bytes) -> None:
+        if len(value) > self.max_value_bytes:
+            raise StoreLimitError(
+                f"value of {len(value)} bytes for key {key!r} is over the store's "
+                f"limit of {self.max_value_bytes} bytes (max_value_bytes)"
+            )
+
+    def _too_many_keys(self, key: str) -> StoreLimitError:
+        return StoreLimitError(
+            f"the store holds its maximum of {self.max_keys} keys (max_keys); "
+            f"cannot create {key!r}"
+        )
+
+    def _too_many_bytes(self, key: str, size: int) -> StoreLimitError:
+        return StoreLimitError(
+            f"the store holds {self._total_bytes} bytes of keys and values, near its "
+            f"limit of {self.max_total_bytes} (max_total_bytes); cannot store "
+            f"{size} bytes for key {key[:64]!r}"
+        )
+
     def _check_key(self, key: str) -> None:
+        _check_not_empty(key)
         # A str of n characters encodes to at most 4n bytes: skip encoding short keys.
         if len(key) * 4 > self.max_key_bytes and len(key.encode()) > self.max_key_bytes:
             raise StoreLimitError(
@@ -523,6 +582,9 @@ class MemoryStore(Store):
 
     def _end_lease(self, lease: _Lease) -> None:
         del self._leases[lease.id]
+        left = self._owned.pop(lease.owner) - 1
+        if left:
+            self._owned[lease.owner] = left
         self._delete(sorted(lease.keys))
 
     def _push_deadline(self, lease: _Lease) -> None:
@@ -555,3 +617,8 @@ class MemoryStore(Store):
             if held is not None and held.deadline <= now:
                 self._end_lease(held)
         self._arm_timer()
+
+
+def _check_not_empty(key: str) -> None:
+    if not key:
+        raise StoreRequestError("a key must not be empty")

@@ -17,7 +17,10 @@ import functools
 import hmac
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import os
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import grpc
@@ -29,6 +32,7 @@ from elasticrun.errors import (
     StoreAddressError,
     StoreLimitError,
     StoreRequestError,
+    StoreSettingError,
     StoreUnavailableError,
 )
 from elasticrun.proto import store_pb2 as pb
@@ -51,6 +55,11 @@ logger = logging.getLogger(__name__)
 #: ~2.5 GiB however many streams clients open; past it a call gets RESOURCE_EXHAUSTED.
 #: A 1,000-node job holds a few thousand.
 DEFAULT_MAX_CALLS = 100_000
+#: What one client connection may hold at once (see `ConnectionLimits`): an agent needs
+#: a handful of each, a process of many agents (benchmarks) a few per agent.
+DEFAULT_CONNECTION_CALLS = 10_000
+DEFAULT_CONNECTION_WATCHES = 5_000
+DEFAULT_CONNECTION_LEASES = 5_000
 #: How long in-flight calls may finish when the server stops.
 DEFAULT_STOP_GRACE = 2.0
 
@@ -70,6 +79,23 @@ SERVER_OPTIONS = [
 _T = TypeVar("_T")
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What one client connection (gRPC's `context.peer()`) may hold at once.
+
+    The server's own bounds (`max_calls`, the engine's `max_leases`) are shared by all
+    clients: without these, one client could take all of them and starve the others.
+    Past one, a call gets RESOURCE_EXHAUSTED naming it; other connections go on.
+    """
+
+    #: calls in progress, watches and waits included
+    max_calls: int = DEFAULT_CONNECTION_CALLS
+    #: open Watch streams
+    max_watches: int = DEFAULT_CONNECTION_WATCHES
+    #: live leases granted over the connection (released as they expire or are revoked)
+    max_leases: int = DEFAULT_CONNECTION_LEASES
+
+
 class StoreServer:
     """The gRPC store server, run in the caller's event loop.
 
@@ -78,6 +104,8 @@ class StoreServer:
     `hosted_by_agent` tells the clients (in every watch reply) that this server lives
     and dies with a launcher agent: a refused connection then means it is gone for good,
     and they stop waiting for it at once instead of after their timeout.
+    `max_calls` bounds the calls in progress from all clients, `connection_limits` what
+    each client connection may take of them (and of the engine's leases).
     """
 
     def __init__(
@@ -89,11 +117,16 @@ class StoreServer:
         token: str | None = None,
         tls: TlsKeyPair | None = None,
         max_calls: int = DEFAULT_MAX_CALLS,
+        connection_limits: ConnectionLimits = ConnectionLimits(),
         hosted_by_agent: bool = False,
     ) -> None:
         self.host = host
         self.hosted_by_agent = hosted_by_agent
         self.max_calls = max_calls
+        self.connection_limits = connection_limits
+        #: calls and watches in progress, by connection (no entry at zero)
+        self._calls: dict[str, int] = {}
+        self._watches: dict[str, int] = {}
         self.engine = engine if engine is not None else MemoryStore()
         self._owns_engine = engine is None
         self._requested_port = port
@@ -121,9 +154,11 @@ class StoreServer:
                 ("grpc.max_receive_message_length", max_request + REQUEST_SLACK_BYTES),
             ],
         )
-        _add_store_service(_StoreService(self), server)
-        _add_c10d_service(_C10dService(self), server)
+        _add_store_service(_StoreService(self), server, self.counted_call)
+        _add_c10d_service(_C10dService(self), server, self.counted_call)
         address = _host_port(self.host, self._requested_port)
+        if self._tls is not None:
+            _check_key_pair(self._tls)  # grpc would only fail to bind: "port in use"
         try:
             if self._tls is not None:
                 creds = grpc.ssl_server_credentials([(self._tls.key, self._tls.cert)])
@@ -174,6 +209,93 @@ class StoreServer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             self._streams.discard(task)
+
+    @contextlib.asynccontextmanager
+    async def counted_call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Count a call against its connection's `max_calls` for as long as it runs."""
+        limit = self.connection_limits.max_calls
+        async with _counted(self._calls, context, limit, "calls in progress", "max_calls"):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def counted_watch(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Count a watch against its connection's `max_watches` for as long as it runs."""
+        limit = self.connection_limits.max_watches
+        async with _counted(self._watches, context, limit, "open watches", "max_watches"):
+            yield
+
+
+@contextlib.asynccontextmanager
+async def _counted(
+    counts: dict[str, int], context: grpc.aio.ServicerContext, limit: int, what: str, name: str
+) -> AsyncIterator[None]:
+    """Hold one of `counts[peer]`, or refuse the call with RESOURCE_EXHAUSTED at `limit`."""
+    peer = context.peer()
+    held = counts.get(peer, 0)
+    if held >= limit:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _over_connection_limit(limit, what, name))
+    counts[peer] = held + 1
+    try:
+        yield
+    finally:
+        left = counts.pop(peer) - 1
+        if left:
+            counts[peer] = left
+
+
+def _over_connection_limit(limit: int, what: str, name: str) -> str:
+    return (
+        f"this connection has its maximum of {limit} {what} ({name} per connection); "
+        "other clients are not affected"
+    )
+
+
+def _check_key_pair(pair: TlsKeyPair) -> None:
+    """Refuse a certificate and key that cannot serve TLS, saying which is wrong.
+
+    grpc only fails to bind then (and logs the reason), which reads as a busy port.
+    Python's ssl loads a key only from a file: it reads both from memory-backed files
+    (memfd), so the key is never written to a disk.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_verify_locations(cadata=pair.cert.decode("ascii"))
+    except (ssl.SSLError, UnicodeDecodeError) as e:
+        raise StoreSettingError("tls_cert", f"not a PEM certificate ({_ssl_reason(e)})") from None
+    with _memory_file("tls_cert", pair.cert) as cert, _memory_file("tls_key", pair.key) as key:
+        try:
+            context.load_cert_chain(cert, key, password=_no_password)
+        except ssl.SSLError as e:
+            if e.reason == "KEY_VALUES_MISMATCH":
+                raise StoreSettingError(
+                    ("tls_cert", "tls_key"), "the key does not belong to the certificate"
+                ) from None
+            raise StoreSettingError(
+                "tls_key", f"not an unencrypted PEM private key ({_ssl_reason(e)})"
+            ) from None
+
+
+def _no_password() -> bytes:
+    # Without a callback, OpenSSL would prompt on the terminal for an encrypted key's
+    # passphrase; grpc cannot use an encrypted key anyway.
+    return b""
+
+
+def _ssl_reason(error: ssl.SSLError | UnicodeDecodeError) -> str:
+    if isinstance(error, UnicodeDecodeError):
+        return "it is not text"
+    return error.reason or str(error)
+
+
+@contextlib.contextmanager
+def _memory_file(name: str, data: bytes) -> Iterator[str]:
+    """A path that reads `data` from memory, for as long as the context lasts."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
 
 
 def _host_port(host: str, port: int) -> str:
@@ -286,9 +408,14 @@ class _StoreService(pb_grpc.StoreServicer):
 
     @_unary
     async def LeaseGrant(
-        self, request: pb.LeaseGrantRequest, context: object
+        self, request: pb.LeaseGrantRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaseGrantReply:
-        return pb.LeaseGrantReply(lease=await self._engine.grant_lease(request.ttl_seconds))
+        # The connection owns its leases, until they expire or are revoked.
+        peer = context.peer()
+        limit = self._server.connection_limits.max_leases
+        if self._engine.leases_owned_by(peer) >= limit:
+            raise StoreLimitError(_over_connection_limit(limit, "leases", "max_leases"))
+        return pb.LeaseGrantReply(lease=await self._engine.grant_lease(request.ttl_seconds, owner=peer))
 
     async def LeaseKeepAlive(
         self,
@@ -316,7 +443,7 @@ class _StoreService(pb_grpc.StoreServicer):
         # Replies go out pre-serialized (the handler has no response serializer): a
         # change seen by 1,000 watchers of one key is encoded once, not 1,000 times.
         write = context.write
-        async with self._server._long_call(context):
+        async with self._server.counted_watch(context), self._server._long_call(context):
             await write(self._confirm)
             batches = self._engine.watch_batches(
                 request.key, request.start_revision, request.prefix
@@ -328,6 +455,8 @@ class _StoreService(pb_grpc.StoreServicer):
                         await write(self._encoded(cache_key, batch))
             except CompactedError as e:
                 await write(self._reply(compact_revision=e.oldest).SerializeToString())
+            except StoreRequestError as e:  # an empty key
+                await context.abort(_status_of(e), str(e))
 
     def _reply(
         self, *, events: Sequence[pb.WatchEvent] = (), compact_revision: int = 0
@@ -372,7 +501,11 @@ class _Capture:
         self.name, self.handlers = name, handlers
 
 
-def _add_store_service(servicer: _StoreService, server: grpc.aio.Server) -> None:
+#: Wraps a call for as long as it runs (`StoreServer.counted_call`).
+_Counter = Callable[[grpc.aio.ServicerContext], contextlib.AbstractAsyncContextManager[None]]
+
+
+def _add_store_service(servicer: _StoreService, server: grpc.aio.Server, count: _Counter) -> None:
     """Register the Store service as the generated code does, but with a Watch handler
     that sends bytes (`_StoreService.Watch` serializes its replies itself)."""
     capture = _Capture()
@@ -381,17 +514,19 @@ def _add_store_service(servicer: _StoreService, server: grpc.aio.Server) -> None
     handlers["Watch"] = grpc.unary_stream_rpc_method_handler(
         servicer.Watch, request_deserializer=pb.WatchRequest.FromString
     )
-    _register(server, capture.name, handlers)
+    _register(server, capture.name, handlers, count)
 
 
-def _add_c10d_service(servicer: _C10dService, server: grpc.aio.Server) -> None:
+def _add_c10d_service(servicer: _C10dService, server: grpc.aio.Server, count: _Counter) -> None:
     capture = _Capture()
     pb_grpc.add_C10dStoreServicer_to_server(servicer, capture)
-    _register(server, capture.name, dict(capture.handlers))
+    _register(server, capture.name, dict(capture.handlers), count)
 
 
-def _register(server: grpc.aio.Server, name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-    handlers = {method: _guarded(handler) for method, handler in handlers.items()}
+def _register(
+    server: grpc.aio.Server, name: str, handlers: dict[str, grpc.RpcMethodHandler], count: _Counter
+) -> None:
+    handlers = {method: _guarded(handler, count) for method, handler in handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
 
@@ -422,9 +557,10 @@ async def _refuse_malformed(request: _Malformed, context: grpc.aio.ServicerConte
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.why}")
 
 
-def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _guarded(handler: grpc.RpcMethodHandler, count: _Counter) -> grpc.RpcMethodHandler:
     """The same handler, but a request that does not decode gets INVALID_ARGUMENT (grpc
-    itself would answer UNKNOWN and log a traceback for each: a log flood on demand)."""
+    itself would answer UNKNOWN and log a traceback for each: a log flood on demand),
+    and the call counts against its connection's limit (`count`) while it runs."""
     parse = _tolerant(handler.request_deserializer)
     serialize = handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
@@ -439,8 +575,9 @@ def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
                         await _refuse_malformed(request, context)
                     yield request
 
-            async for reply in inner_ss(checked(), context):
-                yield reply
+            async with count(context):
+                async for reply in inner_ss(checked(), context):
+                    yield reply
 
         return grpc.stream_stream_rpc_method_handler(stream_stream, parse, serialize)
     if handler.request_streaming:
@@ -451,15 +588,17 @@ def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         async def unary_gen(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
             if isinstance(request, _Malformed):
                 await _refuse_malformed(request, context)
-            async for reply in inner(request, context):
-                yield reply
+            async with count(context):
+                async for reply in inner(request, context):
+                    yield reply
 
         return grpc.unary_stream_rpc_method_handler(unary_gen, parse, serialize)
 
     async def unary(request: object, context: grpc.aio.ServicerContext) -> object:
         if isinstance(request, _Malformed):
             await _refuse_malformed(request, context)
-        return await inner(request, context)
+        async with count(context):
+            return await inner(request, context)
 
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(unary, parse, serialize)
@@ -591,8 +730,7 @@ class _C10dService(pb_grpc.C10dStoreServicer):
             raise StoreRequestError(
                 f"multi_set got {len(request.keys)} keys but {len(request.values)} values"
             )
-        for key, value in zip(request.keys, request.values, strict=True):
-            await self._engine.put(key, value)
+        await self._engine.put_all(list(zip(request.keys, request.values, strict=True)))
         return pb.MultiSetReply()
 
 
