@@ -32,14 +32,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elasticrun.agent import warden
-from elasticrun.agent.sessions import Session, kill_sessions, signal_sessions
+from elasticrun.agent.sessions import KILL_LIMIT, Session, kill_sessions, signal_sessions
 from elasticrun.errors import WorkerStartError
 
 logger = logging.getLogger("elasticrun.agent")
 
 _PR_SET_PDEATHSIG = 1
-#: how long a stop waits for the SIGKILLed processes of the workers' sessions to end
-_KILL_LIMIT = 10.0
 _SETPRIV = shutil.which("setpriv")
 # Resolved in the agent, before any fork: the child must not load or look up symbols
 # between fork and exec.
@@ -77,7 +75,7 @@ class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
     """Reports the exit the moment the process ends.
 
     `Process.wait()` also waits for the stdout and stderr pipes to close, which never
-    happens while a grandchild (outside the worker's group) still holds them.
+    happens while a process the worker left behind still holds them.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -126,7 +124,10 @@ class Warden:
         self._send(warden.release_line(session))
 
     def _send(self, line: bytes) -> None:
-        if self._proc.returncode is not None and not self._lost:
+        assert self._proc.stdin is not None  # started with stdin=PIPE
+        if self._proc.returncode is None:
+            self._proc.stdin.write(line)
+        elif not self._lost:  # killed by someone: the workers still die with the agent
             self._lost = True
             logger.warning(
                 "the agent's warden (pid %d) ended with exit code %d: should the agent be "
@@ -134,8 +135,6 @@ class Warden:
                 self._proc.pid,
                 self._proc.returncode,
             )
-        assert self._proc.stdin is not None  # started with stdin=PIPE
-        self._proc.stdin.write(line)
 
     async def close(self) -> None:
         """The agent ends: the warden kills what is left of the sessions, and exits."""
@@ -276,13 +275,13 @@ class WorkerGroup:
     async def _end(self, watchers: list[asyncio.Task[None]]) -> None:
         """SIGKILL the sessions until they are empty, reap the workers, release them."""
         # In a thread: scanning /proc and waiting for the ends would hold the loop.
-        stuck = await asyncio.to_thread(kill_sessions, self.sessions.values(), _KILL_LIMIT)
+        stuck = await asyncio.to_thread(kill_sessions, self.sessions.values(), KILL_LIMIT)
         await asyncio.gather(*watchers)
         if stuck:  # the warden keeps them, to try again when the agent ends
             logger.warning(
                 "processes %s of the workers' sessions still alive %.0f s after SIGKILL",
                 stuck,
-                _KILL_LIMIT,
+                KILL_LIMIT,
             )
             return
         for session in self.sessions.values():

@@ -27,6 +27,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+#: how long to wait for SIGKILLed processes to end before giving up on them (a process
+#: stuck in the kernel, e.g. in a GPU driver, ends only when the kernel lets it)
+KILL_LIMIT = 10.0
+
 
 @dataclass(frozen=True, slots=True)
 class Session:

@@ -38,10 +38,7 @@ from __future__ import annotations
 
 import sys
 
-from elasticrun.agent.sessions import Session, kill_sessions
-
-#: how long the warden waits for SIGKILLed processes to end before it gives up on them
-KILL_LIMIT = 10.0
+from elasticrun.agent.sessions import KILL_LIMIT, Session, kill_sessions
 
 
 def watch_line(session: Session) -> bytes:
