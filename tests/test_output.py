@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from elasticrun.agent.filetail import FileTail
 from elasticrun.agent.output import MAX_LINE, WorkerOutput, _split_lines, plan_streams, worker_stdio
-from elasticrun.agent.processes import WorkerGroup
+from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.spec import Std
 from elasticrun.errors import UsageError, WorkerStartError
 from tests.agent_helpers import (
@@ -83,11 +83,12 @@ sys.stderr.write("err one\\nerr two, no newline")
 """
 
 
-async def _run_workers(script: Path, plans_for: dict[int, dict], offset: int = 4) -> dict:
+async def _run_workers(script: Path, plans_for: dict[int, dict], warden: Warden, offset: int = 4) -> dict:
     with worker_stdio(plans_for) as stdio:
         group = await WorkerGroup.start(
             [sys.executable, "-u", str(script)],
             {r: {"RANK": str(offset + r)} for r in plans_for},
+            warden,
             stdio,
         )
     outputs = {}
@@ -103,12 +104,12 @@ async def _run_workers(script: Path, plans_for: dict[int, dict], offset: int = 4
 
 
 async def test_console_lines_are_whole_and_prefixed_with_the_global_rank(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], warden: Warden
 ) -> None:
     script = write_script(tmp_path, "chatty.py", _CHATTY)
     spec = make_spec(script, nproc_per_node=2)
     plans = {r: plan_streams(spec, r, tmp_path / str(r)) for r in (0, 1)}
-    outputs = await _run_workers(script, plans)
+    outputs = await _run_workers(script, plans, warden)
     out, err = capfd.readouterr()
     for rank in (4, 5):
         mine = [line for line in out.splitlines() if line.startswith(f"[{rank}]")]
@@ -121,7 +122,7 @@ async def test_console_lines_are_whole_and_prefixed_with_the_global_rank(
 
 
 async def test_redirects_go_to_files_only_and_tee_to_both(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], warden: Warden
 ) -> None:
     script = write_script(tmp_path, "chatty.py", _CHATTY)
     spec = make_spec(
@@ -130,7 +131,7 @@ async def test_redirects_go_to_files_only_and_tee_to_both(
     for r in (0, 1):
         (tmp_path / str(r)).mkdir()
     plans = {r: plan_streams(spec, r, tmp_path / str(r)) for r in (0, 1)}
-    outputs = await _run_workers(script, plans, offset=0)
+    outputs = await _run_workers(script, plans, warden, offset=0)
     out, err = capfd.readouterr()
     assert "[0]<" not in out + err
     assert out.count("[1]<stdout>: ") == 300
@@ -145,7 +146,7 @@ async def test_redirects_go_to_files_only_and_tee_to_both(
 
 
 async def test_a_copy_that_fails_is_reported_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, warden: Warden
 ) -> None:
     async def broken(self: FileTail, size: int) -> bytes:
         raise OSError(5, "Input/output error")
@@ -154,7 +155,7 @@ async def test_a_copy_that_fails_is_reported_at_once(
     script = write_script(tmp_path, "chatty.py", _CHATTY)
     spec = make_spec(script, nproc_per_node=1, tee={0: Std.OUT})
     (tmp_path / "0").mkdir()
-    outputs = await _run_workers(script, {0: plan_streams(spec, 0, tmp_path / "0")}, offset=0)
+    outputs = await _run_workers(script, {0: plan_streams(spec, 0, tmp_path / "0")}, warden, offset=0)
     assert "rank 0: its stdout is no longer followed: OSError(5, 'Input/output error')" in caplog.text
     assert "its stderr" not in caplog.text  # the pipe it reads works
     assert len((tmp_path / "0/stdout.log").read_text().splitlines()) == 300  # the file has it all
@@ -209,13 +210,13 @@ def test_a_log_file_that_cannot_be_opened_fails_the_start_and_leaks_nothing(
     assert len(os.listdir("/proc/self/fd")) == fds  # the three files opened are closed
 
 
-async def test_a_log_file_that_cannot_be_followed_is_a_start_error(tmp_path: Path) -> None:
+async def test_a_log_file_that_cannot_be_followed_is_a_start_error(tmp_path: Path, warden: Warden) -> None:
     script = write_script(tmp_path, "quiet.py", "")
     spec = make_spec(script, tee={0: Std.ALL})
     (tmp_path / "0").mkdir()
     plans = {0: plan_streams(spec, 0, tmp_path / "0")}
     with worker_stdio(plans) as stdio:
-        group = await WorkerGroup.start(list(spec.entrypoint), {0: {}}, stdio)
+        group = await WorkerGroup.start(list(spec.entrypoint), {0: {}}, warden, stdio)
     try:
         (tmp_path / "0" / "stderr.log").unlink()  # removed as the worker started
         before = _inotify_instances()

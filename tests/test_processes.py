@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.agent.processes import WorkerGroup
+from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.errors import WorkerStartError
 from tests.agent_helpers import read_lines_until, wait_pid_gone, write_script
 
@@ -20,9 +20,9 @@ def _argv(script: Path) -> list[str]:
     return [sys.executable, "-u", str(script)]
 
 
-async def test_success_records_every_exit(tmp_path: Path) -> None:
+async def test_success_records_every_exit(tmp_path: Path, warden: Warden) -> None:
     script = write_script(tmp_path, "ok.py", "print('hi')\n")
-    group = await WorkerGroup.start(_argv(script), {0: {}, 1: {}})
+    group = await WorkerGroup.start(_argv(script), {0: {}, 1: {}}, warden)
     try:
         exits = await group.wait()
     finally:
@@ -32,7 +32,7 @@ async def test_success_records_every_exit(tmp_path: Path) -> None:
 
 
 async def test_a_stream_given_a_file_descriptor_writes_that_file_the_other_is_a_pipe(
-    tmp_path: Path,
+    tmp_path: Path, warden: Warden,
 ) -> None:
     script = write_script(
         tmp_path, "both.py", "import sys\nprint('to the file')\nprint('to the pipe', file=sys.stderr)\n"
@@ -40,7 +40,7 @@ async def test_a_stream_given_a_file_descriptor_writes_that_file_the_other_is_a_
     log = tmp_path / "stdout.log"
     fd = os.open(log, os.O_WRONLY | os.O_CREAT)
     try:
-        group = await WorkerGroup.start(_argv(script), {0: {}}, {0: (fd, asyncio.subprocess.PIPE)})
+        group = await WorkerGroup.start(_argv(script), {0: {}}, warden, {0: (fd, asyncio.subprocess.PIPE)})
     finally:
         os.close(fd)  # the worker has its own copy
     try:
@@ -54,7 +54,7 @@ async def test_a_stream_given_a_file_descriptor_writes_that_file_the_other_is_a_
 
 
 async def test_a_failure_returns_at_once_and_stop_terminates_the_rest(
-    tmp_path: Path,
+    tmp_path: Path, warden: Warden,
 ) -> None:
     script = write_script(
         tmp_path,
@@ -67,7 +67,7 @@ async def test_a_failure_returns_at_once_and_stop_terminates_the_rest(
         """,
     )
     group = await WorkerGroup.start(
-        _argv(script), {0: {"ROLE": "sleep"}, 1: {"ROLE": "fail"}}
+        _argv(script), {0: {"ROLE": "sleep"}, 1: {"ROLE": "fail"}}, warden
     )
     try:
         exits = await group.wait()
@@ -89,10 +89,10 @@ time.sleep(300)
 
 
 async def test_stop_escalates_to_sigkill_and_kills_the_whole_process_group(
-    tmp_path: Path,
+    tmp_path: Path, warden: Warden,
 ) -> None:
     script = write_script(tmp_path, "stubborn.py", _IGNORES_SIGTERM)
-    group = await WorkerGroup.start(_argv(script), {0: {}})
+    group = await WorkerGroup.start(_argv(script), {0: {}}, warden)
     try:
         proc = group.procs[0]
         assert proc.stdout is not None
@@ -104,9 +104,9 @@ async def test_stop_escalates_to_sigkill_and_kills_the_whole_process_group(
     await wait_pid_gone(grandchild)
 
 
-async def test_stop_still_kills_and_reaps_when_cancelled(tmp_path: Path) -> None:
+async def test_stop_still_kills_and_reaps_when_cancelled(tmp_path: Path, warden: Warden) -> None:
     script = write_script(tmp_path, "stubborn.py", _IGNORES_SIGTERM)
-    group = await WorkerGroup.start(_argv(script), {0: {}})
+    group = await WorkerGroup.start(_argv(script), {0: {}}, warden)
     proc = group.procs[0]
     assert proc.stdout is not None
     await read_lines_until(proc.stdout, 1, "ready")
@@ -119,13 +119,13 @@ async def test_stop_still_kills_and_reaps_when_cancelled(tmp_path: Path) -> None
     assert group.exits[0].stopped
 
 
-async def test_missing_executable_is_a_start_error(tmp_path: Path) -> None:
+async def test_missing_executable_is_a_start_error(tmp_path: Path, warden: Warden) -> None:
     with pytest.raises(WorkerStartError, match="no-such-binary"):
-        await WorkerGroup.start([str(tmp_path / "no-such-binary")], {0: {}})
+        await WorkerGroup.start([str(tmp_path / "no-such-binary")], {0: {}}, warden)
 
 
 async def test_exit_is_seen_while_a_child_holds_the_pipes_and_stop_kills_it(
-    tmp_path: Path,
+    tmp_path: Path, warden: Warden,
 ) -> None:
     script = write_script(
         tmp_path,
@@ -136,7 +136,7 @@ async def test_exit_is_seen_while_a_child_holds_the_pipes_and_stop_kills_it(
         print(f"child {child.pid}", flush=True)
         """,
     )
-    group = await WorkerGroup.start(_argv(script), {0: {}})
+    group = await WorkerGroup.start(_argv(script), {0: {}}, warden)
     try:
         proc = group.procs[0]
         assert proc.stdout is not None

@@ -32,7 +32,7 @@ from elasticrun.agent.failures import (
     read_error_file,
 )
 from elasticrun.agent.output import WorkerOutput, plan_streams, worker_stdio
-from elasticrun.agent.processes import WorkerGroup
+from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.spec import WorkerSpec, WorkerState
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import RendezvousClosedError, UsageError, WorkerStartError
@@ -159,6 +159,8 @@ class Agent:
         self._state: WorkerState | None = None  # None: before the first round
         self._assignment: Assignment | None = None
         self._group: _Group | None = None
+        #: kills what the workers spawned should the agent die; started by run()
+        self._warden: Warden | None = None
         self._channel = WorkerChannel() if spec.in_process else None
         self._pids: tuple[int, ...] = ()
         #: in-process mode: the traceback of the last broken report
@@ -176,6 +178,7 @@ class Agent:
     async def run(self) -> AgentResult:
         """Run until the job ends for this node; signals to the agent are handled here."""
         loop = asyncio.get_running_loop()
+        self._warden = await Warden.start()
         for sig in self.spec.signals_to_handle:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
@@ -184,9 +187,12 @@ class Agent:
                 await self._channel.start()
             return await self._run()
         finally:
-            await self._stop_group()
-            if self._token_file is not None:
-                self._token_file.unlink(missing_ok=True)
+            try:
+                await self._stop_group()
+            finally:
+                await self._warden.close()  # the sessions are empty: it just exits
+                if self._token_file is not None:
+                    self._token_file.unlink(missing_ok=True)
             if self._channel is not None:
                 await self._channel.close()
             for sig in self.spec.signals_to_handle:
@@ -442,7 +448,8 @@ class Agent:
                 envs[local_rank].update(dog.env(local_rank))
             plans[local_rank] = plan_streams(spec, local_rank, worker_dir)
         with worker_stdio(plans) as stdio:
-            workers = await WorkerGroup.start(spec.entrypoint, envs, stdio)
+            assert self._warden is not None  # run() started it
+            workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio)
         group = _Group(workers, {}, error_files)
         try:
             for local_rank, proc in workers.procs.items():

@@ -1,16 +1,19 @@
-"""Start, watch and stop one node's worker processes.
+"""Start, watch and stop one node's worker processes, and whatever they spawn.
 
-Each worker leads its own process group (a new session), so a stop reaches whatever it
-spawned too, and a Ctrl-C at the terminal reaches only the agent, which decides. Each
-worker also asks the kernel to SIGKILL it when the agent dies (PR_SET_PDEATHSIG), so
-workers never outlive the agent, not even an agent killed with SIGKILL. The request is
-made by util-linux's `setpriv --pdeathsig` right before it execs the worker, so no
-Python runs in the child between fork and exec: the agent has threads (gRPC's), and
-Python code in a forked child of a threaded process can deadlock or abort. Only where
-`setpriv` is missing does a `preexec_fn` make the request instead.
+Each worker leads a new session, so a Ctrl-C at the terminal reaches only the agent,
+which decides, and everything the worker spawns stays in the worker's session: a stop
+signals the whole session and SIGKILLs it until nothing of it is left
+(elasticrun.agent.sessions), grandchildren that moved to a process group of their own
+and double-forked daemons included, and so does the agent's `Warden` when the agent
+dies, however it dies. Each worker also asks the kernel to SIGKILL it when the agent
+dies (PR_SET_PDEATHSIG), so a worker goes at once, not only when the warden gets to
+it. The request is made by util-linux's `setpriv --pdeathsig` right before it execs the
+worker, so no Python runs in the child between fork and exec: the agent has threads
+(gRPC's), and Python code in a forked child of a threaded process can deadlock or
+abort. Only where `setpriv` is missing does a `preexec_fn` make the request instead.
 
 Exits are awaited, never polled, and `stop()` never returns before every worker is
-reaped, even when it is cancelled.
+reaped and its session is empty, even when it is cancelled.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import time
 from asyncio.subprocess import PIPE
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from elasticrun.agent import warden
+from elasticrun.agent.sessions import KILL_LIMIT, Session, kill_sessions, signal_sessions
 from elasticrun.errors import WorkerStartError
 
 logger = logging.getLogger("elasticrun.agent")
@@ -69,7 +75,7 @@ class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
     """Reports the exit the moment the process ends.
 
     `Process.wait()` also waits for the stdout and stderr pipes to close, which never
-    happens while a grandchild (outside the worker's group) still holds them.
+    happens while a process the worker left behind still holds them.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -86,6 +92,57 @@ class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
         super().process_exited()
 
 
+class Warden:
+    """The agent's side of its warden process (elasticrun.agent.warden).
+
+    Started once per agent, before its first workers, and closed when the agent ends;
+    should the agent die instead, the warden kills the sessions it was told about.
+    """
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+        self._lost = False
+
+    @classmethod
+    async def start(cls) -> Warden:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            warden.__name__,
+            stdin=PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return cls(proc)
+
+    def watch(self, session: Session) -> None:
+        """Have the warden kill `session` if the agent dies."""
+        self._send(warden.watch_line(session))
+
+    def release(self, session: Session) -> None:
+        """`session` is empty: the warden may forget it."""
+        self._send(warden.release_line(session))
+
+    def _send(self, line: bytes) -> None:
+        assert self._proc.stdin is not None  # started with stdin=PIPE
+        if self._proc.returncode is None:
+            self._proc.stdin.write(line)
+        elif not self._lost:  # killed by someone: the workers still die with the agent
+            self._lost = True
+            logger.warning(
+                "the agent's warden (pid %d) ended with exit code %d: should the agent be "
+                "killed, what its workers spawned may outlive it",
+                self._proc.pid,
+                self._proc.returncode,
+            )
+
+    async def close(self) -> None:
+        """The agent ends: the warden kills what is left of the sessions, and exits."""
+        assert self._proc.stdin is not None  # started with stdin=PIPE
+        self._proc.stdin.close()
+        await self._proc.wait()
+
+
 class WorkerGroup:
     """This node's worker processes for one attempt."""
 
@@ -93,9 +150,14 @@ class WorkerGroup:
         self,
         procs: Mapping[int, asyncio.subprocess.Process],
         exited: Mapping[int, asyncio.Future[int]],
+        sessions: Mapping[int, Session],
+        warden: Warden,
     ) -> None:
         self.procs = dict(procs)
+        #: each worker's session, as told to the warden
+        self.sessions = dict(sessions)
         self.exits: dict[int, WorkerExit] = {}
+        self._warden = warden
         self._stopping = False
         self._watchers = {
             local_rank: asyncio.create_task(self._watch(local_rank, exited[local_rank]))
@@ -107,9 +169,10 @@ class WorkerGroup:
         cls,
         argv: Sequence[str],
         envs: Mapping[int, Mapping[str, str]],
+        warden: Warden,
         stdio: Mapping[int, tuple[int, int]] | None = None,
     ) -> WorkerGroup:
-        """Start one process per local rank in `envs`.
+        """Start one process per local rank in `envs`, each told to `warden` at once.
 
         `stdio` gives a local rank's (stdout, stderr): an open file descriptor (its log
         file, see elasticrun.agent.output.worker_stdio) or asyncio.subprocess.PIPE;
@@ -118,6 +181,7 @@ class WorkerGroup:
         """
         procs: dict[int, asyncio.subprocess.Process] = {}
         exits: dict[int, asyncio.Future[int]] = {}
+        sessions: dict[int, Session] = {}
         loop = asyncio.get_running_loop()
         agent_pid = os.getpid()
         try:
@@ -142,13 +206,15 @@ class WorkerGroup:
                 )
                 procs[local_rank] = asyncio.subprocess.Process(transport, protocol, loop)
                 exits[local_rank] = protocol.exited
+                sessions[local_rank] = Session.of_leader(procs[local_rank].pid)
+                warden.watch(sessions[local_rank])
         except OSError as e:
-            await cls(procs, exits).stop(signal.SIGKILL, grace=0)
+            await cls(procs, exits, sessions, warden).stop(signal.SIGKILL, grace=0)
             reason = e.strerror or str(e)
             if e.errno in (errno.ENOENT, errno.EACCES):
                 reason = f"{reason} (check the script path and --no-python)"
             raise WorkerStartError(f"cannot start worker '{argv[0]}': {reason}") from e
-        return cls(procs, exits)
+        return cls(procs, exits, sessions, warden)
 
     async def _watch(self, local_rank: int, exited: asyncio.Future[int]) -> None:
         returncode = await exited
@@ -173,21 +239,21 @@ class WorkerGroup:
         return sorted(self.exits.values(), key=lambda e: (not e.failed, e.time))
 
     async def stop(self, sig: signal.Signals = signal.SIGTERM, *, grace: float) -> None:
-        """Send `sig` to every worker's group, SIGKILL after `grace` s, reap them all.
+        """Send `sig` to every worker's session, SIGKILL them after `grace` s, reap.
 
-        Also kills what exited workers left behind in their groups. Runs to the end even
-        when cancelled, then re-raises the cancellation.
+        What exited workers left behind in their sessions is killed too: stop() returns
+        once every worker is reaped and nothing of their sessions is left. Runs to the
+        end even when cancelled, then re-raises the cancellation.
         """
         self._stopping = True
         watchers = list(self._watchers.values())
-        if any(not w.done() for w in watchers):
-            self._signal_groups(sig)
         cancelled = False
-        try:
-            if watchers:
+        if any(not w.done() for w in watchers):
+            signal_sessions(self.sessions.values(), sig)
+            try:
                 await asyncio.wait(watchers, timeout=grace)
-        except asyncio.CancelledError:
-            cancelled = True
+            except asyncio.CancelledError:
+                cancelled = True
         left = [r for r, w in self._watchers.items() if not w.done()]
         if left:
             logger.warning(
@@ -196,19 +262,27 @@ class WorkerGroup:
                 grace,
                 sig.name,
             )
-        self._signal_groups(signal.SIGKILL)
-        reaping = asyncio.gather(*watchers)
-        while not reaping.done():
+        ending = asyncio.ensure_future(self._end(watchers))
+        while not ending.done():
             try:
-                await asyncio.shield(reaping)
+                await asyncio.shield(ending)
             except asyncio.CancelledError:
                 cancelled = True
+        ending.result()
         if cancelled:
             raise asyncio.CancelledError
 
-    def _signal_groups(self, sig: signal.Signals) -> None:
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass  # the group is already empty
+    async def _end(self, watchers: list[asyncio.Task[None]]) -> None:
+        """SIGKILL the sessions until they are empty, reap the workers, release them."""
+        # In a thread: scanning /proc and waiting for the ends would hold the loop.
+        stuck = await asyncio.to_thread(kill_sessions, self.sessions.values(), KILL_LIMIT)
+        await asyncio.gather(*watchers)
+        if stuck:  # the warden keeps them, to try again when the agent ends
+            logger.warning(
+                "processes %s of the workers' sessions still alive %.0f s after SIGKILL",
+                stuck,
+                KILL_LIMIT,
+            )
+            return
+        for session in self.sessions.values():
+            self._warden.release(session)

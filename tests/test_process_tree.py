@@ -1,0 +1,135 @@
+"""Nothing of a worker's tree outlives its agent: grandchildren, shell pipelines and
+daemons that double-forked into a process group of their own, whether the agent is
+SIGKILLed, SIGTERMed, or ends normally after its worker exited; and a session whose id
+was reused is left alone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from elasticrun.agent.sessions import Session, kill_sessions
+from tests.elastic_cluster import pid_alive
+from tests.agent_helpers import REPO, kill_and_reap, read_lines_until, wait_pid_gone, write_script
+
+# The worker starts a grandchild, a shell pipeline (its shell and two members), and a
+# daemon that double-forks and leaves the worker's process group but not its session.
+# Each writes its pid to fd 9 once it runs; the worker prints them all, then blocks or
+# exits as argv[1] says.
+_TREE = """
+import os, subprocess, sys, time
+r, w = os.pipe()
+os.dup2(w, 9)
+me = "echo $$ >&9"
+subprocess.Popen(["sh", "-c", f"{me}; exec sleep 301"], pass_fds=(9,))
+subprocess.Popen(
+    ["sh", "-c", f"{me}; sh -c '{me}; exec sleep 302' | sh -c '{me}; exec sleep 303'"], pass_fds=(9,)
+)
+if os.fork() == 0:
+    if os.fork() == 0:
+        os.setpgid(0, 0)
+        os.write(w, f"{os.getpid()}\\n".encode())
+        time.sleep(304)
+    os._exit(0)
+pids = []
+with os.fdopen(r) as lines:
+    while len(pids) < 5:
+        pids.append(int(lines.readline()))
+print("tree", os.getpid(), *pids, flush=True)
+if sys.argv[1] == "block":
+    time.sleep(300)
+"""
+
+
+@asynccontextmanager
+async def _agent_with_tree(tmp_path: Path, mode: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, list[int]]]:
+    """A real agent (`python -m elasticrun --standalone`) whose worker built the tree;
+    yields the agent and the tree's pids, the worker's first. Kills what is left after."""
+    script = write_script(tmp_path, "tree.py", _TREE)
+    with (tmp_path / "agent.log").open("wb") as log:
+        agent = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=1",
+            f"--log-dir={tmp_path / 'logs'}", str(script), mode,
+            stdout=asyncio.subprocess.PIPE, stderr=log, env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
+    pids: list[int] = []
+    try:
+        assert agent.stdout is not None
+        (line,) = await read_lines_until(agent.stdout, 1, "<stdout>: tree")
+        pids = [int(p) for p in line.split()[2:]]
+        yield agent, pids
+    finally:
+        await kill_and_reap(agent)
+        for pid in pids:  # the old code's orphans; nothing with the fix
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+async def _all_gone(pids: list[int]) -> None:
+    for pid in pids:
+        await wait_pid_gone(pid, timeout=30)
+
+
+async def test_a_sigkilled_agent_leaves_nothing_of_its_workers_trees(tmp_path: Path) -> None:
+    async with _agent_with_tree(tmp_path, "block") as (agent, pids):
+        agent.kill()
+        assert await asyncio.wait_for(agent.wait(), 60) == -signal.SIGKILL
+        await _all_gone(pids)
+
+
+async def test_a_sigtermed_agent_stops_its_workers_trees(tmp_path: Path) -> None:
+    async with _agent_with_tree(tmp_path, "block") as (agent, pids):
+        agent.terminate()
+        assert await asyncio.wait_for(agent.wait(), 60) == 1  # torchrun's exit code
+        await _all_gone(pids)
+
+
+async def test_what_an_exited_worker_left_running_ends_with_the_job(tmp_path: Path) -> None:
+    async with _agent_with_tree(tmp_path, "exit") as (agent, pids):
+        assert await asyncio.wait_for(agent.wait(), 60) == 0
+        await _all_gone(pids)
+
+
+def test_a_session_whose_id_was_reused_is_left_alone(tmp_path: Path) -> None:
+    leader = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        ours = Session.of_leader(leader.pid)
+        assert ours.leader_start is not None
+        # A session of the same id, led by a process that started at another time.
+        assert kill_sessions([Session(leader.pid, ours.leader_start + 1)], limit=10) == []
+        assert leader.poll() is None
+        assert kill_sessions([ours], limit=10) == []
+        assert leader.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+@pytest.mark.parametrize("leader_start", ["known", "unknown"])
+def test_a_session_whose_leader_ended_is_still_killed(tmp_path: Path, leader_start: str) -> None:
+    """The members of a session outlive its leader; the number cannot be reused while they live."""
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 300 & echo $!"], stdout=subprocess.PIPE, start_new_session=True, text=True
+    )
+    try:
+        assert leader.stdout is not None
+        member = int(leader.stdout.readline())
+        session = Session.of_leader(leader.pid)
+        assert leader.wait(timeout=30) == 0
+        if leader_start == "unknown":
+            session = Session(leader.pid, None)
+        assert kill_sessions([session], limit=10) == []
+        assert not pid_alive(member)
+    finally:
+        leader.kill()
+        leader.wait()
