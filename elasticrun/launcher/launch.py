@@ -20,7 +20,7 @@ from dataclasses import replace
 from elasticrun.agent.agent import Agent, Watch
 from elasticrun.agent.gpu import Gpus, open_gpus
 from elasticrun.errors import GpuUnhealthyError
-from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, rdzv_flag
+from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
@@ -118,7 +118,8 @@ async def _open_store(rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack) 
         store: Store = MemoryStore()
         stack.push_async_callback(store.close)
         return store, None
-    server = await serve_here(rdzv.store)
+    with settings_from_flags():
+        server = await serve_here(rdzv.store)
     if server is not None:
         log.info("hosting the rendezvous store on %s", server.endpoint)
         warning = exposure_warning(server.endpoint, rdzv.store.token, rdzv_flag("token_file"))

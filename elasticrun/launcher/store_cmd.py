@@ -35,12 +35,16 @@ _FLAGS = {
 }
 
 
+def _flag_of(setting: str) -> str:
+    return _FLAGS.get(setting, setting)
+
+
 def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeConfig:
     """Check the flags of `store serve` and gather what the server needs."""
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be within 0..65535, got {args.port}")
     given = {setting: getattr(args, setting) for setting in _FLAGS if getattr(args, setting) is not None}
-    with settings_from_flags(lambda setting: _FLAGS.get(setting, setting)):
+    with settings_from_flags(_flag_of):
         tls = key_pair(given, "tls_cert", "tls_key")
         token = read_token(args.token_file, environ, required=args.require_token)
     return ServeConfig(args.host, args.port, token, tls)
@@ -49,7 +53,8 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeC
 async def serve(config: ServeConfig) -> int:
     """Serve until SIGTERM or SIGINT, then stop gracefully."""
     server = StoreServer(config.host, config.port, token=config.token, tls=config.tls)
-    await server.start()
+    with settings_from_flags(_flag_of):
+        await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
