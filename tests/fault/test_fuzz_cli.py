@@ -594,7 +594,7 @@ def test_store_serve_runs_until_sigterm_and_leaves_nothing(in_process: None) -> 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         err = proc.stderr.read()
-        assert b"Traceback" not in err and b"no token" in err, err
+        assert err == b"", err  # no traceback, and no token on loopback is no exposure: no warning
         assert not _session_members(proc.pid)
     finally:
         if proc.poll() is None:
