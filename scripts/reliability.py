@@ -6,10 +6,12 @@
     python scripts/reliability.py --rows rows.jsonl --output /tmp/R.md   # render only
     python scripts/reliability.py -- -k churn                            # pass to pytest
 
-Each test of tests/fault/ that takes the `reliability` fixture records one row per
-scenario (see tests/fault/conftest.py); this script points ELASTICRUN_RELIABILITY_OUT at
-a fresh file, runs pytest, and renders the rows — what was injected, what happened, the
-time to recover, the restarts used, anything lost — as one table. It exits with pytest's
+Each test of tests/fault/ (and each test marked `security`) that takes the
+`reliability` fixture records one row per scenario (see tests/reliability_rows.py); this
+script points ELASTICRUN_RELIABILITY_OUT at a fresh file, runs pytest, and renders the
+rows: the faults (what was injected, what happened, the time to recover, the restarts
+used, anything lost) as one table, the attacks and mistakes (what was tried, what the
+user sees, what leaked) as another. It exits with pytest's
 status, so a failing scenario fails the command (its row is still written, marked).
 """
 
@@ -46,18 +48,25 @@ suite itself; they are records, not assertions (the tests assert behaviour only)
 size (for churn, the mean time of one membership round). "Restarts used" counts
 `--max-restarts` spent. The long churn soak is not part of the default run: add
 `--soak` (or run `ELASTICRUN_SOAK=1 python -m pytest tests/fault -m soak`).
+
+[Security](#security), below the faults, lists the attacks and mistakes tried against
+a job, what the user sees, and what leaked.
 """
 
 COLUMNS = ("Scenario", "Injected", "What happened", "Time to recover", "Restarts used", "Lost", "Test")
+SECURITY_COLUMNS = ("Attack or mistake", "Tried", "What the user sees", "Leaked", "Test")
 #: row fields shown in the table; the rest go to the figures below it
-SHOWN = {"scenario", "injected", "happened", "recovery_s", "restarts", "lost", "test", "outcome", "test_s"}
+SHOWN = {"scenario", "injected", "happened", "recovery_s", "restarts", "lost", "test", "outcome", "test_s", "part"}
 
 
 def run_suite(pytest_args: list[str], rows: Path, soak: bool) -> tuple[int, str, float]:
     env = dict(os.environ, ELASTICRUN_RELIABILITY_OUT=str(rows))
     if soak:
         env["ELASTICRUN_SOAK"] = "1"
-    argv = [sys.executable, "-m", "pytest", "tests/fault", "-q", "-p", "no:cacheprovider", *pytest_args]
+    argv = [
+        sys.executable, "-m", "pytest", "tests", "-m", "fault or security", "-q", "-p", "no:cacheprovider",
+        *pytest_args,
+    ]
     print("+", " ".join(argv), flush=True)
     began = time.monotonic()
     proc = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -106,21 +115,34 @@ def render(rows: list[dict], *, command: str, summary: str, elapsed: float | Non
     out.append(f"Run: {when}, commit `{commit}`{dirty}; {machine}.")
     if summary:
         out.append(f"pytest: {summary}.")
-    out += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        cells = [
-            row.get("scenario"), row.get("injected"), row.get("happened"), _recovery(row.get("recovery_s")),
-            row.get("restarts"), row.get("lost"),
-        ]
-        out.append("| " + " | ".join(_cell(c) for c in cells) + f" | {_test(row)} |")
-    if not rows:
-        out.append("| (no rows recorded) |" + " |" * (len(COLUMNS) - 1))
+    faults = [row for row in rows if row.get("part") != "security"]
+    attacks = [row for row in rows if row.get("part") == "security"]
+    out += _table(COLUMNS, [
+        [row.get("scenario"), row.get("injected"), row.get("happened"), _recovery(row.get("recovery_s")),
+         row.get("restarts"), row.get("lost"), row]
+        for row in faults
+    ])
+    out += ["", "## Security", ""]
+    out += _table(SECURITY_COLUMNS, [
+        [row.get("scenario"), row.get("injected"), row.get("happened"), row.get("lost"), row] for row in attacks
+    ])
     out += ["", "## Figures", "", "Everything else each row recorded, as the test wrote it:", ""]
     for row in rows:
         figures = _figures(row)
         if figures:
             out.append(f"- **{_cell(row.get('scenario'))}**: {figures}")
     return "\n".join(out).rstrip() + "\n"
+
+
+def _table(columns: tuple[str, ...], rows: list[list[object]]) -> list[str]:
+    """A markdown table; each row's last cell is its recorded row, shown as its test."""
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for *cells, row in rows:
+        assert isinstance(row, dict)
+        out.append("| " + " | ".join(_cell(c) for c in cells) + f" | {_test(row)} |")
+    if not rows:
+        out.append("| (no rows recorded) |" + " |" * (len(columns) - 1))
+    return out
 
 
 def _git(*argv: str) -> str:

@@ -8,7 +8,7 @@ import pytest
 
 from elasticrun.agent.processes import Warden
 
-pytest_plugins: list[str] = ["tests.etcd_support", "tests.elastic_cluster"]
+pytest_plugins: list[str] = ["tests.etcd_support", "tests.elastic_cluster", "tests.reliability_rows"]
 
 
 @pytest.fixture

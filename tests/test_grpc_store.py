@@ -41,6 +41,7 @@ from elasticrun.store.memory import MAX_LEASE_TTL, MemoryStore
 from elasticrun.store.server import ConnectionLimits, StoreServer
 from elasticrun.store.wire import TlsKeyPair
 from tests.agent_helpers import eventually
+from tests.reliability_rows import Reliability
 
 EVENT_WAIT = 10.0
 REPO = Path(__file__).resolve().parents[1]
@@ -250,7 +251,8 @@ async def test_limits_are_clear_errors() -> None:
     await server.engine.close()
 
 
-async def test_multi_set_is_all_or_nothing() -> None:
+@pytest.mark.security
+async def test_multi_set_is_all_or_nothing(reliability: Reliability) -> None:
     """A batch that breaks a bound midway leaves nothing of it behind (etcd's txn)."""
     server = StoreServer("127.0.0.1", 0, engine=MemoryStore(max_keys=3, max_value_bytes=16))
     await server.start()
@@ -271,9 +273,17 @@ async def test_multi_set_is_all_or_nothing() -> None:
     c10d.close()
     await server.stop()
     await server.engine.close()
+    reliability.record(
+        part="security",
+        scenario='a multi_set that breaks a bound midway',
+        injected='a c10d multi_set whose last key is one key too many, and one whose second value is too big',
+        happened='refused (RESOURCE_EXHAUSTED naming max_keys / max_value_bytes); nothing of either batch applied; a batch within the bounds applied whole',
+        lost="nothing",
+    )
 
 
-async def test_empty_keys_are_refused(server: StoreServer) -> None:
+@pytest.mark.security
+async def test_empty_keys_are_refused(server: StoreServer, reliability: Reliability) -> None:
     client, c10d = GrpcStore(server.endpoint), C10dClient(server.endpoint)
     for call in (client.put("", b"v"), client.get(""), client.delete("")):
         with pytest.raises(StoreRequestError, match="a key must not be empty"):
@@ -287,21 +297,37 @@ async def test_empty_keys_are_refused(server: StoreServer) -> None:
     assert (await client.get_prefix("")).kvs == ()  # a prefix may be empty: everything
     c10d.close()
     await client.close()
+    reliability.record(
+        part="security",
+        scenario='empty keys',
+        injected="put, get, delete, watch, c10d set and multi_set with the key ''",
+        happened="each refused (INVALID_ARGUMENT: 'a key must not be empty'), as etcd does; an empty prefix still means every key",
+        lost="nothing",
+    )
 
 
-async def test_absurd_lease_ttls_are_refused(server: StoreServer) -> None:
+@pytest.mark.security
+async def test_absurd_lease_ttls_are_refused(server: StoreServer, reliability: Reliability) -> None:
     client = GrpcStore(server.endpoint)
     for ttl in (1e300, MAX_LEASE_TTL * 2):
         with pytest.raises(StoreRequestError, match="etcd's limit"):
             await client.grant_lease(ttl)
     await client.revoke_lease(await client.grant_lease(MAX_LEASE_TTL))
     await client.close()
+    reliability.record(
+        part="security",
+        scenario='absurd lease TTLs',
+        injected="lease TTLs of 1e300 s and of twice etcd's limit",
+        happened="refused (INVALID_ARGUMENT naming etcd's limit); a TTL at the limit granted",
+        lost="nothing",
+    )
 
 
 # --- limits per connection ----------------------------------------------------------
 
 
-async def test_one_connection_cannot_take_the_leases_of_others() -> None:
+@pytest.mark.security
+async def test_one_connection_cannot_take_the_leases_of_others(reliability: Reliability) -> None:
     server = StoreServer("127.0.0.1", 0, connection_limits=ConnectionLimits(max_leases=2))
     await server.start()
     greedy, other = GrpcStore(server.endpoint), GrpcStore(server.endpoint)
@@ -320,9 +346,17 @@ async def test_one_connection_cannot_take_the_leases_of_others() -> None:
     await greedy.close()
     await other.close()
     await server.stop()
+    reliability.record(
+        part="security",
+        scenario='one client takes every lease',
+        injected="a client holds its connection's maximum of leases and asks for more",
+        happened="refused (RESOURCE_EXHAUSTED: max_leases per connection); another client's leases granted; revoked and expired leases no longer count",
+        lost="nothing",
+    )
 
 
-async def test_one_connection_cannot_take_the_watches_of_others() -> None:
+@pytest.mark.security
+async def test_one_connection_cannot_take_the_watches_of_others(reliability: Reliability) -> None:
     server = StoreServer("127.0.0.1", 0, connection_limits=ConnectionLimits(max_watches=2))
     await server.start()
     greedy, other = GrpcStore(server.endpoint), GrpcStore(server.endpoint)
@@ -339,9 +373,17 @@ async def test_one_connection_cannot_take_the_watches_of_others() -> None:
     await greedy.close()
     await other.close()
     await server.stop()
+    reliability.record(
+        part="security",
+        scenario='one client opens watches without end',
+        injected="a client holds its connection's maximum of watches and opens another",
+        happened="refused (RESOURCE_EXHAUSTED: max_watches per connection); another client's watch delivered",
+        lost="nothing",
+    )
 
 
-async def test_one_connection_cannot_take_the_calls_of_others() -> None:
+@pytest.mark.security
+async def test_one_connection_cannot_take_the_calls_of_others(reliability: Reliability) -> None:
     limits = ConnectionLimits(max_calls=2)
     server = StoreServer("127.0.0.1", 0, connection_limits=limits)
     await server.start()
@@ -359,6 +401,13 @@ async def test_one_connection_cannot_take_the_calls_of_others() -> None:
     await greedy.close()
     await other.close()
     await server.stop()
+    reliability.record(
+        part="security",
+        scenario='one client holds every call slot',
+        injected="a client holds its connection's maximum of calls in progress and makes another",
+        happened="refused (RESOURCE_EXHAUSTED: max_calls per connection); another client's call served",
+        lost="nothing",
+    )
 
 
 # --- token ----------------------------------------------------------------------------
@@ -459,7 +508,8 @@ async def test_tls_right_ca_wrong_ca_and_plaintext(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-async def test_a_plaintext_client_of_a_tls_server_is_told_at_once(tmp_path: Path) -> None:
+@pytest.mark.security
+async def test_a_plaintext_client_of_a_tls_server_is_told_at_once(tmp_path: Path, reliability: Reliability) -> None:
     """The server hangs up on plaintext, which grpc words as a server going away; the
     clients must not retry for their whole timeout (600 s here, far past the test's)."""
     _, pair = _ca_and_server_cert(tmp_path)
@@ -480,9 +530,17 @@ async def test_a_plaintext_client_of_a_tls_server_is_told_at_once(tmp_path: Path
         await asyncio.to_thread(c10d.num_keys)
     c10d.close()
     await server.stop()
+    reliability.record(
+        part="security",
+        scenario='a client without TLS against a TLS store',
+        injected='GrpcStore (get, watch, keep-alive) and C10dClient without tls_ca, store_timeout 600 s',
+        happened="StoreAuthError at once (exit 2): 'the store at HOST:PORT speaks TLS but this client does not', not a retry until store_timeout",
+        lost="nothing",
+    )
 
 
-async def test_a_tls_key_that_does_not_fit_is_a_setting_error(tmp_path: Path) -> None:
+@pytest.mark.security
+async def test_a_tls_key_that_does_not_fit_is_a_setting_error(tmp_path: Path, reliability: Reliability) -> None:
     _, pair = _ca_and_server_cert(tmp_path)
     _, other = _ca_and_server_cert(tmp_path)
     wrong = {
@@ -496,6 +554,13 @@ async def test_a_tls_key_that_does_not_fit_is_a_setting_error(tmp_path: Path) ->
         assert info.value.settings == settings and info.value.exit_code == 2
     with pytest.raises(StoreSettingError, match="the key does not belong to the certificate"):
         await StoreServer("127.0.0.1", 0, tls=wrong[("tls_cert", "tls_key")]).start()
+    reliability.record(
+        part="security",
+        scenario='a TLS key that does not fit',
+        injected="a store started with another certificate's key, a certificate that is not PEM, a key that is not one",
+        happened="refused before binding (exit 2), naming tls_cert / tls_key and what is wrong, not 'the port is in use'",
+        lost="nothing",
+    )
 
 
 # --- unreachable and wrong addresses -----------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 from elasticrun.agent.sessions import Session, kill_sessions
 from tests.elastic_cluster import pid_alive
 from tests.agent_helpers import REPO, kill_and_reap, read_lines_until, wait_pid_gone, write_script
+from tests.reliability_rows import Reliability
 
 # The worker starts a grandchild, a shell pipeline (its shell and two members), and a
 # daemon that double-forks and leaves the worker's process group but not its session.
@@ -80,24 +81,54 @@ async def _all_gone(pids: list[int]) -> None:
         await wait_pid_gone(pid, timeout=30)
 
 
-async def test_a_sigkilled_agent_leaves_nothing_of_its_workers_trees(tmp_path: Path) -> None:
+_TRIED = "its worker started a grandchild sleep, a shell pipeline and a daemon that double-forked into a process group of its own; "
+
+
+@pytest.mark.security
+async def test_a_sigkilled_agent_leaves_nothing_of_its_workers_trees(tmp_path: Path, reliability: Reliability) -> None:
     async with _agent_with_tree(tmp_path, "block") as (agent, pids):
+        clock = reliability.clock()
         agent.kill()
         assert await asyncio.wait_for(agent.wait(), 60) == -signal.SIGKILL
         await _all_gone(pids)
+        gone = clock()
+    reliability.record(
+        part="security",
+        scenario="an agent SIGKILLed under its workers",
+        injected=_TRIED + "then the agent got SIGKILL",
+        happened=f"every process of the tree ({len(pids)}) ended {gone:.2f} s after the kill (the agent's warden "
+        "killed the worker's session when the agent's pipe closed)",
+        lost="nothing (no process left)",
+    )
 
 
-async def test_a_sigtermed_agent_stops_its_workers_trees(tmp_path: Path) -> None:
+@pytest.mark.security
+async def test_a_sigtermed_agent_stops_its_workers_trees(tmp_path: Path, reliability: Reliability) -> None:
     async with _agent_with_tree(tmp_path, "block") as (agent, pids):
         agent.terminate()
         assert await asyncio.wait_for(agent.wait(), 60) == 1  # torchrun's exit code
         await _all_gone(pids)
+    reliability.record(
+        part="security",
+        scenario="an agent SIGTERMed under its workers",
+        injected=_TRIED + "then the agent got SIGTERM",
+        happened=f"the agent stopped the whole session ({len(pids)} processes) and exited 1, as torchrun does",
+        lost="nothing (no process left)",
+    )
 
 
-async def test_what_an_exited_worker_left_running_ends_with_the_job(tmp_path: Path) -> None:
+@pytest.mark.security
+async def test_what_an_exited_worker_left_running_ends_with_the_job(tmp_path: Path, reliability: Reliability) -> None:
     async with _agent_with_tree(tmp_path, "exit") as (agent, pids):
         assert await asyncio.wait_for(agent.wait(), 60) == 0
         await _all_gone(pids)
+    reliability.record(
+        part="security",
+        scenario="a worker that exits and leaves processes running",
+        injected=_TRIED + "then the worker exited 0",
+        happened=f"the job succeeded (exit 0) and the {len(pids) - 1} processes it left ended with it",
+        lost="nothing (no process left)",
+    )
 
 
 def test_a_session_whose_id_was_reused_is_left_alone(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 from elasticrun.errors import StateTransferError
 from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
 from tests.agent_helpers import free_port
+from tests.reliability_rows import Reliability
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -79,8 +80,9 @@ def test_a_pickle_is_refused_and_never_run(tmp_path: Path) -> None:
         decode(b" " * (MAX_BYTES + 1))
 
 
+@pytest.mark.security
 @pytest.mark.timeout(90)  # two processes importing torch on two cores
-def test_a_peer_sending_a_pickle_in_sync_is_refused(tmp_path: Path) -> None:
+def test_a_peer_sending_a_pickle_in_sync_is_refused(tmp_path: Path, reliability: Reliability) -> None:
     # the attacker speaks as dist.send_object_list does (a length, then pickle bytes)
     # where the structure of the newest commit belongs
     port = str(free_port())
@@ -95,3 +97,12 @@ def test_a_peer_sending_a_pickle_in_sync_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "pwned").exists(), "the victim ran the attacker's code"
     outcome = (tmp_path / "victim.txt").read_text()
     assert outcome.startswith("StateTransferError: a peer sent something that is not a state structure"), outcome
+    reliability.record(
+        part="security",
+        scenario="a peer sends a pickle in a state transfer",
+        injected="in-process mode's State.sync(): the rank with the newest commit sends, where the state's "
+        "structure belongs, a pickle that creates a file when unpickled (what dist.send_object_list sends)",
+        happened="the receiving rank raised StateTransferError ('not a state structure ... never as pickle'); "
+        "the file was never created",
+        lost="nothing (no code ran)",
+    )

@@ -22,6 +22,7 @@ import pytest
 
 from tests.agent_helpers import free_port, write_script
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
+from tests.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +57,8 @@ def agent(cluster: Cluster, name: str, endpoint: str, script: Path, *args: str, 
     )
 
 
-def test_workers_get_no_secret_but_a_private_token_file(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.mark.security
+def test_workers_get_no_secret_but_a_private_token_file(cluster: Cluster, tmp_path: Path, reliability: Reliability) -> None:
     token = "store-token-" + secrets.token_hex(12)
     password = "etcd-password-" + secrets.token_hex(12)
     cluster._env.update(ELASTICRUN_STORE_TOKEN=token, TRAIN_DB_PASSWORD=password)
@@ -79,6 +81,15 @@ def test_workers_get_no_secret_but_a_private_token_file(cluster: Cluster, tmp_pa
     assert not path.exists(), "the agent left its token file behind"
     assert not re.search(NO_TOKEN, out), out[-3000:]  # a token: nothing to warn about
     cluster.assert_no_orphans()
+    reliability.record(
+        part="security",
+        scenario="a worker that dumps its environment",
+        injected="an agent with $ELASTICRUN_STORE_TOKEN and an etcd password_env variable set; its worker "
+        "prints its whole environment",
+        happened="neither secret in the worker's environment or output; the worker got "
+        "ELASTICRUN_STORE_TOKEN_FILE, a 0600 file in the agent's run folder, removed when the agent ended",
+        lost="nothing",
+    )
 
 
 def _serve(cluster: Cluster, name: str, host: str) -> str:
@@ -94,7 +105,8 @@ def _serve(cluster: Cluster, name: str, host: str) -> str:
     return store.text()
 
 
-def test_a_store_without_a_token_warns_unless_on_loopback(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.mark.security
+def test_a_store_without_a_token_warns_unless_on_loopback(cluster: Cluster, tmp_path: Path, reliability: Reliability) -> None:
     cluster._env.pop("ELASTICRUN_STORE_TOKEN", None)
     wildcard = _serve(cluster, "store-all", "0.0.0.0")
     warnings = [line for line in wildcard.splitlines() if re.search(NO_TOKEN, line)]
@@ -112,3 +124,11 @@ def test_a_store_without_a_token_warns_unless_on_loopback(cluster: Cluster, tmp_
     assert len(lines) == 1, a.text()[-3000:]
     assert "set --rdzv-conf token_file or $ELASTICRUN_STORE_TOKEN" in lines[0], lines[0]
     cluster.assert_no_orphans()
+    reliability.record(
+        part="security",
+        scenario="a store without a token that others can reach",
+        injected="store serve on 0.0.0.0 and on 127.0.0.1 without a token; an agent hosting the store on 0.0.0.0",
+        happened="one warning line each on 0.0.0.0 (who can do what, and the flag that sets a token); none on "
+        "loopback",
+        lost="nothing",
+    )

@@ -33,7 +33,6 @@ import pytest
 from tests.elastic_cluster import Proc, pid_alive, run_id, wait_until
 from tests.fault.conftest import (
     FaultCluster,
-    Reliability,
     check_no_line_lost,
     check_steps_never_go_back,
     proc_sample,
@@ -41,6 +40,7 @@ from tests.fault.conftest import (
     serve_store,
     step_pattern,
 )
+from tests.reliability_rows import Reliability
 
 #: how much a long-lived process may grow past its warm-up value
 FD_MARGIN = 8

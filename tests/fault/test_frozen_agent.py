@@ -22,13 +22,13 @@ import pytest
 from tests.elastic_cluster import pid_alive, run_id, wait_until
 from tests.fault.conftest import (
     FaultCluster,
-    Reliability,
     check_no_line_lost,
     check_steps_never_go_back,
     redone,
     step_pattern,
     steps_in,
 )
+from tests.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(240)
 

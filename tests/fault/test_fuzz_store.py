@@ -680,6 +680,7 @@ def test_auth_refusals_leave_no_trace(served: Served, channel: grpc.Channel, rel
     assert state(channel, served.token) != before  # the check can see a write
     served.check_healthy()  # and the token is in none of the (DEBUG) log lines
     reliability.record(
+        part="security",
         scenario="store: missing and wrong tokens",
         injected=f"every one of the {len(METHODS)} methods without a token, with 'Bearer nope', and 60 hypothesis "
         "examples of wrong tokens (prefix, longer, lower-case scheme, no scheme, two values, random)",

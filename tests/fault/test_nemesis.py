@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id, wait_until
-from tests.fault.conftest import STEP_RE, FaultCluster, Reliability, check_no_line_lost, serve_store
+from tests.fault.conftest import STEP_RE, FaultCluster, check_no_line_lost, serve_store
+from tests.reliability_rows import Reliability
 
 SEED_VAR = "ELASTICRUN_NEMESIS_SEED"
 #: a worker's line on its agent's console (`[3]<stdout>: ...`), not the agent's own

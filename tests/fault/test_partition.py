@@ -22,7 +22,6 @@ from tests.elastic_cluster import RDZV_CONF, pid_alive, run_id, wait_until
 from tests.fault.conftest import (
     FaultCluster,
     Netns,
-    Reliability,
     agent_of,
     check_no_line_lost,
     check_steps_never_go_back,
@@ -31,6 +30,7 @@ from tests.fault.conftest import (
     step_pattern,
     steps_in,
 )
+from tests.reliability_rows import Reliability
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 

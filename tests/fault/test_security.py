@@ -163,6 +163,7 @@ def test_nodes_with_another_spec_are_refused(job: Job, reliability) -> None:
     job.store.kill()
     job.cluster.assert_no_orphans()
     reliability.record(
+        part="security",
         scenario="node with another job spec",
         injected="three agents joined a running job (1:3 nodes, 1 worker) with another script, "
         "--nproc-per-node=2, --nnodes=1:4",
@@ -189,6 +190,7 @@ def test_second_job_reusing_a_running_id_is_refused(job: Job, reliability) -> No
     job.store.kill()
     job.cluster.assert_no_orphans()
     reliability.record(
+        part="security",
         scenario="second job reusing a running job's id",
         injected="a job with another script, --nnodes=2, --nproc-per-node=2, --max-restarts=3 started with "
         "the running job's --rdzv-id",
@@ -215,6 +217,7 @@ def test_agents_without_the_token_are_refused(job: Job, tmp_path: Path, reliabil
     for proc in (job.store, a):
         assert job.token not in proc.text(), f"the token appears in {proc.name}'s output"
     reliability.record(
+        part="security",
         scenario="agent with a wrong or no store token",
         injected="two agents joined a token-protected job's store, one with a wrong token file, one with none",
         happened="both refused by the store (exit 2, 'missing or wrong store token'); no change to the job; "

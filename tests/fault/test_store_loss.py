@@ -20,7 +20,8 @@ import pytest
 
 from tests.agent_helpers import free_port
 from tests.elastic_cluster import RDZV_CONF, pid_alive, run_id, wait_until
-from tests.fault.conftest import FaultCluster, Reliability, check_no_line_lost, serve_store, step_pattern
+from tests.fault.conftest import FaultCluster, check_no_line_lost, serve_store, step_pattern
+from tests.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(180)
 
