@@ -733,6 +733,8 @@ def test_a_store_without_a_token_warns_where_others_can_reach_it(endpoint: str, 
         assert warning.startswith(f"the store on {endpoint} has no token: anyone who can reach"), warning
         assert "--token-file or $ELASTICRUN_STORE_TOKEN" in warning and "\n" not in warning
     assert exposure_warning(endpoint, "t", "--token-file") is None
+    # client certificates guard the store as a token does
+    assert exposure_warning(endpoint, None, "--token-file", client_ca=b"PEM") is None
 
 
 async def test_store_serve_runs_and_stops_on_sigterm(tmp_path: Path) -> None:

@@ -62,7 +62,7 @@ async def serve(config: ServeConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"elasticrun store serving on {server.endpoint}", flush=True)
-    warning = exposure_warning(server.endpoint, config.token, "--token-file")
+    warning = exposure_warning(server.endpoint, config.token, "--token-file", client_ca=config.client_ca)
     if warning is not None:
         print(f"elasticrun store: warning: {warning}", file=sys.stderr, flush=True)
     await stop.wait()

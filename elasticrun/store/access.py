@@ -8,7 +8,7 @@ missing certificate fails before anything starts and the store classes take plai
 values; `open_client` and `serve_here` are the one place a store is opened from them.
 It also knows which environment variables hold the store's secrets (`StoreAccess.secret_env`),
 so that the launcher can keep them from the workers, and when a store served without a
-token is open to others (`exposure_warning`).
+token or client certificates is open to others (`exposure_warning`).
 
 Errors are `StoreSettingError`s naming the setting; the command that took the setting
 from the user turns them into usage messages naming its flag.
@@ -315,15 +315,18 @@ def is_loopback(host: str) -> bool:
     return bool(addresses) and all(address.is_loopback for address in addresses)
 
 
-def exposure_warning(endpoint: str, token: str | None, token_flag: str) -> str | None:
+def exposure_warning(
+    endpoint: str, token: str | None, token_flag: str, *, client_ca: bytes | None = None
+) -> str | None:
     """What to tell whoever serves the store on `endpoint` without a token, when others
-    can reach it (None when a token is set or it listens on loopback only).
+    can reach it (None when a token or a CA for client certificates is set, or it
+    listens on loopback only).
 
-    Without a token the store cannot tell a node of the job from anyone else on the
+    Without either the store cannot tell a node of the job from anyone else on the
     network, so the line says who can do what, and how to close it (`token_flag` is
     the token's flag in the command at hand).
     """
-    if token is not None or is_loopback(endpoint.rpartition(":")[0]):
+    if token is not None or client_ca is not None or is_loopback(endpoint.rpartition(":")[0]):
         return None
     return (
         f"the store on {endpoint} has no token: anyone who can reach that port can join the job, "
