@@ -15,6 +15,7 @@ import torch.distributed as dist
 from elasticrun.errors import StoreAuthError, StoreSettingError, StoreTimeoutError
 from elasticrun.store.server import StoreServer
 from elasticrun.worker.c10d_store import C10dStore
+from tests.certs import TestCa
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "adapter-token"
@@ -23,6 +24,7 @@ WORKER = """
 import datetime, sys
 import torch, torch.distributed as dist
 from elasticrun.worker.c10d_store import C10dStore
+from tests.certs import TestCa
 
 endpoint, token, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store = C10dStore(endpoint, token=token, timeout=datetime.timedelta(seconds=60))
@@ -115,3 +117,25 @@ async def test_without_a_token_the_agents_token_file_is_used(
             C10dStore(server.endpoint)
 
     await asyncio.to_thread(ops)
+
+
+@pytest.mark.timeout(60)  # a refusal taken for an unreachable store would retry for 600 s
+async def test_a_worker_reaches_a_store_that_requires_client_certificates() -> None:
+    ca = TestCa()
+    server = StoreServer("127.0.0.1", 0, tls=ca.issue(), client_ca=ca.pem)
+    await server.start()
+
+    def ops() -> None:
+        store = C10dStore(server.endpoint, tls_ca=ca.pem, client_tls=ca.issue("rank0"), connect_timeout=600)
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        store.close()
+        stranger = C10dStore(server.endpoint, tls_ca=ca.pem, connect_timeout=600)
+        with pytest.raises(StoreAuthError, match="requires a client certificate and this client has none"):
+            stranger.set("k", b"")
+        stranger.close()
+
+    try:
+        await asyncio.to_thread(ops)
+    finally:
+        await server.stop()

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import ipaddress
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,10 +14,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from elasticrun.errors import (
     CompactedError,
@@ -41,6 +36,7 @@ from elasticrun.store.memory import MAX_LEASE_TTL, MemoryStore
 from elasticrun.store.server import ConnectionLimits, StoreServer
 from elasticrun.store.wire import TlsKeyPair
 from tests.agent_helpers import eventually
+from tests.certs import TestCa, write_pair
 from tests.reliability_rows import Reliability
 
 EVENT_WAIT = 10.0
@@ -443,46 +439,8 @@ async def test_token_missing_wrong_and_right() -> None:
 
 def _ca_and_server_cert(tmp: Path) -> tuple[bytes, TlsKeyPair]:
     """A fresh CA and a certificate it signed for 127.0.0.1 / localhost."""
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test CA")])
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    pair = TlsKeyPair(
-        cert=cert.public_bytes(serialization.Encoding.PEM),
-        key=key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        ),
-    )
-    return ca_cert.public_bytes(serialization.Encoding.PEM), pair
+    ca = TestCa()
+    return ca.pem, ca.issue()
 
 
 async def test_tls_right_ca_wrong_ca_and_plaintext(tmp_path: Path) -> None:
@@ -561,6 +519,134 @@ async def test_a_tls_key_that_does_not_fit_is_a_setting_error(tmp_path: Path, re
         happened="refused before binding (exit 2), naming tls_cert / tls_key and what is wrong, not 'the port is in use'",
         lost="nothing",
     )
+
+
+# --- mutual TLS -------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def mtls_server() -> AsyncIterator[tuple[StoreServer, TestCa, TestCa]]:
+    """A store that requires client certificates of `clients` (its own CA signs its
+    certificate): the server, the CA to trust, the CA of the clients."""
+    server_ca, clients = TestCa("server CA"), TestCa("client CA")
+    server = StoreServer("127.0.0.1", 0, tls=server_ca.issue(), client_ca=clients.pem)
+    await server.start()
+    yield server, server_ca, clients
+    await server.stop()
+
+
+async def test_mutual_tls_for_both_clients(mtls_server: tuple[StoreServer, TestCa, TestCa]) -> None:
+    server, server_ca, clients = mtls_server
+    client = GrpcStore(server.endpoint, tls_ca=server_ca.pem, client_tls=clients.issue("node0"))
+    lease = await client.grant_lease(30)
+    await client.put("k", b"over mutual TLS", lease=lease)
+    await client.keep_alive(lease)
+    events = await asyncio.gather(
+        next_events(client.watch("w", start_revision=(await client.get_prefix("")).revision + 1), 1),
+        client.put("w", b"seen"),
+    )
+    assert events[0][0].value == b"seen"
+    c10d = C10dClient(server.endpoint, tls_ca=server_ca.pem, client_tls=clients.issue("worker"))
+    assert await asyncio.to_thread(c10d.get, "k", 5) == b"over mutual TLS"
+    c10d.close()
+    await client.close()
+
+
+#: what each client certificate the store does not take is refused with
+REFUSED = {
+    "none": "requires a client certificate and this client has none: give it one signed by the store's client_ca "
+    "(--rdzv-conf client_cert=<file>,client_key=<file>)",
+    "another CA": "refused this client's certificate (--rdzv-conf client_cert): check that it is signed by the CA "
+    "the store was given as client_ca",
+    "expired": "refused this client's certificate (--rdzv-conf client_cert): certificate has expired; "
+    "give a valid one",
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("certificate", list(REFUSED))
+async def test_a_client_certificate_the_store_does_not_take_is_refused_at_once(
+    mtls_server: tuple[StoreServer, TestCa, TestCa], certificate: str
+) -> None:
+    """The server hangs up without a word, which grpc words as a server going away; the
+    clients must say what is wrong at once, not retry for their timeout (600 s here, far
+    past the test's) and end in "unreachable"."""
+    server, server_ca, clients = mtls_server
+    client_tls = {
+        "none": None,
+        "another CA": TestCa("another CA").issue("node0"),
+        "expired": clients.issue("node0", expired=True),
+    }[certificate]
+    told = f"the store at {server.endpoint} {REFUSED[certificate]}"
+    client = GrpcStore(server.endpoint, tls_ca=server_ca.pem, client_tls=client_tls, timeout=600)
+    with pytest.raises(StoreAuthError) as info:
+        await client.get("k")
+    assert str(info.value) == told and info.value.exit_code == 2
+    assert "unreachable" not in str(info.value)
+    with pytest.raises(StoreAuthError, match=re.escape(told)):
+        await next_events(client.watch("k", start_revision=1), 1)
+    with pytest.raises(StoreAuthError, match=re.escape(told)):
+        await client.keep_alive(1)
+    await client.close()
+    c10d = C10dClient(server.endpoint, tls_ca=server_ca.pem, client_tls=client_tls, timeout=600)
+    with pytest.raises(StoreAuthError, match=re.escape(told)):
+        await asyncio.to_thread(c10d.num_keys)
+    c10d.close()
+
+
+async def test_a_client_ca_that_cannot_work_is_a_setting_error(tmp_path: Path) -> None:
+    ca = TestCa()
+    refusals = {
+        ("client_ca", "tls_cert", "tls_key"): StoreServer("127.0.0.1", 0, client_ca=ca.pem),
+        ("client_ca",): StoreServer("127.0.0.1", 0, tls=ca.issue(), client_ca=b"not a certificate"),
+    }
+    for settings, server in refusals.items():
+        with pytest.raises(StoreSettingError) as info:
+            await server.start()
+        assert info.value.settings == settings and info.value.exit_code == 2
+    with pytest.raises(StoreSettingError, match="client certificates are checked only over TLS"):
+        await StoreServer("127.0.0.1", 0, client_ca=ca.pem).start()
+
+
+def test_the_store_settings_of_mutual_tls(tmp_path: Path) -> None:
+    ca = TestCa()
+    (tmp_path / "ca.pem").write_bytes(ca.pem)
+    server_cert, server_key = write_pair(ca.issue(), tmp_path, "server")
+    client_cert, client_key = write_pair(ca.issue("node0"), tmp_path, "node0")
+    settings = {
+        "tls_ca": str(tmp_path / "ca.pem"), "client_ca": str(tmp_path / "ca.pem"),
+        "tls_cert": str(server_cert), "tls_key": str(server_key),
+        "client_cert": str(client_cert), "client_key": str(client_key),
+    }
+    access = parse_access("c10d", "h:1", settings, {})
+    assert access.client_ca == ca.pem and access.tls_ca == ca.pem
+    assert access.server_tls == TlsKeyPair(server_cert.read_bytes(), server_key.read_bytes())
+    assert access.client_tls == TlsKeyPair(client_cert.read_bytes(), client_key.read_bytes())
+    # a client certificate alone (job control, an agent that does not host the store)
+    alone = {"tls_ca": settings["tls_ca"], "client_cert": str(client_cert), "client_key": str(client_key)}
+    assert parse_access("c10d", "h:1", alone, {}).client_tls == access.client_tls
+    refusals = {
+        ("client_ca", "tls_cert", "tls_key"): {"client_ca": settings["client_ca"]},
+        ("client_cert", "client_key"): {"client_cert": str(client_cert)},
+        ("client_ca",): {**settings, "client_ca": str(tmp_path / "missing.pem")},
+    }
+    for names, refused in refusals.items():
+        with pytest.raises(StoreSettingError) as info:
+            parse_access("c10d", "h:1", refused, {})
+        assert info.value.settings == names
+    with pytest.raises(StoreSettingError, match="client certificates are checked only over TLS"):
+        parse_access("c10d", "h:1", {"client_ca": settings["client_ca"]}, {})
+    # store serve: the same settings, named by its flags
+    parser = argparse.ArgumentParser()
+    store_cmd.register(parser.add_subparsers())
+    args = parser.parse_args(["store", "serve", "--client-ca", settings["client_ca"]])
+    with pytest.raises(UsageError, match=r"^--client-ca, --tls-cert, --tls-key: client certificates are checked"):
+        store_cmd.serve_config(args, {})
+    args = parser.parse_args(
+        ["store", "serve", "--client-ca", settings["client_ca"], "--tls-cert", str(server_cert),
+         "--tls-key", str(server_key)]
+    )
+    assert store_cmd.serve_config(args, {}).client_ca == ca.pem
 
 
 # --- unreachable and wrong addresses -----------------------------------------------
@@ -712,6 +798,8 @@ def test_a_store_without_a_token_warns_where_others_can_reach_it(endpoint: str, 
         assert warning.startswith(f"the store on {endpoint} has no token: anyone who can reach"), warning
         assert "--token-file or $ELASTICRUN_STORE_TOKEN" in warning and "\n" not in warning
     assert exposure_warning(endpoint, "t", "--token-file") is None
+    # client certificates guard the store as a token does
+    assert exposure_warning(endpoint, None, "--token-file", client_ca=b"PEM") is None
 
 
 async def test_store_serve_runs_and_stops_on_sigterm(tmp_path: Path) -> None:

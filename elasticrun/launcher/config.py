@@ -69,10 +69,14 @@ RDZV_CONF_KEYS = {
     "tls_ca": "c10d: CA certificate (PEM) to reach the store over TLS",
     "tls_cert": "c10d: certificate (PEM) of the store this agent hosts",
     "tls_key": "c10d: private key (PEM) of the store this agent hosts",
+    "client_ca": (
+        "c10d: CA certificate (PEM) the store this agent hosts requires client certificates to chain to "
+        "(mutual TLS; needs tls_cert, tls_key)"
+    ),
     "store_timeout": f"seconds a store call may take, retries included (default {DEFAULT_TIMEOUT:g})",
     "ca_cert": "etcd: CA certificate (PEM)",
-    "client_cert": "etcd: client certificate (PEM)",
-    "client_key": "etcd: client private key (PEM)",
+    "client_cert": "c10d and etcd: this client's certificate (PEM), for a store that requires one",
+    "client_key": "c10d and etcd: private key (PEM) of client_cert",
     "user": "etcd: user name",
     "password_file": "etcd: file holding the password",
     "password_env": "etcd: environment variable holding the password",

@@ -45,8 +45,8 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", action="append", default=[],
         help=(
-            "store access: token_file, require_token, tls_ca, store_timeout; "
-            "etcd: ca_cert, client_cert, client_key, user, password_file, password_env"
+            "store access: token_file, require_token, tls_ca, store_timeout; c10d and etcd: "
+            "client_cert, client_key; etcd: ca_cert, user, password_file, password_env"
         ),
     )
 

@@ -122,7 +122,9 @@ async def _open_store(rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack) 
         server = await serve_here(rdzv.store)
     if server is not None:
         log.info("hosting the rendezvous store on %s", server.endpoint)
-        warning = exposure_warning(server.endpoint, rdzv.store.token, rdzv_flag("token_file"))
+        warning = exposure_warning(
+            server.endpoint, rdzv.store.token, rdzv_flag("token_file"), client_ca=rdzv.store.client_ca
+        )
         if warning is not None:
             log.warning("%s", warning)
         stack.push_async_callback(server.stop)

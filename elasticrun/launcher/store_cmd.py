@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
-from elasticrun.store.access import exposure_warning, key_pair, read_token
+from elasticrun.store.access import exposure_warning, read_token, server_tls
 from elasticrun.store.server import StoreServer
 from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV, TlsKeyPair
 
@@ -24,6 +24,7 @@ class ServeConfig:
     port: int
     token: str | None
     tls: TlsKeyPair | None
+    client_ca: bytes | None
 
 
 #: the flag of each store setting `store serve` takes
@@ -32,6 +33,7 @@ _FLAGS = {
     "require_token": "--require-token",
     "tls_cert": "--tls-cert",
     "tls_key": "--tls-key",
+    "client_ca": "--client-ca",
 }
 
 
@@ -45,14 +47,14 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeC
         raise UsageError(f"--port must be within 0..65535, got {args.port}")
     given = {setting: getattr(args, setting) for setting in _FLAGS if getattr(args, setting) is not None}
     with settings_from_flags(_flag_of):
-        tls = key_pair(given, "tls_cert", "tls_key")
+        tls, client_ca = server_tls(given)
         token = read_token(args.token_file, environ, required=args.require_token)
-    return ServeConfig(args.host, args.port, token, tls)
+    return ServeConfig(args.host, args.port, token, tls, client_ca)
 
 
 async def serve(config: ServeConfig) -> int:
     """Serve until SIGTERM or SIGINT, then stop gracefully."""
-    server = StoreServer(config.host, config.port, token=config.token, tls=config.tls)
+    server = StoreServer(config.host, config.port, token=config.token, tls=config.tls, client_ca=config.client_ca)
     with settings_from_flags(_flag_of):
         await server.start()
     stop = asyncio.Event()
@@ -60,7 +62,7 @@ async def serve(config: ServeConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"elasticrun store serving on {server.endpoint}", flush=True)
-    warning = exposure_warning(server.endpoint, config.token, "--token-file")
+    warning = exposure_warning(server.endpoint, config.token, "--token-file", client_ca=config.client_ca)
     if warning is not None:
         print(f"elasticrun store: warning: {warning}", file=sys.stderr, flush=True)
     await stop.wait()
@@ -97,4 +99,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     serve_parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS only")
     serve_parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve_parser.add_argument(
+        "--client-ca",
+        help="PEM CA certificate: require every client to present a certificate it signed "
+        "(mutual TLS; needs --tls-cert and --tls-key)",
+    )
     serve_parser.set_defaults(run=_run)

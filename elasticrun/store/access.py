@@ -1,13 +1,14 @@
 """How a launcher reaches its job's store: one record, read once from the store settings.
 
 `--rdzv-conf` carries the store's settings for both backends next to the rendezvous
-timings: the built-in store's token and TLS files, etcd's TLS files and credentials, the
-call timeout. `parse_access` reads them once, files and secrets included, so that a
+timings: the built-in store's token and TLS files (its key pair, the CA its clients'
+certificates must chain to), etcd's TLS files and credentials, this client's certificate
+(both backends), the call timeout. `parse_access` reads them once, files and secrets included, so that a
 missing certificate fails before anything starts and the store classes take plain
 values; `open_client` and `serve_here` are the one place a store is opened from them.
 It also knows which environment variables hold the store's secrets (`StoreAccess.secret_env`),
 so that the launcher can keep them from the workers, and when a store served without a
-token is open to others (`exposure_warning`).
+token or client certificates is open to others (`exposure_warning`).
 
 Errors are `StoreSettingError`s naming the setting; the command that took the setting
 from the user turns them into usage messages naming its flag.
@@ -28,7 +29,14 @@ from typing import TYPE_CHECKING
 
 from elasticrun.errors import StoreAddressError, StoreSettingError
 from elasticrun.store.api import Store
-from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TOKEN_ENV, TlsKeyPair
+from elasticrun.store.wire import (
+    CLIENT_CA_NEEDS_TLS,
+    DEFAULT_C10D_PORT,
+    DEFAULT_ETCD_PORT,
+    DEFAULT_TIMEOUT,
+    TOKEN_ENV,
+    TlsKeyPair,
+)
 
 if TYPE_CHECKING:
     from elasticrun.store.server import StoreServer
@@ -46,9 +54,11 @@ SECRET_ENV = frozenset({TOKEN_ENV})
 class StoreAccess:
     """Everything needed to open the job's store, checked and read.
 
-    For c10d, `tls_ca` is the CA a client trusts and `tls_pair` the certificate of the
-    store an agent hosts; for etcd, `tls_ca` is `ca_cert` and `tls_pair` the client's own
-    certificate (etcd's --client-cert-auth).
+    `tls_ca` is the CA a client trusts (etcd: `ca_cert`) and `client_tls` the client's
+    own certificate (`client_cert`/`client_key`), for a server that requires one (etcd's
+    --client-cert-auth, the built-in store's `client_ca`). For c10d, `server_tls` is the
+    key pair of the store an agent hosts and `client_ca` the CA that store requires its
+    clients' certificates to chain to.
     """
 
     backend: str  # "c10d" or "etcd"
@@ -57,7 +67,9 @@ class StoreAccess:
     timeout: float = DEFAULT_TIMEOUT
     token: str | None = field(default=None, repr=False)
     tls_ca: bytes | None = None
-    tls_pair: TlsKeyPair | None = field(default=None, repr=False)
+    client_tls: TlsKeyPair | None = field(default=None, repr=False)
+    server_tls: TlsKeyPair | None = field(default=None, repr=False)
+    client_ca: bytes | None = None
     #: c10d: True hosts the store or fails, False never hosts it, None hosts it when the
     #: endpoint is this host's and free (as torchrun does)
     is_host: bool | None = None
@@ -156,6 +168,18 @@ def key_pair(settings: Mapping[str, str], cert: str, key: str) -> TlsKeyPair | N
     return TlsKeyPair(cert=read_file(cert, settings[cert]), key=read_file(key, settings[key]))
 
 
+def server_tls(settings: Mapping[str, str]) -> tuple[TlsKeyPair | None, bytes | None]:
+    """The built-in store's own key pair (`tls_cert`, `tls_key`) and the CA its clients'
+    certificates must chain to (`client_ca`), which needs the pair."""
+    pair = key_pair(settings, "tls_cert", "tls_key")
+    client_ca = settings.get("client_ca")
+    if client_ca is None:
+        return pair, None
+    if pair is None:
+        raise StoreSettingError(("client_ca", "tls_cert", "tls_key"), CLIENT_CA_NEEDS_TLS)
+    return pair, read_file("client_ca", client_ca)
+
+
 def parse_access(
     backend: str, endpoint: str, settings: Mapping[str, str], environ: Mapping[str, str]
 ) -> StoreAccess:
@@ -173,7 +197,7 @@ def parse_access(
             endpoints,
             timeout,
             tls_ca=read_file("ca_cert", ca) if ca else None,
-            tls_pair=key_pair(settings, "client_cert", "client_key"),
+            client_tls=key_pair(settings, "client_cert", "client_key"),
             user=user,
             password=password,
             secret_env=secret_env,
@@ -181,13 +205,16 @@ def parse_access(
     if len(endpoints) != 1:
         raise StoreSettingError("endpoint", f"the built-in store has one endpoint, got {endpoint!r}")
     ca = settings.get("tls_ca")
+    pair, client_ca = server_tls(settings)
     return StoreAccess(
         backend,
         endpoints,
         timeout,
         token=read_token(settings.get("token_file"), environ, required=bool(_boolean("require_token", settings))),
         tls_ca=read_file("tls_ca", ca) if ca else None,
-        tls_pair=key_pair(settings, "tls_cert", "tls_key"),
+        client_tls=key_pair(settings, "client_cert", "client_key"),
+        server_tls=pair,
+        client_ca=client_ca,
         is_host=_boolean("is_host", settings),
         secret_env=secret_env,
     )
@@ -258,14 +285,20 @@ def open_client(access: StoreAccess) -> Store:
         return EtcdStore(
             access.endpoints,
             tls_ca=access.tls_ca,
-            client_tls=access.tls_pair,
+            client_tls=access.client_tls,
             user=access.user,
             password=access.password,
             timeout=access.timeout,
         )
     from elasticrun.store.client import GrpcStore
 
-    return GrpcStore(access.endpoint, token=access.token, tls_ca=access.tls_ca, timeout=access.timeout)
+    return GrpcStore(
+        access.endpoint,
+        token=access.token,
+        tls_ca=access.tls_ca,
+        client_tls=access.client_tls,
+        timeout=access.timeout,
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -282,15 +315,18 @@ def is_loopback(host: str) -> bool:
     return bool(addresses) and all(address.is_loopback for address in addresses)
 
 
-def exposure_warning(endpoint: str, token: str | None, token_flag: str) -> str | None:
+def exposure_warning(
+    endpoint: str, token: str | None, token_flag: str, *, client_ca: bytes | None = None
+) -> str | None:
     """What to tell whoever serves the store on `endpoint` without a token, when others
-    can reach it (None when a token is set or it listens on loopback only).
+    can reach it (None when a token or a CA for client certificates is set, or it
+    listens on loopback only).
 
-    Without a token the store cannot tell a node of the job from anyone else on the
+    Without either the store cannot tell a node of the job from anyone else on the
     network, so the line says who can do what, and how to close it (`token_flag` is
     the token's flag in the command at hand).
     """
-    if token is not None or is_loopback(endpoint.rpartition(":")[0]):
+    if token is not None or client_ca is not None or is_loopback(endpoint.rpartition(":")[0]):
         return None
     return (
         f"the store on {endpoint} has no token: anyone who can reach that port can join the job, "
@@ -312,7 +348,12 @@ async def serve_here(access: StoreAccess) -> StoreServer | None:
         return None
     host, _, port = access.endpoint.rpartition(":")
     server = StoreServer(
-        host.strip("[]"), int(port), token=access.token, tls=access.tls_pair, hosted_by_agent=True
+        host.strip("[]"),
+        int(port),
+        token=access.token,
+        tls=access.server_tls,
+        client_ca=access.client_ca,
+        hosted_by_agent=True,
     )
     try:
         await server.start()

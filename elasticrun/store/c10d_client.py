@@ -6,8 +6,9 @@ generated stubs), never the server, its in-memory engine or the async client, so
 importing it costs a worker little.
 
 Like the async client, a call that finds the server unreachable is retried with backoff
-until `timeout`, then fails with StoreUnavailableError naming host:port; a plaintext
-client of a TLS server gets StoreAuthError at once.
+until `timeout`, then fails with StoreUnavailableError naming host:port; a client whose
+TLS the server refuses (plaintext to a TLS server, a client certificate it does not
+take) gets StoreAuthError at once.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from elasticrun.store.channel import (
     retryable,
     tls_refusal,
 )
-from elasticrun.store.wire import DEFAULT_TIMEOUT
+from elasticrun.store.wire import DEFAULT_TIMEOUT, TlsKeyPair
 
 _T = TypeVar("_T")
 
@@ -42,7 +43,8 @@ class C10dClient:
     """The c10d operations of the store server, blocking (for training scripts).
 
     Keys are str, values bytes; waiting calls take their own timeout in seconds (0: no
-    limit) on top of `timeout`, which bounds reaching the server.
+    limit) on top of `timeout`, which bounds reaching the server. TLS as `GrpcStore`:
+    `tls_ca` the CA to trust, `client_tls` the certificate to present.
     """
 
     def __init__(
@@ -51,13 +53,15 @@ class C10dClient:
         *,
         token: str | None = None,
         tls_ca: bytes | None = None,
+        client_tls: TlsKeyPair | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
-        self._tls_ca = tls_ca
+        self._client_tls = client_tls
         target = grpc_target(endpoint)
-        creds = credentials(tls_ca)
+        creds = credentials(tls_ca, client_tls)
+        self._tls = creds is not None
         if creds is None:
             self._channel = grpc.insecure_channel(target, options=CLIENT_OPTIONS)
         else:
@@ -84,7 +88,7 @@ class C10dClient:
                     metadata=self._metadata,
                 )
             except grpc.RpcError as e:
-                refusal = tls_refusal(self.endpoint) if self._tls_ca is None and hung_up(e) else None
+                refusal = tls_refusal(self.endpoint, self._tls, self._client_tls) if hung_up(e) else None
                 if refusal is not None:
                     raise refusal from None
                 if not retryable(e) or time.monotonic() + delay >= start + self.timeout:

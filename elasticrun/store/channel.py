@@ -29,6 +29,7 @@ from elasticrun.store.wire import (
     DEFAULT_C10D_PORT,
     MAX_REPLY_BYTES,
     TOKEN_METADATA_KEY,
+    TlsKeyPair,
     bearer,
 )
 
@@ -70,9 +71,16 @@ def grpc_target(endpoint: str) -> str:
     return endpoint
 
 
-def credentials(tls_ca: bytes | None) -> grpc.ChannelCredentials | None:
-    """TLS trusting the CA `tls_ca` (PEM), or None for a plaintext channel."""
-    return grpc.ssl_channel_credentials(root_certificates=tls_ca) if tls_ca else None
+def credentials(tls_ca: bytes | None, client_tls: TlsKeyPair | None = None) -> grpc.ChannelCredentials | None:
+    """TLS trusting the CA `tls_ca` (PEM) and presenting the client certificate
+    `client_tls` to a server that asks for one; None (plaintext) without either."""
+    if tls_ca is None and client_tls is None:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls_ca,
+        private_key=client_tls.key if client_tls else None,
+        certificate_chain=client_tls.cert if client_tls else None,
+    )
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -80,30 +88,53 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((TOKEN_METADATA_KEY, bearer(token)),) if token else ()
 
 
-#: How long the probe of `tls_refusal` may take: a TLS server answers at once.
+#: How long a probe of `tls_refusal` may take: a TLS server answers at once.
 TLS_PROBE_TIMEOUT = 2.0
 
 
 def hung_up(error: grpc.RpcError) -> bool:
-    """Whether the server closed the connection before HTTP/2 began: what a plaintext
-    client sees of a TLS server (and of a server going away). See `tls_refusal`."""
+    """Whether the server closed the connection before HTTP/2 began: what a client sees
+    of a server refusing its TLS (and of a server going away). See `tls_refusal`."""
     return "socket closed" in (error.details() or "").lower()
 
 
-def tls_refusal(endpoint: str) -> StoreAuthError | None:
-    """For a plaintext client that the server at `endpoint` hung up on: the error to
-    raise if that server speaks TLS, else None (it is going away: retry). Blocking.
+def tls_refusal(endpoint: str, tls: bool, client_tls: TlsKeyPair | None = None) -> StoreAuthError | None:
+    """For a client that the server at `endpoint` hung up on: the error to raise if that
+    was a refusal of its TLS, else None (the server is going away: retry). Blocking.
 
-    grpc words a TLS server's hang-up as "Socket closed" (UNAVAILABLE), as it does a
-    server going away, so the client would retry for its whole timeout and end in
-    "unreachable". A server that answers a TLS ClientHello with a TLS handshake record
-    speaks TLS: say so at once.
+    grpc words every such hang-up as "Socket closed" (UNAVAILABLE), a server going away
+    as much as a refusal, so the client would retry for its whole timeout and end in
+    "unreachable". The server itself is asked instead, over a connection of our own:
+
+    - a plaintext client (`tls` false): a server that answers a TLS ClientHello with a
+      TLS handshake record speaks TLS;
+    - a TLS client: a server that requires client certificates and does not take ours
+      (none, another CA's, expired) completes the handshake, then closes the connection
+      without a word (gRPC's TLS sends no alert), where it would open HTTP/2 at once.
     """
-    if not _speaks_tls(endpoint):
+    if not tls:
+        if not _speaks_tls(endpoint):
+            return None
+        return StoreAuthError(
+            f"the store at {endpoint} speaks TLS but this client does not: give the store's CA "
+            "certificate (--rdzv-conf tls_ca=<file>)"
+        )
+    if not _refuses_client(endpoint, client_tls):
         return None
+    if client_tls is None:
+        return StoreAuthError(
+            f"the store at {endpoint} requires a client certificate and this client has none: "
+            "give it one signed by the store's client_ca (--rdzv-conf client_cert=<file>,client_key=<file>)"
+        )
+    fault = _certificate_fault(client_tls)
+    if fault is not None:
+        return StoreAuthError(
+            f"the store at {endpoint} refused this client's certificate (--rdzv-conf client_cert): "
+            f"{fault}; give a valid one"
+        )
     return StoreAuthError(
-        f"the store at {endpoint} speaks TLS but this client does not: give the store's CA "
-        "certificate (--rdzv-conf tls_ca=<file>)"
+        f"the store at {endpoint} refused this client's certificate (--rdzv-conf client_cert): "
+        "check that it is signed by the CA the store was given as client_ca"
     )
 
 
@@ -124,6 +155,63 @@ def _speaks_tls(endpoint: str) -> bool:
     except OSError:
         return False
     return reply == b"\x16\x03"  # a TLS handshake record (ServerHello), any TLS version
+
+
+def _refuses_client(endpoint: str, client_tls: TlsKeyPair | None) -> bool:
+    """Whether the server at `endpoint` closes a TLS connection presenting `client_tls`
+    right after the handshake, instead of opening HTTP/2 (see `tls_refusal`)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # whether the server takes us is all that is asked here
+    context.set_alpn_protocols(["h2"])
+    host, _, port = endpoint.rpartition(":")
+    try:
+        if client_tls is not None:
+            client_tls.load_into(context)
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=TLS_PROBE_TIMEOUT) as sock:
+            with context.wrap_socket(sock) as connection:
+                try:
+                    return not connection.recv(1)  # the server's HTTP/2 SETTINGS, or the end
+                except (ConnectionResetError, ssl.SSLError):  # a reset or an alert, after the handshake
+                    return True
+    except OSError:  # no connection, no handshake, no answer in time: not a refusal of us
+        return False
+
+
+def _certificate_fault(pair: TlsKeyPair) -> str | None:
+    """What OpenSSL finds wrong in `pair`'s certificate itself, short of who signed it
+    ("certificate has expired", "... is not yet valid", "unsupported certificate
+    purpose"); None when nothing (or the pair does not load).
+
+    The certificate is checked as a server checks a client's, with itself as the trust
+    anchor (a partial chain), in a TLS handshake in memory between two contexts that
+    both hold `pair`.
+    """
+    checker = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    checker.verify_mode = ssl.CERT_REQUIRED
+    checker.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    client.verify_mode = ssl.CERT_NONE
+    try:
+        checker.load_verify_locations(cadata=pair.cert.decode("ascii"))
+        pair.load_into(checker)
+        pair.load_into(client)
+    except (ssl.SSLError, UnicodeDecodeError):
+        return None
+    to_checker, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    ends = (client.wrap_bio(to_client, to_checker), checker.wrap_bio(to_checker, to_client, server_side=True))
+    for _ in range(3):  # TLS 1.3 takes two flights each way
+        for end in ends:
+            try:
+                end.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLCertVerificationError as e:
+                return e.verify_message
+            except ssl.SSLError:
+                return None
+    return None
 
 
 def _is_tls_failure(details: str) -> bool:

@@ -10,8 +10,9 @@ its memory) gets CompactedError, so the caller re-reads instead of missing chang
 One exception to the retries: a server that said (in a watch reply) it is hosted by a
 launcher agent is never restarted, so when its port refuses connections every call
 fails at once, as torchrun's agents do when the agent hosting their TCPStore dies,
-rather than after the whole timeout. Nor are calls retried when a plaintext client
-finds that the server speaks TLS (`channel.tls_refusal`): StoreAuthError at once.
+rather than after the whole timeout. Nor are calls retried when the server refuses the
+client's TLS (`channel.tls_refusal`: a plaintext client of a TLS server, a client
+certificate the server does not take): StoreAuthError at once.
 
 The blocking client of the c10d operations is `store/c10d_client.py`; what both share
 (endpoint check, channel options, error translation) is `store/channel.py`.
@@ -54,7 +55,7 @@ from elasticrun.store.channel import (
     retryable,
     tls_refusal,
 )
-from elasticrun.store.wire import DEFAULT_TIMEOUT
+from elasticrun.store.wire import DEFAULT_TIMEOUT, TlsKeyPair
 
 _T = TypeVar("_T")
 
@@ -70,7 +71,8 @@ class GrpcStore(Store):
     """The Store interface over the built-in store server at `endpoint` (host:port).
 
     `token` is sent with every call; `tls_ca` (PEM) makes the client speak TLS and
-    trust that CA. `timeout` bounds every call, including the retries of a call that
+    trust that CA; `client_tls` is the certificate it presents to a server that requires
+    one (mutual TLS). `timeout` bounds every call, including the retries of a call that
     found the server unreachable.
     """
 
@@ -80,13 +82,15 @@ class GrpcStore(Store):
         *,
         token: str | None = None,
         tls_ca: bytes | None = None,
+        client_tls: TlsKeyPair | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
         self._target = grpc_target(endpoint)
         self._metadata = call_metadata(token)
-        self._tls_ca = tls_ca
+        self._credentials = credentials(tls_ca, client_tls)
+        self._client_tls = client_tls
         self._channel: grpc.aio.Channel | None = None
         self._stub_cache: pb_grpc.StoreStub | None = None
         self._keepalive: _KeepAliveStream | None = None
@@ -99,12 +103,11 @@ class GrpcStore(Store):
     def _stub(self) -> pb_grpc.StoreStub:
         # Created on first use, inside the loop that will run it.
         if self._stub_cache is None:
-            creds = credentials(self._tls_ca)
-            if creds is None:
+            if self._credentials is None:
                 self._channel = grpc.aio.insecure_channel(self._target, options=CLIENT_OPTIONS)
             else:
                 self._channel = grpc.aio.secure_channel(
-                    self._target, creds, options=CLIENT_OPTIONS
+                    self._target, self._credentials, options=CLIENT_OPTIONS
                 )
             self._stub_cache = pb_grpc.StoreStub(self._channel)
         return self._stub_cache
@@ -127,11 +130,12 @@ class GrpcStore(Store):
             delay = min(2 * delay, MAX_BACKOFF)
 
     async def _retry_or_raise(self, error: grpc.RpcError, lease: int = 0, *, out_of_time: bool = False) -> None:
-        """Return if `error` is worth another try, else raise what it means (a plaintext
-        client that a TLS server hangs up on is told so, not left retrying)."""
+        """Return if `error` is worth another try, else raise what it means (a client
+        whose TLS the server refuses is told so, not left retrying)."""
         worth_it = self._worth_retrying(error)
-        if worth_it and self._tls_ca is None and hung_up(error):
-            refusal = await asyncio.to_thread(tls_refusal, self.endpoint)
+        if worth_it and hung_up(error):
+            tls = self._credentials is not None
+            refusal = await asyncio.to_thread(tls_refusal, self.endpoint, tls, self._client_tls)
             if refusal is not None:
                 raise refusal from None
         if not worth_it or out_of_time:

@@ -6,7 +6,9 @@ etcd-like `Store` the rendezvous uses and the c10d operations workers use.
 
 Security: with a token, every call must carry `authorization: Bearer <token>`
 (compared in constant time, never logged) or gets UNAUTHENTICATED; with a certificate
-and key, the server speaks TLS only. State lives in memory and is never pickled.
+and key, the server speaks TLS only; with a CA for clients (`client_ca`) as well, it
+takes only connections whose client certificate chains to that CA (mutual TLS). State
+lives in memory and is never pickled.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ import functools
 import hmac
 import inspect
 import logging
-import os
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
@@ -40,6 +41,7 @@ from elasticrun.proto import store_pb2_grpc as pb_grpc
 from elasticrun.store.api import EventType, KeyValue, WatchEvent
 from elasticrun.store.memory import MemoryStore
 from elasticrun.store.wire import (
+    CLIENT_CA_NEEDS_TLS,
     CLIENT_PING_MS,
     MAX_REPLY_BYTES,
     REQUEST_SLACK_BYTES,
@@ -105,7 +107,9 @@ class StoreServer:
     and dies with a launcher agent: a refused connection then means it is gone for good,
     and they stop waiting for it at once instead of after their timeout.
     `max_calls` bounds the calls in progress from all clients, `connection_limits` what
-    each client connection may take of them (and of the engine's leases).
+    each client connection may take of them (and of the engine's leases). `client_ca`
+    (PEM, with `tls` only) makes it require and verify a client certificate on every
+    connection.
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class StoreServer:
         engine: MemoryStore | None = None,
         token: str | None = None,
         tls: TlsKeyPair | None = None,
+        client_ca: bytes | None = None,
         max_calls: int = DEFAULT_MAX_CALLS,
         connection_limits: ConnectionLimits = ConnectionLimits(),
         hosted_by_agent: bool = False,
@@ -132,6 +137,7 @@ class StoreServer:
         self._requested_port = port
         self._token = token
         self._tls = tls
+        self._client_ca = client_ca
         self._server: grpc.aio.Server | None = None
         self._streams: set[asyncio.Task[object]] = set()
         self._stopping = False
@@ -157,11 +163,18 @@ class StoreServer:
         _add_store_service(_StoreService(self), server, self.counted_call)
         _add_c10d_service(_C10dService(self), server, self.counted_call)
         address = _host_port(self.host, self._requested_port)
+        # grpc would only fail to bind on a bad certificate: "port in use"
         if self._tls is not None:
-            _check_key_pair(self._tls)  # grpc would only fail to bind: "port in use"
+            _check_key_pair(self._tls)
+        if self._client_ca is not None:
+            _check_client_ca(self._client_ca, self._tls)
         try:
             if self._tls is not None:
-                creds = grpc.ssl_server_credentials([(self._tls.key, self._tls.cert)])
+                creds = grpc.ssl_server_credentials(
+                    [(self._tls.key, self._tls.cert)],
+                    root_certificates=self._client_ca,
+                    require_client_auth=self._client_ca is not None,
+                )
                 self.port = server.add_secure_port(address, creds)
             else:
                 self.port = server.add_insecure_port(address)
@@ -177,7 +190,7 @@ class StoreServer:
         logger.debug(
             "store serving on %s (%s, %s)",
             self.endpoint,
-            "TLS" if self._tls else "plaintext",
+            ("mutual TLS" if self._client_ca else "TLS") if self._tls else "plaintext",
             "token required" if self._token else "no token",
         )
 
@@ -254,48 +267,35 @@ def _check_key_pair(pair: TlsKeyPair) -> None:
     """Refuse a certificate and key that cannot serve TLS, saying which is wrong.
 
     grpc only fails to bind then (and logs the reason), which reads as a busy port.
-    Python's ssl loads a key only from a file: it reads both from memory-backed files
-    (memfd), so the key is never written to a disk.
     """
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    _load_ca(context, "tls_cert", pair.cert)
     try:
-        context.load_verify_locations(cadata=pair.cert.decode("ascii"))
+        pair.load_into(context)
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise StoreSettingError(("tls_cert", "tls_key"), "the key does not belong to the certificate") from None
+        raise StoreSettingError("tls_key", f"not an unencrypted PEM private key ({_ssl_reason(e)})") from None
+
+
+def _check_client_ca(client_ca: bytes, tls: TlsKeyPair | None) -> None:
+    """Refuse a CA for client certificates that cannot work: without TLS, or no PEM."""
+    if tls is None:
+        raise StoreSettingError(("client_ca", "tls_cert", "tls_key"), CLIENT_CA_NEEDS_TLS)
+    _load_ca(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), "client_ca", client_ca)
+
+
+def _load_ca(context: ssl.SSLContext, setting: str, pem: bytes) -> None:
+    try:
+        context.load_verify_locations(cadata=pem.decode("ascii"))
     except (ssl.SSLError, UnicodeDecodeError) as e:
-        raise StoreSettingError("tls_cert", f"not a PEM certificate ({_ssl_reason(e)})") from None
-    with _memory_file("tls_cert", pair.cert) as cert, _memory_file("tls_key", pair.key) as key:
-        try:
-            context.load_cert_chain(cert, key, password=_no_password)
-        except ssl.SSLError as e:
-            if e.reason == "KEY_VALUES_MISMATCH":
-                raise StoreSettingError(
-                    ("tls_cert", "tls_key"), "the key does not belong to the certificate"
-                ) from None
-            raise StoreSettingError(
-                "tls_key", f"not an unencrypted PEM private key ({_ssl_reason(e)})"
-            ) from None
-
-
-def _no_password() -> bytes:
-    # Without a callback, OpenSSL would prompt on the terminal for an encrypted key's
-    # passphrase; grpc cannot use an encrypted key anyway.
-    return b""
+        raise StoreSettingError(setting, f"not a PEM certificate ({_ssl_reason(e)})") from None
 
 
 def _ssl_reason(error: ssl.SSLError | UnicodeDecodeError) -> str:
     if isinstance(error, UnicodeDecodeError):
         return "it is not text"
     return error.reason or str(error)
-
-
-@contextlib.contextmanager
-def _memory_file(name: str, data: bytes) -> Iterator[str]:
-    """A path that reads `data` from memory, for as long as the context lasts."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    try:
-        os.write(fd, data)
-        yield f"/proc/self/fd/{fd}"
-    finally:
-        os.close(fd)
 
 
 def _host_port(host: str, port: int) -> str:

@@ -5,11 +5,17 @@ server, so a training script that only talks to the store (`elasticrun.worker.c1
 does not load the server or its in-memory engine. The etcd backend and the launcher take
 their defaults (ports, the call timeout, the token's variable) from here as well.
 
-Plain values and one pure function: this module imports nothing of elasticrun.
+Plain values, a pure function, and how a key pair is loaded into Python's ssl (the
+server checks its own pair with it, a client its certificate): this module imports
+nothing of elasticrun.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import ssl
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 #: The call metadata that carries the token: `authorization: Bearer <token>`.
@@ -35,6 +41,9 @@ CLIENT_PING_MS = 10_000
 DEFAULT_C10D_PORT = 29400
 #: etcd's client port, when an etcd endpoint names none.
 DEFAULT_ETCD_PORT = 2379
+#: Why a CA for client certificates (`client_ca`) is refused without the server's own
+#: key pair: the settings and the server say it alike.
+CLIENT_CA_NEEDS_TLS = "client certificates are checked only over TLS: give the store's own certificate and key too"
 #: Seconds one store call may take, retries and failover included (`store_timeout`).
 DEFAULT_TIMEOUT = 10.0
 
@@ -47,7 +56,34 @@ def bearer(token: str) -> str:
 @dataclass(frozen=True, slots=True)
 class TlsKeyPair:
     """A certificate chain and its private key, PEM-encoded: a server's, or a client's
-    for servers that check client certificates (etcd's --client-cert-auth)."""
+    for servers that check client certificates (etcd's --client-cert-auth, the built-in
+    store's client_ca)."""
 
     cert: bytes
     key: bytes
+
+    def load_into(self, context: ssl.SSLContext) -> None:
+        """Load the pair into `context` (ssl.SSLError when it is no PEM pair).
+
+        Python's ssl loads a key only from a file: it reads both from memory-backed
+        files (memfd), so the key is never written to a disk.
+        """
+        with _memory_file("cert", self.cert) as cert, _memory_file("key", self.key) as key:
+            context.load_cert_chain(cert, key, password=_no_password)
+
+
+def _no_password() -> bytes:
+    # Without a callback, OpenSSL would prompt on the terminal for an encrypted key's
+    # passphrase; grpc cannot use an encrypted key anyway.
+    return b""
+
+
+@contextlib.contextmanager
+def _memory_file(name: str, data: bytes) -> Iterator[str]:
+    """A path that reads `data` from memory, for as long as the context lasts."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)

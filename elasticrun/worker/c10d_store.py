@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from elasticrun.errors import StoreSettingError
 from elasticrun.store.c10d_client import C10dClient
-from elasticrun.store.wire import DEFAULT_TIMEOUT, TOKEN_FILE_ENV
+from elasticrun.store.wire import DEFAULT_TIMEOUT, TOKEN_FILE_ENV, TlsKeyPair
 
 #: torch's default store timeout: how long get/wait wait for a key.
 DEFAULT_WAIT = datetime.timedelta(seconds=300)
@@ -54,7 +54,9 @@ class C10dStore(dist.Store):
     `token` is the store's token; without one, the token the agent left for its
     workers (`agent_token`) is used, if any. `timeout` is how long get/wait wait for
     keys (torch's store timeout); `connect_timeout` bounds reaching the server for
-    each call.
+    each call. `tls_ca` (PEM) makes it speak TLS trusting that CA; `client_tls` is the
+    certificate it presents to a store that requires one (`client_ca`):
+    `TlsKeyPair(cert=Path("node.crt").read_bytes(), key=Path("node.key").read_bytes())`.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class C10dStore(dist.Store):
         *,
         token: str | None = None,
         tls_ca: bytes | None = None,
+        client_tls: TlsKeyPair | None = None,
         timeout: datetime.timedelta = DEFAULT_WAIT,
         connect_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
@@ -70,7 +73,9 @@ class C10dStore(dist.Store):
         self.set_timeout(timeout)
         if token is None:
             token = agent_token()
-        self._client = C10dClient(endpoint, token=token, tls_ca=tls_ca, timeout=connect_timeout)
+        self._client = C10dClient(
+            endpoint, token=token, tls_ca=tls_ca, client_tls=client_tls, timeout=connect_timeout
+        )
 
     def _wait_seconds(self, timeout: datetime.timedelta | None = None) -> float:
         # torch's Store has `timeout` (what set_timeout set); its type stubs leave it out

@@ -11,7 +11,9 @@ One running job on a standalone, token-protected store (`elasticrun store serve
   line), the token in neither its output nor the store's;
 
 and through all of it the running job is undisturbed: still round 1, one node, its
-worker never restarted. tests/test_rendezvous.py covers the spec check in-process
+worker never restarted. Then, on its own: an agent hosting the store with mutual TLS
+(`client_ca`), which job control reaches with a client certificate and not without one,
+and which refuses an agent without one. tests/test_rendezvous.py covers the spec check in-process
 (nproc only); these run it end to end. Workers are plain Python (no torch), so the
 whole module takes seconds.
 """
@@ -19,9 +21,11 @@ whole module takes seconds.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import secrets
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +34,7 @@ import pytest
 from elasticrun.launcher.control import JobTarget, JobView, read_job
 from elasticrun.store.access import parse_access
 from tests.agent_helpers import free_port
+from tests.certs import TestCa, write_pair
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
 
 pytestmark = pytest.mark.timeout(120)
@@ -222,5 +227,66 @@ def test_agents_without_the_token_are_refused(job: Job, tmp_path: Path, reliabil
         injected="two agents joined a token-protected job's store, one with a wrong token file, one with none",
         happened="both refused by the store (exit 2, 'missing or wrong store token'); no change to the job; "
         "the token in no output of the store, the job's agent or the intruders",
+        restarts=0, lost="nothing",
+    )
+
+
+def test_mutual_tls_on_the_store_an_agent_hosts(cluster: Cluster, tmp_path: Path, reliability) -> None:
+    cluster._env.pop("ELASTICRUN_STORE_TOKEN", None)  # the certificates alone guard this store
+    server_ca, client_ca = TestCa("server CA"), TestCa("client CA")
+    (tmp_path / "server-ca.pem").write_bytes(server_ca.pem)
+    (tmp_path / "client-ca.pem").write_bytes(client_ca.pem)
+    server_cert, server_key = write_pair(server_ca.issue(), tmp_path, "server")
+    node_cert, node_key = write_pair(client_ca.issue("node0"), tmp_path, "node0")
+    ops_cert, ops_key = write_pair(client_ca.issue("ops"), tmp_path, "ops")
+    trust = f"tls_ca={tmp_path / 'server-ca.pem'}"
+    endpoint, run_id = f"127.0.0.1:{free_port()}", "mtls-" + secrets.token_hex(4)
+    script, stop_file = tmp_path / "train.py", tmp_path / "stop"
+    script.write_text(TICKER)
+
+    def agent(name: str, conf: str) -> Proc:
+        return cluster.start(name, [
+            sys.executable, "-m", "elasticrun", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--rdzv-conf={RDZV_CONF},{conf}",
+            "--local-addr=127.0.0.1", "--shutdown-timeout=5", f"--log-dir={tmp_path / 'logs'}",
+            str(script), str(stop_file),
+        ])
+
+    def status(conf: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "elasticrun", "status", "--json", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--rdzv-conf={conf}"],
+            capture_output=True, text=True, timeout=60, env=cluster._env,
+        )
+
+    host = agent("host", f"is_host=true,tls_cert={server_cert},tls_key={server_key},"
+                         f"client_ca={tmp_path / 'client-ca.pem'},{trust},client_cert={node_cert},client_key={node_key}")
+    host.wait_for(r"^\[0\]<stdout>: tick 3$")
+    # job control with a certificate of the clients' CA reads the job; without one it is told why, at once
+    # (store_timeout is long: a refusal taken for an unreachable store would outlast the test)
+    seen = status(f"{trust},client_cert={ops_cert},client_key={ops_key}")
+    assert seen.returncode == 0, seen.stderr
+    assert json.loads(seen.stdout)["job"]["state"] == "running", seen.stdout
+    for conf in (f"{trust},store_timeout=600", f"{trust},store_timeout=600,client_cert={server_cert},"
+                                               f"client_key={server_key}"):
+        bare = status(conf)
+        errors = [line for line in bare.stderr.splitlines() if line.startswith("elasticrun: error: ")]
+        assert bare.returncode == 2 and len(errors) == 1, bare.stderr
+        assert re.search(rf"the store at {endpoint} (requires a client certificate|refused this client's "
+                         r"certificate)", errors[0]), errors[0]
+    # an agent without a client certificate cannot join
+    intruder = agent("no-certificate", f"is_host=false,{trust},store_timeout=600")
+    refused(intruder, rf"the store at {endpoint} requires a client certificate and this client has none",
+            r"client_cert=<file>,client_key=<file>")
+    assert len(re.findall(r"worker up", host.text())) == 1, host.text()[-3000:]
+    stop_file.touch()
+    assert host.wait_exit() == 0, host.text()[-3000:]
+    cluster.assert_no_orphans()
+    reliability.record(
+        scenario="mutual TLS on the store an agent hosts",
+        injected="job control with a client certificate of the clients' CA, without one, and with one of "
+        "another CA; an agent without one",
+        happened="the certified client read the job; the others were refused at once (exit 2, one line naming "
+        "the client certificate); the job ran on undisturbed",
         restarts=0, lost="nothing",
     )
