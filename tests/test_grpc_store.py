@@ -563,10 +563,11 @@ REFUSED = {
 }
 
 
+@pytest.mark.security
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("certificate", list(REFUSED))
 async def test_a_client_certificate_the_store_does_not_take_is_refused_at_once(
-    mtls_server: tuple[StoreServer, TestCa, TestCa], certificate: str
+    mtls_server: tuple[StoreServer, TestCa, TestCa], certificate: str, reliability: Reliability
 ) -> None:
     """The server hangs up without a word, which grpc words as a server going away; the
     clients must say what is wrong at once, not retry for their timeout (600 s here, far
@@ -592,6 +593,14 @@ async def test_a_client_certificate_the_store_does_not_take_is_refused_at_once(
     with pytest.raises(StoreAuthError, match=re.escape(told)):
         await asyncio.to_thread(c10d.num_keys)
     c10d.close()
+    reliability.record(
+        part="security",
+        scenario=f"a client certificate the store does not take: {certificate}",
+        injected=f"GrpcStore (get, watch, keep-alive) and C10dClient with client certificate: {certificate}, "
+        "against a store requiring client certificates; store_timeout 600 s",
+        happened=f"StoreAuthError at once (exit 2): '... {REFUSED[certificate]}', never 'unreachable'",
+        lost="nothing",
+    )
 
 
 async def test_a_client_ca_that_cannot_work_is_a_setting_error(tmp_path: Path) -> None:

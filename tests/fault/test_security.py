@@ -283,6 +283,7 @@ def test_mutual_tls_on_the_store_an_agent_hosts(cluster: Cluster, tmp_path: Path
     assert host.wait_exit() == 0, host.text()[-3000:]
     cluster.assert_no_orphans()
     reliability.record(
+        part="security",
         scenario="mutual TLS on the store an agent hosts",
         injected="job control with a client certificate of the clients' CA, without one, and with one of "
         "another CA; an agent without one",
