@@ -436,17 +436,21 @@ class StoreMachine(RuleBasedStateMachine):
         self.loop.run(open_watch())
         self.watches.append(watch)
 
-    @rule(op=st.sampled_from(("get", "put", "delete", "compare_and_put", "compare_and_delete", "watch")))
-    def empty_key(self, op: str) -> None:
-        """Every operation on one key refuses the empty key, and changes nothing."""
+    @rule(
+        op=st.sampled_from(("get", "put", "delete", "compare_and_put", "compare_and_delete", "watch")),
+        expected=st.sampled_from((0, 1)),
+    )
+    def empty_key(self, op: str, expected: int) -> None:
+        """Every operation on one key refuses the empty key, whatever its compare, and
+        changes nothing."""
         if op == "watch" and not self.backend.quirks.refuses_empty_watch:
             return
         calls: dict[str, Callable[[], Awaitable[object]]] = {
             "get": lambda: self.store.get(""),
             "put": lambda: self.store.put("", b"x"),
             "delete": lambda: self.store.delete(""),
-            "compare_and_put": lambda: self.store.compare_and_put("", b"x", expected_mod_revision=0),
-            "compare_and_delete": lambda: self.store.compare_and_delete("", expected_mod_revision=0),
+            "compare_and_put": lambda: self.store.compare_and_put("", b"x", expected_mod_revision=expected),
+            "compare_and_delete": lambda: self.store.compare_and_delete("", expected_mod_revision=expected),
             "watch": lambda: anext(aiter(self.store.watch("", start_revision=1))),
         }
         error = self.backend.quirks.empty_key_error
