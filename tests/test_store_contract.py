@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from elasticrun.errors import CompactedError, LeaseExpiredError
+from elasticrun.errors import CompactedError, LeaseExpiredError, StoreError
 from elasticrun.store.api import EventType, Store, WatchEvent
 from elasticrun.store.client import GrpcStore
 from elasticrun.store.etcd import EtcdStore
@@ -147,6 +147,16 @@ async def test_delete_prefix_is_one_revision(store: Store) -> None:
     assert {e.type for e in events} == {EventType.DELETE}
     assert len({e.revision for e in events}) == 1
     await watch.aclose()
+
+
+async def test_empty_key_is_refused_whatever_the_compare(store: Store) -> None:
+    rev = await store.put("k", b"v")
+    for expected in (0, rev):  # a compare that fails must not hide the refusal
+        with pytest.raises(StoreError):
+            await store.compare_and_put("", b"x", expected_mod_revision=expected)
+        with pytest.raises(StoreError):
+            await store.compare_and_delete("", expected_mod_revision=expected)
+    assert (await store.get_prefix("")).revision == rev
 
 
 # --- concurrency ------------------------------------------------------------------

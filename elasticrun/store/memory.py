@@ -274,6 +274,7 @@ class MemoryStore(Store):
         self, key: str, value: bytes, *, expected_mod_revision: int, lease: int = 0
     ) -> bool:
         self._check_open()
+        _check_not_empty(key)  # before the compare: a failed one must not hide the refusal (etcd's order)
         current = self._kvs.get(key)
         if (current.mod_revision if current else 0) != expected_mod_revision:
             return False
