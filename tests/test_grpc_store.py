@@ -32,7 +32,8 @@ from elasticrun.store.access import exposure_warning, parse_access
 from elasticrun.store.api import EventType, WatchEvent
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.client import GrpcStore
-from elasticrun.store.memory import MAX_LEASE_TTL, MemoryStore
+from elasticrun.store.api import MAX_LEASE_TTL
+from elasticrun.store.memory import MemoryStore
 from elasticrun.store.server import ConnectionLimits, StoreServer
 from elasticrun.store.wire import TlsKeyPair
 from tests.agent_helpers import eventually

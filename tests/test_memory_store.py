@@ -20,7 +20,7 @@ from elasticrun.errors import (
     StoreUnavailableError,
 )
 from elasticrun.store import memory as memory_store
-from elasticrun.store.api import EventType, WatchEvent
+from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
 from elasticrun.store.memory import MemoryStore
 
 #: Bounds every wait on the store in these tests; far above any healthy latency.
@@ -223,10 +223,10 @@ async def test_close_ends_open_watches() -> None:
 
 async def test_lease_ttl_must_be_positive_and_at_most_etcds_limit() -> None:
     store = MemoryStore()
-    for ttl in (0, -1, math.nan, math.inf, 1e300, memory_store.MAX_LEASE_TTL + 1):
+    for ttl in (0, -1, math.nan, math.inf, 1e300, MAX_LEASE_TTL + 1):
         with pytest.raises(StoreRequestError):
             await store.grant_lease(ttl)
-    await store.grant_lease(memory_store.MAX_LEASE_TTL)
+    await store.grant_lease(MAX_LEASE_TTL)
     await store.close()
 
 

@@ -162,9 +162,6 @@ class Quirks:
     """How a backend differs from the built-in store where the sequences reach it
     (docs/backends.md, "Differences from etcd")."""
 
-    #: the error an empty key gets (etcd.py reports etcd's "key is not provided" as a
-    #: plain StoreError, where the built-in store says StoreRequestError)
-    empty_key_error: type[StoreError] = StoreRequestError
     #: whether a watch from revision 0 replays the history kept (built-in store) rather
     #: than starting at the next write (etcd: not comparable, so not drawn)
     watch_from_zero: bool = True
@@ -173,7 +170,7 @@ class Quirks:
     refuses_empty_watch: bool = True
 
 
-ETCD_QUIRKS = Quirks(empty_key_error=StoreError, watch_from_zero=False, refuses_empty_watch=False)
+ETCD_QUIRKS = Quirks(watch_from_zero=False, refuses_empty_watch=False)
 
 
 @dataclass
@@ -453,10 +450,8 @@ class StoreMachine(RuleBasedStateMachine):
             "compare_and_delete": lambda: self.store.compare_and_delete("", expected_mod_revision=expected),
             "watch": lambda: anext(aiter(self.store.watch("", start_revision=1))),
         }
-        error = self.backend.quirks.empty_key_error
-
         def refused() -> None:
-            raise error("a key must not be empty")
+            raise StoreRequestError("a key must not be empty")
 
         self.same(calls[op], refused)
 

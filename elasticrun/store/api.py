@@ -18,6 +18,22 @@ import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from elasticrun.errors import StoreRequestError
+
+#: The longest lease TTL granted: etcd's own (`MaxLeaseTTL`, about 285 years), so a TTL
+#: one backend accepts the other does too; anything longer is a mistake of units or a
+#: value that no longer fits a deadline (1e300 s).
+MAX_LEASE_TTL = 9_000_000_000.0
+
+
+def check_lease_ttl(ttl: float) -> float:
+    """A TTL every backend grants alike, or the StoreRequestError that says why not."""
+    if not 0 < ttl <= MAX_LEASE_TTL:
+        raise StoreRequestError(
+            f"a lease TTL must be a positive number of seconds up to {MAX_LEASE_TTL:.0f} (etcd's limit), got {ttl}"
+        )
+    return ttl
+
 
 @dataclass(frozen=True, slots=True)
 class KeyValue:

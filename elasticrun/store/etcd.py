@@ -57,6 +57,7 @@ from elasticrun.errors import (
     StoreAuthError,
     StoreError,
     StoreLimitError,
+    StoreRequestError,
     StoreSettingError,
     StoreUnavailableError,
 )
@@ -66,6 +67,7 @@ from elasticrun.store.api import (
     RangeResult,
     Store,
     WatchEvent,
+    check_lease_ttl,
 )
 from elasticrun.store.wire import DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TlsKeyPair
 
@@ -110,6 +112,7 @@ class _Kind(enum.Enum):
     NOT_ETCD = "not an etcd v3 server"
     LEASE_GONE = "lease not found"
     LIMIT = "over a limit"
+    REQUEST = "a malformed request"
     OTHER = "other"
 
 
@@ -133,6 +136,7 @@ _ERROR_TABLE: tuple[tuple[grpc.StatusCode, str, _Kind], ...] = (
     (grpc.StatusCode.INVALID_ARGUMENT, "authentication failed", _Kind.AUTH_FAILED),
     (grpc.StatusCode.INVALID_ARGUMENT, "too large", _Kind.LIMIT),
     (grpc.StatusCode.INVALID_ARGUMENT, "too many operations", _Kind.LIMIT),
+    (grpc.StatusCode.INVALID_ARGUMENT, "key is not provided", _Kind.REQUEST),
     (grpc.StatusCode.UNAUTHENTICATED, "", _Kind.AUTH_FAILED),
     (grpc.StatusCode.PERMISSION_DENIED, "", _Kind.AUTH_FAILED),
     (grpc.StatusCode.FAILED_PRECONDITION, "authentication is not enabled", _Kind.AUTH_DISABLED),
@@ -208,6 +212,8 @@ def _store_error(
         return LeaseExpiredError(lease)
     if kind is _Kind.LIMIT:
         return StoreLimitError(f"etcd at {endpoint} refused a request over a limit: {details}")
+    if kind is _Kind.REQUEST:
+        return StoreRequestError(f"etcd at {endpoint} refused the request: {details}")
     return StoreError(f"etcd at {endpoint} failed: {details}")
 
 
@@ -646,7 +652,7 @@ class EtcdStore(Store):
         return int(response.deleted)
 
     async def grant_lease(self, ttl: float) -> int:
-        request = etcdrpc.LeaseGrantRequest(TTL=max(1, math.ceil(ttl)))
+        request = etcdrpc.LeaseGrantRequest(TTL=math.ceil(check_lease_ttl(ttl)))
         response = await self._run(
             lambda s, t, m: s.lease.LeaseGrant.future(request, timeout=t, metadata=m)
         )

@@ -54,6 +54,7 @@ from elasticrun.store.api import (
     RangeResult,
     Store,
     WatchEvent,
+    check_lease_ttl,
 )
 
 #: A round record at 1,000 nodes is ~100 KB; leave room for ten times that.
@@ -65,10 +66,6 @@ DEFAULT_MAX_KEYS = 100_000
 DEFAULT_MAX_TOTAL_BYTES = 1 << 30
 #: Live leases (one per agent, about): each never-expiring lease would be kept forever.
 DEFAULT_MAX_LEASES = 100_000
-#: The longest lease TTL granted: etcd's own (`MaxLeaseTTL`, about 285 years), so a TTL
-#: one backend accepts the other does too; anything longer is a mistake of units or a
-#: value that no longer fits a deadline (1e300 s).
-MAX_LEASE_TTL = 9_000_000_000.0
 #: Bytes of watch history kept (keys + values + a fixed cost per event).
 DEFAULT_HISTORY_BYTES = 64 << 20
 _EVENT_OVERHEAD_BYTES = 64
@@ -303,11 +300,7 @@ class MemoryStore(Store):
     async def grant_lease(self, ttl: float, *, owner: str = "") -> int:
         """A new lease; `owner` names who asked for it, for `leases_owned_by`."""
         self._check_open()
-        if not 0 < ttl <= MAX_LEASE_TTL:
-            raise StoreRequestError(
-                f"a lease TTL must be a positive number of seconds up to {MAX_LEASE_TTL:.0f} "
-                f"(etcd's limit), got {ttl}"
-            )
+        check_lease_ttl(ttl)
         if len(self._leases) >= self.max_leases:
             raise StoreLimitError(
                 f"the store holds its maximum of {self.max_leases} leases (max_leases); "
