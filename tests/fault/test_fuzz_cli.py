@@ -466,6 +466,8 @@ FOUND = [
     (["--nnodes=--", "SCRIPT"], {}, "--nnodes must be N or MIN:MAX, got '--'"),
     (["--rdzv-conf=--", "SCRIPT"], {}, "--rdzv-conf takes key=value pairs, got '--'"),
     (["join", "--rdzv-endpoint=--", "--rdzv-id=j"], {}, "malformed store endpoint '--'"),
+    (["--rdzv-backend=c10d", "--rdzv-endpoint=[::1", "SCRIPT"], {}, "--rdzv-endpoint: malformed store endpoint '[::1'"),
+    (["status", "--rdzv-endpoint=[::1", "--rdzv-id=j"], {}, "--rdzv-endpoint: malformed store endpoint '[::1'"),
     (["9" * 300], {}, "training script not found: 999"),
     (["--nnodes", "1\n2", "SCRIPT"], {}, "got '1\\n2'"),
     (["missing\n.py"], {}, "training script not found: missing\\n.py"),
