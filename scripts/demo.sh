@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (when needed) and run the local elastic training demo (about two minutes).
+# Set up (when needed) and run the local elastic training demo (about a minute and a half on two cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
