@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from elasticrun.errors import ElasticrunError
+from elasticrun.launcher import log_format
 from elasticrun.launcher.flags import COMPAT_ONLY, Parser, launch_parser
 
 #: subcommand name -> the module that registers it
@@ -57,16 +58,6 @@ def _quiet_grpc() -> None:
                 os.environ[key] = value
 
 
-def _setup_logging() -> None:
-    level = os.environ.get("LOGLEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level if level in logging.getLevelNamesMapping() else "INFO",
-        format="[elasticrun %(asctime)s %(levelname)s] %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
-
-
 def _one_line(message: str) -> str:
     """The message as one printable line: a newline or a terminal escape that came in
     with the user's input is shown escaped, never acted on."""
@@ -78,7 +69,7 @@ def _one_line(message: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    _setup_logging()
+    log_format.setup_logging()
     _quiet_grpc()
     try:
         if argv and argv[0] in SUBCOMMANDS:
@@ -94,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from elasticrun.launcher.config import build_config
         from elasticrun.launcher.launch import run_launch
 
+        log_format.use(args.log_format)
         return run_launch(build_config(args, os.environ))
     except ElasticrunError as e:
         print(f"elasticrun: error: {_one_line(str(e))}", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from elasticrun import __version__
 from elasticrun.errors import UsageError
+from elasticrun.launcher import log_format
 
 #: flags accepted so torchrun command lines run unchanged, though they change nothing here
 COMPAT_ONLY = {
@@ -164,6 +165,10 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "progress-timeout", type=float, default=None,
           help="opt-in hang watchdog (off by default): stop and restart the workers when one has not called "
                "elasticrun.worker.heartbeat() for this many seconds; the workers must call it")
+    p.add_argument("--log-format", "--log_format", dest="log_format", choices=["text", "json"],
+                   default=log_format.default_format(),
+                   help="the agent's own lines: text (ISO date-time, zone, node id) or json, one object a line "
+                        "(default $ELASTICRUN_LOG_FORMAT or text)")
     p.add_argument("training_script", help="the training script (or module, or executable)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p

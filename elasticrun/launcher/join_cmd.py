@@ -12,6 +12,7 @@ import asyncio
 import os
 
 from elasticrun.errors import UsageError
+from elasticrun.launcher import log_format
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds
 
 
@@ -59,6 +60,8 @@ def _run(args: argparse.Namespace) -> int:
     from elasticrun.launcher.flags import launch_parser
     from elasticrun.launcher.launch import run_launch
 
+    if args.json:
+        log_format.use("json")
     os.chdir(cwd)
     return run_launch(build_config(launch_parser().parse_args(argv), os.environ))
 
@@ -70,4 +73,5 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="leave and fail if not admitted within this many seconds (default 600)")
     p.add_argument("--local-addr", default=None, help="this node's address as the others reach it")
     p.add_argument("--log-dir", default=None, help="folder for this node's worker logs")
+    p.add_argument("--json", action="store_true", help="the agent's own lines as JSON, one object a line")
     p.set_defaults(run=_run)

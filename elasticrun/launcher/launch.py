@@ -20,6 +20,7 @@ from dataclasses import replace
 from elasticrun.agent.agent import Agent, Watch
 from elasticrun.agent.gpu import Gpus, open_gpus
 from elasticrun.errors import GpuUnhealthyError
+from elasticrun.launcher import log_format
 from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.rendezvous.api import RendezvousHandler
@@ -39,6 +40,7 @@ _HOST_LINGER = 300.0
 def run_launch(config: LaunchConfig) -> int:
     """Run this node's part of the job; return the process exit code."""
     settle_gc()
+    log_format.tag(config.worker.node_id)
     return asyncio.run(_launch(config))
 
 
