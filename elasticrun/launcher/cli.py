@@ -84,9 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _warn_compat_only(args)
         from elasticrun.launcher.config import build_config
         from elasticrun.launcher.launch import run_launch
+        from elasticrun.launcher.metrics_http import metrics_address
 
         log_format.use(args.log_format)
-        return run_launch(build_config(args, os.environ))
+        metrics = metrics_address(args.metrics_port)
+        return run_launch(build_config(args, os.environ), metrics=metrics)
     except ElasticrunError as e:
         print(f"elasticrun: error: {_one_line(str(e))}", file=sys.stderr, flush=True)
         return e.exit_code

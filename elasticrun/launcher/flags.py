@@ -165,6 +165,9 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "progress-timeout", type=float, default=None,
           help="opt-in hang watchdog (off by default): stop and restart the workers when one has not called "
                "elasticrun.worker.heartbeat() for this many seconds; the workers must call it")
+    p.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", default=None, metavar="[HOST:]PORT",
+                   help="serve Prometheus metrics of this agent (and of the store it hosts) on this port "
+                        "(all interfaces, or HOST only) at /metrics; off by default")
     p.add_argument("--log-format", "--log_format", dest="log_format", choices=["text", "json"],
                    default=log_format.default_format(),
                    help="the agent's own lines: text (ISO date-time, zone, node id) or json, one object a line "

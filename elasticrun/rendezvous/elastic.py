@@ -123,6 +123,9 @@ class ElasticRendezvous(RendezvousHandler):
         until = time.strftime("%H:%M:%S", time.localtime(held.until))
         return f"quarantined until {until} ({held.reason}); the leader: {leader}"
 
+    def quarantined_nodes(self) -> int:
+        return len(self._job.quarantine.active(time.time()))
+
     def _quarantined(self) -> QuarantineEntry | None:
         """This node's quarantine, while the leader keeps it out."""
         entry = self._job.quarantine.get(self._me.node_id)
