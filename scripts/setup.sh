@@ -10,6 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_etcd.sh
 if [ ! -x .venv/bin/python ]; then
-    "${PYTHON:-python3}" -m venv .venv
+    if ! "${PYTHON:-python3}" -m venv .venv; then
+        rm -rf .venv
+        echo "setup.sh: cannot create .venv with ${PYTHON:-python3}; on Debian or Ubuntu install" \
+             "python3-venv (apt-get install python3-venv), or name another Python: PYTHON=python3.12" >&2
+        exit 1
+    fi
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'

@@ -104,7 +104,7 @@ def launch_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="elasticrun",
         description="Elastic, fault-tolerant launcher for distributed PyTorch training, "
-        "used exactly like torchrun. Job control: elasticrun {status,logs,join,drain,stop} --help; "
+        "used exactly like torchrun. Job control: elasticrun {list,status,logs,join,drain,stop} --help; "
         "the standalone store: elasticrun store serve --help",
         epilog="Every flag also takes its default from PET_<FLAG> (e.g. PET_NNODES), as torchrun's do.",
     )
