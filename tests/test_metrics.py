@@ -117,3 +117,45 @@ def test_grafana_dashboard_queries_only_documented_metrics() -> None:
         for target in panel["targets"]:
             used |= {re.sub(r"_(total|bucket)$", "", m) for m in re.findall(r"elasticrun_\w+", target["expr"])}
     assert used and used <= documented, used - documented
+
+
+def test_agent_metrics_tell_causes_apart() -> None:
+    """The agent's hooks, fed the rounds of a job in order: each change lands under its
+    cause, a restart is never counted as a membership change, and the time from a
+    round's end to running again is observed once per change."""
+    from elasticrun.agent.metrics import AgentMetrics
+    from elasticrun.agent.spec import WorkerState
+    from elasticrun.rendezvous.api import Assignment
+
+    m = AgentMetrics()
+
+    def start(number: int, nodes: int, restarts: int = 0) -> None:
+        m.round_started(Assignment(number, 0, nodes, 0, nodes, "127.0.0.1", 1, restarts))
+        m.running()
+
+    def count(name: str, **labels: str) -> float:
+        return m.registry.get_sample_value(name, labels) or 0.0
+
+    start(1, 2)
+    m.round_over()
+    start(2, 3)  # a node joined
+    m.round_over(failure="worker_failure")  # ours failed: restarted, same members
+    start(3, 3, restarts=1)
+    m.round_over()
+    start(4, 3, restarts=2)  # a worker failed elsewhere
+    m.round_over()
+    start(5, 2, restarts=2)  # a node left
+    m.round_over()
+    start(6, 2, restarts=2)  # one left, another came
+    m.round_over(failure="hang")
+    start(7, 2, restarts=3)
+    m.state(WorkerState.HEALTHY)
+
+    changes = {c: count("elasticrun_membership_changes_total", cause=c) for c in ("scale_up", "scale_down", "replace")}
+    restarts = {c: count("elasticrun_restarts_total", cause=c) for c in ("worker_failure", "hang", "peer_failure")}
+    assert changes == {"scale_up": 1, "scale_down": 1, "replace": 1}
+    assert restarts == {"worker_failure": 1, "hang": 1, "peer_failure": 1}
+    assert count("elasticrun_rounds_total") == 7 and count("elasticrun_round") == 7
+    assert count("elasticrun_change_to_running_seconds_count") == 6
+    assert count("elasticrun_worker_state", state="healthy") == 1
+    assert count("elasticrun_worker_state", state="init") == 0
