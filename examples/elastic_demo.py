@@ -18,7 +18,7 @@ What it does, step by step:
 
 After every stage it waits for training to step at the new world size; it prints the
 table of `elasticrun status` along the way. The loss keeps falling across the changes because each
-restart resumes from the latest checkpoint. It takes about two minutes on two cores.
+restart resumes from the latest checkpoint. It takes about a minute and a half on two cores.
 
 Every process it starts (store, agents, their workers) is stopped by PID when it ends,
 also when a stage fails or the demo is interrupted. KEEP_DEMO_LOGS=1 keeps the logs.

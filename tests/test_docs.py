@@ -47,7 +47,7 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
     """cli.md section title -> the parser whose --help that section documents."""
     subs = _subparsers(subcommand_parser())
     parsers = {"Launcher": launch_parser()}
-    for name in ("status", "logs", "join", "drain", "stop"):
+    for name in ("status", "list", "logs", "join", "drain", "stop"):
         parsers[f"`elasticrun {name}`"] = subs[name]
     parsers["`elasticrun store serve`"] = _subparsers(subs["store"])["serve"]
     return parsers

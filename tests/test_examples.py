@@ -7,7 +7,7 @@
   `launch_parser()` and turned into a config by `build_config()` (with the training
   script replaced by an existing dummy file, and `--nproc-per-node=gpu` by 1 on hosts
   without GPUs); subcommand lines are parsed by `subcommand_parser()` and their job
-  flags checked by `job_target()`.
+  flags checked by `job_target()` (`list`: `store_target()`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 from examples.elastic_demo import descendants, kill_tree
 from elasticrun.launcher.cli import SUBCOMMANDS, launch_parser, subcommand_parser
 from elasticrun.launcher.config import build_config
-from elasticrun.launcher.control import job_target
+from elasticrun.launcher.control import job_target, store_target
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -284,7 +284,9 @@ def check_cli_accepts(args: list[str], dummy_script: Path) -> str:
     """Parse one elasticrun command line as the CLI would; return its kind."""
     if args and args[0] in SUBCOMMANDS:
         parsed = subcommand_parser().parse_args(args)
-        if args[0] != "store":
+        if args[0] == "list":
+            store_target(parsed)
+        elif args[0] != "store":
             job_target(parsed)
         return args[0]
     parsed = launch_parser().parse_args(args)

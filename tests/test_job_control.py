@@ -193,3 +193,58 @@ def test_unknown_job_and_bad_endpoint_give_one_line(cluster, rdzv):
         capture_output=True, text=True, timeout=30,
     )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+def list_jobs(rdzv: Rdzv, *flags: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "elasticrun", "list", *flags,
+            f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}"]
+    if rdzv.backend == "c10d":
+        argv.append("--rdzv-conf=store_timeout=3")
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def test_list_shows_every_job_on_the_store_and_json_results(cluster, rdzv, job):
+    """`list` finds this job (the store may hold other tests' jobs too) as a table row and
+    as JSON; `logs`, `drain` and `stop` answer JSON with --json; `status --watch` piped
+    writes no terminal codes."""
+    listed = list_jobs(rdzv, "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = {row["id"]: row for row in json.loads(listed.stdout)["jobs"]}
+    mine = rows[rdzv.run_id]
+    assert (mine["state"], mine["world_size"], mine["nodes"], mine["min_nodes"], mine["max_nodes"]) == (
+        "running", 2, 2, 1, 3)
+    assert mine["round"] >= 1 and mine["age_s"] >= 0
+    table = list_jobs(rdzv).stdout.splitlines()
+    assert table[0].split() == ["JOB", "STATE", "ROUND", "WORLD", "NODES", "AGE"]
+    assert [line.split()[:2] for line in table if line.startswith(rdzv.run_id)] == [[rdzv.run_id, "running"]]
+
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "elasticrun", "status", "--watch", f"--rdzv-backend={rdzv.backend}",
+         f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert watch.stdout is not None
+        first = [watch.stdout.readline() for _ in range(2)]
+    finally:
+        watch.kill()
+        watch.wait()
+    assert first[0].startswith("--- ") and first[1].startswith("JOB"), first
+    assert "\033" not in "".join(first)
+
+    wait_until(lambda: "[1]<stdout>: tick=" in ctl(rdzv, "logs").stdout, what="rank 1's lines", interval=0.3)
+    lines = [json.loads(line) for line in ctl(rdzv, "logs", "--json", "--rank", "1").stdout.splitlines()]
+    assert lines and {line["rank"] for line in lines} == {1} and lines[-1]["text"].startswith("tick=")
+
+    newest = status(rdzv)["job"]["nodes"][-1]
+    drained = ctl(rdzv, "drain", "--count", "1", "--json")
+    assert drained.returncode == 0, drained.stderr
+    assert json.loads(drained.stdout)["drained"] == [newest]
+    wait_world(rdzv, 1)
+    stopped = ctl(rdzv, "stop", "--json", "--timeout", "30")
+    assert stopped.returncode == 0, stopped.stderr
+    assert json.loads(stopped.stdout) == {"job": rdzv.run_id, "stopped": True, "nodes": 1, "store_gone": False}
+    for proc in job:
+        assert proc.wait_exit() == 0
+    cluster.assert_no_orphans()
+    after = {row["id"]: row for row in json.loads(list_jobs(rdzv, "--json").stdout)["jobs"]}
+    assert after[rdzv.run_id]["state"] == "stopped"

@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from elasticrun.agent.channel import WorkerChannel
 from elasticrun.agent.env import round_env, worker_env
@@ -37,6 +37,9 @@ from elasticrun.agent.spec import WorkerSpec, WorkerState
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import RendezvousClosedError, UsageError, WorkerStartError
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
+
+if TYPE_CHECKING:  # imported by the launcher only when metrics are asked for
+    from elasticrun.agent.metrics import AgentMetrics
 
 logger = logging.getLogger("elasticrun.agent")
 
@@ -148,11 +151,17 @@ class Agent:
     """
 
     def __init__(
-        self, spec: WorkerSpec, handler: RendezvousHandler, *, watches: Sequence[Watch] = ()
+        self,
+        spec: WorkerSpec,
+        handler: RendezvousHandler,
+        *,
+        watches: Sequence[Watch] = (),
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.spec = spec
         self.handler = handler
         self.watches = tuple(watches)
+        self.metrics = metrics
         self._signal: signal.Signals | None = None
         self._signalled = asyncio.Event()
         self._attempts = 0
@@ -250,6 +259,8 @@ class Agent:
                 code = EXIT_FAILURE if self._signal is not None else 0
                 return self._end(WorkerState.STOPPED, code, reason)
             self._assignment = assignment
+            if self.metrics is not None:
+                self.metrics.round_started(assignment)
             try:
                 attempt = await self._run_attempt(assignment)
             except WorkerStartError as e:
@@ -258,6 +269,9 @@ class Agent:
             action = decide(
                 attempt.outcome, assignment.restart_count, self.spec.max_restarts
             )
+            if self.metrics is not None and action in (Action.RESTART, Action.FAIL, Action.NEXT_ROUND):
+                cause = "hang" if self._hang is not None else "worker_failure"
+                self.metrics.round_over(failure=cause if action is Action.RESTART else "")
             match action:
                 case Action.FINISH:
                     await self.handler.finish()
@@ -322,6 +336,8 @@ class Agent:
             f"{spec.max_restarts}, master {assignment.master_addr}:"
             f"{assignment.master_port}",
         )
+        if self.metrics is not None:
+            self.metrics.running()
         broken = () if self._channel is None else (self._broken(assignment.round),)
         hung = () if dog is None else (self._hung(dog),)
         try:
@@ -571,6 +587,8 @@ class Agent:
         before = self._state.value if self._state is not None else "start"
         logger.log(level, "workers %s -> %s: %s", before, state.value, reason)
         self._state = state
+        if self.metrics is not None:
+            self.metrics.state(state)
         if state is not WorkerState.HEALTHY:
             self._pids = ()
         self._write_event(state.value, reason)

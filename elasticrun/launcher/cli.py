@@ -13,21 +13,22 @@ import sys
 from collections.abc import Callable, Sequence
 
 from elasticrun.errors import ElasticrunError
+from elasticrun.launcher import log_format
 from elasticrun.launcher.flags import COMPAT_ONLY, Parser, launch_parser
 
 #: subcommand name -> the module that registers it
-SUBCOMMANDS = ("status", "logs", "join", "drain", "stop", "store")
+SUBCOMMANDS = ("status", "list", "logs", "join", "drain", "stop", "store")
 
 _GRPC_ENV = {"GRPC_VERBOSITY": "NONE", "GRPC_ENABLE_FORK_SUPPORT": "0"}
 
 
 def subcommand_parser() -> argparse.ArgumentParser:
     """`elasticrun <subcommand> ...`: job control and the store server."""
-    from elasticrun.launcher import drain_cmd, join_cmd, logs_cmd, status_cmd, stop_cmd, store_cmd
+    from elasticrun.launcher import drain_cmd, join_cmd, list_cmd, logs_cmd, status_cmd, stop_cmd, store_cmd
 
     p = Parser(prog="elasticrun")
     commands = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (status_cmd, logs_cmd, join_cmd, drain_cmd, stop_cmd, store_cmd):
+    for module in (status_cmd, list_cmd, logs_cmd, join_cmd, drain_cmd, stop_cmd, store_cmd):
         module.register(commands)
     return p
 
@@ -57,16 +58,6 @@ def _quiet_grpc() -> None:
                 os.environ[key] = value
 
 
-def _setup_logging() -> None:
-    level = os.environ.get("LOGLEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level if level in logging.getLevelNamesMapping() else "INFO",
-        format="[elasticrun %(asctime)s %(levelname)s] %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
-
-
 def _one_line(message: str) -> str:
     """The message as one printable line: a newline or a terminal escape that came in
     with the user's input is shown escaped, never acted on."""
@@ -78,7 +69,7 @@ def _one_line(message: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    _setup_logging()
+    log_format.setup_logging()
     _quiet_grpc()
     try:
         if argv and argv[0] in SUBCOMMANDS:
@@ -93,8 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _warn_compat_only(args)
         from elasticrun.launcher.config import build_config
         from elasticrun.launcher.launch import run_launch
+        from elasticrun.launcher.metrics_http import metrics_address
 
-        return run_launch(build_config(args, os.environ))
+        log_format.use(args.log_format)
+        metrics = metrics_address(args.metrics_port)
+        return run_launch(build_config(args, os.environ), metrics=metrics)
     except ElasticrunError as e:
         print(f"elasticrun: error: {_one_line(str(e))}", file=sys.stderr, flush=True)
         return e.exit_code

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import BACKENDS, parse_rdzv_conf, settings_from_flags
 from elasticrun.rendezvous.state import (
+    JOBS_PREFIX,
     Event,
     JobLaunch,
     JobRecords,
@@ -34,11 +35,18 @@ from elasticrun.store.api import EventType, Store
 
 def add_job_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that name a job: the same as the launcher's, in both spellings."""
+    add_store_flags(parser, with_id=True)
+
+
+def add_store_flags(parser: argparse.ArgumentParser, *, with_id: bool = False) -> None:
+    """The flags that name a store (and, with_id, a job on it), as the launcher spells them."""
     for name, kw in (
         ("rdzv-endpoint", dict(required=True, help="the job's store: host:port (c10d) or h1:2379,... (etcd)")),
         ("rdzv-id", dict(required=True, help="the job's id (--rdzv-id of its agents)")),
         ("rdzv-backend", dict(default="c10d", help="c10d (default) or etcd")),
     ):
+        if name == "rdzv-id" and not with_id:
+            continue
         parser.add_argument(
             f"--{name}", f"--{name.replace('-', '_')}", dest=name.replace("-", "_"), **kw
         )
@@ -71,15 +79,20 @@ class JobTarget:
 
 
 def job_target(args: argparse.Namespace) -> JobTarget:
+    if not args.rdzv_id or "/" in args.rdzv_id:
+        raise UsageError(f"--rdzv-id must be a non-empty name without '/', got {args.rdzv_id!r}")
+    return store_target(args, args.rdzv_id)
+
+
+def store_target(args: argparse.Namespace, run_id: str = "") -> JobTarget:
+    """The store the flags name (and the job `run_id` on it, when given)."""
     backend = BACKENDS.get(args.rdzv_backend)
     if backend not in ("c10d", "etcd"):
         raise UsageError(f"--rdzv-backend must be c10d or etcd for job control, got {args.rdzv_backend!r}")
-    if not args.rdzv_id or "/" in args.rdzv_id:
-        raise UsageError(f"--rdzv-id must be a non-empty name without '/', got {args.rdzv_id!r}")
     conf = parse_rdzv_conf(args.rdzv_conf)
     with settings_from_flags():
         access = parse_access(backend, args.rdzv_endpoint, conf, os.environ)
-    return JobTarget(backend, args.rdzv_endpoint, args.rdzv_id, conf, access)
+    return JobTarget(backend, args.rdzv_endpoint, run_id, conf, access)
 
 
 @dataclass(frozen=True)
@@ -128,9 +141,31 @@ async def read_job(store: Store, target: JobTarget) -> JobView:
     records = JobRecords(target.keys)
     for kv in snapshot.kvs:
         records.apply(kv.key, kv.value, kv.mod_revision)
-    view = JobView(
-        run_id=target.run_id,
-        revision=snapshot.revision,
+    view = job_view(records, snapshot.revision)
+    if not view.exists:
+        raise UsageError(
+            f"no job '{target.run_id}' at {target.endpoint} ({target.backend}): "
+            "check --rdzv-id and --rdzv-endpoint"
+        )
+    return view
+
+
+async def read_jobs(store: Store) -> list[JobView]:
+    """Every job on the store, by id, read at one revision."""
+    snapshot = await store.get_prefix(JOBS_PREFIX)
+    jobs: dict[str, JobRecords] = {}
+    for kv in snapshot.kvs:
+        run_id = kv.key[len(JOBS_PREFIX):].split("/", 1)[0]
+        records = jobs.setdefault(run_id, JobRecords(Keys(run_id)))
+        records.apply(kv.key, kv.value, kv.mod_revision)
+    views = [job_view(records, snapshot.revision) for _, records in sorted(jobs.items())]
+    return [v for v in views if v.exists]
+
+
+def job_view(records: JobRecords, revision: int) -> JobView:
+    return JobView(
+        run_id=records.keys.run_id,
+        revision=revision,
         round=records.round,
         leader=records.leader,
         state=records.state,
@@ -142,12 +177,6 @@ async def read_job(store: Store, target: JobTarget) -> JobView:
         events=tuple(records.events.values()),
         quarantine=records.quarantine,
     )
-    if not view.exists:
-        raise UsageError(
-            f"no job '{target.run_id}' at {target.endpoint} ({target.backend}): "
-            "check --rdzv-id and --rdzv-endpoint"
-        )
-    return view
 
 
 def timeout_seconds(value: float) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import json
 import socket
 import time
 
@@ -21,7 +22,9 @@ class DrainTimeoutError(ElasticrunError):
     """Drained nodes did not leave in time."""
 
 
-async def drain(target: JobTarget, *, count: int | None, names: list[str], timeout: float) -> int:
+async def drain(
+    target: JobTarget, *, count: int | None, names: list[str], timeout: float, as_data: bool = False
+) -> int:
     keys = target.keys
     async with target.open() as store:
         view = await read_job(store, target)
@@ -51,7 +54,11 @@ async def drain(target: JobTarget, *, count: int | None, names: list[str], timeo
         still = await wait_nodes_gone(store, keys, set(chosen), timeout)
     if still:
         raise DrainTimeoutError(f"{', '.join(sorted(still))} did not leave within {timeout:g}s")
-    print(f"drained {', '.join(chosen)} in {time.time() - now:.1f}s", flush=True)
+    took = time.time() - now
+    if as_data:
+        print(json.dumps({"job": target.run_id, "drained": chosen, "seconds": round(took, 3)}), flush=True)
+    else:
+        print(f"drained {', '.join(chosen)} in {took:.1f}s", flush=True)
     return 0
 
 
@@ -61,7 +68,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.count is not None and args.count < 1:
         raise UsageError(f"--count must be at least 1, got {args.count}")
     timeout = timeout_seconds(args.timeout)
-    return asyncio.run(drain(job_target(args), count=args.count, names=args.node or [], timeout=timeout))
+    return asyncio.run(
+        drain(job_target(args), count=args.count, names=args.node or [], timeout=timeout, as_data=args.json)
+    )
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -71,4 +80,5 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--node", action="append", default=None, help="drain this node (repeatable)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="fail if they have not left within this many seconds (default 300)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON for scripts")
     p.set_defaults(run=_run)

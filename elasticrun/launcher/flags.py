@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from elasticrun import __version__
 from elasticrun.errors import UsageError
+from elasticrun.launcher import log_format
 
 #: flags accepted so torchrun command lines run unchanged, though they change nothing here
 COMPAT_ONLY = {
@@ -103,7 +104,7 @@ def launch_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="elasticrun",
         description="Elastic, fault-tolerant launcher for distributed PyTorch training, "
-        "used exactly like torchrun. Job control: elasticrun {status,logs,join,drain,stop} --help; "
+        "used exactly like torchrun. Job control: elasticrun {list,status,logs,join,drain,stop} --help; "
         "the standalone store: elasticrun store serve --help",
         epilog="Every flag also takes its default from PET_<FLAG> (e.g. PET_NNODES), as torchrun's do.",
     )
@@ -164,6 +165,13 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "progress-timeout", type=float, default=None,
           help="opt-in hang watchdog (off by default): stop and restart the workers when one has not called "
                "elasticrun.worker.heartbeat() for this many seconds; the workers must call it")
+    p.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", default=None, metavar="[HOST:]PORT",
+                   help="serve Prometheus metrics of this agent (and of the store it hosts) on this port "
+                        "(all interfaces, or HOST only) at /metrics; off by default")
+    p.add_argument("--log-format", "--log_format", dest="log_format", choices=["text", "json"],
+                   default=log_format.default_format(),
+                   help="the agent's own lines: text (ISO date-time, zone, node id) or json, one object a line "
+                        "(default $ELASTICRUN_LOG_FORMAT or text)")
     p.add_argument("training_script", help="the training script (or module, or executable)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p

@@ -12,7 +12,9 @@ import asyncio
 import os
 
 from elasticrun.errors import UsageError
+from elasticrun.launcher import log_format
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds
+from elasticrun.launcher.metrics_http import metrics_address
 
 
 async def _job_argv(
@@ -54,13 +56,16 @@ async def _job_argv(
 
 def _run(args: argparse.Namespace) -> int:
     target = job_target(args)
+    metrics = metrics_address(args.metrics_port)
     argv, cwd = asyncio.run(_job_argv(target, timeout_seconds(args.timeout), args.local_addr, args.log_dir))
     from elasticrun.launcher.config import build_config
     from elasticrun.launcher.flags import launch_parser
     from elasticrun.launcher.launch import run_launch
 
+    if args.json:
+        log_format.use("json")
     os.chdir(cwd)
-    return run_launch(build_config(launch_parser().parse_args(argv), os.environ))
+    return run_launch(build_config(launch_parser().parse_args(argv), os.environ), metrics=metrics)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -70,4 +75,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="leave and fail if not admitted within this many seconds (default 600)")
     p.add_argument("--local-addr", default=None, help="this node's address as the others reach it")
     p.add_argument("--log-dir", default=None, help="folder for this node's worker logs")
+    p.add_argument("--json", action="store_true", help="the agent's own lines as JSON, one object a line")
+    p.add_argument("--metrics-port", metavar="[HOST:]PORT", default=None,
+                   help="serve this agent's Prometheus metrics on this port at /metrics; off by default")
     p.set_defaults(run=_run)

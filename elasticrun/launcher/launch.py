@@ -16,12 +16,15 @@ import os
 import socket
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from elasticrun.agent.agent import Agent, Watch
 from elasticrun.agent.gpu import Gpus, open_gpus
 from elasticrun.errors import GpuUnhealthyError
+from elasticrun.launcher import log_format
 from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
+from elasticrun.launcher.metrics_http import MetricsAddress, serving
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.state import Keys, NodeInfo
@@ -30,27 +33,42 @@ from elasticrun.store.access import exposure_warning, open_client, serve_here
 from elasticrun.store.api import EventType, Store
 from elasticrun.store.memory import MemoryStore
 
+if TYPE_CHECKING:
+    from elasticrun.store.metrics import StoreMetrics
+
 log = logging.getLogger("elasticrun")
 
 #: how long the store-hosting agent waits for the other nodes to leave after the job
 _HOST_LINGER = 300.0
 
 
-def run_launch(config: LaunchConfig) -> int:
-    """Run this node's part of the job; return the process exit code."""
+def run_launch(config: LaunchConfig, *, metrics: MetricsAddress | None = None) -> int:
+    """Run this node's part of the job; return the process exit code. With `metrics`,
+    serve the agent's Prometheus metrics (and the hosted store's) there."""
     settle_gc()
-    return asyncio.run(_launch(config))
+    log_format.tag(config.worker.node_id)
+    return asyncio.run(_launch(config, metrics))
 
 
-async def _launch(config: LaunchConfig) -> int:
+async def _launch(config: LaunchConfig, metrics_at: MetricsAddress | None = None) -> int:
     async with contextlib.AsyncExitStack() as stack:
         watches = []
         if config.worker.gpu_devices:
             gpus = open_gpus()
             stack.callback(gpus.close)
             watches = gpu_watches(gpus, config.worker.gpu_devices, config.health_interval)
-        handler, hosted = await _open_handler(config, stack)
-        result = await Agent(config.worker, handler, watches=watches).run()
+        metrics = store_metrics = None
+        if metrics_at is not None:  # the library is loaded only when asked for
+            from elasticrun.agent.metrics import AgentMetrics
+            from elasticrun.store.metrics import StoreMetrics
+
+            metrics = AgentMetrics()
+            store_metrics = StoreMetrics(metrics.registry)
+        handler, hosted = await _open_handler(config, stack, store_metrics)
+        if metrics is not None:
+            metrics.quarantine_from(handler.quarantined_nodes)
+            stack.enter_context(serving(metrics_at, metrics.registry))
+        result = await Agent(config.worker, handler, watches=watches, metrics=metrics).run()
         # Out of the job first (our lease and keys go, a leader of ours stops): the
         # host waits for the others only, never for itself.
         await handler.aclose()
@@ -78,7 +96,7 @@ def gpu_watches(gpus: Gpus, devices: tuple[int, ...], interval: float) -> list[W
 
 
 async def _open_handler(
-    config: LaunchConfig, stack: contextlib.AsyncExitStack
+    config: LaunchConfig, stack: contextlib.AsyncExitStack, store_metrics: StoreMetrics | None = None
 ) -> tuple[RendezvousHandler, Store | None]:
     """The rendezvous handler for the configured backend, and the store we host, if any."""
     rdzv = config.rdzv
@@ -94,7 +112,7 @@ async def _open_handler(
             ),
             None,
         )
-    store, hosted = await _open_store(rdzv, stack)
+    store, hosted = await _open_store(rdzv, stack, store_metrics)
     me = NodeInfo(
         node_id=config.worker.node_id,
         host=socket.gethostname(),
@@ -112,14 +130,16 @@ async def _open_handler(
     return handler, hosted
 
 
-async def _open_store(rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack) -> tuple[Store, Store | None]:
+async def _open_store(
+    rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack, metrics: StoreMetrics | None = None
+) -> tuple[Store, Store | None]:
     """Connect to the store the backend names (c10d: host it when the endpoint is ours)."""
     if rdzv.store is None:  # standalone: the job lives in this process
         store: Store = MemoryStore()
         stack.push_async_callback(store.close)
         return store, None
     with settings_from_flags():
-        server = await serve_here(rdzv.store)
+        server = await serve_here(rdzv.store, metrics)
     if server is not None:
         log.info("hosting the rendezvous store on %s", server.endpoint)
         warning = exposure_warning(

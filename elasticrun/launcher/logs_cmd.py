@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job
@@ -16,11 +17,16 @@ from elasticrun.rendezvous.state import LogWindow, decode
 from elasticrun.store.api import EventType
 
 
-def _lines(window: LogWindow, after: int) -> list[str]:
+def _lines(window: LogWindow, after: int, as_data: bool = False) -> list[str]:
+    if as_data:  # one JSON object a line, for log pipelines
+        return [
+            json.dumps({"rank": window.rank, "stream": line.stream, "seq": line.seq, "text": line.text})
+            for line in window.lines if line.seq > after
+        ]
     return [f"[{window.rank}]<{line.stream}>: {line.text}" for line in window.lines if line.seq > after]
 
 
-async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None) -> int:
+async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None, as_data: bool = False) -> int:
     keys = target.keys
     async with target.open() as store:
         await read_job(store, target)  # a clear error for an unknown job
@@ -30,7 +36,7 @@ async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None) 
             window = decode(LogWindow, kv.value)
             if rank is not None and window.rank != rank:
                 continue
-            for text in _lines(window, 0)[-tail:] if tail else []:
+            for text in _lines(window, 0, as_data)[-tail:] if tail else []:
                 print(text)
             seen[window.rank] = window.lines[-1].seq if window.lines else 0
         sys.stdout.flush()
@@ -46,7 +52,7 @@ async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None) 
             after = seen.get(window.rank, 0)
             if window.lines and window.lines[-1].seq < after:
                 after = 0
-            for text in _lines(window, after):
+            for text in _lines(window, after, as_data):
                 print(text, flush=True)
             seen[window.rank] = window.lines[-1].seq if window.lines else after
     return 0
@@ -54,7 +60,9 @@ async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None) 
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        return asyncio.run(show(job_target(args), tail=args.tail, follow=args.follow, rank=args.rank))
+        return asyncio.run(
+            show(job_target(args), tail=args.tail, follow=args.follow, rank=args.rank, as_data=args.json)
+        )
     except KeyboardInterrupt:
         return 0
 
@@ -65,4 +73,5 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--tail", type=int, default=20, help="lines per rank to show first (default 20; 0: none)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines (Ctrl-C ends)")
     p.add_argument("--rank", type=int, default=None, help="only this global rank")
+    p.add_argument("--json", action="store_true", help="one JSON object a line: rank, stream, seq, text")
     p.set_defaults(run=_run)

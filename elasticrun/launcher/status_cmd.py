@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from dataclasses import asdict
 
@@ -15,7 +16,7 @@ _WATCH_INTERVAL = 0.5
 EVENTS_SHOWN = 10
 
 
-def _age(seconds: float) -> str:
+def age(seconds: float) -> str:
     seconds = max(int(seconds), 0)
     if seconds < 60:
         return f"{seconds}s"
@@ -24,7 +25,7 @@ def _age(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def _table(rows: list[list[str]]) -> str:
+def table(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
@@ -43,10 +44,10 @@ def render(view: JobView, now: float) -> str:
             str(r.world_size) if r else "0",
             f"{len(r.participants) if r else 0} ({low}:{high})",
             str(r.restart_count) if r else "0",
-            _age(now - created) if created else "-",
+            age(now - created) if created else "-",
         ],
     ]
-    lines = [_table(job)]
+    lines = [table(job)]
     if view.state is not None:
         lines.append(f"leader {view.state.leader}: {view.state.reason}")
     if r is not None and r.closed and r.detail:
@@ -67,21 +68,21 @@ def render(view: JobView, now: float) -> str:
             rows.append([
                 node_id,
                 state if rank is not None or state != "init" else "waiting",
-                _age(now - info.started_at),
+                age(now - info.started_at),
                 str(rank) if rank is not None else "-",
                 status.ranks if status and status.ranks and rank is not None else "-",
                 str(status.restarts) if status else "0",
                 info.addr if info.addr == info.host else f"{info.host} ({info.addr})",
                 f"{len(info.gpus)}x {info.gpus[0]}" if info.gpus else "-",
             ])
-        lines += ["", _table(rows)]
+        lines += ["", table(rows)]
     if held:
         rows = [["QUARANTINED", "UNTIL", "LEFT", "TIMES", "REASON"]]
         for node_id, e in sorted(held.items(), key=lambda kv: kv[1].until):
             name = node_id if node_id in view.nodes else f"{node_id} (gone)"
             until = time.strftime("%H:%M:%S", time.localtime(e.until))
-            rows.append([name, until, _age(e.until - now), str(e.times), e.reason])
-        lines += ["", _table(rows)]
+            rows.append([name, until, age(e.until - now), str(e.times), e.reason])
+        lines += ["", table(rows)]
     if view.events:
         lines += ["", f"EVENTS (last {min(EVENTS_SHOWN, len(view.events))})"]
         for event in view.events[-EVENTS_SHOWN:]:
@@ -143,8 +144,10 @@ async def show(target: JobTarget, *, as_data: bool, watch: bool) -> int:
             if as_data:
                 print(json.dumps(as_json(view), indent=None if watch else 2), flush=True)
             else:
-                if watch:
-                    print("\033[2J\033[H", end="")
+                if watch and sys.stdout.isatty():
+                    print("\033[2J\033[H", end="")  # redraw in place; piped, one page after another
+                elif watch:
+                    print(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
                 print(render(view, time.time()), flush=True)
             if not watch:
                 return 0

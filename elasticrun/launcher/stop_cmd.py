@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import json
 import socket
 
 from elasticrun.errors import ElasticrunError, StoreUnavailableError, UsageError
@@ -19,7 +20,7 @@ class StopTimeoutError(ElasticrunError):
     """Agents did not exit in time after the job was stopped."""
 
 
-async def stop(target: JobTarget, *, timeout: float) -> int:
+async def stop(target: JobTarget, *, timeout: float, as_data: bool = False) -> int:
     keys = target.keys
     async with target.open() as store:
         view = await read_job(store, target)
@@ -37,20 +38,27 @@ async def stop(target: JobTarget, *, timeout: float) -> int:
             # An agent that hosts the store serves it until the other nodes have left,
             # then exits with the job: its store going away is the job's end, not an
             # error (a node still running finds the job closed, or no store, and ends).
-            print(f"job '{target.run_id}' stopped; its store went away with the job ({e.endpoint})", flush=True)
+            said = f"job '{target.run_id}' stopped; its store went away with the job ({e.endpoint})"
+            _say(said, {"job": target.run_id, "stopped": True, "nodes": len(view.nodes), "store_gone": True}, as_data)
             return 0
     if still:
         raise StopTimeoutError(f"job stopped, but {', '.join(sorted(still))} did not exit within {timeout:g}s")
-    print(f"job '{target.run_id}' stopped; {len(view.nodes)} node(s) exited", flush=True)
+    said = f"job '{target.run_id}' stopped; {len(view.nodes)} node(s) exited"
+    _say(said, {"job": target.run_id, "stopped": True, "nodes": len(view.nodes), "store_gone": False}, as_data)
     return 0
 
 
+def _say(text: str, data: dict[str, object], as_data: bool) -> None:
+    print(json.dumps(data) if as_data else text, flush=True)
+
+
 def _run(args: argparse.Namespace) -> int:
-    return asyncio.run(stop(job_target(args), timeout=timeout_seconds(args.timeout)))
+    return asyncio.run(stop(job_target(args), timeout=timeout_seconds(args.timeout), as_data=args.json))
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("stop", help="end a job everywhere: workers stop gracefully, agents exit 0")
     add_job_flags(p)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the agents to exit (default 120)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON for scripts")
     p.set_defaults(run=_run)

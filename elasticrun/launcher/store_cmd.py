@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
+from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address, serving
 from elasticrun.store.access import exposure_warning, read_token, server_tls
 from elasticrun.store.server import StoreServer
 from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV, TlsKeyPair
@@ -25,6 +27,7 @@ class ServeConfig:
     token: str | None
     tls: TlsKeyPair | None
     client_ca: bytes | None
+    metrics: MetricsAddress | None = None
 
 
 #: the flag of each store setting `store serve` takes
@@ -49,14 +52,32 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeC
     with settings_from_flags(_flag_of):
         tls, client_ca = server_tls(given)
         token = read_token(args.token_file, environ, required=args.require_token)
-    return ServeConfig(args.host, args.port, token, tls, client_ca)
+    return ServeConfig(args.host, args.port, token, tls, client_ca, metrics_address(args.metrics_port))
 
 
 async def serve(config: ServeConfig) -> int:
     """Serve until SIGTERM or SIGINT, then stop gracefully."""
-    server = StoreServer(config.host, config.port, token=config.token, tls=config.tls, client_ca=config.client_ca)
-    with settings_from_flags(_flag_of):
-        await server.start()
+    metrics = None
+    if config.metrics is not None:  # the library is loaded only when asked for
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.process_collector import ProcessCollector
+
+        from elasticrun.store.metrics import StoreMetrics
+
+        metrics = StoreMetrics(CollectorRegistry(auto_describe=True))
+        ProcessCollector(registry=metrics.registry)
+    server = StoreServer(
+        config.host, config.port, token=config.token, tls=config.tls, client_ca=config.client_ca, metrics=metrics
+    )
+    with contextlib.ExitStack() as stack:
+        if metrics is not None:
+            stack.enter_context(serving(config.metrics, metrics.registry))
+        with settings_from_flags(_flag_of):
+            await server.start()
+        return await _serve_until_stopped(server, config)
+
+
+async def _serve_until_stopped(server: StoreServer, config: ServeConfig) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -103,5 +124,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--client-ca",
         help="PEM CA certificate: require every client to present a certificate it signed "
         "(mutual TLS; needs --tls-cert and --tls-key)",
+    )
+    serve_parser.add_argument(
+        "--metrics-port", metavar="[HOST:]PORT", default=None,
+        help="serve Prometheus metrics of the store on this port (all interfaces, or HOST only) at /metrics; "
+        "off by default",
     )
     serve_parser.set_defaults(run=_run)

@@ -110,6 +110,11 @@ class RendezvousHandler(abc.ABC):
         """What the handler is waiting for right now, for the agent's log."""
         return ""
 
+    def quarantined_nodes(self) -> int:
+        """How many of the job's nodes a quarantine keeps out now, for metrics. Read
+        from another thread (the metrics server's): it must only read what it holds."""
+        return 0
+
     async def drained(self) -> str:
         """Return (with the reason) when an operator asks this node to leave.
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Coroutine
@@ -53,6 +54,10 @@ from elasticrun.rendezvous.state import (
 from elasticrun.store.api import EventType, RangeResult, Store
 
 log = logging.getLogger("elasticrun.rendezvous")
+
+
+#: seconds between the lines that say what a waiting node waits for, while nothing changes
+WAIT_REPORT_INTERVAL = 5.0
 
 
 class _Pulse:
@@ -118,6 +123,9 @@ class ElasticRendezvous(RendezvousHandler):
         until = time.strftime("%H:%M:%S", time.localtime(held.until))
         return f"quarantined until {until} ({held.reason}); the leader: {leader}"
 
+    def quarantined_nodes(self) -> int:
+        return len(self._job.quarantine.active(time.time()))
+
     def _quarantined(self) -> QuarantineEntry | None:
         """This node's quarantine, while the leader keeps it out."""
         entry = self._job.quarantine.get(self._me.node_id)
@@ -139,8 +147,9 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def next_round(self) -> Assignment:
         self._release_port()  # the round it was for is over
-        deadline = self._clock() + self._settings.join_timeout
-        logged = ""
+        started = self._clock()
+        deadline = started + self._settings.join_timeout
+        logged, said_at = "", -math.inf
         while True:
             if self._lease is None or self._lost:
                 await self._register()
@@ -156,9 +165,12 @@ class ElasticRendezvous(RendezvousHandler):
                     return self._assignment(current, rank, master)
                 continue
             status = self.waiting_status
-            if status != logged:
-                log.info("node %s waiting: %s", self._me.node_id, status)
-                logged = status
+            now = self._clock()
+            if status != logged or now - said_at >= WAIT_REPORT_INTERVAL:
+                # on each change, and every few seconds while nothing changes
+                waited = f"{now - started:.0f} s of join_timeout {self._settings.join_timeout:g} s"
+                log.info("node %s waiting: %s; %s", self._me.node_id, status, waited)
+                logged, said_at = status, now
             held = self._quarantined()
             if held is not None:  # a quarantined node waits it out, then join_timeout runs
                 deadline = max(deadline, self._clock() + held.until - time.time() + self._settings.join_timeout)
@@ -169,7 +181,7 @@ class ElasticRendezvous(RendezvousHandler):
                     f"join_timeout={self._settings.join_timeout:g}s; last state: {status} "
                     "(start more nodes, or raise join_timeout with --rdzv-conf)"
                 )
-            await self._pulse.wait(remaining)
+            await self._pulse.wait(min(remaining, said_at + WAIT_REPORT_INTERVAL - self._clock()))
 
     async def round_ended(self) -> str:
         while True:

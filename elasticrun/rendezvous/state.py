@@ -49,9 +49,13 @@ FORMAT_VERSION = 1
 JOB_SPEC_VERSION = 1
 
 
+#: the store prefix under which every job has its own (`elasticrun list` reads it)
+JOBS_PREFIX = "/elasticrun/"
+
+
 def job_prefix(run_id: str) -> str:
     """The store prefix that holds everything of one job."""
-    return f"/elasticrun/{run_id}/"
+    return f"{JOBS_PREFIX}{run_id}/"
 
 
 @dataclass(frozen=True, slots=True)

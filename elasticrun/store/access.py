@@ -39,6 +39,7 @@ from elasticrun.store.wire import (
 )
 
 if TYPE_CHECKING:
+    from elasticrun.store.metrics import StoreMetrics
     from elasticrun.store.server import StoreServer
 
 log = logging.getLogger("elasticrun")
@@ -335,7 +336,7 @@ def exposure_warning(
     )
 
 
-async def serve_here(access: StoreAccess) -> StoreServer | None:
+async def serve_here(access: StoreAccess, metrics: StoreMetrics | None = None) -> StoreServer | None:
     """Serve the built-in store on its endpoint, started, when this agent is to host it.
 
     Without `is_host` that is when the endpoint is this host's and its port is free; with
@@ -354,6 +355,7 @@ async def serve_here(access: StoreAccess) -> StoreServer | None:
         tls=access.server_tls,
         client_ca=access.client_ca,
         hosted_by_agent=True,
+        metrics=metrics,
     )
     try:
         await server.start()

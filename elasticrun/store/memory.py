@@ -171,6 +171,18 @@ class _Segment:
         return sorted(set(self.revisions[lo:hi]))  # a delete_prefix: one revision, many keys
 
 
+@dataclass(frozen=True, slots=True)
+class StoreLoad:
+    """The engine's size at one moment (see `MemoryStore.load`)."""
+
+    keys: int
+    key_bytes: int
+    leases: int
+    history_revisions: int
+    history_bytes: int
+    revision: int
+
+
 class MemoryStore(Store):
     """An etcd-like store in the memory of this process, bounded in size.
 
@@ -225,6 +237,18 @@ class MemoryStore(Store):
 
     def __len__(self) -> int:
         return len(self._kvs)
+
+    def load(self) -> StoreLoad:
+        """What the engine holds now, for metrics: O(1), and safe to call from another
+        thread (it reads sizes only), so a scrape never waits on the event loop."""
+        return StoreLoad(
+            keys=len(self._kvs),
+            key_bytes=self._total_bytes,
+            leases=len(self._leases),
+            history_revisions=len(self._ring_sizes),
+            history_bytes=self._ring_bytes,
+            revision=self._revision,
+        )
 
     async def get(self, key: str) -> KeyValue | None:
         self._check_open()

@@ -22,7 +22,7 @@ import logging
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import grpc
 
@@ -50,6 +50,9 @@ from elasticrun.store.wire import (
     TlsKeyPair,
     bearer,
 )
+
+if TYPE_CHECKING:  # imported by `store serve` and the launcher only when metrics are asked for
+    from elasticrun.store.metrics import ServerLoad, StoreMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +127,7 @@ class StoreServer:
         max_calls: int = DEFAULT_MAX_CALLS,
         connection_limits: ConnectionLimits = ConnectionLimits(),
         hosted_by_agent: bool = False,
+        metrics: StoreMetrics | None = None,
     ) -> None:
         self.host = host
         self.hosted_by_agent = hosted_by_agent
@@ -132,6 +136,10 @@ class StoreServer:
         #: calls and watches in progress, by connection (no entry at zero)
         self._calls: dict[str, int] = {}
         self._watches: dict[str, int] = {}
+        #: the sums of those, kept as they change: metrics read them from another thread
+        self._calls_total = 0
+        self._watches_total = 0
+        self.metrics = metrics
         self.engine = engine if engine is not None else MemoryStore()
         self._owns_engine = engine is None
         self._requested_port = port
@@ -162,6 +170,8 @@ class StoreServer:
         )
         _add_store_service(_StoreService(self), server, self.counted_call)
         _add_c10d_service(_C10dService(self), server, self.counted_call)
+        if self.metrics is not None:
+            self.metrics.serving(self.load)
         address = _host_port(self.host, self._requested_port)
         # grpc would only fail to bind on a bad certificate: "port in use"
         if self._tls is not None:
@@ -224,18 +234,50 @@ class StoreServer:
             self._streams.discard(task)
 
     @contextlib.asynccontextmanager
-    async def counted_call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """Count a call against its connection's `max_calls` for as long as it runs."""
+    async def counted_call(
+        self, context: grpc.aio.ServicerContext, service: str = "", method: str = ""
+    ) -> AsyncIterator[None]:
+        """Count a call against its connection's `max_calls` for as long as it runs,
+        and (with metrics) by its status code once it ends."""
         limit = self.connection_limits.max_calls
-        async with _counted(self._calls, context, limit, "calls in progress", "max_calls"):
-            yield
+        code = "OK"
+        try:
+            async with _counted(self._calls, context, limit, "calls in progress", "max_calls"):
+                self._calls_total += 1
+                try:
+                    yield
+                finally:
+                    self._calls_total -= 1
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except BaseException:
+            status = context.code()
+            code = status.name if isinstance(status, grpc.StatusCode) else "UNKNOWN"
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.calls.labels(service, method, code).inc()
 
     @contextlib.asynccontextmanager
     async def counted_watch(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         """Count a watch against its connection's `max_watches` for as long as it runs."""
         limit = self.connection_limits.max_watches
         async with _counted(self._watches, context, limit, "open watches", "max_watches"):
-            yield
+            self._watches_total += 1
+            try:
+                yield
+            finally:
+                self._watches_total -= 1
+
+    def load(self) -> ServerLoad:
+        """What the server holds now (sizes only: safe from the metrics thread)."""
+        from elasticrun.store.metrics import ServerLoad
+
+        return ServerLoad(
+            connections=len(self._calls), calls=self._calls_total, watches=self._watches_total,
+            engine=self.engine.load(),
+        )
 
 
 @contextlib.asynccontextmanager
@@ -503,9 +545,18 @@ class _Capture:
 
 #: Wraps a call for as long as it runs (`StoreServer.counted_call`).
 _Counter = Callable[[grpc.aio.ServicerContext], contextlib.AbstractAsyncContextManager[None]]
+#: The same for any call, told the service and method (`StoreServer.counted_call`).
+_CallCounter = Callable[[grpc.aio.ServicerContext, str, str], contextlib.AbstractAsyncContextManager[None]]
 
 
-def _add_store_service(servicer: _StoreService, server: grpc.aio.Server, count: _Counter) -> None:
+def _counter_of(count: _CallCounter, service: str, method: str) -> _Counter:
+    def counted(context: grpc.aio.ServicerContext) -> contextlib.AbstractAsyncContextManager[None]:
+        return count(context, service, method)
+
+    return counted
+
+
+def _add_store_service(servicer: _StoreService, server: grpc.aio.Server, count: _CallCounter) -> None:
     """Register the Store service as the generated code does, but with a Watch handler
     that sends bytes (`_StoreService.Watch` serializes its replies itself)."""
     capture = _Capture()
@@ -517,16 +568,20 @@ def _add_store_service(servicer: _StoreService, server: grpc.aio.Server, count: 
     _register(server, capture.name, handlers, count)
 
 
-def _add_c10d_service(servicer: _C10dService, server: grpc.aio.Server, count: _Counter) -> None:
+def _add_c10d_service(servicer: _C10dService, server: grpc.aio.Server, count: _CallCounter) -> None:
     capture = _Capture()
     pb_grpc.add_C10dStoreServicer_to_server(servicer, capture)
     _register(server, capture.name, dict(capture.handlers), count)
 
 
 def _register(
-    server: grpc.aio.Server, name: str, handlers: dict[str, grpc.RpcMethodHandler], count: _Counter
+    server: grpc.aio.Server, name: str, handlers: dict[str, grpc.RpcMethodHandler], count: _CallCounter
 ) -> None:
-    handlers = {method: _guarded(handler, count) for method, handler in handlers.items()}
+    service = name.rsplit(".", 1)[-1]
+    handlers = {
+        method: _guarded(handler, _counter_of(count, service, method))
+        for method, handler in handlers.items()
+    }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
 

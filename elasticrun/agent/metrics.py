@@ -1,0 +1,115 @@
+"""Prometheus metrics of one agent (`--metrics-port`), in a registry of its own.
+
+The agent calls these hooks at the points of its loop where the facts are known; the
+HTTP server that exposes the registry (`prometheus_client`'s, in a thread of its own)
+reads them when scraped, so a scrape never waits on the agent's event loop. Imported
+only when metrics are asked for: the library costs the launch nothing otherwise.
+
+Every metric is listed, with its meaning, in docs/deployment.md ("Metrics").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.process_collector import ProcessCollector
+
+from elasticrun.agent.spec import WorkerState
+from elasticrun.rendezvous.api import Assignment
+
+#: seconds from a change to running again: a membership change in place takes well
+#: under a second, a restart of big workers minutes
+RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+#: why a round ended and this node's workers were restarted (or re-formed in place)
+RESTART_CAUSES = ("worker_failure", "hang", "peer_failure")
+#: how the membership changed between two rounds this node ran
+MEMBERSHIP_CAUSES = ("scale_up", "scale_down", "replace")
+
+
+class AgentMetrics:
+    """What one agent exports; `registry` is what its HTTP server serves."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        self.rounds = Counter("elasticrun_rounds", "Rounds of the job this node took part in", registry=r)
+        self.round = Gauge("elasticrun_round", "The number of the round this node is in (0: none yet)", registry=r)
+        self.world_size = Gauge("elasticrun_world_size", "Workers in the job in this node's round", registry=r)
+        self.nodes = Gauge("elasticrun_nodes", "Nodes in this node's round", registry=r)
+        self.membership_changes = Counter(
+            "elasticrun_membership_changes",
+            "Rounds that changed the job's nodes, by cause: scale_up (more nodes), scale_down (fewer), "
+            "replace (as many, not the same)",
+            ["cause"], registry=r,
+        )
+        self.restarts = Counter(
+            "elasticrun_restarts",
+            "Restarts of this node's workers after a failure, by cause: worker_failure (a worker of this "
+            "node failed), hang (the progress watchdog), peer_failure (a worker on another node failed)",
+            ["cause"], registry=r,
+        )
+        self.recovery = Histogram(
+            "elasticrun_change_to_running_seconds",
+            "Seconds from the moment this node saw its round end (a membership change or a failure) to its "
+            "workers running in the next round",
+            buckets=RECOVERY_BUCKETS, registry=r,
+        )
+        self.worker_state = Gauge(
+            "elasticrun_worker_state", "1 for the state this node's worker group is in, 0 for the others",
+            ["state"], registry=r,
+        )
+        self.quarantined = Gauge(
+            "elasticrun_quarantined_nodes", "Nodes of the job kept out by a quarantine now", registry=r
+        )
+        for cause in MEMBERSHIP_CAUSES:
+            self.membership_changes.labels(cause)  # every series exists from the start, at 0
+        for cause in RESTART_CAUSES:
+            self.restarts.labels(cause)
+        self._ran: Assignment | None = None
+        self._ended_at: float | None = None  # when the last round ended, until running again
+        self._failed_here = False
+
+    def quarantine_from(self, count: Callable[[], int]) -> None:
+        """Read the job's quarantined nodes from `count` at each scrape (a thread-safe read)."""
+        self.quarantined.set_function(lambda: float(count()))
+
+    def state(self, state: WorkerState) -> None:
+        for each in WorkerState:
+            self.worker_state.labels(each.value).set(1.0 if each is state else 0.0)
+
+    def round_over(self, *, failure: str = "") -> None:
+        """This node's round ended: by a change elsewhere, or (`failure`: its cause)
+        by a failure of its own workers, which it restarts."""
+        self._ended_at = time.monotonic()
+        if failure:
+            self.restarts.labels(failure).inc()
+            self._failed_here = True
+
+    def round_started(self, assignment: Assignment) -> None:
+        """This node has a place in a new round."""
+        self.rounds.inc()
+        self.round.set(assignment.round)
+        self.world_size.set(assignment.world_size)
+        self.nodes.set(assignment.node_count)
+        before, self._ran = self._ran, assignment
+        failed_here, self._failed_here = self._failed_here, False
+        if before is None or failed_here:
+            return
+        if assignment.restart_count > before.restart_count:
+            self.restarts.labels("peer_failure").inc()
+        elif assignment.node_count > before.node_count:
+            self.membership_changes.labels("scale_up").inc()
+        elif assignment.node_count < before.node_count:
+            self.membership_changes.labels("scale_down").inc()
+        else:
+            self.membership_changes.labels("replace").inc()
+
+    def running(self) -> None:
+        """This node's workers run in the round it started last."""
+        if self._ended_at is not None:
+            self.recovery.observe(time.monotonic() - self._ended_at)
+            self._ended_at = None

@@ -1,0 +1,161 @@
+"""Prometheus metrics (`--metrics-port`) of real agents and of `elasticrun store serve`,
+scraped over HTTP while a job scales up from 2 to 3 nodes: the counters move, the
+gauges follow the job, and every metric documented in docs/deployment.md is exported
+(and every exported one documented)."""
+
+from __future__ import annotations
+
+import re
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.agent_helpers import free_port
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+TICKER = Path(__file__).resolve().parent / "workers" / "tick_worker.py"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "deployment.md"
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    """Every sample at http://127.0.0.1:port/metrics, by name and labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        text = reply.read().decode()
+    assert "\033" not in text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def at_world(samples: Samples, world: int) -> Samples | None:
+    return samples if value(samples, "elasticrun_world_size") == world else None
+
+
+def agent(cluster: Cluster, endpoint: str, rid: str, name: str, addr: int, port: int) -> Proc:
+    return cluster.start(name, [
+        sys.executable, "-m", "elasticrun", "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rid}", f"--rdzv-conf={RDZV_CONF},is_host=false",
+        f"--local-addr=127.0.0.{addr}", "--shutdown-timeout=5", f"--log-dir={cluster.tmp / 'logs'}",
+        f"--metrics-port=127.0.0.1:{port}", str(TICKER), "--stop-file", str(cluster.stop_file),
+    ])
+
+
+def test_metrics_move_during_a_scale_up(cluster: Cluster) -> None:
+    store_port, store_metrics = free_port(), free_port()
+    store = cluster.start("store", [
+        sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", str(store_port),
+        "--metrics-port", f"127.0.0.1:{store_metrics}",
+    ])
+    store.wait_for(r"serving on")
+    endpoint, rid = f"127.0.0.1:{store_port}", run_id()
+    ports = {name: free_port() for name in "abc"}
+    a, b = (agent(cluster, endpoint, rid, n, i + 2, ports[n]) for i, n in enumerate("ab"))
+    for p in (a, b):
+        p.wait_for(r"tick=\d+ rank=\d world=2")
+    before = scrape(ports["a"])
+    assert value(before, "elasticrun_world_size") == 2 and value(before, "elasticrun_nodes") == 2
+    assert value(before, "elasticrun_rounds_total") >= 1
+    assert value(before, "elasticrun_worker_state", state="healthy") == 1
+    assert value(before, "elasticrun_worker_state", state="init") == 0
+    assert value(before, "elasticrun_membership_changes_total", cause="scale_up") == 0
+    assert value(before, "elasticrun_quarantined_nodes") == 0
+    store_before = scrape(store_metrics)
+    assert value(store_before, "elasticrun_store_leases") == 2  # one per agent
+    assert value(store_before, "elasticrun_store_watchers") >= 2
+    assert value(store_before, "elasticrun_store_connections") >= 2
+
+    c = agent(cluster, endpoint, rid, "c", 4, ports["c"])
+    c.wait_for(r"tick=\d+ rank=2 world=3")
+    for name in "ab":
+        after = wait_until(lambda n=name: at_world(scrape(ports[n]), 3), what=f"{name}'s metrics at world 3", interval=0.2)
+        assert value(after, "elasticrun_membership_changes_total", cause="scale_up") == 1
+        assert value(after, "elasticrun_rounds_total") == value(before, "elasticrun_rounds_total") + 1
+        assert value(after, "elasticrun_restarts_total", cause="worker_failure") == 0
+        assert value(after, "elasticrun_change_to_running_seconds_count") >= 1
+        assert value(after, "elasticrun_worker_state", state="healthy") == 1
+    store_after = scrape(store_metrics)
+    assert value(store_after, "elasticrun_store_leases") == 3
+    ok_puts = value(store_after, "elasticrun_store_calls_total", service="Store", method="Put", code="OK")
+    assert ok_puts > value(store_before, "elasticrun_store_calls_total", service="Store", method="Put", code="OK")
+    assert value(store_after, "elasticrun_store_history_revisions") > value(store_before, "elasticrun_store_history_revisions")
+    assert value(store_after, "elasticrun_store_revision") > value(store_before, "elasticrun_store_revision")
+
+    documented = set(re.findall(r"^\| `(elasticrun_\w+)`", DOCS.read_text(), flags=re.M))
+    exported = {name for name, _ in [*store_after, *after]}
+    families = {re.sub(r"_(total|bucket|count|sum)$", "", n) for n in exported if n.startswith("elasticrun_")}
+    assert families == {re.sub(r"_total$", "", d) for d in documented}
+
+    cluster.stop_training()
+    for p in (a, b, c):
+        assert p.wait_exit() == 0, p.text()[-3000:]
+    store.kill()
+    cluster.assert_no_orphans()
+
+
+def test_grafana_dashboard_queries_only_documented_metrics() -> None:
+    """examples/grafana-dashboard.json parses and every query names exported metrics."""
+    import json
+
+    dashboard = json.loads((DOCS.parents[1] / "examples" / "grafana-dashboard.json").read_text())
+    documented = {re.sub(r"_total$", "", d) for d in re.findall(r"^\| `(elasticrun_\w+)`", DOCS.read_text(), flags=re.M)}
+    used = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            used |= {re.sub(r"_(total|bucket)$", "", m) for m in re.findall(r"elasticrun_\w+", target["expr"])}
+    assert used and used <= documented, used - documented
+
+
+def test_agent_metrics_tell_causes_apart() -> None:
+    """The agent's hooks, fed the rounds of a job in order: each change lands under its
+    cause, a restart is never counted as a membership change, and the time from a
+    round's end to running again is observed once per change."""
+    from elasticrun.agent.metrics import AgentMetrics
+    from elasticrun.agent.spec import WorkerState
+    from elasticrun.rendezvous.api import Assignment
+
+    m = AgentMetrics()
+
+    def start(number: int, nodes: int, restarts: int = 0) -> None:
+        m.round_started(Assignment(number, 0, nodes, 0, nodes, "127.0.0.1", 1, restarts))
+        m.running()
+
+    def count(name: str, **labels: str) -> float:
+        return m.registry.get_sample_value(name, labels) or 0.0
+
+    start(1, 2)
+    m.round_over()
+    start(2, 3)  # a node joined
+    m.round_over(failure="worker_failure")  # ours failed: restarted, same members
+    start(3, 3, restarts=1)
+    m.round_over()
+    start(4, 3, restarts=2)  # a worker failed elsewhere
+    m.round_over()
+    start(5, 2, restarts=2)  # a node left
+    m.round_over()
+    start(6, 2, restarts=2)  # one left, another came
+    m.round_over(failure="hang")
+    start(7, 2, restarts=3)
+    m.state(WorkerState.HEALTHY)
+
+    changes = {c: count("elasticrun_membership_changes_total", cause=c) for c in ("scale_up", "scale_down", "replace")}
+    restarts = {c: count("elasticrun_restarts_total", cause=c) for c in ("worker_failure", "hang", "peer_failure")}
+    assert changes == {"scale_up": 1, "scale_down": 1, "replace": 1}
+    assert restarts == {"worker_failure": 1, "hang": 1, "peer_failure": 1}
+    assert count("elasticrun_rounds_total") == 7 and count("elasticrun_round") == 7
+    assert count("elasticrun_change_to_running_seconds_count") == 6
+    assert count("elasticrun_worker_state", state="healthy") == 1
+    assert count("elasticrun_worker_state", state="init") == 0
