@@ -313,7 +313,7 @@ def run_main(argv: list[str], env: dict[str, str]) -> Outcome:
     launched: list[LaunchConfig] = []
     served: list[store_cmd.ServeConfig] = []
 
-    def fake_launch(config: LaunchConfig) -> int:
+    def fake_launch(config: LaunchConfig, *, metrics: object = None) -> int:
         launched.append(config)
         return 0
 
