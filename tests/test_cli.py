@@ -341,13 +341,45 @@ def test_repeated_rdzv_conf_flags_merge_later_wins() -> None:
 
 
 def test_torchruns_own_rdzv_conf_keys_are_accepted(caplog: pytest.LogCaptureFixture) -> None:
-    """torchrun command lines run unchanged: keys we have no use for only warn."""
-    cfg = config("--standalone", "--rdzv-conf",
-                 "read_timeout=60,close_timeout=10,keep_alive_interval=5,store_type=tcp",
+    """torchrun command lines run unchanged: keys we have no counterpart for only warn."""
+    cfg = config("--standalone", "--rdzv-conf", "close_timeout=10,store_type=tcp,protocol=http",
                  "--rdzv_conf", "use_libuv=1,join_timeout=8", str(SPEAK))
     assert cfg.rdzv.conf == {"join_timeout": "8"}
-    for key in ("read_timeout", "close_timeout", "keep_alive_interval", "store_type", "use_libuv"):
+    for key in ("close_timeout", "store_type", "use_libuv", "protocol"):
         assert f"--rdzv-conf {key} is accepted for torchrun compatibility" in caplog.text
+
+
+def test_torchruns_rdzv_conf_names_are_our_keys() -> None:
+    """timeout, read_timeout and torchrun's keep-alive mean what they mean there."""
+    cfg = config("--standalone", "--rdzv-conf", "timeout=9,read_timeout=4,keep_alive_interval=2", str(SPEAK))
+    assert cfg.rdzv.conf == {
+        "join_timeout": "9", "store_timeout": "4", "heartbeat_interval": "2",
+        # torchrun drops a node after keep_alive_max_attempt (3) missed keep-alives
+        "heartbeat_timeout": "6",
+    }
+    s = cfg.rdzv.settings
+    assert (s.join_timeout, s.keep_alive_interval, s.heartbeat_ttl) == (9.0, 2.0, 6.0)
+    # torchrun's defaults, 5 s x 3, when only the attempts are given
+    cfg = config("--standalone", "--rdzv-conf", "keep_alive_max_attempt=4", str(SPEAK))
+    assert (cfg.rdzv.settings.keep_alive_interval, cfg.rdzv.settings.heartbeat_ttl) == (5.0, 20.0)
+    # our own keys alone keep our defaults
+    assert config("--standalone", "--rdzv-conf", "heartbeat_interval=1", str(SPEAK)).rdzv.settings.heartbeat_ttl == 5.0
+    with pytest.raises(UsageError, match="keep_alive_max_attempt must be a whole number"):
+        config("--standalone", "--rdzv-conf", "keep_alive_max_attempt=0", str(SPEAK))
+
+
+@pytest.mark.parametrize("quote", ["'", '"'])
+def test_rdzv_conf_in_one_pair_of_quotes(quote: str) -> None:
+    """As PyTorch's launcher tests and manifests without a shell write it."""
+    value = f"{quote}join_timeout=5,last_call_timeout=1,timeout=6{quote}"
+    assert config("--standalone", f"--rdzv-conf={value}", str(SPEAK)).rdzv.conf == {
+        "join_timeout": "6", "last_call_timeout": "1",
+    }
+    # only a matching pair around the whole value
+    with pytest.raises(UsageError, match="unknown key"):
+        config("--standalone", f"--rdzv-conf={quote}join_timeout=5", str(SPEAK))
+
+
     # torchrun's etcd backends name their TLS files differently: same meaning here
     request = parse_launch(parse("--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-conf",
                                  "protocol=https,cacert=ca.pem,ssl_cert=c.pem,ssl_cert_key=k.pem", str(SPEAK)), {})

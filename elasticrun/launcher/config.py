@@ -82,18 +82,24 @@ RDZV_CONF_KEYS = {
     "password_env": "etcd: environment variable holding the password",
 }
 
-#: torchrun's names (its etcd backends) for keys of ours
+#: torchrun's names for keys of ours: its rendezvous timings and its etcd backends' TLS files
 RDZV_CONF_ALIASES = {
+    "timeout": "join_timeout",  # torchrun's etcd rendezvous: the whole join
+    "read_timeout": "store_timeout",  # torchrun's c10d and etcd backends: one store call
+    "keep_alive_interval": "heartbeat_interval",
     "cacert": "ca_cert",
     "cert": "client_cert",
     "key": "client_key",
     "ssl_cert": "client_cert",
     "ssl_cert_key": "client_key",
 }
-#: torchrun's keys with no counterpart here: accepted, so its command lines run unchanged
+#: torchrun's key for how many missed keep-alives drop a node: with `keep_alive_interval`
+#: it makes our `heartbeat_timeout` (interval x attempts, 5 s x 3 by torchrun's defaults)
+KEEP_ALIVE_ATTEMPTS = "keep_alive_max_attempt"
+#: torchrun's keys with no counterpart here, each for a reason (docs/cli.md says which):
+#: they are accepted, so its command lines run unchanged, and warn
 RDZV_CONF_TORCHRUN_ONLY = frozenset({
-    "close_timeout", "keep_alive_interval", "keep_alive_max_attempt", "read_timeout",
-    "store_type", "use_libuv", "timeout", "protocol", "etcd_prefix", "rank",
+    "close_timeout", "store_type", "use_libuv", "protocol", "etcd_prefix", "rank",
 })
 
 
@@ -171,18 +177,35 @@ def parse_std(value: str, flag: str) -> Std | dict[int, Std]:
 
 
 def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
-    """Repeated `--rdzv-conf k=v,k2=v2` flags, merged (later ones win)."""
+    """Repeated `--rdzv-conf k=v,k2=v2` flags, merged (later ones win).
+
+    A value wrapped in one pair of quotes (`'join_timeout=5'`, as job manifests that pass
+    arguments without a shell often write it) is taken without them. torchrun's key names
+    are taken as ours (`RDZV_CONF_ALIASES`, `KEEP_ALIVE_ATTEMPTS`).
+    """
     conf: dict[str, str] = {}
+    attempts: str | None = None
+    keep_alive = False  # torchrun's keep_alive_interval was given
     for value in values:
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
         for item in filter(None, (p.strip() for p in value.split(","))):
             key, sep, val = item.partition("=")
             if not sep or not key:
                 raise UsageError(f"--rdzv-conf takes key=value pairs, got {item!r}")
             if key in RDZV_CONF_TORCHRUN_ONLY:
                 logging.getLogger("elasticrun").warning(
-                    "--rdzv-conf %s is accepted for torchrun compatibility and has no effect", key
+                    "--rdzv-conf %s is accepted for torchrun compatibility and has no effect here "
+                    "(see docs/cli.md)", key
                 )
                 continue
+            if key == KEEP_ALIVE_ATTEMPTS:
+                if not (_digits(val) and int(val) > 0):
+                    raise UsageError(f"--rdzv-conf {key} must be a whole number >= 1, got {val!r}")
+                attempts = val
+                continue
+            keep_alive = keep_alive or key == "keep_alive_interval"
             key = RDZV_CONF_ALIASES.get(key, key)
             if key not in RDZV_CONF_KEYS:
                 known = ", ".join(RDZV_CONF_KEYS)
@@ -190,6 +213,10 @@ def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
             if key in TIMING_RDZV_CONF:
                 _positive(val, f"--rdzv-conf {key}", 0.0)
             conf[key] = val
+    if attempts is not None or keep_alive:
+        # torchrun's keep-alive: a node is dropped after `attempts` missed intervals
+        interval = float(conf.setdefault("heartbeat_interval", "5"))
+        conf.setdefault("heartbeat_timeout", f"{interval * int(attempts or 3):g}")
     return conf
 
 
