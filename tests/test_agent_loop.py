@@ -13,7 +13,7 @@ import pytest
 
 from elasticrun.agent.agent import Action, Agent, AgentResult, Outcome, decide
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
-from elasticrun.errors import RendezvousClosedError, WorkerStartError
+from elasticrun.errors import EXIT_INFRASTRUCTURE, RendezvousClosedError, WorkerStartError
 from tests.agent_helpers import (
     free_port,
     kill_and_reap,
@@ -195,7 +195,8 @@ async def test_a_watch_stops_the_workers_and_leaves(tmp_path: Path) -> None:
         return "GPU 0 is unhealthy"
 
     result = await Agent(spec, handler, watches=[gpu_watch]).run()
-    assert (result.state, result.exit_code) == (WorkerState.STOPPED, 1)
+    # a sick GPU is the infrastructure's failure, not the training's
+    assert (result.state, result.exit_code) == (WorkerState.STOPPED, EXIT_INFRASTRUCTURE)
     assert result.message == "GPU 0 is unhealthy"
     with pytest.raises(RendezvousClosedError, match="stopped"):
         await handler.next_round()

@@ -700,3 +700,36 @@ def test_redirects_keep_the_console_clean(tmp_path: Path) -> None:
         worker_dir = run_dir / "attempt_0" / str(rank)
         assert (worker_dir / "stdout.log").read_text() == f"out rank={rank} attempt=0\n"
         assert (worker_dir / "stderr.log").read_text() == f"err rank={rank} attempt=0\n"
+
+
+# --- exit codes for schedulers (docs/cli.md#exit-codes) ----------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_an_agent_stopped_by_a_signal_exits_128_plus_its_number(tmp_path: Path, sig: signal.Signals) -> None:
+    """Retryable under Kubernetes' ExitCode policy (128-255), unlike a training failure."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    proc = start_cli(["--standalone", HOLD_PORT, ready, go])
+    try:
+        wait_for_file(ready, proc)
+        os.kill(proc.pid, sig)  # the agent alone: it forwards the signal to its worker
+        result = finish(proc)
+    finally:
+        stop(proc)
+    assert result.returncode == 128 + sig, result.stderr
+    assert f"received {sig.name}" in result.stderr
+
+
+@pytest.mark.parametrize(("nnodes", "conf", "told"), [
+    ("1", "is_host=false,store_timeout=1", "is unreachable"),
+    ("2", "join_timeout=1", "join"),
+])
+def test_an_infrastructure_failure_has_its_own_exit_code(nnodes: str, conf: str, told: str) -> None:
+    """The store unreachable, or no round within join_timeout: neither 1 (training) nor 2 (usage)."""
+    from elasticrun.errors import EXIT_INFRASTRUCTURE
+
+    result = run_cli(["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                      "--rdzv-id", "infra", "--rdzv-conf", conf, SPEAK])
+    assert result.returncode == EXIT_INFRASTRUCTURE, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("elasticrun: error: ")]
+    assert len(errors) == 1 and told in errors[0], result.stderr

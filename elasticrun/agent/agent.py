@@ -35,15 +35,20 @@ from elasticrun.agent.output import WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.spec import WorkerSpec, WorkerState
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
-from elasticrun.errors import RendezvousClosedError, UsageError, WorkerStartError
+from elasticrun.errors import (
+    EXIT_INFRASTRUCTURE,
+    EXIT_TRAINING_FAILED,
+    RendezvousClosedError,
+    UsageError,
+    WorkerStartError,
+    exit_for_signal,
+)
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 
 logger = logging.getLogger("elasticrun.agent")
 
-#: torchrun exits 1 alike for failed workers, a spent budget and a signal to the agent
-EXIT_FAILURE = 1
 #: the exit code of an agent that finds the job already closed, by outcome
-_CLOSED_EXIT_CODES = {"succeeded": 0, "failed": EXIT_FAILURE, "stopped": 0}
+_CLOSED_EXIT_CODES = {"succeeded": 0, "failed": EXIT_TRAINING_FAILED, "stopped": 0}
 #: how long output still in the pipes may take to arrive once the workers are reaped
 _DRAIN_TIMEOUT = 5.0
 
@@ -247,7 +252,7 @@ class Agent:
             if not isinstance(assignment, Assignment):
                 reason = assignment or f"the agent received {self._signal_name()}"
                 await self.handler.leave(reason)
-                code = EXIT_FAILURE if self._signal is not None else 0
+                code = exit_for_signal(self._signal) if self._signal is not None else 0
                 return self._end(WorkerState.STOPPED, code, reason)
             self._assignment = assignment
             try:
@@ -288,8 +293,7 @@ class Agent:
                 case Action.NEXT_ROUND:
                     self._set_state(WorkerState.STOPPED, attempt.reason)
                 case Action.LEAVE:
-                    code = 0 if attempt.outcome is Outcome.DRAINED else EXIT_FAILURE
-                    return self._end(WorkerState.STOPPED, code, attempt.reason)
+                    return self._end(WorkerState.STOPPED, self._leaving_code(attempt.outcome), attempt.reason)
 
     async def _run_attempt(self, assignment: Assignment) -> _Attempt:
         """Run the workers in `assignment`'s round until it ends; stop them unless kept.
@@ -540,6 +544,12 @@ class Agent:
         self._broken_text = report.error
         return Outcome.BROKEN, f"worker rank {rank}: training failed: {last}"
 
+    def _leaving_code(self, outcome: Outcome) -> int:
+        """Drained: done (0). Signalled: 128+N. A watch (a sick GPU): the infrastructure."""
+        if outcome is Outcome.SIGNALLED and self._signal is not None:
+            return exit_for_signal(self._signal)
+        return 0 if outcome is Outcome.DRAINED else EXIT_INFRASTRUCTURE
+
     def _signal_name(self) -> str:
         return self._signal.name if self._signal is not None else "a signal"
 
@@ -548,12 +558,12 @@ class Agent:
             message, report = self._failure
             if report is not None:
                 logger.error("%s", report.text)
-            return self._end(WorkerState.FAILED, EXIT_FAILURE, message, report)
+            return self._end(WorkerState.FAILED, EXIT_TRAINING_FAILED, message, report)
         state = {
             "succeeded": WorkerState.SUCCEEDED,
             "failed": WorkerState.FAILED,
         }.get(e.outcome, WorkerState.STOPPED)
-        return self._end(state, _CLOSED_EXIT_CODES.get(e.outcome, EXIT_FAILURE), str(e))
+        return self._end(state, _CLOSED_EXIT_CODES.get(e.outcome, EXIT_TRAINING_FAILED), str(e))
 
     def _end(
         self,
