@@ -733,3 +733,36 @@ def test_an_infrastructure_failure_has_its_own_exit_code(nnodes: str, conf: str,
     assert result.returncode == EXIT_INFRASTRUCTURE, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("elasticrun: error: ")]
     assert len(errors) == 1 and told in errors[0], result.stderr
+
+
+# --- torchrun flags not done here: refused, never accepted and ignored ---------------------
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--logs-specs", "mylogs"), ("--numa-binding", "node"), ("--event-log-handler", "console"),
+    ("--duplicate-stdout-filters", "loss"), ("--duplicate_stderr_filters", "warn"),
+])
+def test_a_torchrun_flag_not_done_here_is_refused_in_one_line(flag: str, value: str) -> None:
+    with pytest.raises(UsageError, match=f"^{flag.replace('_', '-')} is not supported: "):
+        config("--standalone", flag, value, str(SPEAK))
+    result = run_cli(["--standalone", f"{flag}={value}", SPEAK])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "is not supported" in result.stderr and "out rank" not in result.stdout
+
+
+def test_torchruns_defaults_of_those_flags_are_taken() -> None:
+    """What torchrun passes by default, or a job manifest spells out, still runs."""
+    cfg = config("--standalone", "--event-log-handler", "null", "--duplicate-stdout-filters", "", str(SPEAK))
+    assert cfg.worker.nproc_per_node == 1
+
+
+def test_python_exec_names_the_interpreter(tmp_path: Path) -> None:
+    cfg = build_config(parse("--standalone", str(SPEAK)), {**os.environ, "PYTHON_EXEC": sys.executable})
+    assert cfg.worker.entrypoint[:2] == (sys.executable, "-u")
+    with pytest.raises(UsageError, match="PYTHON_EXEC: interpreter not found: /no/such/python"):
+        build_config(parse("--standalone", str(SPEAK)), {**os.environ, "PYTHON_EXEC": "/no/such/python"})
+    # --run-path runs in this interpreter, as torchrun's (a function in multiprocessing)
+    cfg = build_config(parse("--standalone", "--run-path", str(SPEAK)), {**os.environ, "PYTHON_EXEC": "/no/such"})
+    assert cfg.worker.entrypoint[:4] == (sys.executable, "-u", "-m", "elasticrun.worker.run_path")
+    with pytest.raises(UsageError, match="--run-path: training script not found"):
+        config("--standalone", "--run-path", str(tmp_path / "missing.py"))

@@ -8,6 +8,7 @@ comparison runs both launchers at once, with a plain-python probe as the worker.
 from __future__ import annotations
 
 import re
+import sys
 import subprocess
 from pathlib import Path
 
@@ -164,3 +165,74 @@ def test_torch_sees_torchelastic_and_runs_gloo_all_reduce() -> None:
     lines = result.stdout.splitlines()
     assert "[0]<stdout>: rank 0/2 all_reduce 3 expected 3" in lines, result.stdout
     assert "[1]<stdout>: rank 1/2 all_reduce 3 expected 3" in lines, result.stdout
+
+
+# --- flags that change how a worker starts: the same under both launchers ---------------
+
+ARGV_PROBE = WORKERS / "cli_argv_probe.py"
+
+
+def run_both_probes(
+    tmp_path: Path, args: list[object], env: dict[str, str] | None = None, nproc: int = 2
+) -> tuple[dict[int, dict[str, object]], dict[int, dict[str, object]]]:
+    """`args` then an output folder, under torchrun and under elasticrun; what each rank wrote."""
+    outs = tmp_path / "torchrun", tmp_path / "elasticrun"
+    for out in outs:
+        out.mkdir()
+    procs = [
+        start_cli([*args, outs[0]], module=TORCHRUN, env=env or clean_env(), cwd=tmp_path),
+        start_cli([*args, outs[1]], env=env or clean_env(), cwd=tmp_path),
+    ]
+    try:
+        results = [finish(p, timeout=60) for p in procs]
+    finally:
+        for proc in procs:
+            stop(proc)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
+    found = read_probes(outs[0]), read_probes(outs[1])
+    assert sorted(found[0]) == sorted(found[1]) == list(range(nproc))
+    return found
+
+
+@pytest.mark.parametrize("target", ["app", "sub/probe.py"])
+def test_run_path_as_torchrun(tmp_path: Path, target: str) -> None:
+    """--run-path: runpy.run_path semantics. A folder with __main__.py runs (from its
+    folder), and a script does not get its own folder first on sys.path, as `python
+    script` would give it: the launcher's is (here the working folder)."""
+    for folder, name in (("app", "__main__.py"), ("sub", "probe.py")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text(ARGV_PROBE.read_text())
+    theirs, ours = run_both_probes(tmp_path, ["--standalone", "--nproc-per-node", "2", "--run-path", target])
+    for rank in (0, 1):
+        assert ours[rank]["name"] == theirs[rank]["name"] == "__main__"
+        # sys.argv is [script, *args] (the output folders differ by name)
+        assert ours[rank]["argv"][0] == theirs[rank]["argv"][0] == target  # type: ignore[index]
+        expected = "app" if target == "app" else str(tmp_path)
+        assert ours[rank]["path0"] == theirs[rank]["path0"] == expected, (ours[rank], theirs[rank])
+
+
+def test_python_exec_is_the_workers_interpreter_as_under_torchrun(tmp_path: Path) -> None:
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f'#!/bin/sh\nWRAPPED_BY=wrapper exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    env = clean_env(PYTHON_EXEC=str(wrapper))
+    theirs, ours = run_both_probes(tmp_path, ["--standalone", "--nproc-per-node", "2", ARGV_PROBE], env)
+    assert {r["wrapped"] for r in theirs.values()} == {r["wrapped"] for r in ours.values()} == {"wrapper"}
+
+
+@pytest.mark.parametrize("visible", [None, "5,7"])
+def test_virtual_local_rank_as_torchrun(tmp_path: Path, visible: str | None) -> None:
+    """LOCAL_RANK=0 and one device each: the local rank's entry of CUDA_VISIBLE_DEVICES."""
+    env = clean_env() if visible is None else clean_env(CUDA_VISIBLE_DEVICES=visible)
+    theirs, ours = run_both_probes(
+        tmp_path, ["--standalone", "--nproc-per-node", "2", "--virtual-local-rank", ARGV_PROBE], env
+    )
+    for rank in (0, 1):
+        seen = [(r[rank]["local_rank"], r[rank]["cuda_visible_devices"]) for r in (theirs, ours)]
+        assert seen[0] == seen[1] == ("0", (visible or "0,1").split(",")[rank]), seen
+
+
+def test_a_bad_flag_is_a_usage_error_under_both() -> None:
+    args = ["--no-such-flag", "--standalone", EXIT_RANK, "0", "none"]
+    theirs, ours = run_both(args, args)
+    assert theirs.returncode == ours.returncode == 2, (theirs.stderr, ours.stderr)

@@ -89,7 +89,8 @@ class WorkerSpec:
     store_token: str | None = field(default=None, repr=False)
     #: the workers' GPUs (NVML indices, in local-rank order); () without GPUs
     gpu_devices: tuple[int, ...] = ()
-    #: give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker)
+    #: give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker) and
+    #: LOCAL_RANK=0 (torchrun's --virtual-local-rank)
     isolate_gpus: bool = False
     #: opt-in hang watchdog: a worker that has not called `elasticrun.worker.heartbeat()`
     #: for this many seconds is hung (None: no watchdog)

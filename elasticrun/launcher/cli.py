@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from elasticrun.errors import ElasticrunError
-from elasticrun.launcher.flags import COMPAT_ONLY, Parser, launch_parser
+from elasticrun.launcher.flags import Parser, launch_parser
 
 #: subcommand name -> the module that registers it
 SUBCOMMANDS = ("status", "logs", "join", "drain", "stop", "store")
@@ -30,13 +30,6 @@ def subcommand_parser() -> argparse.ArgumentParser:
     for module in (status_cmd, logs_cmd, join_cmd, drain_cmd, stop_cmd, store_cmd):
         module.register(commands)
     return p
-
-
-def _warn_compat_only(args: argparse.Namespace) -> None:
-    for dest, inert in COMPAT_ONLY.items():
-        if getattr(args, dest) != inert:
-            flag = "--" + dest.replace("_", "-")
-            logging.getLogger("elasticrun").warning("%s is accepted for torchrun compatibility and has no effect", flag)
 
 
 def _quiet_grpc() -> None:
@@ -90,7 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             run: Callable[[argparse.Namespace], int] = args.run
             return run(args)
         args = launch_parser().parse_args(argv)
-        _warn_compat_only(args)
         from elasticrun.launcher.config import build_config
         from elasticrun.launcher.launch import run_launch
 

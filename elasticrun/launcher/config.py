@@ -31,6 +31,7 @@ from pathlib import Path
 
 from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
 from elasticrun.errors import StoreSettingError, UsageError
+from elasticrun.launcher.flags import NOT_DONE
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.state import JobSpec
 from elasticrun.store.access import SECRET_ENV, StoreAccess, parse_access
@@ -315,16 +316,28 @@ def _port(text: str, endpoint: str) -> int:
     return int(text)
 
 
-def worker_argv(args: argparse.Namespace) -> tuple[str, ...]:
-    """The argv of one worker: this interpreter and `-u` in front, unless --no-python."""
+#: the module a `--run-path` worker runs (elasticrun/worker/run_path.py)
+RUN_PATH_MODULE = "elasticrun.worker.run_path"
+
+
+def worker_argv(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The argv of one worker: an interpreter and `-u` in front, unless --no-python.
+
+    As torchrun: the interpreter is $PYTHON_EXEC when set, else this one; --run-path
+    runs the script through `runpy.run_path` in this interpreter and wins over
+    --module and --no-python.
+    """
     script, rest = args.training_script, list(args.training_script_args)
+    if args.run_path:
+        return (sys.executable, "-u", "-m", RUN_PATH_MODULE, script, *rest)
+    python = environ.get("PYTHON_EXEC") or sys.executable
     if args.module:
         if args.no_python:
             raise UsageError("--module and --no-python cannot be combined")
-        return (sys.executable, "-u", "-m", script, *rest)
-    if args.no_python and not args.run_path:
+        return (python, "-u", "-m", script, *rest)
+    if args.no_python:
         return (script, *rest)
-    return (sys.executable, "-u", script, *rest)
+    return (python, "-u", script, *rest)
 
 
 def parse_signals(value: str) -> tuple[signal.Signals, ...]:
@@ -367,6 +380,10 @@ class LaunchRequest:
 
 def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchRequest:
     """Every flag of a launch, checked: the one place flags become typed configuration."""
+    for dest, (default, why) in NOT_DONE.items():
+        value = getattr(args, dest)
+        if value and value != default:
+            raise UsageError(f"--{dest.replace('_', '-')} is not supported: {why}")
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     backend = "standalone" if args.standalone else BACKENDS.get(args.rdzv_backend)
     if backend is None:
@@ -443,7 +460,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         master_port=master_port,
     )
 
-    argv = worker_argv(args)
+    argv = worker_argv(args, environ)
     nproc_request = str(args.nproc_per_node)
     if not (_digits(nproc_request) and int(nproc_request) > 0) and nproc_request not in ("cpu", "gpu", "auto"):
         raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu or auto; got {nproc_request!r}")
@@ -490,7 +507,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         tee=parse_std(args.tee, "--tee"),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         local_ranks_filter=filter_ranks,
-        isolate_gpus=args.isolate_gpus,
+        isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
         health_interval=args.health_interval,
     )
 
@@ -518,6 +535,9 @@ class HostFacts:
 def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
     """Ask this host what `request` leaves open; a missing script or GPU is a usage error."""
     check_command(request.job_spec)
+    python = request.entrypoint[0]
+    if not request.job_spec.no_python and shutil.which(python) is None:
+        raise UsageError(f"PYTHON_EXEC: interpreter not found: {python}")
     rdzv = request.rdzv
     nproc, devices, names = resolve_workers(request.job_spec.nproc_per_node, request.gpus, environ)
     local_addr = rdzv.local_addr or route_addr(parse_endpoint(rdzv.endpoint.split(",")[0], 1)[0])
@@ -539,6 +559,10 @@ def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
 def check_command(spec: JobSpec) -> None:
     """That what the workers run exists here: the script, or the --no-python command."""
     target = spec.command[0]
+    if spec.command[:2] == ("-m", RUN_PATH_MODULE) and len(spec.command) > 2:
+        if not Path(spec.command[2]).exists():
+            raise UsageError(f"--run-path: training script not found: {spec.command[2]}")
+        return
     if spec.no_python:
         if shutil.which(target) is None:
             raise UsageError(f"--no-python: command not found: {target}")
