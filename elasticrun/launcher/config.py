@@ -139,6 +139,8 @@ class LaunchConfig:
     gpu_names: tuple[str, ...] = ()
     #: seconds between GPU health checks while training
     health_interval: float = 10.0
+    #: this node's own settings as flags, for `elasticrun join` (`carried_flags`)
+    carried_flags: tuple[str, ...] = ()
 
 
 # --- parsing: pure -------------------------------------------------------------------
@@ -376,6 +378,30 @@ class LaunchRequest:
     local_ranks_filter: frozenset[int] | None
     isolate_gpus: bool
     health_interval: float
+    carried_flags: tuple[str, ...] = ()
+
+
+#: the launcher flags of one node's own that the job's first node stores (JobLaunch.flags)
+#: and `elasticrun join` repeats; what every node must share is in the JobSpec instead
+CARRIED_FLAGS = (
+    "shutdown_timeout", "gpus", "isolate_gpus", "tee", "redirects", "signals_to_handle",
+    "local_ranks_filter", "health_interval", "log_dir",
+)
+
+
+def carried_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """This node's CARRIED_FLAGS as launcher flags, each one that is set."""
+    flags = []
+    for dest in CARRIED_FLAGS:
+        value = getattr(args, dest)
+        if dest == "isolate_gpus":
+            value = value or args.virtual_local_rank
+        name = "--" + dest.replace("_", "-")
+        if value is True:
+            flags.append(name)
+        elif value not in (None, False, ""):
+            flags.append(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}")
+    return tuple(flags)
 
 
 def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchRequest:
@@ -509,6 +535,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         local_ranks_filter=filter_ranks,
         isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
         health_interval=args.health_interval,
+        carried_flags=carried_flags(args),
     )
 
 
@@ -650,6 +677,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         nproc_request=spec.nproc_per_node,
         gpu_names=host.gpu_names,
         health_interval=request.health_interval,
+        carried_flags=request.carried_flags,
     )
 
 

@@ -107,7 +107,7 @@ async def _open_handler(
     settings = rdzv.settings
     if rdzv.backend == "standalone":
         settings = replace(settings, last_call=0.0)
-    handler = ElasticRendezvous(store, settings, me, spec=config.job_spec)
+    handler = ElasticRendezvous(store, settings, me, spec=config.job_spec, launch_flags=config.carried_flags)
     stack.push_async_callback(handler.aclose)
     return handler, hosted
 
