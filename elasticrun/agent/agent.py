@@ -108,6 +108,8 @@ class AgentResult:
     message: str
     #: the failure report when workers failed beyond the budget (already logged)
     report: FailureReport | None = None
+    #: the global ranks of this node's workers in the last round it ran
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,7 +575,11 @@ class Agent:
         report: FailureReport | None = None,
     ) -> AgentResult:
         self._set_state(state, message)
-        return AgentResult(state, exit_code, message, report)
+        ranks: tuple[int, ...] = ()
+        if self._assignment is not None:
+            first = self._assignment.rank_offset
+            ranks = tuple(range(first, first + self.spec.nproc_per_node))
+        return AgentResult(state, exit_code, message, report, ranks)
 
     def _set_state(self, state: WorkerState, reason: str) -> None:
         """One log line, one event, one status report per state change."""

@@ -17,7 +17,7 @@ import socket
 import time
 from dataclasses import replace
 
-from elasticrun.agent.agent import Agent, Watch
+from elasticrun.agent.agent import Agent, AgentResult, Watch
 from elasticrun.agent.gpu import Gpus, open_gpus
 from elasticrun.errors import GpuUnhealthyError
 from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
@@ -39,10 +39,11 @@ _HOST_LINGER = 300.0
 def run_launch(config: LaunchConfig) -> int:
     """Run this node's part of the job; return the process exit code."""
     settle_gc()
-    return asyncio.run(_launch(config))
+    return asyncio.run(run_node(config)).exit_code
 
 
-async def _launch(config: LaunchConfig) -> int:
+async def run_node(config: LaunchConfig) -> AgentResult:
+    """This node's part of the job, to its end (the CLI's and `elasticrun.launch`'s)."""
     async with contextlib.AsyncExitStack() as stack:
         watches = []
         if config.worker.gpu_devices:
@@ -56,7 +57,7 @@ async def _launch(config: LaunchConfig) -> int:
         await handler.aclose()
         if hosted is not None:
             await _linger_while_nodes_remain(hosted, Keys(config.rdzv.settings.run_id))
-    return result.exit_code
+    return result
 
 
 def gpu_watches(gpus: Gpus, devices: tuple[int, ...], interval: float) -> list[Watch]:
