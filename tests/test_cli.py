@@ -766,3 +766,52 @@ def test_python_exec_names_the_interpreter(tmp_path: Path) -> None:
     assert cfg.worker.entrypoint[:4] == (sys.executable, "-u", "-m", "elasticrun.worker.run_path")
     with pytest.raises(UsageError, match="--run-path: training script not found"):
         config("--standalone", "--run-path", str(tmp_path / "missing.py"))
+
+
+# --- console prefixes: torchrun's template; a progress bar on a terminal ------------------
+
+
+def test_a_progress_bar_redrawn_with_cr_is_live_on_a_terminal(tmp_path: Path) -> None:
+    """Each frame shows when drawn, over the last, under the rank's prefix; not the whole
+    line only once it ends."""
+    import pty
+
+    leader, follower = pty.openpty()
+    go = tmp_path / "go"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elasticrun", "--standalone", str(WORKERS / "cli_progress_bar.py"), str(go)],
+        stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=clean_env(), start_new_session=True,
+    )
+    os.close(follower)
+    seen = b""
+    try:
+        def shown(text: bytes) -> bool:
+            nonlocal seen
+            import select
+
+            while select.select([leader], [], [], 0.05)[0]:
+                try:
+                    seen += os.read(leader, 65536)
+                except OSError:  # the terminal closed: every process on it is gone
+                    break
+            return text in seen
+
+        wait_until(lambda: shown(b"[0]<stderr>: step 1/2 [#    ]"), 30, "the first frame", interval=0.02)
+        assert b"step 1/2 [#    ]\x1b[K" in seen and b"step 1/2 [#    ]\x1b[K\r\n" not in seen  # the line is open
+        go.touch()
+        wait_until(lambda: shown(b"[0]<stdout>: done"), 30, "the end", interval=0.02)
+        assert proc.wait(30) == 0
+    finally:
+        stop(proc)
+        os.close(leader)
+    # the second frame replaces the first on the same line, then the line ends
+    assert b"\r[0]<stderr>: step 2/2 [#####]\x1b[K\r\n" in seen, seen
+
+
+def test_the_prefix_template_of_torchrun() -> None:
+    env = clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="<${role_name}:${rank}/${local_rank}> ")
+    result = run_cli(["--standalone", "--nproc-per-node", "2", "--role", "trainer", SPEAK], env=env)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [
+        "<trainer:0/0> out rank=0 attempt=0", "<trainer:1/1> out rank=1 attempt=0",
+    ]

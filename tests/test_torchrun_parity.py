@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli import (
+    SPEAK,
     WORKERS,
     clean_env,
     finish,
@@ -236,3 +237,27 @@ def test_a_bad_flag_is_a_usage_error_under_both() -> None:
     args = ["--no-such-flag", "--standalone", EXIT_RANK, "0", "none"]
     theirs, ours = run_both(args, args)
     assert theirs.returncode == ours.returncode == 2, (theirs.stderr, ours.stderr)
+
+
+def test_the_prefix_template_gives_torchruns_console_lines() -> None:
+    """TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE with --tee (where torchrun prefixes): the
+    same lines on stdout and on stderr."""
+    env = clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[${role_name}${rank}|${local_rank}]: ")
+    args = ["--standalone", "--nproc-per-node", "2", "--tee", "3", SPEAK]
+    procs = [start_cli(args, module=TORCHRUN, env=env), start_cli(args, env=env)]
+    try:
+        theirs, ours = (finish(p, timeout=60) for p in procs)
+    finally:
+        for proc in procs:
+            stop(proc)
+    assert theirs.returncode == ours.returncode == 0, (theirs.stderr, ours.stderr)
+
+    def worker_lines(text: str) -> list[str]:
+        return sorted(line for line in text.splitlines() if " rank=" in line)
+
+    assert worker_lines(ours.stdout) == worker_lines(theirs.stdout) == [
+        "[default0|0]: out rank=0 attempt=0", "[default1|1]: out rank=1 attempt=0",
+    ]
+    assert worker_lines(ours.stderr) == worker_lines(theirs.stderr) == [
+        "[default0|0]: err rank=0 attempt=0", "[default1|1]: err rank=1 attempt=0",
+    ]

@@ -464,6 +464,9 @@ class Agent:
                     (assignment.rank_offset if assignment else 0) + local_rank,
                     plans[local_rank],
                     publish=self.handler.report_output,
+                    prefix_template=spec.log_line_prefix_template,
+                    local_rank=local_rank,
+                    role=spec.role,
                 )
         except BaseException:
             self._group = group

@@ -79,6 +79,9 @@ class WorkerSpec:
     log_dir: Path | None = None
     #: local ranks whose output reaches the console; None: every rank
     local_ranks_filter: frozenset[int] | None = None
+    #: the console lines' prefix, torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
+    #: (`${rank}`, `${local_rank}`, `${role_name}`); None: `[<rank>]<stdout>: `
+    log_line_prefix_template: str | None = None
     #: added to every worker's environment (the torchrun variables still win)
     extra_env: Mapping[str, str] = field(default_factory=dict)
     #: variables of the agent's environment that hold secrets (the store's token, etcd's

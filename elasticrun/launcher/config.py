@@ -379,6 +379,8 @@ class LaunchRequest:
     isolate_gpus: bool
     health_interval: float
     carried_flags: tuple[str, ...] = ()
+    #: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, as torchrun reads it
+    log_line_prefix_template: str | None = None
 
 
 #: the launcher flags of one node's own that the job's first node stores (JobLaunch.flags)
@@ -536,6 +538,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
         health_interval=args.health_interval,
         carried_flags=carried_flags(args),
+        log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
     )
 
 
@@ -662,6 +665,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         tee=_per_rank(request.tee, host.nproc),
         log_dir=request.log_dir,
         local_ranks_filter=request.local_ranks_filter,
+        log_line_prefix_template=request.log_line_prefix_template,
         gpu_devices=host.gpu_devices,
         isolate_gpus=request.isolate_gpus,
         progress_timeout=spec.progress_timeout,
