@@ -261,3 +261,45 @@ def test_the_prefix_template_gives_torchruns_console_lines() -> None:
     assert worker_lines(ours.stderr) == worker_lines(theirs.stderr) == [
         "[default0|0]: err rank=0 attempt=0", "[default1|1]: err rank=1 attempt=0",
     ]
+
+
+def test_the_file_timer_kills_a_worker_that_overruns_as_torchrun() -> None:
+    """TORCHELASTIC_ENABLE_FILE_TIMER=1 and torch's FileTimerClient in the worker: the
+    overrunning worker is SIGKILLed. (torchrun's agent then SIGKILLs itself; ours fails
+    the attempt as for any killed worker: exit 1 with the failure report.)"""
+    env = clean_env(TORCHELASTIC_ENABLE_FILE_TIMER="1")
+    args = ["--standalone", "--nproc-per-node", "2", WORKERS / "cli_file_timer.py"]
+    procs = [start_cli(args, module=TORCHRUN, env=env), start_cli(args, env=env)]
+    try:
+        theirs, ours = (finish(p, timeout=60) for p in procs)
+    finally:
+        for proc in procs:
+            stop(proc)
+    for result in (theirs, ours):
+        assert "survived" not in result.stdout
+        assert "fast step done" in result.stdout
+    assert theirs.returncode == -9, theirs.stderr
+    assert ours.returncode == 1, ours.stderr
+    assert "file timer 'slow step' of worker pid" in ours.stderr and "SIGKILL" in ours.stderr
+    assert "worker rank 1 failed with SIGKILL" in ours.stderr, ours.stderr
+
+
+def test_the_health_check_port_answers_as_under_torchrun() -> None:
+    """torchrun's health check server is a stub in PyTorch's build: nothing listens."""
+    env = clean_env(TORCHELASTIC_HEALTH_CHECK_PORT=str(free_port()))
+    theirs, ours = run_both_env(["--standalone", WORKERS / "cli_health_port.py"], env)
+    assert theirs.returncode == ours.returncode == 0, (theirs.stderr, ours.stderr)
+    assert theirs.stdout.strip() == "health check port refused"
+    assert ours.stdout.strip() == "[0]<stdout>: health check port refused"
+    assert "no health check server started" in ours.stderr
+
+
+def run_both_env(
+    args: list[object], env: dict[str, str]
+) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    procs = [start_cli(args, module=TORCHRUN, env=env), start_cli(args, env=env)]
+    try:
+        return finish(procs[0], timeout=60), finish(procs[1], timeout=60)
+    finally:
+        for proc in procs:
+            stop(proc)

@@ -31,6 +31,7 @@ from elasticrun.agent.failures import (
     make_report,
     read_error_file,
 )
+from elasticrun.agent.filetimer import TIMER_FILE_ENV, FileTimerServer
 from elasticrun.agent.output import WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.spec import WorkerSpec, WorkerState
@@ -181,6 +182,11 @@ class Agent:
         self.run_dir = root / f"{spec.run_id}_{spec.node_id}"
         #: the store's token for the workers, while the agent runs (see `_write_token_file`)
         self._token_file: Path | None = None
+        #: torchrun's file timer, when asked for (spec.file_timer)
+        self._timers: FileTimerServer | None = None
+        if spec.file_timer is not None:
+            path = Path(spec.file_timer) if spec.file_timer else self.run_dir / "timer_fifo"
+            self._timers = FileTimerServer(path, lambda: self._pids)
 
     async def run(self) -> AgentResult:
         """Run until the job ends for this node; signals to the agent are handled here."""
@@ -190,10 +196,14 @@ class Agent:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             self._token_file = self._write_token_file()
+            if self._timers is not None:
+                self._timers.start()
             if self._channel is not None:
                 await self._channel.start()
             return await self._run()
         finally:
+            if self._timers is not None:
+                self._timers.close()
             try:
                 await self._stop_group()
             finally:
@@ -452,6 +462,8 @@ class Agent:
             )
             if dog is not None:
                 envs[local_rank].update(dog.env(local_rank))
+            if self._timers is not None:
+                envs[local_rank][TIMER_FILE_ENV] = str(self._timers.path)
             plans[local_rank] = plan_streams(spec, local_rank, worker_dir)
         with worker_stdio(plans) as stdio:
             assert self._warden is not None  # run() started it

@@ -100,6 +100,9 @@ class WorkerSpec:
     progress_timeout: float | None = None
     #: keep surviving workers running across rounds (--elastic-mode=in-process)
     in_process: bool = False
+    #: torchrun's file timer (TORCHELASTIC_ENABLE_FILE_TIMER=1): the FIFO's path, or ""
+    #: for one in the agent's run folder; None: off (elasticrun.agent.filetimer)
+    file_timer: str | None = None
 
     def __post_init__(self) -> None:
         if not self.entrypoint:

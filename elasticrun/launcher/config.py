@@ -381,6 +381,8 @@ class LaunchRequest:
     carried_flags: tuple[str, ...] = ()
     #: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, as torchrun reads it
     log_line_prefix_template: str | None = None
+    #: TORCHELASTIC_ENABLE_FILE_TIMER=1: TORCHELASTIC_TIMER_FILE or "" (WorkerSpec.file_timer)
+    file_timer: str | None = None
 
 
 #: the launcher flags of one node's own that the job's first node stores (JobLaunch.flags)
@@ -539,6 +541,8 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         health_interval=args.health_interval,
         carried_flags=carried_flags(args),
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "") if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
+        else None,
     )
 
 
@@ -568,6 +572,12 @@ def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
     python = request.entrypoint[0]
     if not request.job_spec.no_python and shutil.which(python) is None:
         raise UsageError(f"PYTHON_EXEC: interpreter not found: {python}")
+    if "TORCHELASTIC_HEALTH_CHECK_PORT" in environ:
+        # as torchrun, whose health check server is a stub in PyTorch's own build
+        logging.getLogger("elasticrun").warning(
+            "TORCHELASTIC_HEALTH_CHECK_PORT=%s: no health check server started, as under torchrun "
+            "(watch the agent with elasticrun status)", environ["TORCHELASTIC_HEALTH_CHECK_PORT"]
+        )
     rdzv = request.rdzv
     nproc, devices, names = resolve_workers(request.job_spec.nproc_per_node, request.gpus, environ)
     local_addr = rdzv.local_addr or route_addr(parse_endpoint(rdzv.endpoint.split(",")[0], 1)[0])
@@ -666,6 +676,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         log_dir=request.log_dir,
         local_ranks_filter=request.local_ranks_filter,
         log_line_prefix_template=request.log_line_prefix_template,
+        file_timer=request.file_timer,
         gpu_devices=host.gpu_devices,
         isolate_gpus=request.isolate_gpus,
         progress_timeout=spec.progress_timeout,
