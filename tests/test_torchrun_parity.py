@@ -303,3 +303,23 @@ def run_both_env(
     finally:
         for proc in procs:
             stop(proc)
+
+
+def test_duplicate_filters_write_torchruns_filtered_files(tmp_path: Path) -> None:
+    """The tee'd lines that match, with their prefix, in <attempt>/filtered_std*.log."""
+    env = clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[${rank}]: ")
+    logs = tmp_path / "torchrun", tmp_path / "elasticrun"
+    args = ["--standalone", "--nproc-per-node", "2", "--tee", "3",
+            "--duplicate-stdout-filters", "rank=1,no,,such", "--duplicate-stderr-filters", "err rank"]
+    procs = [start_cli([*args, "--log-dir", logs[0], SPEAK], module=TORCHRUN, env=env),
+             start_cli([*args, "--log-dir", logs[1], SPEAK], env=env)]
+    try:
+        theirs, ours = (finish(p, timeout=60) for p in procs)
+    finally:
+        for proc in procs:
+            stop(proc)
+    assert theirs.returncode == ours.returncode == 0, (theirs.stderr, ours.stderr)
+    for name, expected in (("filtered_stdout.log", ["[1]: out rank=1 attempt=0"]),
+                           ("filtered_stderr.log", ["[0]: err rank=0 attempt=0", "[1]: err rank=1 attempt=0"])):
+        found = [sorted(next(log.glob(f"*/attempt_0/{name}")).read_text().splitlines()) for log in logs]
+        assert found[0] == found[1] == expected, found

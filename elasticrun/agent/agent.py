@@ -32,7 +32,7 @@ from elasticrun.agent.failures import (
     read_error_file,
 )
 from elasticrun.agent.filetimer import TIMER_FILE_ENV, FileTimerServer
-from elasticrun.agent.output import WorkerOutput, plan_streams, worker_stdio
+from elasticrun.agent.output import Duplicates, WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.spec import WorkerSpec, WorkerState
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
@@ -143,6 +143,7 @@ class _Group:
     workers: WorkerGroup
     outputs: dict[int, WorkerOutput]
     error_files: dict[int, Path]
+    duplicates: Duplicates | None = None
 
 
 class Agent:
@@ -468,7 +469,8 @@ class Agent:
         with worker_stdio(plans) as stdio:
             assert self._warden is not None  # run() started it
             workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio)
-        group = _Group(workers, {}, error_files)
+        duplicates = Duplicates(attempt_dir, spec.duplicate_filters) if spec.duplicate_filters else None
+        group = _Group(workers, {}, error_files, duplicates)
         try:
             for local_rank, proc in workers.procs.items():
                 group.outputs[local_rank] = WorkerOutput(
@@ -479,6 +481,7 @@ class Agent:
                     prefix_template=spec.log_line_prefix_template,
                     local_rank=local_rank,
                     role=spec.role,
+                    duplicates=duplicates,
                 )
         except BaseException:
             self._group = group
@@ -495,6 +498,8 @@ class Agent:
             self._channel.disconnect()
         await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.stop_grace)
         await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in group.outputs.values()))
+        if group.duplicates is not None:
+            group.duplicates.close()
 
     def _failure_report(self, group: _Group, assignment: Assignment) -> FailureReport:
         """The root cause first: the hung worker when the watchdog ended the attempt."""

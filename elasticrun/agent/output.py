@@ -121,6 +121,33 @@ def _open_log(path: Path | None, opened: contextlib.ExitStack) -> int:
     return fd
 
 
+class Duplicates:
+    """torchrun's --duplicate-stdout-filters and --duplicate-stderr-filters: the lines of
+    the tee'd streams (--tee) that contain one of a stream's filters, copied with their
+    console prefix to `<attempt folder>/filtered_stdout.log` (or `filtered_stderr.log`)."""
+
+    def __init__(self, attempt_dir: Path, filters: Mapping[str, tuple[str, ...]]) -> None:
+        self._filters = {stream: needles for stream, needles in filters.items() if needles}
+        self._files = {
+            stream: open(attempt_dir / f"filtered_{stream}.log", "w", errors="replace")  # noqa: SIM115
+            for stream in self._filters
+        }
+
+    def take(self, stream: str, prefix: str, lines: list[str]) -> None:
+        out = self._files.get(stream)
+        if out is None:
+            return
+        needles = self._filters[stream]
+        kept = [f"{prefix}{line}\n" for line in lines if any(n in line for n in needles)]
+        if kept:
+            out.writelines(kept)
+            out.flush()
+
+    def close(self) -> None:
+        for out in self._files.values():
+            out.close()
+
+
 class WorkerOutput:
     """Reads one worker's two streams, each its pipe or its log file, to their end."""
 
@@ -134,6 +161,7 @@ class WorkerOutput:
         prefix_template: str | None = None,
         local_rank: int = 0,
         role: str = "default",
+        duplicates: Duplicates | None = None,
     ) -> None:
         """`proc` was started with `worker_stdio(...)` of the same `plans`.
 
@@ -156,12 +184,17 @@ class WorkerOutput:
             self._close_tails()
             raise
 
-        def sink(stream: str) -> Callable[[list[str]], None]:
+        def sink(stream: str, plan: StreamPlan) -> Callable[[list[str]], None]:
+            teed = duplicates is not None and plan.console and plan.file is not None
+
             def take(lines: list[str]) -> None:
                 if stream == "stderr":
                     self.stderr_tail.extend(lines)
                 if publish is not None:
                     publish(self.global_rank, stream, lines)
+                if teed:
+                    assert duplicates is not None
+                    duplicates.take(stream, self._prefix(stream).decode(errors="replace"), lines)
 
             return take
 
@@ -171,7 +204,7 @@ class WorkerOutput:
                     reader,
                     functools.partial(self._prefix, stream),
                     console if plans[std].console else None,
-                    sink(stream),
+                    sink(stream, plans[std]),
                 )
             )
             for reader, (_, std, stream, console) in zip(readers, streams, strict=True)

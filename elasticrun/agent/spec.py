@@ -82,6 +82,8 @@ class WorkerSpec:
     #: the console lines' prefix, torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
     #: (`${rank}`, `${local_rank}`, `${role_name}`); None: `[<rank>]<stdout>: `
     log_line_prefix_template: str | None = None
+    #: "stdout"/"stderr" -> torchrun's --duplicate-*-filters (elasticrun.agent.output.Duplicates)
+    duplicate_filters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: added to every worker's environment (the torchrun variables still win)
     extra_env: Mapping[str, str] = field(default_factory=dict)
     #: variables of the agent's environment that hold secrets (the store's token, etcd's

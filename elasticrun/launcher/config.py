@@ -342,6 +342,11 @@ def worker_argv(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[s
     return (python, "-u", script, *rest)
 
 
+def comma_list(value: str) -> tuple[str, ...]:
+    """torchrun's comma-separated list: `a,b`, with `,,` for a comma inside an item."""
+    return tuple(item.replace("\0", ",") for item in value.replace(",,", "\0").split(","))
+
+
 def parse_signals(value: str) -> tuple[signal.Signals, ...]:
     names = [n.strip().upper() for n in value.split(",") if n.strip()]
     try:
@@ -383,13 +388,15 @@ class LaunchRequest:
     log_line_prefix_template: str | None = None
     #: TORCHELASTIC_ENABLE_FILE_TIMER=1: TORCHELASTIC_TIMER_FILE or "" (WorkerSpec.file_timer)
     file_timer: str | None = None
+    #: --duplicate-stdout-filters and --duplicate-stderr-filters, by stream
+    duplicate_filters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 #: the launcher flags of one node's own that the job's first node stores (JobLaunch.flags)
 #: and `elasticrun join` repeats; what every node must share is in the JobSpec instead
 CARRIED_FLAGS = (
     "shutdown_timeout", "gpus", "isolate_gpus", "tee", "redirects", "signals_to_handle",
-    "local_ranks_filter", "health_interval", "log_dir",
+    "local_ranks_filter", "health_interval", "log_dir", "duplicate_stdout_filters", "duplicate_stderr_filters",
 )
 
 
@@ -543,6 +550,11 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "") if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
         else None,
+        duplicate_filters={
+            stream: comma_list(value)
+            for stream, value in (("stdout", args.duplicate_stdout_filters), ("stderr", args.duplicate_stderr_filters))
+            if value
+        },
     )
 
 
@@ -677,6 +689,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         local_ranks_filter=request.local_ranks_filter,
         log_line_prefix_template=request.log_line_prefix_template,
         file_timer=request.file_timer,
+        duplicate_filters=request.duplicate_filters,
         gpu_devices=host.gpu_devices,
         isolate_gpus=request.isolate_gpus,
         progress_timeout=spec.progress_timeout,

@@ -22,8 +22,6 @@ NOT_DONE = {
     ),
     "logs_specs": (None, "elasticrun lays out its log files itself: use --log-dir, --redirects and --tee"),
     "numa_binding": (None, "not done by elasticrun yet: bind with numactl in a wrapper (--no-python) meanwhile"),
-    "duplicate_stdout_filters": (None, "not done by elasticrun yet: use --tee and grep the log files"),
-    "duplicate_stderr_filters": (None, "not done by elasticrun yet: use --tee and grep the log files"),
 }
 
 
@@ -142,8 +140,11 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "tee", "-t", default="0",
           help="copy streams to log files as well as the console (same format as --redirects)")
     _flag(p, "local-ranks-filter", default="", help="show only these local ranks on the console, e.g. 0,1")
-    _flag(p, "duplicate-stdout-filters", default=None, help="refused: not done here yet (see docs/migration.md)")
-    _flag(p, "duplicate-stderr-filters", default=None, help="refused: not done here yet (see docs/migration.md)")
+    _flag(p, "duplicate-stdout-filters", default=None,
+          help="copy the tee'd stdout lines containing one of these (a,b; ',,' is a comma) to "
+               "<attempt>/filtered_stdout.log")
+    _flag(p, "duplicate-stderr-filters", default=None,
+          help="the same for stderr (<attempt>/filtered_stderr.log)")
     _flag(p, "node-rank", type=int, default=0, help="static backend: this node's rank")
     _flag(p, "master-addr", default="127.0.0.1", help="static backend: address of node rank 0")
     _flag(p, "master-port", type=int, default=29500, help="static backend: port on node rank 0")
