@@ -252,3 +252,19 @@ def test_relative_links_in_the_docs_resolve() -> None:
             if ROOT not in path.parents or not path.exists():  # a clone holds nothing outside itself
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def test_migration_md_maps_every_torchrun_flag() -> None:
+    """The table of torchrun's interface names each of its flags (by its first spelling)."""
+    from torch.distributed.run import get_args_parser
+
+    text = (DOCS / "migration.md").read_text()
+    part = text[text.index("### Every torchrun flag and variable"):]
+    part = part[: part.index("\n## ")]
+    named = {k for row in table_rows(part)[1:] for k in re.findall(r"`(-[-\w]+)`", row[0])}
+    flags = {
+        next(o for o in action.option_strings if o.startswith("--") and "_" not in o)
+        for action in get_args_parser()._actions
+        if action.option_strings and action.dest != "help"
+    }
+    assert flags - named == set(), sorted(flags - named)
