@@ -81,7 +81,8 @@ def test_bad_input_is_a_usage_error() -> None:
 
 
 def test_a_training_script_loads_neither_the_api_nor_the_launcher() -> None:
-    code = "import sys, elasticrun.worker; print(sorted(m for m in sys.modules if m.startswith(('elasticrun.api', 'elasticrun.launcher'))))"
+    code = ("import sys, elasticrun.worker\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('elasticrun.api', 'elasticrun.launcher'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
                           env=clean_env(PYTHONPATH=str(REPO)))
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
