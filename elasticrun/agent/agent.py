@@ -468,7 +468,7 @@ class Agent:
             plans[local_rank] = plan_streams(spec, local_rank, worker_dir)
         with worker_stdio(plans) as stdio:
             assert self._warden is not None  # run() started it
-            workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio)
+            workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)
         duplicates = Duplicates(attempt_dir, spec.duplicate_filters) if spec.duplicate_filters else None
         group = _Group(workers, {}, error_files, duplicates)
         try:

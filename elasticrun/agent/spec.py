@@ -84,6 +84,8 @@ class WorkerSpec:
     log_line_prefix_template: str | None = None
     #: "stdout"/"stderr" -> torchrun's --duplicate-*-filters (elasticrun.agent.output.Duplicates)
     duplicate_filters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: --numa-binding: local rank -> the CPUs it runs on (elasticrun.agent.numa)
+    cpu_affinity: Mapping[int, frozenset[int]] = field(default_factory=dict)
     #: added to every worker's environment (the torchrun variables still win)
     extra_env: Mapping[str, str] = field(default_factory=dict)
     #: variables of the agent's environment that hold secrets (the store's token, etcd's

@@ -390,6 +390,8 @@ class LaunchRequest:
     file_timer: str | None = None
     #: --duplicate-stdout-filters and --duplicate-stderr-filters, by stream
     duplicate_filters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: --numa-binding's mode (elasticrun.agent.numa), or None
+    numa_binding: str | None = None
 
 
 #: the launcher flags of one node's own that the job's first node stores (JobLaunch.flags)
@@ -550,6 +552,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "") if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
         else None,
+        numa_binding=args.numa_binding,
         duplicate_filters={
             stream: comma_list(value)
             for stream, value in (("stdout", args.duplicate_stdout_filters), ("stderr", args.duplicate_stderr_filters))
@@ -576,6 +579,8 @@ class HostFacts:
     gpu_names: tuple[str, ...]
     #: c10d and etcd: the store's settings, read
     store: StoreAccess | None = None
+    #: --numa-binding: local rank -> the CPUs it runs on
+    cpu_affinity: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
 def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
@@ -605,7 +610,28 @@ def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
         gpu_devices=devices,
         gpu_names=names,
         store=store,
+        cpu_affinity=numa_affinity(request.numa_binding, devices, nproc) if request.numa_binding else {},
     )
+
+
+def numa_affinity(mode: str, devices: tuple[int, ...], nproc: int) -> dict[int, frozenset[int]]:
+    """--numa-binding: each local rank's CPUs, near the GPU it uses (`devices[rank]`)."""
+    from elasticrun.agent.gpu import open_gpus
+    from elasticrun.agent.numa import cpus_near, host_topology
+
+    if len(devices) < nproc:
+        raise UsageError(
+            f"--numa-binding needs a GPU for each worker: {nproc} worker(s), {len(devices)} GPU(s) selected"
+        )
+    if shutil.which("taskset") is None:
+        raise UsageError("--numa-binding needs taskset (util-linux) on this host")
+    gpus = open_gpus()
+    try:
+        bus_ids = gpus.pci_bus_ids()
+    finally:
+        gpus.close()
+    topology = host_topology()
+    return {rank: cpus_near(mode, devices[rank], bus_ids, topology) for rank in range(nproc)}
 
 
 def check_command(spec: JobSpec) -> None:
@@ -690,6 +716,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         log_line_prefix_template=request.log_line_prefix_template,
         file_timer=request.file_timer,
         duplicate_filters=request.duplicate_filters,
+        cpu_affinity=host.cpu_affinity,
         gpu_devices=host.gpu_devices,
         isolate_gpus=request.isolate_gpus,
         progress_timeout=spec.progress_timeout,

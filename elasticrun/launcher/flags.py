@@ -21,7 +21,6 @@ NOT_DONE = {
         "elasticrun status); only the default, null, is taken",
     ),
     "logs_specs": (None, "elasticrun lays out its log files itself: use --log-dir, --redirects and --tee"),
-    "numa_binding": (None, "not done by elasticrun yet: bind with numactl in a wrapper (--no-python) meanwhile"),
 }
 
 
@@ -152,7 +151,7 @@ def launch_parser() -> argparse.ArgumentParser:
           help="this node's address as others reach it (default: the route to the endpoint)")
     _flag(p, "logs-specs", default=None, help="refused: elasticrun lays out its logs itself (--log-dir)")
     _flag(p, "numa-binding", default=None, choices=["node", "socket", "exclusive", "core-complex"],
-          help="refused: not done here yet (see docs/migration.md)")
+          help="bind each worker to the CPUs near its GPU, as torchrun (needs taskset)")
     _flag(p, "signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
           help="signals that stop the workers (forwarded) and make this node leave")
     _flag(p, "shutdown-timeout", type=float, default=None,
