@@ -739,7 +739,7 @@ def test_an_infrastructure_failure_has_its_own_exit_code(nnodes: str, conf: str,
 
 
 @pytest.mark.parametrize(("flag", "value"), [
-    ("--logs-specs", "mylogs"), ("--event-log-handler", "console"),
+    ("--logs-specs", "mylogs"),
 ])
 def test_a_torchrun_flag_not_done_here_is_refused_in_one_line(flag: str, value: str) -> None:
     with pytest.raises(UsageError, match=f"^{flag.replace('_', '-')} is not supported: "):

@@ -350,3 +350,45 @@ def test_a_signalled_agent_exits_128_plus_n_where_torchrun_exits_1(tmp_path: Pat
             stop(proc)
     assert theirs.returncode == 1, theirs.stderr
     assert ours.returncode == 128 + signal.SIGTERM, ours.stderr
+
+
+def status_events(stderr: str) -> list[tuple[object, ...]]:
+    """torchrun's event log lines (the console handler writes them to stderr), without
+    the pids (torchrun records none for workers that did not fail)."""
+    import json
+
+    found = []
+    for line in stderr.splitlines():
+        if line.startswith('{"name": "torchelastic.worker.status.'):
+            event = json.loads(line)
+            meta = event["metadata"]
+            detail = json.loads(meta["metadata"])
+            detail.pop("worker_pid", None)
+            found.append((event["name"], event["source"], meta["global_rank"], meta["group_rank"], meta["role"],
+                          meta["rdzv_backend"] == "static", json.dumps(detail, sort_keys=True)))
+    return sorted(found, key=str)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_event_log_handler_records_torchruns_status_events(fails: bool) -> None:
+    """--event-log-handler=console: the same events through torch's own event log. One
+    difference on purpose: when the workers failed, torchrun's agent event still says
+    SUCCEEDED (its run returned), ours FAILED."""
+    args = ["--standalone", "--nproc-per-node", "2", "--event-log-handler", "console",
+            EXIT_RANK, "3" if fails else "0", "1"]
+    theirs, ours = run_both(args, args)
+    assert theirs.returncode == ours.returncode == (1 if fails else 0), (theirs.stderr, ours.stderr)
+    mine, torchruns = status_events(ours.stderr), status_events(theirs.stderr)
+    if fails:
+        agent_end = [e for e in torchruns if e[1] == "AGENT" and e[0].endswith(".SUCCEEDED")]
+        torchruns = [e for e in torchruns if e not in agent_end]
+        assert len(agent_end) == 1
+        assert ("torchelastic.worker.status.FAILED", "AGENT") in {(e[0], e[1]) for e in mine}
+        mine = [e for e in mine if not (e[1] == "AGENT" and e[0].endswith(".FAILED"))]
+    assert mine == torchruns and len(mine) >= 6, (mine, torchruns)
+
+
+def test_an_event_log_handler_torch_does_not_know_is_a_usage_error() -> None:
+    result = finish(start_cli(["--standalone", "--event-log-handler", "nowhere", EXIT_RANK, "0", "1"]))
+    assert result.returncode == 2, result.stderr
+    assert "--event-log-handler: torch knows no handler 'nowhere'" in result.stderr

@@ -57,6 +57,28 @@ _DRAIN_TIMEOUT = 5.0
 #: must stop its workers and leave the job, e.g. a GPU health watch. Called once per round.
 Watch = Callable[[], Awaitable[str]]
 
+
+@dataclass(frozen=True, slots=True)
+class StatusEvent:
+    """A worker's or the agent's status change, in torchrun's terms (its event log):
+    `state` START, SUCCEEDED, FAILED or TERMINATED for a worker; RENDEZVOUS and
+    ASSIGN_WORKER_RANKS (a round came), SUCCEEDED or FAILED for the agent, whose
+    `global_rank` is None."""
+
+    state: str
+    global_rank: int | None = None
+    local_rank: int | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    group_rank: int | None = None
+    group_world_size: int | None = None
+    world_size: int | None = None
+    restarts: int = 0
+
+
+#: Where status events go (torchrun's --event-log-handler, see launcher/event_log.py)
+EventSink = Callable[[StatusEvent], None]
+
 T = TypeVar("T")
 
 
@@ -157,11 +179,17 @@ class Agent:
     """
 
     def __init__(
-        self, spec: WorkerSpec, handler: RendezvousHandler, *, watches: Sequence[Watch] = ()
+        self,
+        spec: WorkerSpec,
+        handler: RendezvousHandler,
+        *,
+        watches: Sequence[Watch] = (),
+        events: EventSink | None = None,
     ) -> None:
         self.spec = spec
         self.handler = handler
         self.watches = tuple(watches)
+        self._events = events
         self._signal: signal.Signals | None = None
         self._signalled = asyncio.Event()
         self._attempts = 0
@@ -268,6 +296,9 @@ class Agent:
                 code = exit_for_signal(self._signal) if self._signal is not None else 0
                 return self._end(WorkerState.STOPPED, code, reason)
             self._assignment = assignment
+            if self._events is not None:
+                for step in ("RENDEZVOUS", "ASSIGN_WORKER_RANKS"):  # torchrun's, once a round came
+                    self._events(self._status_event(step, None, None))
             try:
                 attempt = await self._run_attempt(assignment)
             except WorkerStartError as e:
@@ -365,6 +396,7 @@ class Agent:
         if outcome in _LEAVING:
             await self.handler.leave(reason)
         await self._stop_group()
+        self._worker_events(group, assignment, outcome)
         if outcome is not Outcome.FAILED:
             return _Attempt(outcome, reason, None)
         report = self._failure_report(group, assignment)
@@ -487,7 +519,39 @@ class Agent:
             self._group = group
             await self._stop_group()
             raise
+        if self._events is not None:
+            for local_rank, proc in workers.procs.items():
+                self._events(self._status_event("START", local_rank, assignment, pid=proc.pid))
         return group
+
+    def _status_event(
+        self, state: str, local_rank: int | None, assignment: Assignment | None, **facts: int | None
+    ) -> StatusEvent:
+        offset = assignment.rank_offset if assignment else 0
+        return StatusEvent(
+            state,
+            global_rank=None if local_rank is None else offset + local_rank,
+            local_rank=local_rank,
+            group_rank=assignment.node_rank if assignment else None,
+            group_world_size=assignment.node_count if assignment else None,
+            world_size=assignment.world_size if assignment else None,
+            restarts=assignment.restart_count if assignment else 0,
+            **facts,
+        )
+
+    def _worker_events(self, group: _Group, assignment: Assignment, outcome: Outcome) -> None:
+        """Each worker's end, as torchrun records it: its own failure, else the group's."""
+        if self._events is None:
+            return
+        for local_rank, proc in group.workers.procs.items():
+            end = group.workers.exits.get(local_rank)
+            if end is not None and end.failed:
+                state, code = "FAILED", end.returncode
+            elif outcome is Outcome.SUCCEEDED:
+                state, code = "SUCCEEDED", None
+            else:
+                state, code = "TERMINATED", None
+            self._events(self._status_event(state, local_rank, assignment, pid=proc.pid, exit_code=code))
 
     async def _stop_group(self) -> None:
         """Stop the workers (if any run) and collect their remaining output."""
@@ -595,6 +659,8 @@ class Agent:
         report: FailureReport | None = None,
     ) -> AgentResult:
         self._set_state(state, message)
+        if self._events is not None and state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
+            self._events(self._status_event(state.name, None, self._assignment))
         ranks: tuple[int, ...] = ()
         if self._assignment is not None:
             first = self._assignment.rank_offset

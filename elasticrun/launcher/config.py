@@ -141,6 +141,8 @@ class LaunchConfig:
     health_interval: float = 10.0
     #: this node's own settings as flags, for `elasticrun join` (`carried_flags`)
     carried_flags: tuple[str, ...] = ()
+    #: --event-log-handler: torch's event log handler ("null": none, torch not imported)
+    event_log_handler: str = "null"
 
 
 # --- parsing: pure -------------------------------------------------------------------
@@ -384,6 +386,7 @@ class LaunchRequest:
     isolate_gpus: bool
     health_interval: float
     carried_flags: tuple[str, ...] = ()
+    event_log_handler: str = "null"
     #: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, as torchrun reads it
     log_line_prefix_template: str | None = None
     #: TORCHELASTIC_ENABLE_FILE_TIMER=1: TORCHELASTIC_TIMER_FILE or "" (WorkerSpec.file_timer)
@@ -399,6 +402,7 @@ class LaunchRequest:
 CARRIED_FLAGS = (
     "shutdown_timeout", "gpus", "isolate_gpus", "tee", "redirects", "signals_to_handle",
     "local_ranks_filter", "health_interval", "log_dir", "duplicate_stdout_filters", "duplicate_stderr_filters",
+    "numa_binding", "event_log_handler",
 )
 
 
@@ -549,6 +553,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
         health_interval=args.health_interval,
         carried_flags=carried_flags(args),
+        event_log_handler=args.event_log_handler or "null",
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "") if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
         else None,
@@ -733,6 +738,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         gpu_names=host.gpu_names,
         health_interval=request.health_interval,
         carried_flags=request.carried_flags,
+        event_log_handler=request.event_log_handler,
     )
 
 

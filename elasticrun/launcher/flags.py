@@ -16,10 +16,6 @@ from elasticrun.errors import UsageError
 #: torchrun flags this launcher does not do, with why: any value but torchrun's default is
 #: refused with that reason (exit 2), never accepted and ignored
 NOT_DONE = {
-    "event_log_handler": (
-        "null", "elasticrun records its events itself (the store and <log-dir>/.../events.jsonl; "
-        "elasticrun status); only the default, null, is taken",
-    ),
     "logs_specs": (None, "elasticrun lays out its log files itself: use --log-dir, --redirects and --tee"),
 }
 
@@ -127,7 +123,9 @@ def launch_parser() -> argparse.ArgumentParser:
           help="accepted for torchrun compatibility: elasticrun reacts to events at once")
     _flag(p, "start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
           help="accepted for compatibility: workers are always fresh processes")
-    _flag(p, "event-log-handler", default="null", help="only null, the default (elasticrun records its own events)")
+    _flag(p, "event-log-handler", default="null",
+          help="record the workers' status events with torch's event log handler of this name (e.g. console), "
+               "as torchrun; imports torch")
     _flag(p, "role", default="default", help="the workers' role name (ROLE_NAME)")
     _flag(p, "module", "-m", action=_EnvFlag, help="run the script argument as a module, like python -m")
     _flag(p, "no-python", action=_EnvFlag, help="run the script argument as an executable, without python")

@@ -50,8 +50,17 @@ async def run_node(config: LaunchConfig) -> AgentResult:
             gpus = open_gpus()
             stack.callback(gpus.close)
             watches = gpu_watches(gpus, config.worker.gpu_devices, config.health_interval)
+        events = None
+        if config.event_log_handler != "null":
+            from elasticrun.launcher.event_log import torch_event_sink
+
+            worker = config.worker
+            events = torch_event_sink(
+                config.event_log_handler, run_id=worker.run_id, role=worker.role, backend=config.rdzv.backend,
+                entrypoint=os.path.basename(worker.entrypoint[0]),  # as torchrun's: the program it runs
+            )
         handler, hosted = await _open_handler(config, stack)
-        result = await Agent(config.worker, handler, watches=watches).run()
+        result = await Agent(config.worker, handler, watches=watches, events=events).run()
         # Out of the job first (our lease and keys go, a leader of ours stops): the
         # host waits for the others only, never for itself.
         await handler.aclose()
