@@ -735,18 +735,7 @@ def test_an_infrastructure_failure_has_its_own_exit_code(nnodes: str, conf: str,
     assert len(errors) == 1 and told in errors[0], result.stderr
 
 
-# --- torchrun flags not done here: refused, never accepted and ignored ---------------------
-
-
-@pytest.mark.parametrize(("flag", "value"), [
-    ("--logs-specs", "mylogs"),
-])
-def test_a_torchrun_flag_not_done_here_is_refused_in_one_line(flag: str, value: str) -> None:
-    with pytest.raises(UsageError, match=f"^{flag.replace('_', '-')} is not supported: "):
-        config("--standalone", flag, value, str(SPEAK))
-    result = run_cli(["--standalone", f"{flag}={value}", SPEAK])
-    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert "is not supported" in result.stderr and "out rank" not in result.stdout
+# --- torchrun's flags and variables that change how workers start ------------------------
 
 
 def test_torchruns_defaults_of_those_flags_are_taken() -> None:

@@ -392,3 +392,59 @@ def test_an_event_log_handler_torch_does_not_know_is_a_usage_error() -> None:
     result = finish(start_cli(["--standalone", "--event-log-handler", "nowhere", EXIT_RANK, "0", "1"]))
     assert result.returncode == 2, result.stderr
     assert "--event-log-handler: torch knows no handler 'nowhere'" in result.stderr
+
+
+CUSTOM_LOGS_SPECS = '''
+import os
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest
+
+
+class FlatLogs(DefaultLogsSpecs):
+    """Every worker's stdout to <log_dir>/flat/rank<local rank>.out, stderr to the console."""
+
+    def reify(self, envs):
+        folder = os.path.join(self.root_log_dir, "flat")
+        os.makedirs(folder, exist_ok=True)
+        ranks = sorted(envs)
+        outs = {r: os.path.join(folder, f"rank{r}.out") for r in ranks}
+        errors = {r: os.path.join(folder, f"error{r}.json") for r in ranks}
+        for r in ranks:
+            envs[r]["TORCHELASTIC_ERROR_FILE"] = errors[r]
+        return LogsDest(outs, {r: "" for r in ranks}, {}, {}, errors)
+'''
+
+
+@pytest.mark.parametrize("name", ["default", "flat"])
+def test_logs_specs_lays_out_the_logs_as_under_torchrun(tmp_path: Path, name: str) -> None:
+    """torch's own `default` entry point, and one of a package's (a dist-info on the path)."""
+    plugin = tmp_path / "plugin"
+    (plugin / "flat_logs-1.0.dist-info").mkdir(parents=True)
+    (plugin / "flat_logs.py").write_text(CUSTOM_LOGS_SPECS)
+    info = plugin / "flat_logs-1.0.dist-info"
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flat-logs\nVersion: 1.0\n")
+    (plugin / "flat_logs-1.0.dist-info" / "entry_points.txt").write_text(
+        "[torchrun.logs_specs]\nflat = flat_logs:FlatLogs\n")
+    env = clean_env(PYTHONPATH=f"{plugin}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    logs = tmp_path / "torchrun", tmp_path / "elasticrun"
+    args = ["--standalone", "--nproc-per-node", "2", "--redirects", "1", "--logs-specs", name]
+    procs = [start_cli([*args, "--log-dir", logs[0], SPEAK], module=TORCHRUN, env=env),
+             start_cli([*args, "--log-dir", logs[1], SPEAK], env=env)]
+    try:
+        theirs, ours = (finish(p, timeout=60) for p in procs)
+    finally:
+        for proc in procs:
+            stop(proc)
+    assert theirs.returncode == ours.returncode == 0, (theirs.stderr, ours.stderr)
+
+    def files(root: Path) -> dict[str, str]:
+        found = {}
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and path.name != "events.jsonl":
+                # the run's own folder name differs by nature (a fresh run id)
+                found[str(path.relative_to(root)).split("/", 1)[-1] if name == "default" else
+                      str(path.relative_to(root))] = path.read_text()
+        return found
+
+    assert files(logs[1]) == files(logs[0]) and files(logs[0]), (files(logs[0]), files(logs[1]))
+    shown = "attempt_0/1/stdout.log" if name == "default" else "flat/rank1.out"
+    assert "out rank=1 attempt=0" in files(logs[1])[shown]

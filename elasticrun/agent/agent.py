@@ -32,9 +32,9 @@ from elasticrun.agent.failures import (
     read_error_file,
 )
 from elasticrun.agent.filetimer import TIMER_FILE_ENV, FileTimerServer
-from elasticrun.agent.output import Duplicates, WorkerOutput, plan_streams, worker_stdio
+from elasticrun.agent.output import Duplicates, StreamPlan, WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import Warden, WorkerGroup
-from elasticrun.agent.spec import WorkerSpec, WorkerState
+from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import (
     EXIT_INFRASTRUCTURE,
@@ -78,6 +78,11 @@ class StatusEvent:
 
 #: Where status events go (torchrun's --event-log-handler, see launcher/event_log.py)
 EventSink = Callable[[StatusEvent], None]
+
+#: torchrun's --logs-specs (launcher/logs_specs.py): given one attempt's worker
+#: environments (each may be updated, with TORCHELASTIC_ERROR_FILE), each local rank's
+#: stream plans and error file, in place of the agent's own layout
+LogLayout = Callable[[dict[int, dict[str, str]]], dict[int, tuple[dict[Std, StreamPlan], Path]]]
 
 T = TypeVar("T")
 
@@ -185,11 +190,13 @@ class Agent:
         *,
         watches: Sequence[Watch] = (),
         events: EventSink | None = None,
+        log_layout: LogLayout | None = None,
     ) -> None:
         self.spec = spec
         self.handler = handler
         self.watches = tuple(watches)
         self._events = events
+        self._log_layout = log_layout
         self._signal: signal.Signals | None = None
         self._signalled = asyncio.Event()
         self._attempts = 0
@@ -498,6 +505,9 @@ class Agent:
             if self._timers is not None:
                 envs[local_rank][TIMER_FILE_ENV] = str(self._timers.path)
             plans[local_rank] = plan_streams(spec, local_rank, worker_dir)
+        if self._log_layout is not None:
+            for local_rank, (plan, error_file) in self._log_layout(envs).items():
+                plans[local_rank], error_files[local_rank] = plan, error_file
         with worker_stdio(plans) as stdio:
             assert self._warden is not None  # run() started it
             workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)

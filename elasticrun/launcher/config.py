@@ -31,7 +31,6 @@ from pathlib import Path
 
 from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
 from elasticrun.errors import StoreSettingError, UsageError
-from elasticrun.launcher.flags import NOT_DONE
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.state import JobSpec
 from elasticrun.store.access import SECRET_ENV, StoreAccess, parse_access
@@ -143,6 +142,10 @@ class LaunchConfig:
     carried_flags: tuple[str, ...] = ()
     #: --event-log-handler: torch's event log handler ("null": none, torch not imported)
     event_log_handler: str = "null"
+    #: --logs-specs: the name of a torchrun.logs_specs entry point (None: our own layout)
+    logs_specs: str | None = None
+    #: --redirects and --tee as given, for a --logs-specs class
+    std_flags: tuple[str, str] = ("0", "0")
 
 
 # --- parsing: pure -------------------------------------------------------------------
@@ -387,6 +390,8 @@ class LaunchRequest:
     health_interval: float
     carried_flags: tuple[str, ...] = ()
     event_log_handler: str = "null"
+    logs_specs: str | None = None
+    std_flags: tuple[str, str] = ("0", "0")
     #: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, as torchrun reads it
     log_line_prefix_template: str | None = None
     #: TORCHELASTIC_ENABLE_FILE_TIMER=1: TORCHELASTIC_TIMER_FILE or "" (WorkerSpec.file_timer)
@@ -402,7 +407,7 @@ class LaunchRequest:
 CARRIED_FLAGS = (
     "shutdown_timeout", "gpus", "isolate_gpus", "tee", "redirects", "signals_to_handle",
     "local_ranks_filter", "health_interval", "log_dir", "duplicate_stdout_filters", "duplicate_stderr_filters",
-    "numa_binding", "event_log_handler",
+    "numa_binding", "event_log_handler", "logs_specs",
 )
 
 
@@ -423,10 +428,6 @@ def carried_flags(args: argparse.Namespace) -> tuple[str, ...]:
 
 def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchRequest:
     """Every flag of a launch, checked: the one place flags become typed configuration."""
-    for dest, (default, why) in NOT_DONE.items():
-        value = getattr(args, dest)
-        if value and value != default:
-            raise UsageError(f"--{dest.replace('_', '-')} is not supported: {why}")
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     backend = "standalone" if args.standalone else BACKENDS.get(args.rdzv_backend)
     if backend is None:
@@ -554,6 +555,8 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         health_interval=args.health_interval,
         carried_flags=carried_flags(args),
         event_log_handler=args.event_log_handler or "null",
+        logs_specs=args.logs_specs or None,
+        std_flags=(args.redirects, args.tee),
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "") if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
         else None,
@@ -739,6 +742,8 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         health_interval=request.health_interval,
         carried_flags=request.carried_flags,
         event_log_handler=request.event_log_handler,
+        logs_specs=request.logs_specs,
+        std_flags=request.std_flags,
     )
 
 

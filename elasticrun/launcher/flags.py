@@ -13,12 +13,6 @@ from typing import Any, NoReturn
 from elasticrun import __version__
 from elasticrun.errors import UsageError
 
-#: torchrun flags this launcher does not do, with why: any value but torchrun's default is
-#: refused with that reason (exit 2), never accepted and ignored
-NOT_DONE = {
-    "logs_specs": (None, "elasticrun lays out its log files itself: use --log-dir, --redirects and --tee"),
-}
-
 
 class Parser(argparse.ArgumentParser):
     """argparse that raises UsageError (one line at the edge) instead of exiting."""
@@ -147,7 +141,8 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "master-port", type=int, default=29500, help="static backend: port on node rank 0")
     _flag(p, "local-addr", default=None,
           help="this node's address as others reach it (default: the route to the endpoint)")
-    _flag(p, "logs-specs", default=None, help="refused: elasticrun lays out its logs itself (--log-dir)")
+    _flag(p, "logs-specs", default=None,
+          help="lay out the log files with this torchrun.logs_specs entry point, as torchrun; imports torch")
     _flag(p, "numa-binding", default=None, choices=["node", "socket", "exclusive", "core-complex"],
           help="bind each worker to the CPUs near its GPU, as torchrun (needs taskset)")
     _flag(p, "signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",

@@ -59,8 +59,17 @@ async def run_node(config: LaunchConfig) -> AgentResult:
                 config.event_log_handler, run_id=worker.run_id, role=worker.role, backend=config.rdzv.backend,
                 entrypoint=os.path.basename(worker.entrypoint[0]),  # as torchrun's: the program it runs
             )
+        layout = None
+        if config.logs_specs is not None:
+            from elasticrun.launcher.logs_specs import torch_log_layout
+
+            layout = torch_log_layout(
+                config.logs_specs, log_dir=str(config.worker.log_dir) if config.worker.log_dir else None,
+                redirects=config.std_flags[0], tee=config.std_flags[1],
+                local_ranks_filter=config.worker.local_ranks_filter,
+            )
         handler, hosted = await _open_handler(config, stack)
-        result = await Agent(config.worker, handler, watches=watches, events=events).run()
+        result = await Agent(config.worker, handler, watches=watches, events=events, log_layout=layout).run()
         # Out of the job first (our lease and keys go, a leader of ours stops): the
         # host waits for the others only, never for itself.
         await handler.aclose()
