@@ -287,7 +287,7 @@ def test_the_file_timer_kills_a_worker_that_overruns_as_torchrun() -> None:
     assert theirs.returncode == -9, theirs.stderr
     assert ours.returncode == 1, ours.stderr
     assert "file timer 'slow step' of worker pid" in ours.stderr and "SIGKILL" in ours.stderr
-    assert "worker rank 1 failed with SIGKILL" in ours.stderr, ours.stderr
+    assert "worker rank 1: its file timer 'slow step' expired: sent SIGKILL" in ours.stderr, ours.stderr
 
 
 def test_the_health_check_port_answers_as_under_torchrun() -> None:

@@ -408,8 +408,13 @@ class Agent:
             return _Attempt(outcome, reason, None)
         report = self._failure_report(group, assignment)
         root = report.root_cause
+        timer = self._timers.reaped.pop(root.pid, None) if self._timers is not None else None
         if self._hang is not None:
             reason = self._hang.reason(root.global_rank)
+        elif timer is not None:
+            reason = (
+                f"worker rank {root.global_rank}: its file timer {timer.scope!r} expired: sent {timer.signal_name()}"
+            )
         else:
             reason = f"worker rank {root.global_rank} failed with {describe_exit(root.returncode)}"
         return _Attempt(outcome, reason, report)

@@ -42,6 +42,12 @@ class Timer:
     expires_at: float
     signal: int
 
+    def signal_name(self) -> str:
+        try:
+            return signal.Signals(self.signal).name
+        except ValueError:
+            return f"signal {self.signal}"
+
 
 def parse_request(line: bytes) -> Timer | None:
     """One request line, or None when it is not one (logged, then ignored)."""
@@ -61,6 +67,8 @@ class FileTimerServer:
         only when its session is one of theirs."""
         self.path = path
         self._sessions = sessions
+        #: pid -> the timer that had it signalled, for the failure report's reason
+        self.reaped: dict[int, Timer] = {}
         self._timers: dict[tuple[int, str], Timer] = {}
         self._fd: int | None = None
         self._partial = b""
@@ -134,10 +142,9 @@ class FileTimerServer:
                 timer.scope, timer.pid,
             )
             return
-        try:
-            name = signal.Signals(timer.signal).name
-        except ValueError:
-            name = f"signal {timer.signal}"
-        logger.warning("file timer %r of worker pid %d expired: sending it %s", timer.scope, timer.pid, name)
+        logger.warning(
+            "file timer %r of worker pid %d expired: sending it %s", timer.scope, timer.pid, timer.signal_name()
+        )
+        self.reaped[timer.pid] = timer
         with contextlib.suppress(ProcessLookupError):
             os.kill(timer.pid, timer.signal)
