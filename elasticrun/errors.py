@@ -7,6 +7,25 @@ at the CLI edge (`elasticrun.launcher.cli`), never earlier.
 
 from __future__ import annotations
 
+# --- exit codes (docs/cli.md#exit-codes), chosen for schedulers ------------------------
+# Kubernetes' ExitCode restart policy (PyTorchJob) takes 1-127 as permanent failures and
+# 128-255 as retryable ones; a Job's podFailurePolicy can tell each code apart.
+
+#: the workers failed beyond --max-restarts, or the job failed: torchrun's code
+EXIT_TRAINING_FAILED = 1
+#: a bad flag, value or combination; retrying the same command cannot help
+EXIT_USAGE = 2
+#: the infrastructure failed this node: the store unreachable, no round within
+#: join_timeout, a GPU that is sick. Retryable, and above every 128+N a signal gives.
+EXIT_INFRASTRUCTURE = 200
+#: the agent was stopped by signal N: 128+N (143 for SIGTERM), as a shell reports it
+EXIT_SIGNAL_BASE = 128
+
+
+def exit_for_signal(signum: int) -> int:
+    """The exit code of an agent stopped by signal `signum`."""
+    return EXIT_SIGNAL_BASE + signum
+
 
 class ElasticrunError(Exception):
     """Base of every error elasticrun raises on purpose.
@@ -14,13 +33,13 @@ class ElasticrunError(Exception):
     `exit_code` is what the CLI exits with when this error reaches it.
     """
 
-    exit_code: int = 1
+    exit_code: int = EXIT_TRAINING_FAILED
 
 
 class UsageError(ElasticrunError):
     """The user asked for something impossible: a bad flag, value or combination."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 # --- store ---------------------------------------------------------------------------
@@ -28,6 +47,8 @@ class UsageError(ElasticrunError):
 
 class StoreError(ElasticrunError):
     """A key-value store operation failed."""
+
+    exit_code = EXIT_INFRASTRUCTURE
 
 
 class StoreUnavailableError(StoreError):
@@ -49,7 +70,7 @@ class StoreGoneError(StoreUnavailableError):
 class StoreAuthError(StoreError):
     """The store refused us: missing or wrong token, bad credentials, TLS mismatch."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 class StoreSettingError(StoreError):
@@ -61,7 +82,7 @@ class StoreSettingError(StoreError):
     says which flags they were.
     """
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
     def __init__(self, settings: str | tuple[str, ...], problem: str) -> None:
         self.settings = (settings,) if isinstance(settings, str) else settings
@@ -73,12 +94,14 @@ class StoreAddressError(StoreError):
     """The store server cannot listen where it was asked: the port is taken, or the
     address is not one of this host's."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 class StoreRequestError(StoreError):
     """The store refused a request as malformed (a TTL that is no duration, adding to a
     value that is no integer): retrying it cannot help."""
+
+    exit_code = EXIT_TRAINING_FAILED
 
 
 class StoreLimitError(StoreError):
@@ -129,11 +152,13 @@ class RendezvousClosedError(RendezvousError):
 class RendezvousTimeoutError(RendezvousError):
     """No round this node could join formed within the join timeout."""
 
+    exit_code = EXIT_INFRASTRUCTURE
+
 
 class SpecMismatchError(RendezvousError):
     """This node's job spec differs from the one the running job was started with."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 # --- workers -------------------------------------------------------------------------
@@ -147,7 +172,7 @@ class StateTransferError(ElasticrunError):
 class WorkerStartError(ElasticrunError):
     """A worker process could not be started at all (missing script, bad interpreter)."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 # --- GPUs ----------------------------------------------------------------------------
@@ -155,3 +180,5 @@ class WorkerStartError(ElasticrunError):
 
 class GpuUnhealthyError(ElasticrunError):
     """A GPU of this node failed its health check: the node does not join."""
+
+    exit_code = EXIT_INFRASTRUCTURE

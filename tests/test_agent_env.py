@@ -96,3 +96,15 @@ def test_the_agents_secrets_are_withheld_and_the_token_comes_as_a_file() -> None
     assert env["ELASTICRUN_STORE_TOKEN_FILE"] == str(token_file)
     assert env["PATH"] == "/bin"
     assert "ELASTICRUN_STORE_TOKEN_FILE" not in worker_env(spec, ASSIGNMENT, 0, base, ERROR_FILE)
+
+
+def test_isolated_workers_see_local_rank_0_as_under_virtual_local_rank(tmp_path: Path) -> None:
+    """--isolate-gpus: one GPU each, as cuda:0, so set_device(LOCAL_RANK) finds it."""
+    from elasticrun.agent.spec import WorkerSpec
+
+    spec = WorkerSpec(run_id="r", entrypoint=("x",), nproc_per_node=3, gpu_devices=(6, 2, 3), isolate_gpus=True)
+    env = worker_env(spec, ASSIGNMENT, 2, {"ELASTICRUN_LOCAL_RANK": "9"}, tmp_path / "e.json")
+    assert (env["LOCAL_RANK"], env["CUDA_VISIBLE_DEVICES"], env["ELASTICRUN_LOCAL_RANK"]) == ("0", "3", "2")
+    plain = worker_env(WorkerSpec(run_id="r", entrypoint=("x",), nproc_per_node=3), ASSIGNMENT, 2,
+                       {"ELASTICRUN_LOCAL_RANK": "9"}, tmp_path / "e.json")
+    assert plain["LOCAL_RANK"] == "2" and "ELASTICRUN_LOCAL_RANK" not in plain

@@ -13,7 +13,7 @@ import pytest
 
 from elasticrun.agent.agent import Action, Agent, AgentResult, Outcome, decide
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
-from elasticrun.errors import RendezvousClosedError, WorkerStartError
+from elasticrun.errors import EXIT_INFRASTRUCTURE, RendezvousClosedError, WorkerStartError
 from tests.agent_helpers import (
     free_port,
     kill_and_reap,
@@ -195,7 +195,8 @@ async def test_a_watch_stops_the_workers_and_leaves(tmp_path: Path) -> None:
         return "GPU 0 is unhealthy"
 
     result = await Agent(spec, handler, watches=[gpu_watch]).run()
-    assert (result.state, result.exit_code) == (WorkerState.STOPPED, 1)
+    # a sick GPU is the infrastructure's failure, not the training's
+    assert (result.state, result.exit_code) == (WorkerState.STOPPED, EXIT_INFRASTRUCTURE)
     assert result.message == "GPU 0 is unhealthy"
     with pytest.raises(RendezvousClosedError, match="stopped"):
         await handler.next_round()
@@ -229,7 +230,7 @@ time.sleep(300)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-async def test_a_signal_to_the_agent_reaches_workers_and_exits_like_torchrun(
+async def test_a_signal_to_the_agent_reaches_workers_and_exits_128_plus_n(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
     script = write_script(tmp_path, "saver.py", _SAVER.format(folder=str(tmp_path)))
@@ -239,7 +240,8 @@ async def test_a_signal_to_the_agent_reaches_workers_and_exits_like_torchrun(
         await read_lines_until(agent.stdout, 2, "<stdout>: ready")
         agent.send_signal(sig)
         saved = await read_lines_until(agent.stdout, 2, "checkpoint saved")
-        assert await asyncio.wait_for(agent.wait(), 60) == 1  # torchrun's exit code
+        # 128+N, retryable for a scheduler (torchrun exits 1: docs/cli.md#exit-codes)
+        assert await asyncio.wait_for(agent.wait(), 60) == 128 + sig
     finally:
         await kill_and_reap(agent)
     assert sorted(saved) == ["[0]<stdout>: checkpoint saved", "[1]<stdout>: checkpoint saved"]

@@ -341,13 +341,45 @@ def test_repeated_rdzv_conf_flags_merge_later_wins() -> None:
 
 
 def test_torchruns_own_rdzv_conf_keys_are_accepted(caplog: pytest.LogCaptureFixture) -> None:
-    """torchrun command lines run unchanged: keys we have no use for only warn."""
-    cfg = config("--standalone", "--rdzv-conf",
-                 "read_timeout=60,close_timeout=10,keep_alive_interval=5,store_type=tcp",
+    """torchrun command lines run unchanged: keys we have no counterpart for only warn."""
+    cfg = config("--standalone", "--rdzv-conf", "close_timeout=10,store_type=tcp,protocol=http",
                  "--rdzv_conf", "use_libuv=1,join_timeout=8", str(SPEAK))
     assert cfg.rdzv.conf == {"join_timeout": "8"}
-    for key in ("read_timeout", "close_timeout", "keep_alive_interval", "store_type", "use_libuv"):
+    for key in ("close_timeout", "store_type", "use_libuv", "protocol"):
         assert f"--rdzv-conf {key} is accepted for torchrun compatibility" in caplog.text
+
+
+def test_torchruns_rdzv_conf_names_are_our_keys() -> None:
+    """timeout, read_timeout and torchrun's keep-alive mean what they mean there."""
+    cfg = config("--standalone", "--rdzv-conf", "timeout=9,read_timeout=4,keep_alive_interval=2", str(SPEAK))
+    assert cfg.rdzv.conf == {
+        "join_timeout": "9", "store_timeout": "4", "heartbeat_interval": "2",
+        # torchrun drops a node after keep_alive_max_attempt (3) missed keep-alives
+        "heartbeat_timeout": "6",
+    }
+    s = cfg.rdzv.settings
+    assert (s.join_timeout, s.keep_alive_interval, s.heartbeat_ttl) == (9.0, 2.0, 6.0)
+    # torchrun's defaults, 5 s x 3, when only the attempts are given
+    cfg = config("--standalone", "--rdzv-conf", "keep_alive_max_attempt=4", str(SPEAK))
+    assert (cfg.rdzv.settings.keep_alive_interval, cfg.rdzv.settings.heartbeat_ttl) == (5.0, 20.0)
+    # our own keys alone keep our defaults
+    assert config("--standalone", "--rdzv-conf", "heartbeat_interval=1", str(SPEAK)).rdzv.settings.heartbeat_ttl == 5.0
+    with pytest.raises(UsageError, match="keep_alive_max_attempt must be a whole number"):
+        config("--standalone", "--rdzv-conf", "keep_alive_max_attempt=0", str(SPEAK))
+
+
+@pytest.mark.parametrize("quote", ["'", '"'])
+def test_rdzv_conf_in_one_pair_of_quotes(quote: str) -> None:
+    """As PyTorch's launcher tests and manifests without a shell write it."""
+    value = f"{quote}join_timeout=5,last_call_timeout=1,timeout=6{quote}"
+    assert config("--standalone", f"--rdzv-conf={value}", str(SPEAK)).rdzv.conf == {
+        "join_timeout": "6", "last_call_timeout": "1",
+    }
+    # only a matching pair around the whole value
+    with pytest.raises(UsageError, match="unknown key"):
+        config("--standalone", f"--rdzv-conf={quote}join_timeout=5", str(SPEAK))
+
+
     # torchrun's etcd backends name their TLS files differently: same meaning here
     request = parse_launch(parse("--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-conf",
                                  "protocol=https,cacert=ca.pem,ssl_cert=c.pem,ssl_cert_key=k.pem", str(SPEAK)), {})
@@ -668,3 +700,106 @@ def test_redirects_keep_the_console_clean(tmp_path: Path) -> None:
         worker_dir = run_dir / "attempt_0" / str(rank)
         assert (worker_dir / "stdout.log").read_text() == f"out rank={rank} attempt=0\n"
         assert (worker_dir / "stderr.log").read_text() == f"err rank={rank} attempt=0\n"
+
+
+# --- exit codes for schedulers (docs/cli.md#exit-codes) ----------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_an_agent_stopped_by_a_signal_exits_128_plus_its_number(tmp_path: Path, sig: signal.Signals) -> None:
+    """Retryable under Kubernetes' ExitCode policy (128-255), unlike a training failure."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    proc = start_cli(["--standalone", HOLD_PORT, ready, go])
+    try:
+        wait_for_file(ready, proc)
+        os.kill(proc.pid, sig)  # the agent alone: it forwards the signal to its worker
+        result = finish(proc)
+    finally:
+        stop(proc)
+    assert result.returncode == 128 + sig, result.stderr
+    assert f"received {sig.name}" in result.stderr
+
+
+@pytest.mark.parametrize(("nnodes", "conf", "told"), [
+    ("1", "is_host=false,store_timeout=1", "is unreachable"),
+    ("2", "join_timeout=1", "join"),
+])
+def test_an_infrastructure_failure_has_its_own_exit_code(nnodes: str, conf: str, told: str) -> None:
+    """The store unreachable, or no round within join_timeout: neither 1 (training) nor 2 (usage)."""
+    from elasticrun.errors import EXIT_INFRASTRUCTURE
+
+    result = run_cli(["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                      "--rdzv-id", "infra", "--rdzv-conf", conf, SPEAK])
+    assert result.returncode == EXIT_INFRASTRUCTURE, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("elasticrun: error: ")]
+    assert len(errors) == 1 and told in errors[0], result.stderr
+
+
+# --- torchrun's flags and variables that change how workers start ------------------------
+
+
+def test_torchruns_defaults_of_those_flags_are_taken() -> None:
+    """What torchrun passes by default, or a job manifest spells out, still runs."""
+    cfg = config("--standalone", "--event-log-handler", "null", "--duplicate-stdout-filters", "", str(SPEAK))
+    assert cfg.worker.nproc_per_node == 1
+
+
+def test_python_exec_names_the_interpreter(tmp_path: Path) -> None:
+    cfg = build_config(parse("--standalone", str(SPEAK)), {**os.environ, "PYTHON_EXEC": sys.executable})
+    assert cfg.worker.entrypoint[:2] == (sys.executable, "-u")
+    with pytest.raises(UsageError, match="PYTHON_EXEC: interpreter not found: /no/such/python"):
+        build_config(parse("--standalone", str(SPEAK)), {**os.environ, "PYTHON_EXEC": "/no/such/python"})
+    # --run-path runs in this interpreter, as torchrun's (a function in multiprocessing)
+    cfg = build_config(parse("--standalone", "--run-path", str(SPEAK)), {**os.environ, "PYTHON_EXEC": "/no/such"})
+    assert cfg.worker.entrypoint[:4] == (sys.executable, "-u", "-m", "elasticrun.worker.run_path")
+    with pytest.raises(UsageError, match="--run-path: training script not found"):
+        config("--standalone", "--run-path", str(tmp_path / "missing.py"))
+
+
+# --- console prefixes: torchrun's template; a progress bar on a terminal ------------------
+
+
+def test_a_progress_bar_redrawn_with_cr_is_live_on_a_terminal(tmp_path: Path) -> None:
+    """Each frame shows when drawn, over the last, under the rank's prefix; not the whole
+    line only once it ends."""
+    import pty
+
+    leader, follower = pty.openpty()
+    go = tmp_path / "go"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elasticrun", "--standalone", str(WORKERS / "cli_progress_bar.py"), str(go)],
+        stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=clean_env(), start_new_session=True,
+    )
+    os.close(follower)
+    seen = b""
+    try:
+        def shown(text: bytes) -> bool:
+            nonlocal seen
+            import select
+
+            while select.select([leader], [], [], 0.05)[0]:
+                try:
+                    seen += os.read(leader, 65536)
+                except OSError:  # the terminal closed: every process on it is gone
+                    break
+            return text in seen
+
+        wait_until(lambda: shown(b"[0]<stderr>: step 1/2 [#    ]"), 30, "the first frame", interval=0.02)
+        assert b"step 1/2 [#    ]\x1b[K" in seen and b"step 1/2 [#    ]\x1b[K\r\n" not in seen  # the line is open
+        go.touch()
+        wait_until(lambda: shown(b"[0]<stdout>: done"), 30, "the end", interval=0.02)
+        assert proc.wait(30) == 0
+    finally:
+        stop(proc)
+        os.close(leader)
+    # the second frame replaces the first on the same line, then the line ends
+    assert b"\r[0]<stderr>: step 2/2 [#####]\x1b[K\r\n" in seen, seen
+
+
+def test_the_prefix_template_of_torchrun() -> None:
+    env = clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="<${role_name}:${rank}/${local_rank}> ")
+    result = run_cli(["--standalone", "--nproc-per-node", "2", "--role", "trainer", SPEAK], env=env)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [
+        "<trainer:0/0> out rank=0 attempt=0", "<trainer:1/1> out rank=1 attempt=0",
+    ]

@@ -20,7 +20,7 @@ import pytest
 
 import elasticrun.errors as errors
 from elasticrun.launcher.cli import launch_parser, subcommand_parser
-from elasticrun.launcher.config import RDZV_CONF_KEYS
+from elasticrun.launcher.config import KEEP_ALIVE_ATTEMPTS, RDZV_CONF_ALIASES, RDZV_CONF_KEYS, RDZV_CONF_TORCHRUN_ONLY
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -123,9 +123,25 @@ def test_cli_md_lists_every_rdzv_conf_key() -> None:
     text = (DOCS / "cli.md").read_text()
     table = sections(text)
     part = text[text.index("### `--rdzv-conf` keys"):]
-    part = part[: part.index("\n## ")]
+    part = part[: part.index("\n### ")]
     keys = {k for row in table_rows(part)[1:] for k in re.findall(r"`(\w+)`", row[0])}
     assert table and keys == set(RDZV_CONF_KEYS), f"missing {set(RDZV_CONF_KEYS) - keys}, unknown {keys - set(RDZV_CONF_KEYS)}"
+
+
+def test_cli_md_lists_every_torchrun_rdzv_conf_key() -> None:
+    """Each of torchrun's names: in the alias table, or named among those without effect."""
+    text = (DOCS / "cli.md").read_text()
+    part = text[text.index("### torchrun's `--rdzv-conf` keys"):]
+    part = part[: part.index("\n### ")]
+    rows = table_rows(part)[1:]
+    aliased = {k for row in rows for k in re.findall(r"`(\w+)`", row[0])}
+    assert aliased == {*RDZV_CONF_ALIASES, KEEP_ALIVE_ATTEMPTS}
+    for row in rows:
+        for name in re.findall(r"`(\w+)`", row[0]):
+            if name in RDZV_CONF_ALIASES:
+                assert f"`{RDZV_CONF_ALIASES[name]}`" in row[1], row
+    without_effect = part[part.index("no counterpart"):]
+    assert all(f"`{key}`" in without_effect for key in RDZV_CONF_TORCHRUN_ONLY)
 
 
 def test_the_flag_check_can_fail() -> None:
@@ -236,3 +252,19 @@ def test_relative_links_in_the_docs_resolve() -> None:
             if ROOT not in path.parents or not path.exists():  # a clone holds nothing outside itself
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def test_migration_md_maps_every_torchrun_flag() -> None:
+    """The table of torchrun's interface names each of its flags (by its first spelling)."""
+    from torch.distributed.run import get_args_parser
+
+    text = (DOCS / "migration.md").read_text()
+    part = text[text.index("### Every torchrun flag and variable"):]
+    part = part[: part.index("\n## ")]
+    named = {k for row in table_rows(part)[1:] for k in re.findall(r"`(-[-\w]+)`", row[0])}
+    flags = {
+        next(o for o in action.option_strings if o.startswith("--") and "_" not in o)
+        for action in get_args_parser()._actions
+        if action.option_strings and action.dest != "help"
+    }
+    assert flags - named == set(), sorted(flags - named)

@@ -120,7 +120,7 @@ def test_sigterm_node_leaves_others_continue_without_spending_restarts(
     marks = {p.name: p.mark() for p in (a, b)}
 
     c.signal(signal.SIGTERM)
-    assert c.wait_exit() != 0  # as torchrun: an agent stopped by a signal exits 1
+    assert c.wait_exit() == 128 + signal.SIGTERM  # retryable for a scheduler: 143, not a training failure
     c.wait_for(r"worker got SIGTERM rank=\d+ world=3")  # its worker was told, not killed
     c.wait_for(r"leaving job .*received SIGTERM")
 

@@ -48,6 +48,7 @@ class FakeGpu:
     unsupported: frozenset[str] = frozenset()
     ecc_gate: threading.Event | None = None  # when set, an ECC read waits for it
     ecc_entered: threading.Event = field(default_factory=threading.Event)
+    bus_id: str = "00000000:3B:00.0"
 
 
 class FakeNvml:
@@ -88,6 +89,9 @@ class FakeNvml:
     def name(self, index: int) -> str:
         self._gpu(index, "name")
         return "NVIDIA H100 80GB HBM3"
+
+    def pci_bus_id(self, index: int) -> str:
+        return self._gpu(index, "pci").bus_id
 
     def memory(self, index: int) -> tuple[int, int]:
         self._gpu(index, "memory")

@@ -17,7 +17,7 @@ import pytest
 from elasticrun.agent.agent import Agent
 from elasticrun.agent.gpu import open_gpus
 from elasticrun.agent.spec import WorkerSpec
-from elasticrun.errors import GpuUnhealthyError
+from elasticrun.errors import EXIT_INFRASTRUCTURE, GpuUnhealthyError
 from elasticrun.launcher.launch import gpu_watches
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
@@ -71,7 +71,7 @@ async def test_gpu_failing_during_training_makes_the_node_leave(tmp_path):
         round_at_two = rdzv_a._job.round.number
         failing_gpu.ecc = [3]  # an uncorrectable ECC error appears on node-b's GPU
         result_b = await asyncio.wait_for(agent_b, 30)
-        assert result_b.exit_code == 1
+        assert result_b.exit_code == EXIT_INFRASTRUCTURE
         assert "GPU problem, leaving the job" in result_b.message and "uncorrect" in result_b.message
         # node-a goes on alone, in a new round
         await wait_for(

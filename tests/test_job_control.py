@@ -248,3 +248,48 @@ def test_list_shows_every_job_on_the_store_and_json_results(cluster, rdzv, job):
     cluster.assert_no_orphans()
     after = {row["id"]: row for row in json.loads(list_jobs(rdzv, "--json").stdout)["jobs"]}
     assert after[rdzv.run_id]["state"] == "stopped"
+
+
+# --- join repeats every setting of the job's first node ----------------------------------
+
+
+async def test_join_carries_every_setting_of_the_first_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spec's flags and the first node's own (JobLaunch.flags) come back as the same
+    configuration, through a real rendezvous writing its records."""
+    from elasticrun.launcher import join_cmd
+    from elasticrun.launcher.config import build_config
+    from elasticrun.launcher.control import JobTarget
+    from elasticrun.launcher.flags import launch_parser
+    from elasticrun.rendezvous.elastic import ElasticRendezvous
+    from elasticrun.rendezvous.state import NodeInfo
+    from elasticrun.store.memory import MemoryStore
+
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    first = build_config(launch_parser().parse_args([
+        "--nnodes=1:3", "--nproc-per-node=2", "--max-restarts=2", "--role=trainer", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-id=job", "--rdzv-conf=heartbeat_timeout=7,is_host=false",
+        "--shutdown-timeout=4", "--tee=0:3", "--redirects=1", "--signals-to-handle=SIGTERM,SIGUSR1",
+        "--local-ranks-filter=0", "--health-interval=3", "--virtual-local-rank", f"--log-dir={tmp_path / 'logs'}",
+        "--progress-timeout=30", "--run-path", str(script), "--lr", "0.1",
+    ]), {})
+    store = MemoryStore()
+    me = NodeInfo(node_id="a", host="h", addr="127.0.0.1", nproc=2, pid=1, started_at=0.0)
+    node = ElasticRendezvous(store, first.rdzv.settings, me, spec=first.job_spec, launch_flags=first.carried_flags)
+    try:
+        await node._check_spec()
+        target = JobTarget("c10d", "127.0.0.1:29400", "job", {"is_host": "false"}, first.rdzv.store)  # type: ignore[arg-type]
+        monkeypatch.setattr(JobTarget, "open", lambda self: store)
+        argv, cwd = await join_cmd._job_argv(target, 60.0, "127.0.0.5", None)
+    finally:
+        await node.aclose()
+    joined = build_config(launch_parser().parse_args(argv), {})
+    assert cwd == str(tmp_path)
+    assert joined.job_spec == first.job_spec
+    w, f = joined.worker, first.worker
+    carried = ("entrypoint", "nproc_per_node", "role", "max_restarts", "stop_grace", "signals_to_handle", "redirects",
+               "tee", "log_dir", "local_ranks_filter", "isolate_gpus", "progress_timeout", "in_process")
+    assert {k: getattr(w, k) for k in carried} == {k: getattr(f, k) for k in carried}
+    assert (w.stop_grace, w.isolate_gpus, joined.health_interval) == (4.0, True, 3.0)
+    assert joined.rdzv.local_addr == "127.0.0.5" and joined.rdzv.settings.join_timeout == 60.0

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 BREAKS = {
     "layers": ("elasticrun/store/throwaway.py", "from elasticrun.rendezvous import state"),
     "launcher-on-top": ("elasticrun/worker/throwaway.py", "import elasticrun.launcher.cli"),
+    "api-on-top": ("elasticrun/launcher/throwaway.py", "import elasticrun.api"),
     "store-interface": ("elasticrun/rendezvous/throwaway.py", "from elasticrun.store.memory import MemoryStore"),
     "client-not-server": ("elasticrun/store/c10d_client.py", "from elasticrun.store import server"),
     "worker-client-only": ("elasticrun/worker/throwaway.py", "from elasticrun.store.etcd import EtcdStore"),

@@ -31,11 +31,19 @@ from elasticrun.agent.failures import (
     make_report,
     read_error_file,
 )
-from elasticrun.agent.output import WorkerOutput, plan_streams, worker_stdio
+from elasticrun.agent.filetimer import TIMER_FILE_ENV, FileTimerServer
+from elasticrun.agent.output import Duplicates, StreamPlan, WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import Warden, WorkerGroup
-from elasticrun.agent.spec import WorkerSpec, WorkerState
+from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
-from elasticrun.errors import RendezvousClosedError, UsageError, WorkerStartError
+from elasticrun.errors import (
+    EXIT_INFRASTRUCTURE,
+    EXIT_TRAINING_FAILED,
+    RendezvousClosedError,
+    UsageError,
+    WorkerStartError,
+    exit_for_signal,
+)
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 
 if TYPE_CHECKING:  # imported by the launcher only when metrics are asked for
@@ -43,16 +51,41 @@ if TYPE_CHECKING:  # imported by the launcher only when metrics are asked for
 
 logger = logging.getLogger("elasticrun.agent")
 
-#: torchrun exits 1 alike for failed workers, a spent budget and a signal to the agent
-EXIT_FAILURE = 1
 #: the exit code of an agent that finds the job already closed, by outcome
-_CLOSED_EXIT_CODES = {"succeeded": 0, "failed": EXIT_FAILURE, "stopped": 0}
+_CLOSED_EXIT_CODES = {"succeeded": 0, "failed": EXIT_TRAINING_FAILED, "stopped": 0}
 #: how long output still in the pipes may take to arrive once the workers are reaped
 _DRAIN_TIMEOUT = 5.0
 
 #: An extra reason to stop: a coroutine that returns (with the reason) when this node
 #: must stop its workers and leave the job, e.g. a GPU health watch. Called once per round.
 Watch = Callable[[], Awaitable[str]]
+
+
+@dataclass(frozen=True, slots=True)
+class StatusEvent:
+    """A worker's or the agent's status change, in torchrun's terms (its event log):
+    `state` START, SUCCEEDED, FAILED or TERMINATED for a worker; RENDEZVOUS and
+    ASSIGN_WORKER_RANKS (a round came), SUCCEEDED or FAILED for the agent, whose
+    `global_rank` is None."""
+
+    state: str
+    global_rank: int | None = None
+    local_rank: int | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    group_rank: int | None = None
+    group_world_size: int | None = None
+    world_size: int | None = None
+    restarts: int = 0
+
+
+#: Where status events go (torchrun's --event-log-handler, see launcher/event_log.py)
+EventSink = Callable[[StatusEvent], None]
+
+#: torchrun's --logs-specs (launcher/logs_specs.py): given one attempt's worker
+#: environments (each may be updated, with TORCHELASTIC_ERROR_FILE), each local rank's
+#: stream plans and error file, in place of the agent's own layout
+LogLayout = Callable[[dict[int, dict[str, str]]], dict[int, tuple[dict[Std, StreamPlan], Path]]]
 
 T = TypeVar("T")
 
@@ -106,6 +139,8 @@ class AgentResult:
     message: str
     #: the failure report when workers failed beyond the budget (already logged)
     report: FailureReport | None = None
+    #: the global ranks of this node's workers in the last round it ran
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +173,7 @@ class _Group:
     workers: WorkerGroup
     outputs: dict[int, WorkerOutput]
     error_files: dict[int, Path]
+    duplicates: Duplicates | None = None
 
 
 class Agent:
@@ -157,11 +193,15 @@ class Agent:
         *,
         watches: Sequence[Watch] = (),
         metrics: AgentMetrics | None = None,
+        events: EventSink | None = None,
+        log_layout: LogLayout | None = None,
     ) -> None:
         self.spec = spec
         self.handler = handler
         self.watches = tuple(watches)
         self.metrics = metrics
+        self._events = events
+        self._log_layout = log_layout
         self._signal: signal.Signals | None = None
         self._signalled = asyncio.Event()
         self._attempts = 0
@@ -183,6 +223,11 @@ class Agent:
         self.run_dir = root / f"{spec.run_id}_{spec.node_id}"
         #: the store's token for the workers, while the agent runs (see `_write_token_file`)
         self._token_file: Path | None = None
+        #: torchrun's file timer, when asked for (spec.file_timer)
+        self._timers: FileTimerServer | None = None
+        if spec.file_timer is not None:
+            path = Path(spec.file_timer) if spec.file_timer else self.run_dir / "timer_fifo"
+            self._timers = FileTimerServer(path, lambda: self._pids)
 
     async def run(self) -> AgentResult:
         """Run until the job ends for this node; signals to the agent are handled here."""
@@ -192,10 +237,14 @@ class Agent:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             self._token_file = self._write_token_file()
+            if self._timers is not None:
+                self._timers.start()
             if self._channel is not None:
                 await self._channel.start()
             return await self._run()
         finally:
+            if self._timers is not None:
+                self._timers.close()
             try:
                 await self._stop_group()
             finally:
@@ -256,11 +305,14 @@ class Agent:
             if not isinstance(assignment, Assignment):
                 reason = assignment or f"the agent received {self._signal_name()}"
                 await self.handler.leave(reason)
-                code = EXIT_FAILURE if self._signal is not None else 0
+                code = exit_for_signal(self._signal) if self._signal is not None else 0
                 return self._end(WorkerState.STOPPED, code, reason)
             self._assignment = assignment
             if self.metrics is not None:
                 self.metrics.round_started(assignment)
+            if self._events is not None:
+                for step in ("RENDEZVOUS", "ASSIGN_WORKER_RANKS"):  # torchrun's, once a round came
+                    self._events(self._status_event(step, None, None))
             try:
                 attempt = await self._run_attempt(assignment)
             except WorkerStartError as e:
@@ -302,8 +354,7 @@ class Agent:
                 case Action.NEXT_ROUND:
                     self._set_state(WorkerState.STOPPED, attempt.reason)
                 case Action.LEAVE:
-                    code = 0 if attempt.outcome is Outcome.DRAINED else EXIT_FAILURE
-                    return self._end(WorkerState.STOPPED, code, attempt.reason)
+                    return self._end(WorkerState.STOPPED, self._leaving_code(attempt.outcome), attempt.reason)
 
     async def _run_attempt(self, assignment: Assignment) -> _Attempt:
         """Run the workers in `assignment`'s round until it ends; stop them unless kept.
@@ -364,12 +415,18 @@ class Agent:
         if outcome in _LEAVING:
             await self.handler.leave(reason)
         await self._stop_group()
+        self._worker_events(group, assignment, outcome)
         if outcome is not Outcome.FAILED:
             return _Attempt(outcome, reason, None)
         report = self._failure_report(group, assignment)
         root = report.root_cause
+        timer = self._timers.reaped.pop(root.pid, None) if self._timers is not None else None
         if self._hang is not None:
             reason = self._hang.reason(root.global_rank)
+        elif timer is not None:
+            reason = (
+                f"worker rank {root.global_rank}: its file timer {timer.scope!r} expired: sent {timer.signal_name()}"
+            )
         else:
             reason = f"worker rank {root.global_rank} failed with {describe_exit(root.returncode)}"
         return _Attempt(outcome, reason, report)
@@ -462,11 +519,17 @@ class Agent:
             )
             if dog is not None:
                 envs[local_rank].update(dog.env(local_rank))
+            if self._timers is not None:
+                envs[local_rank][TIMER_FILE_ENV] = str(self._timers.path)
             plans[local_rank] = plan_streams(spec, local_rank, worker_dir)
+        if self._log_layout is not None:
+            for local_rank, (plan, error_file) in self._log_layout(envs).items():
+                plans[local_rank], error_files[local_rank] = plan, error_file
         with worker_stdio(plans) as stdio:
             assert self._warden is not None  # run() started it
-            workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio)
-        group = _Group(workers, {}, error_files)
+            workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)
+        duplicates = Duplicates(attempt_dir, spec.duplicate_filters) if spec.duplicate_filters else None
+        group = _Group(workers, {}, error_files, duplicates)
         try:
             for local_rank, proc in workers.procs.items():
                 group.outputs[local_rank] = WorkerOutput(
@@ -474,12 +537,48 @@ class Agent:
                     (assignment.rank_offset if assignment else 0) + local_rank,
                     plans[local_rank],
                     publish=self.handler.report_output,
+                    prefix_template=spec.log_line_prefix_template,
+                    local_rank=local_rank,
+                    role=spec.role,
+                    duplicates=duplicates,
                 )
         except BaseException:
             self._group = group
             await self._stop_group()
             raise
+        if self._events is not None:
+            for local_rank, proc in workers.procs.items():
+                self._events(self._status_event("START", local_rank, assignment, pid=proc.pid))
         return group
+
+    def _status_event(
+        self, state: str, local_rank: int | None, assignment: Assignment | None, **facts: int | None
+    ) -> StatusEvent:
+        offset = assignment.rank_offset if assignment else 0
+        return StatusEvent(
+            state,
+            global_rank=None if local_rank is None else offset + local_rank,
+            local_rank=local_rank,
+            group_rank=assignment.node_rank if assignment else None,
+            group_world_size=assignment.node_count if assignment else None,
+            world_size=assignment.world_size if assignment else None,
+            restarts=assignment.restart_count if assignment else 0,
+            **facts,
+        )
+
+    def _worker_events(self, group: _Group, assignment: Assignment, outcome: Outcome) -> None:
+        """Each worker's end, as torchrun records it: its own failure, else the group's."""
+        if self._events is None:
+            return
+        for local_rank, proc in group.workers.procs.items():
+            end = group.workers.exits.get(local_rank)
+            if end is not None and end.failed:
+                state, code = "FAILED", end.returncode
+            elif outcome is Outcome.SUCCEEDED:
+                state, code = "SUCCEEDED", None
+            else:
+                state, code = "TERMINATED", None
+            self._events(self._status_event(state, local_rank, assignment, pid=proc.pid, exit_code=code))
 
     async def _stop_group(self) -> None:
         """Stop the workers (if any run) and collect their remaining output."""
@@ -490,6 +589,8 @@ class Agent:
             self._channel.disconnect()
         await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.stop_grace)
         await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in group.outputs.values()))
+        if group.duplicates is not None:
+            group.duplicates.close()
 
     def _failure_report(self, group: _Group, assignment: Assignment) -> FailureReport:
         """The root cause first: the hung worker when the watchdog ended the attempt."""
@@ -556,6 +657,12 @@ class Agent:
         self._broken_text = report.error
         return Outcome.BROKEN, f"worker rank {rank}: training failed: {last}"
 
+    def _leaving_code(self, outcome: Outcome) -> int:
+        """Drained: done (0). Signalled: 128+N. A watch (a sick GPU): the infrastructure."""
+        if outcome is Outcome.SIGNALLED and self._signal is not None:
+            return exit_for_signal(self._signal)
+        return 0 if outcome is Outcome.DRAINED else EXIT_INFRASTRUCTURE
+
     def _signal_name(self) -> str:
         return self._signal.name if self._signal is not None else "a signal"
 
@@ -564,12 +671,12 @@ class Agent:
             message, report = self._failure
             if report is not None:
                 logger.error("%s", report.text)
-            return self._end(WorkerState.FAILED, EXIT_FAILURE, message, report)
+            return self._end(WorkerState.FAILED, EXIT_TRAINING_FAILED, message, report)
         state = {
             "succeeded": WorkerState.SUCCEEDED,
             "failed": WorkerState.FAILED,
         }.get(e.outcome, WorkerState.STOPPED)
-        return self._end(state, _CLOSED_EXIT_CODES.get(e.outcome, EXIT_FAILURE), str(e))
+        return self._end(state, _CLOSED_EXIT_CODES.get(e.outcome, EXIT_TRAINING_FAILED), str(e))
 
     def _end(
         self,
@@ -579,7 +686,13 @@ class Agent:
         report: FailureReport | None = None,
     ) -> AgentResult:
         self._set_state(state, message)
-        return AgentResult(state, exit_code, message, report)
+        if self._events is not None and state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
+            self._events(self._status_event(state.name, None, self._assignment))
+        ranks: tuple[int, ...] = ()
+        if self._assignment is not None:
+            first = self._assignment.rank_offset
+            ranks = tuple(range(first, first + self.spec.nproc_per_node))
+        return AgentResult(state, exit_code, message, report, ranks)
 
     def _set_state(self, state: WorkerState, reason: str) -> None:
         """One log line, one event, one status report per state change."""

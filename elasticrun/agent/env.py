@@ -22,6 +22,7 @@ from pathlib import Path
 from elasticrun.agent.channel import SOCKET_VAR
 from elasticrun.agent.gpu import worker_gpu_env
 from elasticrun.agent.spec import WorkerSpec
+from elasticrun.errors import UsageError
 from elasticrun.rendezvous.api import Assignment
 from elasticrun.store.wire import TOKEN_FILE_ENV
 
@@ -47,6 +48,7 @@ def worker_env(
     """
     env = {key: value for key, value in base_env.items() if key not in spec.withheld_env}
     env.pop(TOKEN_FILE_ENV, None)  # only this agent's file, never one inherited
+    env.pop("ELASTICRUN_LOCAL_RANK", None)  # only set under --isolate-gpus, never inherited
     if token_file is not None:
         env[TOKEN_FILE_ENV] = str(token_file)
     env.update(spec.extra_env)
@@ -54,9 +56,11 @@ def worker_env(
     if "OMP_NUM_THREADS" not in env and spec.nproc_per_node > 1:
         # torchrun's default: N workers each using every core would oversubscribe them.
         env["OMP_NUM_THREADS"] = "1"
+    if spec.isolate_gpus:
+        env.update(_virtual_local_rank_env(spec, local_rank, base_env))
     env.update(
         {
-            "LOCAL_RANK": str(local_rank),
+            "LOCAL_RANK": "0" if spec.isolate_gpus else str(local_rank),
             "LOCAL_WORLD_SIZE": str(spec.nproc_per_node),
             "ROLE_NAME": spec.role,
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
@@ -78,6 +82,28 @@ def worker_env(
     else:
         raise ValueError("a worker outside in-process mode needs its round's assignment")
     return env
+
+
+def _virtual_local_rank_env(spec: WorkerSpec, local_rank: int, base_env: Mapping[str, str]) -> dict[str, str]:
+    """--isolate-gpus (torchrun's --virtual-local-rank): each worker sees one GPU, as
+    cuda:0, with LOCAL_RANK=0 so that `set_device(LOCAL_RANK)` finds it.
+
+    Its real local rank stays in ELASTICRUN_LOCAL_RANK (the in-process link needs it).
+    Without GPUs known to NVML, as torchrun: the local rank's entry of the agent's own
+    CUDA_VISIBLE_DEVICES, or the local rank itself.
+    """
+    env = {"ELASTICRUN_LOCAL_RANK": str(local_rank)}
+    if spec.gpu_devices:
+        return env  # worker_gpu_env has named the worker's own GPU
+    inherited = base_env.get("CUDA_VISIBLE_DEVICES")
+    if inherited is None:
+        return {**env, "CUDA_VISIBLE_DEVICES": str(local_rank)}
+    visible = inherited.split(",")
+    if local_rank >= len(visible):
+        raise UsageError(
+            f"--isolate-gpus: worker {local_rank} has no GPU of its own in CUDA_VISIBLE_DEVICES={inherited}"
+        )
+    return {**env, "CUDA_VISIBLE_DEVICES": visible[local_rank].strip()}
 
 
 #: the variables whose values change from one round to the next

@@ -74,6 +74,10 @@ class Nvml(Protocol):
     def device_count(self) -> int: ...
     def uuid(self, index: int) -> str: ...
     def name(self, index: int) -> str: ...
+    def pci_bus_id(self, index: int) -> str:
+        """The device's PCI address, as NVML writes it (`00000000:3B:00.0`)."""
+        ...
+
     def memory(self, index: int) -> tuple[int, int]:
         """Used and total bytes."""
         ...
@@ -126,6 +130,11 @@ class Pynvml:
 
     def name(self, index: int) -> str:
         return str(self._call(self._nv.nvmlDeviceGetName, self._handle(index)))
+
+    def pci_bus_id(self, index: int) -> str:
+        info = self._call(self._nv.nvmlDeviceGetPciInfo, self._handle(index))
+        bus_id = info.busId
+        return bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id)
 
     def memory(self, index: int) -> tuple[int, int]:
         info = self._call(self._nv.nvmlDeviceGetMemoryInfo, self._handle(index))
@@ -395,6 +404,13 @@ class Gpus:
         xid_failure = self._collect_xids(nvml)  # first: its findings count in this check
         problems = [p for i in devices for p in self._check_device(nvml, i)]
         return GpuHealth(tuple(devices), tuple(problems + xid_failure), self._note)
+
+    def pci_bus_ids(self) -> tuple[str, ...]:
+        """Every GPU's PCI address, by NVML index (--numa-binding)."""
+        nvml = self._nvml
+        if nvml is None:
+            return ()
+        return tuple(nvml.pci_bus_id(i) for i in range(self.count))
 
     def facts(self, devices: Sequence[int]) -> tuple[GpuFacts, ...]:
         """Per-GPU facts for `status`."""

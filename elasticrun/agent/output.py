@@ -7,8 +7,12 @@ included: a pipe would lose what the agent had not read yet). The agent follows 
 file as it grows (elasticrun.agent.filetail) for the console, as torchrun tails its
 workers' files for `--tee`. A stream without a file is a pipe that the agent reads.
 
-Console lines carry the worker's global rank (`[3]<stderr>: text`) and are written
-whole, so the output of many workers never mixes inside a line. Log files hold the
+Console lines carry the worker's global rank (`[3]<stderr>: text`), or the prefix that
+TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE makes (torchrun's `${rank}`, `${local_rank}`,
+`${role_name}`), and are written whole, so the output of many workers never mixes
+inside a line. One exception, on a terminal only: a line that redraws itself with `\r`
+(a progress bar) is shown as it is drawn, each frame over the last under the line's
+prefix, as the worker's own terminal would show it. Log files hold the
 worker's bytes unchanged. As torchrun: `redirects` sends a stream to its file only,
 `tee` to its file and the console, `local_ranks_filter` keeps other ranks off the
 console (not out of their files). Every line, shown or not, also goes to the `publish`
@@ -28,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from string import Template
 from typing import BinaryIO, Protocol
 
 from elasticrun.agent.filetail import FileTail
@@ -116,6 +121,33 @@ def _open_log(path: Path | None, opened: contextlib.ExitStack) -> int:
     return fd
 
 
+class Duplicates:
+    """torchrun's --duplicate-stdout-filters and --duplicate-stderr-filters: the lines of
+    the tee'd streams (--tee) that contain one of a stream's filters, copied with their
+    console prefix to `<attempt folder>/filtered_stdout.log` (or `filtered_stderr.log`)."""
+
+    def __init__(self, attempt_dir: Path, filters: Mapping[str, tuple[str, ...]]) -> None:
+        self._filters = {stream: needles for stream, needles in filters.items() if needles}
+        self._files = {
+            stream: open(attempt_dir / f"filtered_{stream}.log", "w", errors="replace")  # noqa: SIM115
+            for stream in self._filters
+        }
+
+    def take(self, stream: str, prefix: str, lines: list[str]) -> None:
+        out = self._files.get(stream)
+        if out is None:
+            return
+        needles = self._filters[stream]
+        kept = [f"{prefix}{line}\n" for line in lines if any(n in line for n in needles)]
+        if kept:
+            out.writelines(kept)
+            out.flush()
+
+    def close(self) -> None:
+        for out in self._files.values():
+            out.close()
+
+
 class WorkerOutput:
     """Reads one worker's two streams, each its pipe or its log file, to their end."""
 
@@ -125,6 +157,11 @@ class WorkerOutput:
         global_rank: int,
         plans: Mapping[Std, StreamPlan],
         publish: LineSink | None = None,
+        *,
+        prefix_template: str | None = None,
+        local_rank: int = 0,
+        role: str = "default",
+        duplicates: Duplicates | None = None,
     ) -> None:
         """`proc` was started with `worker_stdio(...)` of the same `plans`.
 
@@ -133,6 +170,8 @@ class WorkerOutput:
         #: the worker's global rank, for prefixes and reports; in-process mode updates
         #: it when a round moves the worker
         self.global_rank = global_rank
+        self._template = Template(prefix_template) if prefix_template is not None else None
+        self._local_rank, self._role = local_rank, role
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._tails: list[FileTail] = []
         streams = (
@@ -145,12 +184,17 @@ class WorkerOutput:
             self._close_tails()
             raise
 
-        def sink(stream: str) -> Callable[[list[str]], None]:
+        def sink(stream: str, plan: StreamPlan) -> Callable[[list[str]], None]:
+            teed = duplicates is not None and plan.console and plan.file is not None
+
             def take(lines: list[str]) -> None:
                 if stream == "stderr":
                     self.stderr_tail.extend(lines)
                 if publish is not None:
                     publish(self.global_rank, stream, lines)
+                if teed:
+                    assert duplicates is not None
+                    duplicates.take(stream, self._prefix(stream).decode(errors="replace"), lines)
 
             return take
 
@@ -160,7 +204,7 @@ class WorkerOutput:
                     reader,
                     functools.partial(self._prefix, stream),
                     console if plans[std].console else None,
-                    sink(stream),
+                    sink(stream, plans[std]),
                 )
             )
             for reader, (_, std, stream, console) in zip(readers, streams, strict=True)
@@ -178,6 +222,10 @@ class WorkerOutput:
 
     def _prefix(self, stream: str) -> bytes:
         # read for every line: an in-process round may move the worker to another rank
+        if self._template is not None:
+            return self._template.safe_substitute(
+                role_name=self._role, rank=self.global_rank, local_rank=self._local_rank
+            ).encode()
         return f"[{self.global_rank}]<{stream}>: ".encode()
 
     def _reader(self, pipe: asyncio.StreamReader | None, plan: StreamPlan) -> _Reader:
@@ -222,18 +270,83 @@ async def _copy(
     sink: Callable[[list[str]], None],
 ) -> None:
     """Read one stream to its end: whole prefixed lines to the console, decoded lines
-    to the sink."""
+    to the sink; on a terminal, the frames of a line that redraws itself as they come."""
     partial = b""
+    live = _Terminal.of(console)
+    me = object()  # this stream, as the owner of the terminal's open line
     while True:
         chunk = await reader.read(_CHUNK)
         lines, partial = _split_lines(partial + chunk, eof=not chunk)
         if lines:
             if console is not None:
                 head = prefix()
-                console = _write(console, b"".join(head + line + b"\n" for line in lines))
+                if live is None:
+                    data = b"".join(head + line + b"\n" for line in lines)
+                else:
+                    data = live.lines(me, head, lines)
+                console = _write(console, data)
             sink([line.decode(errors="replace") for line in lines])
+        if console is not None and live is not None and b"\r" in partial:
+            frame = _last_frame(partial)
+            if frame:
+                console = _write(console, live.frame(me, prefix() + frame))
         if not chunk:
             return
+
+
+class _Terminal:
+    """A console that is a terminal, and which stream's line is open on it (a frame of
+    a redrawn line, without its newline yet): another stream's output starts below it,
+    and the owner's next frame or line replaces it."""
+
+    _known: dict[int, _Terminal | None] = {}
+
+    def __init__(self) -> None:
+        self.owner: object | None = None
+
+    @classmethod
+    def of(cls, console: BinaryIO | None) -> _Terminal | None:
+        if console is None:
+            return None
+        key = id(console)
+        if key not in cls._known:
+            try:
+                cls._known[key] = cls() if console.isatty() else None
+            except (OSError, ValueError):
+                cls._known[key] = None
+        return cls._known[key]
+
+    def _lead(self, me: object) -> bytes:
+        lead = b"" if self.owner is None else b"\r" if self.owner is me else b"\n"
+        self.owner = None
+        return lead
+
+    def lines(self, me: object, head: bytes, lines: list[bytes]) -> bytes:
+        """Whole lines; one that redrew itself (or ends the open line) as its last frame."""
+        lead = self._lead(me)
+        out = [lead]
+        for line in lines:
+            redrawn = lead == b"\r" or b"\r" in line
+            out.append(head + _last_frame(line) + (_ERASE_REST if redrawn else b"") + b"\n")
+            lead = b""
+        return b"".join(out)
+
+    def frame(self, me: object, frame: bytes) -> bytes:
+        data = self._lead(me) + frame + _ERASE_REST
+        self.owner = me
+        return data
+
+
+#: the terminal's "erase to the end of the line": a shorter frame leaves nothing behind
+_ERASE_REST = b"\x1b[K"
+
+
+def _last_frame(line: bytes) -> bytes:
+    """What a terminal shows of a line that redraws itself with \\r: its last frame."""
+    if b"\r" not in line:
+        return line
+    frames = [f for f in line.split(b"\r") if f]
+    return frames[-1] if frames else b""
 
 
 def _write(sink: BinaryIO, data: bytes) -> BinaryIO | None:

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elasticrun.agent import warden
+from elasticrun.agent.numa import cpu_list
 from elasticrun.agent.sessions import KILL_LIMIT, Session, kill_sessions, signal_sessions
 from elasticrun.errors import WorkerStartError
 
@@ -171,12 +172,14 @@ class WorkerGroup:
         envs: Mapping[int, Mapping[str, str]],
         warden: Warden,
         stdio: Mapping[int, tuple[int, int]] | None = None,
+        cpus: Mapping[int, frozenset[int]] | None = None,
     ) -> WorkerGroup:
         """Start one process per local rank in `envs`, each told to `warden` at once.
 
         `stdio` gives a local rank's (stdout, stderr): an open file descriptor (its log
         file, see elasticrun.agent.output.worker_stdio) or asyncio.subprocess.PIPE;
-        ranks it leaves out get two pipes. Raises WorkerStartError when the command
+        ranks it leaves out get two pipes. `cpus` binds a local rank to those CPUs (under
+        `taskset`, before its first instruction). Raises WorkerStartError when the command
         cannot be executed at all; workers already started are stopped first.
         """
         procs: dict[int, asyncio.subprocess.Process] = {}
@@ -188,10 +191,13 @@ class WorkerGroup:
             if shutil.which(argv[0]) is None:
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
             if _SETPRIV is not None:
-                command, preexec = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv], None
+                prefix, preexec = [_SETPRIV, "--pdeathsig", "KILL", "--"], None
             else:
-                command, preexec = list(argv), lambda: _die_with_parent(agent_pid)
+                prefix, preexec = [], lambda: _die_with_parent(agent_pid)
             for local_rank, env in envs.items():
+                bound = (cpus or {}).get(local_rank)
+                binding = ["taskset", "--cpu-list", cpu_list(bound)] if bound else []
+                command = [*prefix, *binding, *argv]
                 stdout, stderr = (stdio or {}).get(local_rank, (PIPE, PIPE))
                 protocol: _ExitProtocol
                 transport, protocol = await loop.subprocess_exec(

@@ -79,6 +79,13 @@ class WorkerSpec:
     log_dir: Path | None = None
     #: local ranks whose output reaches the console; None: every rank
     local_ranks_filter: frozenset[int] | None = None
+    #: the console lines' prefix, torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
+    #: (`${rank}`, `${local_rank}`, `${role_name}`); None: `[<rank>]<stdout>: `
+    log_line_prefix_template: str | None = None
+    #: "stdout"/"stderr" -> torchrun's --duplicate-*-filters (elasticrun.agent.output.Duplicates)
+    duplicate_filters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: --numa-binding: local rank -> the CPUs it runs on (elasticrun.agent.numa)
+    cpu_affinity: Mapping[int, frozenset[int]] = field(default_factory=dict)
     #: added to every worker's environment (the torchrun variables still win)
     extra_env: Mapping[str, str] = field(default_factory=dict)
     #: variables of the agent's environment that hold secrets (the store's token, etcd's
@@ -89,13 +96,17 @@ class WorkerSpec:
     store_token: str | None = field(default=None, repr=False)
     #: the workers' GPUs (NVML indices, in local-rank order); () without GPUs
     gpu_devices: tuple[int, ...] = ()
-    #: give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker)
+    #: give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker) and
+    #: LOCAL_RANK=0 (torchrun's --virtual-local-rank)
     isolate_gpus: bool = False
     #: opt-in hang watchdog: a worker that has not called `elasticrun.worker.heartbeat()`
     #: for this many seconds is hung (None: no watchdog)
     progress_timeout: float | None = None
     #: keep surviving workers running across rounds (--elastic-mode=in-process)
     in_process: bool = False
+    #: torchrun's file timer (TORCHELASTIC_ENABLE_FILE_TIMER=1): the FIFO's path, or ""
+    #: for one in the agent's run folder; None: off (elasticrun.agent.filetimer)
+    file_timer: str | None = None
 
     def __post_init__(self) -> None:
         if not self.entrypoint:

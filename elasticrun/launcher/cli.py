@@ -7,14 +7,13 @@ code here (2 for usage errors), never a traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 
 from elasticrun.errors import ElasticrunError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.flags import COMPAT_ONLY, Parser, launch_parser
+from elasticrun.launcher.flags import Parser, launch_parser
 
 #: subcommand name -> the module that registers it
 SUBCOMMANDS = ("status", "list", "logs", "join", "drain", "stop", "store")
@@ -31,13 +30,6 @@ def subcommand_parser() -> argparse.ArgumentParser:
     for module in (status_cmd, list_cmd, logs_cmd, join_cmd, drain_cmd, stop_cmd, store_cmd):
         module.register(commands)
     return p
-
-
-def _warn_compat_only(args: argparse.Namespace) -> None:
-    for dest, inert in COMPAT_ONLY.items():
-        if getattr(args, dest) != inert:
-            flag = "--" + dest.replace("_", "-")
-            logging.getLogger("elasticrun").warning("%s is accepted for torchrun compatibility and has no effect", flag)
 
 
 def _quiet_grpc() -> None:
@@ -81,7 +73,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             run: Callable[[argparse.Namespace], int] = args.run
             return run(args)
         args = launch_parser().parse_args(argv)
-        _warn_compat_only(args)
         from elasticrun.launcher.config import build_config
         from elasticrun.launcher.launch import run_launch
         from elasticrun.launcher.metrics_http import metrics_address

@@ -82,18 +82,24 @@ RDZV_CONF_KEYS = {
     "password_env": "etcd: environment variable holding the password",
 }
 
-#: torchrun's names (its etcd backends) for keys of ours
+#: torchrun's names for keys of ours: its rendezvous timings and its etcd backends' TLS files
 RDZV_CONF_ALIASES = {
+    "timeout": "join_timeout",  # torchrun's etcd rendezvous: the whole join
+    "read_timeout": "store_timeout",  # torchrun's c10d and etcd backends: one store call
+    "keep_alive_interval": "heartbeat_interval",
     "cacert": "ca_cert",
     "cert": "client_cert",
     "key": "client_key",
     "ssl_cert": "client_cert",
     "ssl_cert_key": "client_key",
 }
-#: torchrun's keys with no counterpart here: accepted, so its command lines run unchanged
+#: torchrun's key for how many missed keep-alives drop a node: with `keep_alive_interval`
+#: it makes our `heartbeat_timeout` (interval x attempts, 5 s x 3 by torchrun's defaults)
+KEEP_ALIVE_ATTEMPTS = "keep_alive_max_attempt"
+#: torchrun's keys with no counterpart here, each for a reason (docs/cli.md says which):
+#: they are accepted, so its command lines run unchanged, and warn
 RDZV_CONF_TORCHRUN_ONLY = frozenset({
-    "close_timeout", "keep_alive_interval", "keep_alive_max_attempt", "read_timeout",
-    "store_type", "use_libuv", "timeout", "protocol", "etcd_prefix", "rank",
+    "close_timeout", "store_type", "use_libuv", "protocol", "etcd_prefix", "rank",
 })
 
 
@@ -132,6 +138,14 @@ class LaunchConfig:
     gpu_names: tuple[str, ...] = ()
     #: seconds between GPU health checks while training
     health_interval: float = 10.0
+    #: this node's own settings as flags, for `elasticrun join` (`carried_flags`)
+    carried_flags: tuple[str, ...] = ()
+    #: --event-log-handler: torch's event log handler ("null": none, torch not imported)
+    event_log_handler: str = "null"
+    #: --logs-specs: the name of a torchrun.logs_specs entry point (None: our own layout)
+    logs_specs: str | None = None
+    #: --redirects and --tee as given, for a --logs-specs class
+    std_flags: tuple[str, str] = ("0", "0")
 
 
 # --- parsing: pure -------------------------------------------------------------------
@@ -171,18 +185,35 @@ def parse_std(value: str, flag: str) -> Std | dict[int, Std]:
 
 
 def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
-    """Repeated `--rdzv-conf k=v,k2=v2` flags, merged (later ones win)."""
+    """Repeated `--rdzv-conf k=v,k2=v2` flags, merged (later ones win).
+
+    A value wrapped in one pair of quotes (`'join_timeout=5'`, as job manifests that pass
+    arguments without a shell often write it) is taken without them. torchrun's key names
+    are taken as ours (`RDZV_CONF_ALIASES`, `KEEP_ALIVE_ATTEMPTS`).
+    """
     conf: dict[str, str] = {}
+    attempts: str | None = None
+    keep_alive = False  # torchrun's keep_alive_interval was given
     for value in values:
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
         for item in filter(None, (p.strip() for p in value.split(","))):
             key, sep, val = item.partition("=")
             if not sep or not key:
                 raise UsageError(f"--rdzv-conf takes key=value pairs, got {item!r}")
             if key in RDZV_CONF_TORCHRUN_ONLY:
                 logging.getLogger("elasticrun").warning(
-                    "--rdzv-conf %s is accepted for torchrun compatibility and has no effect", key
+                    "--rdzv-conf %s is accepted for torchrun compatibility and has no effect here "
+                    "(see docs/cli.md)", key
                 )
                 continue
+            if key == KEEP_ALIVE_ATTEMPTS:
+                if not (_digits(val) and int(val) > 0):
+                    raise UsageError(f"--rdzv-conf {key} must be a whole number >= 1, got {val!r}")
+                attempts = val
+                continue
+            keep_alive = keep_alive or key == "keep_alive_interval"
             key = RDZV_CONF_ALIASES.get(key, key)
             if key not in RDZV_CONF_KEYS:
                 known = ", ".join(RDZV_CONF_KEYS)
@@ -190,6 +221,10 @@ def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
             if key in TIMING_RDZV_CONF:
                 _positive(val, f"--rdzv-conf {key}", 0.0)
             conf[key] = val
+    if attempts is not None or keep_alive:
+        # torchrun's keep-alive: a node is dropped after `attempts` missed intervals
+        interval = float(conf.setdefault("heartbeat_interval", "5"))
+        conf.setdefault("heartbeat_timeout", f"{interval * int(attempts or 3):g}")
     return conf
 
 
@@ -288,16 +323,33 @@ def _port(text: str, endpoint: str) -> int:
     return int(text)
 
 
-def worker_argv(args: argparse.Namespace) -> tuple[str, ...]:
-    """The argv of one worker: this interpreter and `-u` in front, unless --no-python."""
+#: the module a `--run-path` worker runs (elasticrun/worker/run_path.py)
+RUN_PATH_MODULE = "elasticrun.worker.run_path"
+
+
+def worker_argv(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The argv of one worker: an interpreter and `-u` in front, unless --no-python.
+
+    As torchrun: the interpreter is $PYTHON_EXEC when set, else this one; --run-path
+    runs the script through `runpy.run_path` in this interpreter and wins over
+    --module and --no-python.
+    """
     script, rest = args.training_script, list(args.training_script_args)
+    if args.run_path:
+        return (sys.executable, "-u", "-m", RUN_PATH_MODULE, script, *rest)
+    python = environ.get("PYTHON_EXEC") or sys.executable
     if args.module:
         if args.no_python:
             raise UsageError("--module and --no-python cannot be combined")
-        return (sys.executable, "-u", "-m", script, *rest)
-    if args.no_python and not args.run_path:
+        return (python, "-u", "-m", script, *rest)
+    if args.no_python:
         return (script, *rest)
-    return (sys.executable, "-u", script, *rest)
+    return (python, "-u", script, *rest)
+
+
+def comma_list(value: str) -> tuple[str, ...]:
+    """torchrun's comma-separated list: `a,b`, with `,,` for a comma inside an item."""
+    return tuple(item.replace("\0", ",") for item in value.replace(",,", "\0").split(","))
 
 
 def parse_signals(value: str) -> tuple[signal.Signals, ...]:
@@ -336,6 +388,42 @@ class LaunchRequest:
     local_ranks_filter: frozenset[int] | None
     isolate_gpus: bool
     health_interval: float
+    carried_flags: tuple[str, ...] = ()
+    event_log_handler: str = "null"
+    logs_specs: str | None = None
+    std_flags: tuple[str, str] = ("0", "0")
+    #: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, as torchrun reads it
+    log_line_prefix_template: str | None = None
+    #: TORCHELASTIC_ENABLE_FILE_TIMER=1: TORCHELASTIC_TIMER_FILE or "" (WorkerSpec.file_timer)
+    file_timer: str | None = None
+    #: --duplicate-stdout-filters and --duplicate-stderr-filters, by stream
+    duplicate_filters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: --numa-binding's mode (elasticrun.agent.numa), or None
+    numa_binding: str | None = None
+
+
+#: the launcher flags of one node's own that the job's first node stores (JobLaunch.flags)
+#: and `elasticrun join` repeats; what every node must share is in the JobSpec instead
+CARRIED_FLAGS = (
+    "shutdown_timeout", "gpus", "isolate_gpus", "tee", "redirects", "signals_to_handle",
+    "local_ranks_filter", "health_interval", "log_dir", "duplicate_stdout_filters", "duplicate_stderr_filters",
+    "numa_binding", "event_log_handler", "logs_specs",
+)
+
+
+def carried_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """This node's CARRIED_FLAGS as launcher flags, each one that is set."""
+    flags = []
+    for dest in CARRIED_FLAGS:
+        value = getattr(args, dest)
+        if dest == "isolate_gpus":
+            value = value or args.virtual_local_rank
+        name = "--" + dest.replace("_", "-")
+        if value is True:
+            flags.append(name)
+        elif value not in (None, False, ""):
+            flags.append(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}")
+    return tuple(flags)
 
 
 def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchRequest:
@@ -416,7 +504,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         master_port=master_port,
     )
 
-    argv = worker_argv(args)
+    argv = worker_argv(args, environ)
     nproc_request = str(args.nproc_per_node)
     if not (_digits(nproc_request) and int(nproc_request) > 0) and nproc_request not in ("cpu", "gpu", "auto"):
         raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu or auto; got {nproc_request!r}")
@@ -463,8 +551,21 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         tee=parse_std(args.tee, "--tee"),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         local_ranks_filter=filter_ranks,
-        isolate_gpus=args.isolate_gpus,
+        isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
         health_interval=args.health_interval,
+        carried_flags=carried_flags(args),
+        event_log_handler=args.event_log_handler or "null",
+        logs_specs=args.logs_specs or None,
+        std_flags=(args.redirects, args.tee),
+        log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "") if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
+        else None,
+        numa_binding=args.numa_binding,
+        duplicate_filters={
+            stream: comma_list(value)
+            for stream, value in (("stdout", args.duplicate_stdout_filters), ("stderr", args.duplicate_stderr_filters))
+            if value
+        },
     )
 
 
@@ -486,11 +587,22 @@ class HostFacts:
     gpu_names: tuple[str, ...]
     #: c10d and etcd: the store's settings, read
     store: StoreAccess | None = None
+    #: --numa-binding: local rank -> the CPUs it runs on
+    cpu_affinity: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
 def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
     """Ask this host what `request` leaves open; a missing script or GPU is a usage error."""
     check_command(request.job_spec)
+    python = request.entrypoint[0]
+    if not request.job_spec.no_python and shutil.which(python) is None:
+        raise UsageError(f"PYTHON_EXEC: interpreter not found: {python}")
+    if "TORCHELASTIC_HEALTH_CHECK_PORT" in environ:
+        # as torchrun, whose health check server is a stub in PyTorch's own build
+        logging.getLogger("elasticrun").warning(
+            "TORCHELASTIC_HEALTH_CHECK_PORT=%s: no health check server started, as under torchrun "
+            "(watch the agent with elasticrun status)", environ["TORCHELASTIC_HEALTH_CHECK_PORT"]
+        )
     rdzv = request.rdzv
     nproc, devices, names = resolve_workers(request.job_spec.nproc_per_node, request.gpus, environ)
     local_addr = rdzv.local_addr or route_addr(parse_endpoint(rdzv.endpoint.split(",")[0], 1)[0])
@@ -506,12 +618,37 @@ def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
         gpu_devices=devices,
         gpu_names=names,
         store=store,
+        cpu_affinity=numa_affinity(request.numa_binding, devices, nproc) if request.numa_binding else {},
     )
+
+
+def numa_affinity(mode: str, devices: tuple[int, ...], nproc: int) -> dict[int, frozenset[int]]:
+    """--numa-binding: each local rank's CPUs, near the GPU it uses (`devices[rank]`)."""
+    from elasticrun.agent.gpu import open_gpus
+    from elasticrun.agent.numa import cpus_near, host_topology
+
+    if len(devices) < nproc:
+        raise UsageError(
+            f"--numa-binding needs a GPU for each worker: {nproc} worker(s), {len(devices)} GPU(s) selected"
+        )
+    if shutil.which("taskset") is None:
+        raise UsageError("--numa-binding needs taskset (util-linux) on this host")
+    gpus = open_gpus()
+    try:
+        bus_ids = gpus.pci_bus_ids()
+    finally:
+        gpus.close()
+    topology = host_topology()
+    return {rank: cpus_near(mode, devices[rank], bus_ids, topology) for rank in range(nproc)}
 
 
 def check_command(spec: JobSpec) -> None:
     """That what the workers run exists here: the script, or the --no-python command."""
     target = spec.command[0]
+    if spec.command[:2] == ("-m", RUN_PATH_MODULE) and len(spec.command) > 2:
+        if not Path(spec.command[2]).exists():
+            raise UsageError(f"--run-path: training script not found: {spec.command[2]}")
+        return
     if spec.no_python:
         if shutil.which(target) is None:
             raise UsageError(f"--no-python: command not found: {target}")
@@ -584,6 +721,10 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         tee=_per_rank(request.tee, host.nproc),
         log_dir=request.log_dir,
         local_ranks_filter=request.local_ranks_filter,
+        log_line_prefix_template=request.log_line_prefix_template,
+        file_timer=request.file_timer,
+        duplicate_filters=request.duplicate_filters,
+        cpu_affinity=host.cpu_affinity,
         gpu_devices=host.gpu_devices,
         isolate_gpus=request.isolate_gpus,
         progress_timeout=spec.progress_timeout,
@@ -599,6 +740,10 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         nproc_request=spec.nproc_per_node,
         gpu_names=host.gpu_names,
         health_interval=request.health_interval,
+        carried_flags=request.carried_flags,
+        event_log_handler=request.event_log_handler,
+        logs_specs=request.logs_specs,
+        std_flags=request.std_flags,
     )
 
 

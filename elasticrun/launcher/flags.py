@@ -14,18 +14,6 @@ from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
 
-#: flags accepted so torchrun command lines run unchanged, though they change nothing here
-COMPAT_ONLY = {
-    "event_log_handler": "null",
-    "logs_specs": None,
-    "numa_binding": None,
-    "duplicate_stdout_filters": None,
-    "duplicate_stderr_filters": None,
-    "virtual_local_rank": False,
-}
-
-
-
 
 class Parser(argparse.ArgumentParser):
     """argparse that raises UsageError (one line at the edge) instead of exiting."""
@@ -130,36 +118,44 @@ def launch_parser() -> argparse.ArgumentParser:
           help="accepted for torchrun compatibility: elasticrun reacts to events at once")
     _flag(p, "start-method", default="spawn", choices=["spawn", "fork", "forkserver"],
           help="accepted for compatibility: workers are always fresh processes")
-    _flag(p, "event-log-handler", default="null", help="accepted for compatibility; no effect")
+    _flag(p, "event-log-handler", default="null",
+          help="record the workers' status events with torch's event log handler of this name (e.g. console), "
+               "as torchrun; imports torch")
     _flag(p, "role", default="default", help="the workers' role name (ROLE_NAME)")
     _flag(p, "module", "-m", action=_EnvFlag, help="run the script argument as a module, like python -m")
     _flag(p, "no-python", action=_EnvFlag, help="run the script argument as an executable, without python")
-    _flag(p, "run-path", action=_EnvFlag, help="accepted for compatibility: the script runs with python")
+    _flag(p, "run-path", action=_EnvFlag,
+          help="run the script (a file, a folder or a zip with __main__.py) with runpy.run_path, as torchrun")
     _flag(p, "log-dir", default=None, help="folder for per-attempt worker logs and error files")
     _flag(p, "redirects", "-r", default="0",
           help="send streams to log files only: 0-3 or RANK:N,... (1 out, 2 err, 3 both)")
     _flag(p, "tee", "-t", default="0",
           help="copy streams to log files as well as the console (same format as --redirects)")
     _flag(p, "local-ranks-filter", default="", help="show only these local ranks on the console, e.g. 0,1")
-    _flag(p, "duplicate-stdout-filters", default=None, help="accepted for compatibility; no effect")
-    _flag(p, "duplicate-stderr-filters", default=None, help="accepted for compatibility; no effect")
+    _flag(p, "duplicate-stdout-filters", default=None,
+          help="copy the tee'd stdout lines containing one of these (a,b; ',,' is a comma) to "
+               "<attempt>/filtered_stdout.log")
+    _flag(p, "duplicate-stderr-filters", default=None,
+          help="the same for stderr (<attempt>/filtered_stderr.log)")
     _flag(p, "node-rank", type=int, default=0, help="static backend: this node's rank")
     _flag(p, "master-addr", default="127.0.0.1", help="static backend: address of node rank 0")
     _flag(p, "master-port", type=int, default=29500, help="static backend: port on node rank 0")
     _flag(p, "local-addr", default=None,
           help="this node's address as others reach it (default: the route to the endpoint)")
-    _flag(p, "logs-specs", default=None, help="accepted for compatibility; no effect")
+    _flag(p, "logs-specs", default=None,
+          help="lay out the log files with this torchrun.logs_specs entry point, as torchrun; imports torch")
     _flag(p, "numa-binding", default=None, choices=["node", "socket", "exclusive", "core-complex"],
-          help="accepted for compatibility; no effect")
+          help="bind each worker to the CPUs near its GPU, as torchrun (needs taskset)")
     _flag(p, "signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
           help="signals that stop the workers (forwarded) and make this node leave")
     _flag(p, "shutdown-timeout", type=float, default=None,
           help="seconds between SIGTERM and SIGKILL for workers (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)")
-    _flag(p, "virtual-local-rank", action=_EnvFlag, help="accepted for compatibility; no effect")
+    _flag(p, "virtual-local-rank", action=_EnvFlag,
+          help="each worker sees only its own GPU, as cuda:0, with LOCAL_RANK=0 (the same as --isolate-gpus)")
     _flag(p, "gpus", default=None,
           help="the GPUs this node's workers use, e.g. 0,2,3 (default: every healthy visible GPU)")
     _flag(p, "isolate-gpus", action=_EnvFlag,
-          help="give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker)")
+          help="give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker), as cuda:0, with LOCAL_RANK=0")
     _flag(p, "health-interval", type=float, default=10.0,
           help="seconds between GPU health checks while training (default 10)")
     _flag(p, "progress-timeout", type=float, default=None,

@@ -1,7 +1,9 @@
 """`elasticrun join`: scale a job out by starting an agent here with its stored spec.
 
 The job's spec (command, nproc, min:max, restarts, elastic mode, progress timeout, rendezvous timings) is what its
-first node stored; joining repeats none of it on the command line. A node that is not
+first node stored, and so are that node's own settings (`--shutdown-timeout`, `--gpus`,
+`--isolate-gpus`, `--tee`, `--redirects`, `--signals-to-handle`, `--local-ranks-filter`,
+`--health-interval`, `--log-dir`); joining repeats none of it on the command line. A node that is not
 admitted within `--timeout` leaves and exits non-zero (Arena's rollback).
 """
 
@@ -27,7 +29,9 @@ async def _job_argv(
     if spec is None or (view.round is not None and view.round.closed):
         raise UsageError(f"job '{target.run_id}' has ended; nothing to join")
     conf = {**spec.rdzv_conf, **target.conf, "join_timeout": f"{timeout:g}"}
+    # the first node's own settings first: the job's, and then this command's, win
     argv = [
+        *(view.launch.flags if view.launch else ()),
         f"--nnodes={spec.nnodes}",
         f"--nproc-per-node={spec.nproc_per_node}",
         f"--max-restarts={spec.max_restarts}",

@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from elasticrun.agent.agent import Agent, Watch
+from elasticrun.agent.agent import Agent, AgentResult, Watch
 from elasticrun.agent.gpu import Gpus, open_gpus
 from elasticrun.errors import GpuUnhealthyError
 from elasticrun.launcher import log_format
@@ -47,10 +47,11 @@ def run_launch(config: LaunchConfig, *, metrics: MetricsAddress | None = None) -
     serve the agent's Prometheus metrics (and the hosted store's) there."""
     settle_gc()
     log_format.tag(config.worker.node_id)
-    return asyncio.run(_launch(config, metrics))
+    return asyncio.run(run_node(config, metrics)).exit_code
 
 
-async def _launch(config: LaunchConfig, metrics_at: MetricsAddress | None = None) -> int:
+async def run_node(config: LaunchConfig, metrics_at: MetricsAddress | None = None) -> AgentResult:
+    """This node's part of the job, to its end (the CLI's and `elasticrun.launch`'s)."""
     async with contextlib.AsyncExitStack() as stack:
         watches = []
         if config.worker.gpu_devices:
@@ -64,17 +65,37 @@ async def _launch(config: LaunchConfig, metrics_at: MetricsAddress | None = None
 
             metrics = AgentMetrics()
             store_metrics = StoreMetrics(metrics.registry)
+        events = None
+        if config.event_log_handler != "null":
+            from elasticrun.launcher.event_log import torch_event_sink
+
+            worker = config.worker
+            events = torch_event_sink(
+                config.event_log_handler, run_id=worker.run_id, role=worker.role, backend=config.rdzv.backend,
+                entrypoint=os.path.basename(worker.entrypoint[0]),  # as torchrun's: the program it runs
+            )
+        layout = None
+        if config.logs_specs is not None:
+            from elasticrun.launcher.logs_specs import torch_log_layout
+
+            layout = torch_log_layout(
+                config.logs_specs, log_dir=str(config.worker.log_dir) if config.worker.log_dir else None,
+                redirects=config.std_flags[0], tee=config.std_flags[1],
+                local_ranks_filter=config.worker.local_ranks_filter,
+            )
         handler, hosted = await _open_handler(config, stack, store_metrics)
         if metrics is not None:
             metrics.quarantine_from(handler.quarantined_nodes)
             stack.enter_context(serving(metrics_at, metrics.registry))
-        result = await Agent(config.worker, handler, watches=watches, metrics=metrics).run()
+        result = await Agent(
+            config.worker, handler, watches=watches, metrics=metrics, events=events, log_layout=layout
+        ).run()
         # Out of the job first (our lease and keys go, a leader of ours stops): the
         # host waits for the others only, never for itself.
         await handler.aclose()
         if hosted is not None:
             await _linger_while_nodes_remain(hosted, Keys(config.rdzv.settings.run_id))
-    return result.exit_code
+    return result
 
 
 def gpu_watches(gpus: Gpus, devices: tuple[int, ...], interval: float) -> list[Watch]:
@@ -125,7 +146,7 @@ async def _open_handler(
     settings = rdzv.settings
     if rdzv.backend == "standalone":
         settings = replace(settings, last_call=0.0)
-    handler = ElasticRendezvous(store, settings, me, spec=config.job_spec)
+    handler = ElasticRendezvous(store, settings, me, spec=config.job_spec, launch_flags=config.carried_flags)
     stack.push_async_callback(handler.aclose)
     return handler, hosted
 

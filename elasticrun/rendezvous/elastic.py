@@ -87,6 +87,7 @@ class ElasticRendezvous(RendezvousHandler):
         me: NodeInfo,
         *,
         spec: JobSpec,
+        launch_flags: tuple[str, ...] = (),
         clock: Callable[[], float] = time.monotonic,
         reserve_port: Callable[[], PortReservation] = PortReservation,
     ) -> None:
@@ -95,6 +96,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._settings = settings
         self._me = me
         self._spec = spec
+        self._launch_flags = launch_flags
         self._clock = clock
         self._reserve_port = reserve_port
         self._port: PortReservation | None = None  # the round's MASTER_PORT, while node rank 0
@@ -278,7 +280,9 @@ class ElasticRendezvous(RendezvousHandler):
         if await self._store.compare_and_put(self._keys.spec, raw, expected_mod_revision=0):
             # A new job: the events of an earlier job with this id go.
             await self._store.delete_prefix(self._keys.events)
-            launch = JobLaunch(cwd=os.getcwd(), created_at=time.time(), created_by=self._me.node_id)
+            launch = JobLaunch(
+                cwd=os.getcwd(), created_at=time.time(), created_by=self._me.node_id, flags=self._launch_flags
+            )
             await self._store.put(self._keys.launch, encode(launch))
             return
         stored = await self._store.get(self._keys.spec)

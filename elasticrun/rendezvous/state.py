@@ -309,11 +309,16 @@ class LeaderState:
 
 @dataclass(frozen=True, slots=True)
 class JobLaunch:
-    """Facts about the job that nodes need not agree on: where and when it started."""
+    """Facts about the job that nodes need not agree on: where and when it started, and
+    the first node's own launcher settings (`--gpus`, `--tee`, `--shutdown-timeout`, ...),
+    which `elasticrun join` repeats: nodes may differ in them, so they are no part of the
+    spec, but a joining node starts like the first unless told otherwise."""
 
     cwd: str
     created_at: float
     created_by: str
+    #: those settings as launcher flags (`--shutdown-timeout=5`, `--isolate-gpus`)
+    flags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,8 +174,8 @@ class Nemesis:
             gone.append(victim)
         elif kind == "agent_term":
             victim.signal(signal.SIGTERM)
-            if victim.wait_exit() != 1:
-                raise self.fail(f"{victim.name} did not exit 1 after SIGTERM:\n{victim.text()[-3000:]}")
+            if victim.wait_exit() != 128 + signal.SIGTERM:
+                raise self.fail(f"{victim.name} did not exit 143 (128+SIGTERM) after SIGTERM:\n{victim.text()[-3000:]}")
             gone.append(victim)
         elif kind == "agent_freeze":
             victim.signal(signal.SIGSTOP)

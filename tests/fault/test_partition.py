@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from elasticrun.errors import EXIT_INFRASTRUCTURE
 from tests.elastic_cluster import RDZV_CONF, pid_alive, run_id, wait_until
 from tests.fault.conftest import (
     FaultCluster,
@@ -78,7 +79,7 @@ def _partition(netns: Netns, cluster: FaultCluster, reliability: Reliability, en
     if after == "exit":
         code = c.wait_exit()
         text = c.text()
-        assert code != 0, text[-4000:]
+        assert code == EXIT_INFRASTRUCTURE, text[-4000:]
         errors = re.findall(r"^elasticrun: error: .*$", text, re.MULTILINE)
         assert len(errors) == 1 and f"store at {endpoint} is unreachable" in errors[0], text[-4000:]
         assert "Traceback" not in text, text[-4000:]

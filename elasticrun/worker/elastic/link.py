@@ -78,7 +78,8 @@ class AgentLink:
         path = os.environ.get(SOCKET_VAR)
         if not path:
             return None
-        return cls(path, int(os.environ.get("LOCAL_RANK", "0")))
+        # the real local rank: LOCAL_RANK is 0 for every worker under --isolate-gpus
+        return cls(path, int(os.environ.get("ELASTICRUN_LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))))
 
     def on_change(self, callback: Callable[[int, bool], None] | None) -> None:
         """Call `callback(round, interrupt)` (from the reader thread) when the agent says
