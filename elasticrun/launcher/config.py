@@ -356,6 +356,12 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         raise UsageError(f"--node-rank must be within 0..{max_nodes - 1}, got {args.node_rank}")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.node_unit < 1:
+        raise UsageError(f"--node-unit must be >= 1, got {args.node_unit}")
+    if min_nodes % args.node_unit or max_nodes % args.node_unit:
+        raise UsageError(
+            f"--nnodes={args.nnodes}: MIN and MAX must be multiples of --node-unit={args.node_unit}"
+        )
     conf = parse_rdzv_conf(args.rdzv_conf)
     run_id = args.rdzv_id
     endpoint = args.rdzv_endpoint
@@ -399,6 +405,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         quarantine_after=_whole(conf.get("quarantine_after"), "--rdzv-conf quarantine_after", 3),
         quarantine_cooldown=probe.conf_float("quarantine_cooldown", 60.0),
         quarantine_cooldown_max=probe.conf_float("quarantine_cooldown_max", 3600.0),
+        node_unit=args.node_unit,
     )
     if settings.keep_alive_interval >= settings.heartbeat_ttl:
         raise UsageError(
@@ -443,6 +450,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         nproc_per_node=nproc_request,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
+        node_unit=args.node_unit,
         max_restarts=args.max_restarts,
         elastic_mode=args.elastic_mode,
         progress_timeout=args.progress_timeout,

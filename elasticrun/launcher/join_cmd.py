@@ -28,6 +28,7 @@ async def _job_argv(
     argv = [
         f"--nnodes={spec.nnodes}",
         f"--nproc-per-node={spec.nproc_per_node}",
+        f"--node-unit={spec.node_unit}",
         f"--max-restarts={spec.max_restarts}",
         f"--role={spec.role}",
         f"--elastic-mode={spec.elastic_mode}",

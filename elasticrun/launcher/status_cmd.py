@@ -66,7 +66,7 @@ def render(view: JobView, now: float) -> str:
                 state = "quarantined" if rank is None else state + " (quarantined)"
             rows.append([
                 node_id,
-                state if rank is not None or state != "init" else "waiting",
+                state if rank is not None or state != "init" else "spare" if view.running else "waiting",
                 _age(now - info.started_at),
                 str(rank) if rank is not None else "-",
                 status.ranks if status and status.ranks and rank is not None else "-",
@@ -119,6 +119,8 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
                 "node_rank": r.rank_of(n) if r else None,
                 "draining": n in view.drains,
                 "quarantined": n in held,
+                # registered, outside a running round: steps in when a participant goes
+                "spare": view.running and n not in held and (r is None or r.rank_of(n) is None),
             }
             for n, info in sorted(view.nodes.items())
         ],

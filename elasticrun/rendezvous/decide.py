@@ -48,6 +48,9 @@ class RendezvousSettings:
     quarantine_cooldown: float = 60.0
     #: the longest quarantine; a node quiet this long has its record forgotten
     quarantine_cooldown_max: float = 3600.0
+    #: every round's node count is a multiple of this (`--node-unit`; min_nodes and
+    #: max_nodes are multiples too): the registered nodes left over wait as spares
+    node_unit: int = 1
 
     @property
     def keep_alive_interval(self) -> float:
@@ -210,7 +213,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
             for node_id in missing:
                 if node_id not in view.draining:
                     book.count(node_id, f"dropped out of round {current.number}")
-        pick = _pick(survivors, newcomers, book, settings)
+        pick = _pick(members, survivors, newcomers, book, settings)
         reason = _lost_reason(missing, back)
         if len(pick.group) >= settings.min_nodes:
             return open_round(pick.group, reason + pick.joined + pick.notes(book, settings))
@@ -237,7 +240,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
             )
         if book.counts(restart.round):
             book.count(restart.node_id, f"worker failure: {restart.reason}")
-        pick = _pick(survivors, newcomers, book, settings)
+        pick = _pick(members, survivors, newcomers, book, settings)
         return open_round(
             pick.group,
             f"restart after a worker failure on {restart.node_id}: {restart.reason}"
@@ -245,7 +248,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
             restart_count=restarts + 1,
         )
 
-    pick = _pick(survivors, newcomers, book, settings)
+    pick = _pick(members, survivors, newcomers, book, settings)
     group, admitted = pick.group, pick.admitted
     held = book.held_note(view.nodes, [p.node_id for p in group])
     if members and pick.kept_out and len(group) >= settings.min_nodes:
@@ -267,9 +270,10 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
     if current is not None and members:
         if not admitted:
             waiting = [n for n in newcomers if not book.blocked(n.info.node_id)]
-            full = f" ({len(waiting)} waiting, max {settings.max_nodes} reached)" if waiting else ""
+            full = f" ({_spares(len(waiting), len(members), settings)})" if waiting else ""
             return Decision(reason=f"round {current.number} running with {_count(len(members))}{full}{held}")
-        deadline = book.arrival(admitted[0]) + settings.last_call
+        # the last call runs from the arrival that completed the first new unit
+        deadline = book.arrival(admitted[min(settings.node_unit, len(admitted)) - 1]) + settings.last_call
         if len(group) >= settings.max_nodes or now >= deadline:
             return open_round(group, f"scale up to {_count(len(group))}{pick.joined}{pick.notes(book, settings)}")
         return Decision(
@@ -400,9 +404,16 @@ class _Pick:
         return text
 
 
-def _pick(survivors: list[Participant], newcomers: list[SeenNode], book: _Book, settings: RendezvousSettings) -> _Pick:
+def _pick(
+    members: tuple[Participant, ...],
+    survivors: list[Participant],
+    newcomers: list[SeenNode],
+    book: _Book,
+    settings: RendezvousSettings,
+) -> _Pick:
     """Survivors in their order, then newcomers by arrival, up to max; no quarantined
-    node unless the job needs it to reach min (then the fewest, members first)."""
+    node unless the job needs it to reach min (then the fewest, members first); then
+    cut to whole node units (`_in_units`)."""
     waiting = sorted(newcomers, key=lambda n: (book.arrival(n), n.info.node_id))
     fine_new = [n for n in waiting if not book.blocked(n.info.node_id)]
     fine_survivors = [p for p in survivors if not book.blocked(p.node_id)]
@@ -416,9 +427,55 @@ def _pick(survivors: list[Participant], newcomers: list[SeenNode], book: _Book, 
             taken = set(spare[:short])
     group = [p for p in survivors if not book.blocked(p.node_id) or p.node_id in taken]
     admitted += [n for n in waiting if book.blocked(n.info.node_id) and n.info.node_id in taken]
-    group += [_participant(n) for n in admitted]
     kept_out = [p.node_id for p in survivors if book.blocked(p.node_id) and p.node_id not in taken]
-    return _Pick(group=group, admitted=admitted, kept_out=kept_out, last_resort=sorted(taken))
+    if settings.node_unit > 1:
+        group, admitted = _in_units(members, group, admitted, settings)
+    else:
+        group += [_participant(n) for n in admitted]
+    chosen = {p.node_id for p in group}
+    return _Pick(group=group, admitted=admitted, kept_out=kept_out, last_resort=sorted(taken & chosen))
+
+
+def _in_units(
+    members: tuple[Participant, ...], kept: list[Participant], admitted: list[SeenNode], settings: RendezvousSettings
+) -> tuple[list[Participant], list[SeenNode]]:
+    """The group cut to a multiple of the node unit, with ranks stable within units.
+
+    The round's members keep their places; a newcomer (a spare first: spares are the
+    earliest arrivals) takes the place of a member that left, so the unit it left stays
+    one unit at the same node ranks; the newcomers left over go last. When the nodes are
+    not a whole number of units, the ones that go (and wait as spares) are the
+    survivors of units that lost a member, the last such unit first, then the last
+    nodes: intact units stay together.
+    """
+    unit = settings.node_unit
+    kept_ids = {p.node_id for p in kept}
+    slots: list[Participant | None] = [m if m.node_id in kept_ids else None for m in members]
+    queue = [_participant(n) for n in admitted]
+    for i, slot in enumerate(slots):
+        if slot is None and queue:
+            slots[i] = queue.pop(0)
+    slots += queue
+    filled = [i for i, slot in enumerate(slots) if slot is not None]
+    excess = len(filled) - min(settings.max_nodes, len(filled) // unit * unit)
+    broken = [i for i in filled if any(s is None for s in slots[i - i % unit : i - i % unit + unit])]
+    for i in [*reversed(broken), *reversed(filled)]:
+        if excess <= 0:
+            break
+        if slots[i] is not None:
+            slots[i] = None
+            excess -= 1
+    group = [slot for slot in slots if slot is not None]
+    chosen = {p.node_id for p in group}
+    return group, [n for n in admitted if n.info.node_id in chosen]
+
+
+def _spares(waiting: int, running: int, settings: RendezvousSettings) -> str:
+    """What the registered nodes outside a running round wait for, as spares."""
+    spares = _plural(waiting, "spare")
+    if running >= settings.max_nodes:
+        return f"{spares}, max {settings.max_nodes} reached"
+    return f"{spares}, node unit {settings.node_unit}"
 
 
 def _plural(n: int, word: str) -> str:

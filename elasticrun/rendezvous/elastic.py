@@ -114,6 +114,9 @@ class ElasticRendezvous(RendezvousHandler):
         leader = state.reason if state else "waiting for the leader's first decision"
         held = self._quarantined()
         if held is None:
+            current = self._job.round
+            if current and current.participants and not current.closed and current.rank_of(self._me.node_id) is None:
+                return f"spare: takes the place of a participant that goes; the leader: {leader}"
             return leader
         until = time.strftime("%H:%M:%S", time.localtime(held.until))
         return f"quarantined until {until} ({held.reason}); the leader: {leader}"

@@ -46,7 +46,7 @@ FORMAT_VERSION = 1
 
 #: the job spec's own version, bumped whenever what a spec holds changes: a node whose
 #: spec has another version is refused as a mismatch, never compared field by field
-JOB_SPEC_VERSION = 1
+JOB_SPEC_VERSION = 2
 
 
 def job_prefix(run_id: str) -> str:
@@ -231,6 +231,8 @@ class JobSpec:
     nproc_per_node: str = "1"
     min_nodes: int = 1
     max_nodes: int = 1
+    #: --node-unit: every round runs a multiple of this many nodes
+    node_unit: int = 1
     max_restarts: int = 0
     elastic_mode: str = "restart"
     progress_timeout: float | None = None
