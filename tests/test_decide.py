@@ -463,3 +463,28 @@ def test_units_restart_after_a_worker_failure_keeps_whole_units():
     )
     d = decide(view, UNITS, now=15.0)  # d never answered the ping within the TTL: dead
     assert members(d) == ["a", "b"] and d.dead == ("d",)
+
+
+# --- a restart budget that forgives progress (issue 22) --------------------------------------
+
+
+def test_a_forgiven_restart_counts_as_a_restart_but_not_against_the_budget():
+    request = RestartRequest(round=7, node_id="b", reason="exit code 1", forgiven=True)
+    base = replace(running("a", "b", number=7, restarts=2), forgiven=1)
+    view = View(
+        nodes=nodes(node("a"), node("b")), round=base, restart=request, restart_seen_at=10.0,
+        acks=frozenset({"a", "b"}),
+    )
+    d = decide(view, SETTINGS, now=10.1)
+    assert d.round is not None and (d.round.restart_count, d.round.forgiven) == (3, 2)
+    assert "(forgiven: the workers had made progress)" in d.reason
+    charged = decide(replace(view, restart=replace(request, forgiven=False)), SETTINGS, now=10.1)
+    assert charged.round is not None and (charged.round.restart_count, charged.round.forgiven) == (3, 1)
+
+
+def test_forgiven_restarts_survive_a_store_that_restarted_empty():
+    ran = NodeInfo(node_id="a", host="h", addr="x", nproc=1, pid=1, started_at=0.0, ran_round=9, ran_restarts=4,
+                   ran_forgiven=3)
+    view = View(nodes={"a": SeenNode(ran, 0.0), **nodes(node("b"))}, round=None)
+    d = decide(view, SETTINGS, now=10.0)
+    assert d.round is not None and (d.round.restart_count, d.round.forgiven) == (4, 3)

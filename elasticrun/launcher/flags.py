@@ -125,6 +125,10 @@ def launch_parser() -> argparse.ArgumentParser:
                "over wait as spares; MIN and MAX of --nnodes must be multiples of it")
     _flag(p, "max-restarts", type=int, default=0,
           help="worker-failure restarts before the job fails (membership changes never count)")
+    _flag(p, "forgive-progress", default="",
+          help="heartbeat, or SECONDS: a worker failure spends a restart only when the workers made no progress "
+               "since the previous failure (every worker called elasticrun.worker.heartbeat(), or ran SECONDS); "
+               "a crash loop still stops after --max-restarts (off by default)")
     _flag(p, "elastic-mode", default="restart", choices=["restart", "in-process"],
           help="on a membership change: restart every worker (torchrun's way), or keep the survivors running "
                "(in-process; the script uses elasticrun.worker.elastic)")

@@ -37,6 +37,8 @@ async def _job_argv(
         f"--rdzv-id={target.run_id}",
         "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
     ]
+    if spec.forgive_progress:
+        argv.append(f"--forgive-progress={spec.forgive_progress}")
     if spec.progress_timeout is not None:
         argv.append(f"--progress-timeout={spec.progress_timeout}")
     if local_addr:

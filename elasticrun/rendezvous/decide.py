@@ -176,6 +176,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
     ran = [n.info for n in view.nodes.values()]
     number = max([number_now, *(i.ran_round for i in ran)]) + 1
     restarts = max([current.restart_count if current else 0, *(i.ran_restarts for i in ran)])
+    forgiven = max([current.forgiven if current else 0, *(i.ran_forgiven for i in ran)])
     restart = view.restart
     dead: tuple[str, ...] = ()
     if current is not None and members and restart is not None and restart.round == current.number:
@@ -191,7 +192,9 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
     not_new = set(missing) | {p.node_id for p in survivors}
     newcomers = [n for n in view.nodes.values() if n.info.node_id not in not_new]
 
-    def open_round(group: list[Participant], reason: str, restart_count: int = restarts) -> Decision:
+    def open_round(
+        group: list[Participant], reason: str, restart_count: int = restarts, forgiven_count: int = forgiven
+    ) -> Decision:
         return Decision(
             reason=reason,
             dead=dead,
@@ -201,6 +204,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
                 restart_count=restart_count,
                 reason=reason,
                 opened_at=0.0,  # stamped with wall time by the writer
+                forgiven=forgiven_count,
             ),
         )
 
@@ -241,11 +245,13 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         if book.counts(restart.round):
             book.count(restart.node_id, f"worker failure: {restart.reason}")
         pick = _pick(members, survivors, newcomers, book, settings)
+        free = " (forgiven: the workers had made progress)" if restart.forgiven else ""
         return open_round(
             pick.group,
-            f"restart after a worker failure on {restart.node_id}: {restart.reason}"
+            f"restart after a worker failure on {restart.node_id}: {restart.reason}{free}"
             f"{pick.joined}{pick.notes(book, settings)}",
             restart_count=restarts + 1,
+            forgiven_count=forgiven + restart.forgiven,
         )
 
     pick = _pick(members, survivors, newcomers, book, settings)

@@ -195,8 +195,8 @@ class ElasticRendezvous(RendezvousHandler):
             return True
         return not {p.node_id for p in ran.participants} <= {p.node_id for p in current.participants}
 
-    async def request_restart(self, reason: str) -> None:
-        request = RestartRequest(round=self._last_round, node_id=self._me.node_id, reason=reason)
+    async def request_restart(self, reason: str, *, forgiven: bool = False) -> None:
+        request = RestartRequest(round=self._last_round, node_id=self._me.node_id, reason=reason, forgiven=forgiven)
         await self._store.put(self._keys.restart, encode(request))
 
     async def fail(self, report: str) -> None:
@@ -257,7 +257,13 @@ class ElasticRendezvous(RendezvousHandler):
             raise RendezvousClosedError(self.run_id, current.closed, current.detail)
         await self._check_spec()
         self._lease = await self._store.grant_lease(self._settings.heartbeat_ttl)
-        me = replace(self._me, ran_round=self._last_round, ran_restarts=self._ran.restart_count if self._ran else 0)
+        ran = self._ran
+        me = replace(
+            self._me,
+            ran_round=self._last_round,
+            ran_restarts=ran.restart_count if ran else 0,
+            ran_forgiven=ran.forgiven if ran else 0,
+        )
         await self._store.put(keys.node(self._me.node_id), encode(me), lease=self._lease)
         self._spawn(self._keep_alive(self._lease), "keep-alive")
         self._spawn(self._watch_job(snapshot.revision + 1), "job watch")
@@ -388,6 +394,7 @@ class ElasticRendezvous(RendezvousHandler):
             master_addr=master.addr,
             master_port=master.port,
             restart_count=current.restart_count,
+            forgiven=current.forgiven,
         )
 
     async def _close(self, outcome: str, detail: str) -> None:

@@ -173,6 +173,8 @@ class NodeInfo:
     #: registered node ran (a new store numbers from 1 again), and keep the budget.
     ran_round: int = 0
     ran_restarts: int = 0
+    #: of `ran_restarts`, those forgiven (--forgive-progress)
+    ran_forgiven: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +202,9 @@ class Round:
     opened_at: float  # wall-clock time
     closed: str = ""
     detail: str = ""
+    #: of `restart_count`, the restarts forgiven because the workers had made progress
+    #: since the previous failure (--forgive-progress): not counted against the budget
+    forgiven: int = 0
 
     def rank_of(self, node_id: str) -> int | None:
         """The node rank of `node_id` in this round, or None when it is not in it."""
@@ -234,6 +239,8 @@ class JobSpec:
     #: --node-unit: every round runs a multiple of this many nodes
     node_unit: int = 1
     max_restarts: int = 0
+    #: --forgive-progress: "heartbeat", seconds, or "" (off)
+    forgive_progress: str = ""
     elastic_mode: str = "restart"
     progress_timeout: float | None = None
     role: str = "default"
@@ -276,6 +283,9 @@ class RestartRequest:
     #: the node's budget is spent: end the job (with `report`) unless a node died
     final: bool = False
     report: str = ""
+    #: the workers had made progress since the previous failure (--forgive-progress):
+    #: the restart is free
+    forgiven: bool = False
 
 
 @dataclass(frozen=True, slots=True)
