@@ -84,6 +84,9 @@ class View:
     quarantine: QuarantineTable = QuarantineTable()
     #: nodes an operator asked to leave (`elasticrun drain`): their going is no failure
     draining: frozenset[str] = frozenset()
+    #: members whose liveness port refused the leader's connection after the current
+    #: round's restart request (their port had accepted one before): their agent is gone
+    refused: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +106,9 @@ class Decision:
     #: the quarantine table changed: store this one (before the round)
     quarantine: QuarantineTable | None = None
     #: members declared dead because they did not answer the liveness ping for a
-    #: lease TTL: the leader ends their registrations (etcd may keep a dead node's
-    #: lease for a while), or the next decision would admit them again as newcomers
+    #: lease TTL, or their liveness port refused a connection: the leader ends their
+    #: registrations (the store keeps a dead node's lease until its TTL, etcd even
+    #: longer), or the next decision would admit them again as newcomers
     dead: tuple[str, ...] = ()
     #: the job has ended: there is nothing left to lead (a round after it would
     #: re-form a job that every agent already took for finished)
@@ -183,11 +187,14 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         # A member that has not answered the liveness ping within a lease TTL is dead,
         # whether or not the store has expired its lease yet (etcd expires leases late):
         # failing the job, or restarting with it, would blame the living for its death.
+        # A member whose liveness port refused a connection is gone now: its kernel
+        # closed the port as the agent died (a stopped or slow one still accepts).
         silent = {p.node_id for p in survivors if p.node_id not in view.acks}
-        if silent and now >= view.restart_seen_at + settings.heartbeat_ttl:
-            survivors = [p for p in survivors if p.node_id not in silent]
-            missing += sorted(silent)
-            dead = tuple(sorted(silent))
+        gone = silent if now >= view.restart_seen_at + settings.heartbeat_ttl else silent & view.refused
+        if gone:
+            survivors = [p for p in survivors if p.node_id not in gone]
+            missing += sorted(gone)
+            dead = tuple(sorted(gone))
     lost = missing + back
     not_new = set(missing) | {p.node_id for p in survivors}
     newcomers = [n for n in view.nodes.values() if n.info.node_id not in not_new]
@@ -219,6 +226,8 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
                     book.count(node_id, f"dropped out of round {current.number}")
         pick = _pick(members, survivors, newcomers, book, settings)
         reason = _lost_reason(missing, back)
+        if set(dead) & view.refused:
+            reason += f" (agent gone: {_names(sorted(set(dead) & view.refused))} refused the liveness check)"
         if len(pick.group) >= settings.min_nodes:
             return open_round(pick.group, reason + pick.joined + pick.notes(book, settings))
         # Too few to continue: an empty round stops the survivors' workers now.

@@ -34,6 +34,7 @@ from elasticrun.errors import (
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.leader import DETAIL_LIMIT, Leader, close_job
+from elasticrun.rendezvous.liveness import LivenessPort
 from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.state import (
@@ -103,6 +104,8 @@ class ElasticRendezvous(RendezvousHandler):
         self._last_round = 0
         self._ran: Round | None = None  # the round this node last ran
         self._reports = Reporter(store, self._keys, me)
+        #: open from the first registration until the node is done with the job
+        self._liveness: LivenessPort | None = None
 
     # --- RendezvousHandler -----------------------------------------------------------
 
@@ -230,6 +233,13 @@ class ElasticRendezvous(RendezvousHandler):
                 await self._store.delete(self._keys.drain(self._me.node_id))
 
     async def aclose(self) -> None:
+        """Give up the membership, then the liveness port: the node is done with the job."""
+        await self._end_membership()
+        liveness, self._liveness = self._liveness, None
+        if liveness is not None:
+            await liveness.close()
+
+    async def _end_membership(self) -> None:
         """Stop the background tasks, give up the lease (deleting our keys now) and the port."""
         self._release_port()
         # A task's own failure was handled as it ended (`_task_ended`); the caller's
@@ -248,7 +258,7 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def _register(self) -> None:
         """Take a lease, check the job spec, register, and start watching."""
-        await self.aclose()
+        await self._end_membership()
         self._lost = ""
         keys = self._keys
         snapshot = await self._reread_job()
@@ -257,9 +267,12 @@ class ElasticRendezvous(RendezvousHandler):
             raise RendezvousClosedError(self.run_id, current.closed, current.detail)
         await self._check_spec()
         self._lease = await self._store.grant_lease(self._settings.heartbeat_ttl)
+        if self._liveness is None:
+            self._liveness = await LivenessPort.open(self._me.addr)
         ran = self._ran
         me = replace(
             self._me,
+            liveness_port=self._liveness.port if self._liveness is not None else 0,
             ran_round=self._last_round,
             ran_restarts=ran.restart_count if ran else 0,
             ran_forgiven=ran.forgiven if ran else 0,

@@ -175,6 +175,9 @@ class NodeInfo:
     ran_restarts: int = 0
     #: of `ran_restarts`, those forgiven (--forgive-progress)
     ran_forgiven: int = 0
+    #: the agent's liveness port on `addr` (0: none): a refused connection there tells
+    #: the leader that the agent process is gone (see liveness.py)
+    liveness_port: int = 0
 
 
 @dataclass(frozen=True, slots=True)
