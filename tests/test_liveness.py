@@ -57,21 +57,26 @@ def _conf(rdzv: Rdzv) -> str:
     return rdzv.conf.replace(RDZV_CONF, LONG_TTL)
 
 
-def test_a_killed_participant_is_found_gone_long_before_its_lease_ends(cluster: Cluster, rdzv: Rdzv) -> None:
+@pytest.mark.parametrize("who", ["member", "leader"])
+def test_a_killed_participant_is_found_gone_long_before_its_lease_ends(cluster: Cluster, rdzv: Rdzv, who: str) -> None:
     # the survivors' workers fail as their collective breaks (--broken-wait 0): the
-    # leader checks every member, and the dead one's port refuses
+    # leader checks every member, and the dead one's port refuses; a dead leader is
+    # checked by the nodes whose workers failed, which end its lease
     crash = ("--broken-wait", "0")
     agents = [start(cluster, rdzv, n, i + 2, "2:3", conf=_conf(rdzv), worker_args=crash) for i, n in enumerate("abc")]
     before = {p.name: step(p, 3) for p in agents}
     boss = leader(agents)
-    victim = next(p for p in agents if p is not boss)
+    victim = boss if who == "leader" else next(p for p in agents if p is not boss)
     survivors = [p for p in agents if p is not victim]
     marks = {p.name: p.mark() for p in survivors}
     kill_node(victim, int(before[victim.name]["pid"]))
 
     for p in survivors:
         assert step(p, 2, start=marks[p.name])["restart"] == "0"  # a death is free
-    assert re.search(rf"lost {node_id(victim)} \(agent gone: .* refused the liveness check\)", boss.text())
+    if who == "member":
+        assert re.search(rf"lost {node_id(victim)} \(agent gone: .* refused the liveness check\)", boss.text())
+    else:
+        assert any(re.search(rf"leader {node_id(victim)}: its liveness port refused", p.text()) for p in survivors)
     finish(cluster, *survivors)
 
 
