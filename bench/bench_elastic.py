@@ -133,8 +133,10 @@ class Job:
 
     def start_node(self, i: int) -> None:
         base = LAUNCHERS["torchrun" if self.launcher.startswith("torchrun") else "elasticrun"]
+        cwd = {}
         if self.launcher == "elasticrun-base":  # an earlier elasticrun, from --baseline's checkout
             self.env = {**self.env, "PYTHONPATH": BASELINE}
+            cwd = {"cwd": Path(BASELINE)}  # `python -m` looks in the working folder first
         argv = [
             *base,
             f"--nnodes={self.nnodes}",
@@ -151,7 +153,7 @@ class Job:
         env = base_env(BENCH_EVENTS=str(self.workdir / "events"), BENCH_NODE=f"n{i}", BENCH_CRASH_FILE=str(self.crash_file), **self.env)
         if self.launcher == "torchrun-noshare":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        proc = self.tracker.start(argv, env=env, log=self.workdir / f"n{i}.log")
+        proc = self.tracker.start(argv, env=env, log=self.workdir / f"n{i}.log", **cwd)
         self.nodes[i] = proc.pid
 
     def step_at(self, world: int, after: float, cap: float) -> float | None:

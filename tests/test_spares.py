@@ -40,7 +40,9 @@ def test_fixed_size_a_spare_steps_in_for_a_killed_participant(cluster: Cluster, 
     before = {p.name: step(p, 3, restart=0) for p in agents}
     spare = start(cluster, rdzv, "spare", 5, "3")
     spare.wait_for(r"waiting: spare: ")
-    assert spares(rdzv) == [node_id(spare)]
+    later = start(cluster, rdzv, "later", 6, "3")  # a second spare, registered after the first
+    later.wait_for(r"waiting: spare: ")
+    assert sorted(spares(rdzv)) == sorted([node_id(spare), node_id(later)])
 
     victim = next(p for p in agents if before[p.name]["group_rank"] == "1")
     survivors = [p for p in agents if p is not victim]
@@ -49,8 +51,19 @@ def test_fixed_size_a_spare_steps_in_for_a_killed_participant(cluster: Cluster, 
 
     after = {p.name: step(p, 3, start=marks.get(p.name, 0)) for p in (*survivors, spare)}
     assert {m["restart"] for m in after.values()} == {"0"}  # --max-restarts=0: nothing spent
-    # the survivors keep their order; the spare comes in
+    # the survivors keep their order; the first spare comes in
     assert sorted(m["group_rank"] for m in after.values()) == ["0", "1", "2"]
+    assert spares(rdzv) == [node_id(later)]
+
+    # a spare is drained like any node: it leaves, exits 0, and the job runs on
+    drain = subprocess.run(
+        [sys.executable, "-m", "elasticrun", "drain", "--node", node_id(later), "--timeout", "30",
+         f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert drain.returncode == 0, drain.stderr
+    assert later.wait_exit() == 0
+    assert spares(rdzv) == []
     finish(cluster, *survivors, spare)
 
 
