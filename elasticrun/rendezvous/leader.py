@@ -309,7 +309,15 @@ class Leader:
         if seen is None or seen.info != probed.info:
             return  # gone, or registered again since: the answer is about an old agent
         if probed.verdict is Verdict.LISTENING:
+            new = node_id not in self._reachable
             self._reachable.add(node_id)
+            current = self._records.round
+            if new and not probed.suspect and current is not None and self._pinged == current.number:
+                # found reachable while a check is on (a leader that just took over):
+                # it is a suspect like the others
+                answered = self._records.acks.get(node_id) == Ping(round=current.number)
+                if current.rank_of(node_id) is not None and not answered:
+                    self._probe(probed.info, current.number)
         elif probed.verdict is Verdict.GONE and probed.suspect and node_id in self._reachable:
             log.warning("node %s: its liveness port refused a connection: its agent is gone", node_id)
             self._refused[node_id] = probed.suspect
