@@ -488,3 +488,20 @@ def test_forgiven_restarts_survive_a_store_that_restarted_empty():
     view = View(nodes={"a": SeenNode(ran, 0.0), **nodes(node("b"))}, round=None)
     d = decide(view, SETTINGS, now=10.0)
     assert d.round is not None and (d.round.restart_count, d.round.forgiven) == (4, 3)
+
+
+# --- a death noticed in about a second (issue 22) ----------------------------------------------
+
+
+def test_a_member_whose_liveness_port_refused_is_dead_at_once_the_others_wait_for_the_ttl():
+    request = RestartRequest(round=4, node_id="a", reason="exit code 1")
+    view = View(
+        nodes=nodes(node("a"), node("b"), node("c")), round=running("a", "b", "c", number=4, restarts=1),
+        restart=request, restart_seen_at=10.0, acks=frozenset({"a"}), refused=frozenset({"c"}),
+    )
+    d = decide(view, SETTINGS, now=10.2)  # b is silent but not refused: still within the TTL
+    assert members(d) == ["a", "b"] and d.dead == ("c",)
+    assert d.round is not None and d.round.restart_count == 1  # a death is free
+    assert "lost c (agent gone: c refused the liveness check)" in d.reason
+    stopped = replace(view, refused=frozenset())
+    assert decide(stopped, SETTINGS, now=10.2).round is None  # a stopped node: the TTL judges
