@@ -255,6 +255,10 @@ class Agent:
                 await self.handler.leave(reason)
                 code = EXIT_FAILURE if self._signal is not None else 0
                 return self._end(WorkerState.STOPPED, code, reason)
+            before = self._assignment
+            if before is not None and assignment.restart_count > before.restart_count:
+                # a worker failure, here or on another node: progress counts from it
+                self._ran_since_failure, self._heartbeat_since_failure = 0.0, False
             self._assignment = assignment
             try:
                 attempt = await self._run_attempt(assignment)
