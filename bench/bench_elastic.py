@@ -29,6 +29,9 @@ Scenarios (t0 is taken just before the action; every wait is capped at --cap sec
              exited (`s`; polled every 0.02 s), and every process below them at t0 (their
              workers) is gone (`spawn_s`); with their exit codes and last error lines.
              No store, no job: both launchers can only end, the question is how soon.
+  spare      --nnodes=3 (fixed), n1..n3 stepping at world 3, then n4 started and left
+             to settle 5 s (a spare; torchrun's waits for the next round), then SIGKILL
+             of n3's agent and worker -> first step at world 3 again (n4 in n3's place)
   torchrun runs `grow` a second time with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
   ("torchrun-noshare"), for scale-up.
 A phase that did not happen within the cap is recorded as such, and the rest of that
@@ -67,6 +70,10 @@ from common import (  # noqa: E402
 )
 
 SCRIPT = WORKERS / "elastic_loop.py"
+#: seconds the spare scenario gives the fourth agent to settle before the kill
+SPARE_SETTLE = 5.0
+#: --baseline: a checkout of an earlier elasticrun, run as launcher "elasticrun-base"
+BASELINE = ""
 MAX_RESTARTS = 3
 Event = dict[str, object]
 
@@ -126,6 +133,10 @@ class Job:
 
     def start_node(self, i: int) -> None:
         base = LAUNCHERS["torchrun" if self.launcher.startswith("torchrun") else "elasticrun"]
+        cwd = {}
+        if self.launcher == "elasticrun-base":  # an earlier elasticrun, from --baseline's checkout
+            self.env = {**self.env, "PYTHONPATH": BASELINE}
+            cwd = {"cwd": Path(BASELINE)}  # `python -m` looks in the working folder first
         argv = [
             *base,
             f"--nnodes={self.nnodes}",
@@ -142,7 +153,7 @@ class Job:
         env = base_env(BENCH_EVENTS=str(self.workdir / "events"), BENCH_NODE=f"n{i}", BENCH_CRASH_FILE=str(self.crash_file), **self.env)
         if self.launcher == "torchrun-noshare":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        proc = self.tracker.start(argv, env=env, log=self.workdir / f"n{i}.log")
+        proc = self.tracker.start(argv, env=env, log=self.workdir / f"n{i}.log", **cwd)
         self.nodes[i] = proc.pid
 
     def step_at(self, world: int, after: float, cap: float) -> float | None:
@@ -268,6 +279,23 @@ def run_kill(job: Job, cap: float) -> dict[str, object]:
     return result
 
 
+def run_spare(job: Job, cap: float) -> dict[str, object]:
+    """--nnodes=3 with a fourth agent waiting (issue 22): SIGKILL of a participant ->
+    the first step at world 3 again, the waiting agent in the dead one's place."""
+    result: dict[str, object] = {}
+    if not _form_three(job, result, cap):
+        return result
+    job.start_node(4)
+    time.sleep(SPARE_SETTLE)  # the fourth agent registers and waits
+    job.step_at(3, time.time(), cap)  # still stepping at 3 (torchrun may have re-formed)
+    time.sleep(0.5)
+    t0 = time.time()
+    kill_tree(job.nodes[3], signal.SIGKILL)
+    t1 = job.step_at(3, t0 + 0.05, cap)
+    _phase(result, "sigkill_spare_in", t0, t1, cap, _spawned(job, t0, 3), job)
+    return result
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` still runs; a zombie (exited, an orphan not yet reaped by us) does not."""
     try:
@@ -312,10 +340,13 @@ PHASES = {
     "grow": ["formation", "scale_up", "crash", "sigterm"],
     "kill": ["formation_3_of_max_3", "sigkill"],
     "host-kill": ["formation_3_of_max_3", "host_lost"],
+    "spare": ["formation_3_of_max_3", "sigkill_spare_in"],
 }
 TARGETS = {"grow/formation": "≤ 3 s", "grow/scale_up": "≤ 5 s", "kill/sigkill": "≤ 10 s", "grow/sigterm": "≤ 3 s", "grow/crash": "≤ 3 s",
            "host-kill/host_lost": "≤ 3 s"}
-RUNNERS: dict[str, Callable[[Job, float], dict[str, object]]] = {"grow": run_grow, "kill": run_kill, "host-kill": run_host_kill}
+RUNNERS: dict[str, Callable[[Job, float], dict[str, object]]] = {
+    "grow": run_grow, "kill": run_kill, "host-kill": run_host_kill, "spare": run_spare,
+}
 
 
 def main() -> int:
@@ -326,19 +357,22 @@ def main() -> int:
     ap.add_argument("--launchers", nargs="*", default=["elasticrun", "torchrun", "torchrun-noshare"])
     ap.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, help="passed to every agent (default 3)")
     ap.add_argument("--json", help="write every trial here")
+    ap.add_argument("--baseline", default="",
+                    help="a checkout of an earlier elasticrun (e.g. from git archive) to run side by side as elasticrun-base")
     args = ap.parse_args()
     globals()["MAX_RESTARTS"] = args.max_restarts
+    globals()["BASELINE"] = args.baseline
     info, root = start_run("bench_elastic_")
     trials: list[dict[str, object]] = []
     started = time.monotonic()
     for rep in range(args.reps):
         for scenario in args.only:
             launchers = ["elasticrun", "torchrun"] + (["torchrun-noshare"] if scenario == "grow" else [])
-            launchers = [x for x in launchers if x in args.launchers]
+            launchers = [x for x in launchers if x in args.launchers] + (["elasticrun-base"] if args.baseline else [])
             if rep % 2:
                 launchers.reverse()
             for launcher in launchers:
-                nnodes = scenario.split("-")[1] if scenario.startswith("rdzv") else "1:3"
+                nnodes = scenario.split("-")[1] if scenario.startswith("rdzv") else "3" if scenario == "spare" else "1:3"
                 job = Job(launcher, nnodes, root / f"rep{rep}-{scenario}-{launcher}")
                 print(f"rep {rep} {scenario} {launcher} (load {loadavg()}, {time.monotonic() - started:.0f} s in)", flush=True)
                 try:
@@ -355,13 +389,15 @@ def main() -> int:
     print("Cells: median seconds to the first step at the new world size / to all new workers started "
           "(the script's first line), (runs that got there / runs); for host-kill / host_lost: to the last "
           "surviving agent's exit / to its workers gone.\n")
-    print("| scenario / phase | elasticrun | torchrun | torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 | ours / torchrun, first step | ours / torchrun, workers started | target |")
-    print("|---|---|---|---|---|---|---|")
+    base_col = " elasticrun before (--baseline) |" if args.baseline else ""
+    print("| scenario / phase | elasticrun | torchrun | torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 | ours / torchrun, first step "
+          f"| ours / torchrun, workers started | target |{base_col}")
+    print("|---|---|---|---|---|---|---|" + ("---|" if args.baseline else ""))
     summary: dict[str, dict[str, object]] = {}
     for scenario in args.only:
         for phase in PHASES[scenario]:
             cells: dict[str, dict[str, object]] = {}
-            for launcher in ("elasticrun", "torchrun", "torchrun-noshare"):
+            for launcher in ("elasticrun", "torchrun", "torchrun-noshare", "elasticrun-base"):
                 rs = [t.get(phase) for t in trials if t["scenario"] == scenario and t["launcher"] == launcher]
                 runs = sum(1 for t in trials if t["scenario"] == scenario and t["launcher"] == launcher)
                 steps = [r["s"] for r in rs if isinstance(r, dict) and r["s"] is not None]  # type: ignore[index]
@@ -376,7 +412,8 @@ def main() -> int:
 
             e, t = cells["elasticrun"], cells["torchrun"]
             print(f"| {scenario} / {phase} | {cell('elasticrun')} | {cell('torchrun')} | {cell('torchrun-noshare')} | "
-                  f"{ratio(e['step'], t['step'])} | {ratio(e['spawn'], t['spawn'])} | {TARGETS.get(f'{scenario}/{phase}', '')} |")  # type: ignore[arg-type]
+                  f"{ratio(e['step'], t['step'])} | {ratio(e['spawn'], t['spawn'])} | {TARGETS.get(f'{scenario}/{phase}', '')} |"  # type: ignore[arg-type]
+                  + (f" {cell('elasticrun-base')} |" if args.baseline else ""))
     # the workers' own start-up (script start -> gloo group up), the same script under both
     inits = []
     for t in trials:

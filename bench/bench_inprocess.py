@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_elastic  # noqa: E402
 from bench_elastic import Job  # noqa: E402
 from common import start_run, WORKERS, fmt, kill_tree, loadavg, median, ratio, write_json  # noqa: E402
 
@@ -120,7 +121,16 @@ def main() -> int:
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     ap.add_argument("--phases", nargs="*", default=list(PHASES), choices=list(PHASES))
     ap.add_argument("--json", help="write every trial here")
+    ap.add_argument("--baseline", default="",
+                    help="a checkout of an earlier elasticrun (e.g. from git archive): its in-process and restart "
+                         "modes run side by side as in-process-base and restart-base")
     args = ap.parse_args()
+    if args.baseline:
+        bench_elastic.BASELINE = args.baseline
+        for mode in ("in-process", "restart"):
+            if mode in args.modes:
+                MODES[f"{mode}-base"] = ("elasticrun-base", MODES[mode][1])
+                args.modes.append(f"{mode}-base")
     info, root = start_run("bench_inprocess_")
     trials: list[dict[str, object]] = []
     started = time.monotonic()
@@ -156,6 +166,13 @@ def main() -> int:
     print("\nTime from the action to the first step at the new world size (on scale-up this "
           "includes the newcomer's own start: a Python process importing torch).\n")
     _table(summary, "s", "")
+    if args.baseline:
+        print("\nThe earlier checkout (--baseline), same runs: recovery / time to the new size (median seconds)\n")
+        print("| phase | " + " | ".join(m for m in MODES if m.endswith("-base")) + " |")
+        print("|---|" + "---|" * sum(m.endswith("-base") for m in MODES))
+        for phase, cells in summary.items():
+            row = [f"{fmt(cells[m]['pause_s'])} / {fmt(cells[m]['s'])}" for m in MODES if m.endswith("-base")]  # type: ignore[index]
+            print(f"| {phase} | " + " | ".join(row) + " |")
     write_json(args.json, {"machine": info, "trials": trials, "summary": summary})
     return 0
 

@@ -81,7 +81,7 @@ def test_scale_up_after_last_call_keeps_survivor_ranks():
 def test_full_job_leaves_newcomers_waiting():
     view = View(nodes=nodes(node("a"), node("b"), node("c"), node("d", 9.0)), round=running("a", "b", "c"))
     d = decide(view, SETTINGS, now=100.0)
-    assert d.round is None and "1 waiting, max 3 reached" in d.reason
+    assert d.round is None and "1 spare, max 3 reached" in d.reason
 
 
 def test_lost_node_ends_round_at_once_and_admits_waiting():
@@ -393,3 +393,115 @@ def test_forming_leaves_quarantined_nodes_out_unless_needed():
     lone = View(nodes=nodes(node("a", 1.0), node("c", 1.0)), round=None, quarantine=table)
     d = decide(lone, Q, now=5.0)
     assert members(d) == ["a", "c"] and "kept c despite the quarantine" in d.reason
+
+
+# --- spares and node units (issue 22) ------------------------------------------------------
+
+UNITS = RendezvousSettings(run_id="job", min_nodes=2, max_nodes=6, last_call=1.0, node_unit=2)
+
+
+def test_a_spare_takes_a_lost_members_place_before_a_newcomer_and_spends_nothing():
+    fixed = RendezvousSettings(run_id="job", min_nodes=3, max_nodes=3, last_call=1.0)
+    view = View(
+        nodes=nodes(node("a"), node("c"), node("spare", 5.0), node("late", 99.0)),
+        round=running("a", "b", "c", number=4, restarts=1),
+    )
+    d = decide(view, fixed, now=100.0)
+    assert members(d) == ["a", "c", "spare"]
+    assert d.round is not None and d.round.restart_count == 1 and d.round.number == 5
+
+
+def test_units_form_the_largest_multiple_and_leave_the_rest_as_spares():
+    view = View(nodes=nodes(*(node(n, float(i)) for i, n in enumerate("abcde"))), round=None)
+    assert decide(view, UNITS, now=1.5).round is None  # the last call after the min-th arrival
+    d = decide(view, UNITS, now=10.0)
+    assert members(d) == ["a", "b", "c", "d"]
+    assert decide(View(nodes=view.nodes, round=running(*"abcd")), UNITS, now=11.0).reason == (
+        "round 1 running with 4 nodes (1 spare, node unit 2)"
+    )
+
+
+def test_units_a_spare_steps_into_the_lost_nodes_rank():
+    view = View(nodes=nodes(node("a"), node("c"), node("d"), node("e", 5.0)), round=running(*"abcd"))
+    d = decide(view, UNITS, now=20.0)
+    assert members(d) == ["a", "e", "c", "d"]  # b's unit stays at node ranks 0-1
+
+
+def test_units_a_loss_with_no_spare_shrinks_to_the_lower_multiple_keeping_whole_units():
+    view = View(nodes=nodes(*(node(n) for n in "abdef")), round=running(*"abcdef"))
+    d = decide(view, UNITS, now=20.0)
+    assert members(d) == ["a", "b", "e", "f"]  # c's partner d waits as a spare
+    two_more = View(nodes=nodes(node("a"), node("e"), node("d")), round=running("a", "b", "e", "f", number=2))
+    assert members(decide(two_more, UNITS, now=21.0)) == ["a", "d"]  # d fills b's place
+
+
+def test_units_scale_up_waits_for_a_whole_unit_then_the_last_call():
+    roomy = replace(UNITS, max_nodes=8)
+    view = View(nodes=nodes(*(node(n) for n in "abcd"), node("e", 50.0)), round=running(*"abcd"))
+    assert decide(view, roomy, now=60.0).round is None
+    more = View(nodes={**view.nodes, **nodes(node("f", 60.0))}, round=view.round)
+    assert decide(more, roomy, now=60.5).round is None  # the last call runs from f's arrival
+    d = decide(more, roomy, now=61.0)
+    assert members(d) == ["a", "b", "c", "d", "e", "f"]
+    assert members(decide(more, UNITS, now=60.0)) == members(d)  # max reached: at once
+
+
+def test_units_fixed_size_waits_for_a_spare_rather_than_run_a_broken_unit():
+    fixed = RendezvousSettings(run_id="job", min_nodes=4, max_nodes=4, last_call=1.0, node_unit=2)
+    view = View(nodes=nodes(node("a"), node("b"), node("d")), round=running(*"abcd"))
+    d = decide(view, fixed, now=20.0)
+    assert members(d) == [] and "waiting for nodes" in d.reason
+    back = View(nodes={**view.nodes, **nodes(node("x", 30.0))}, round=d.round and replace(d.round, number=2))
+    assert members(decide(back, fixed, now=31.0)) == ["a", "b", "d", "x"]
+
+
+def test_units_restart_after_a_worker_failure_keeps_whole_units():
+    request = RestartRequest(round=1, node_id="a", reason="exit code 1")
+    view = View(
+        nodes=nodes(*(node(n) for n in "abcd")), round=running(*"abcd"), restart=request,
+        restart_seen_at=10.0, acks=frozenset("abc"),
+    )
+    d = decide(view, UNITS, now=15.0)  # d never answered the ping within the TTL: dead
+    assert members(d) == ["a", "b"] and d.dead == ("d",)
+
+
+# --- a restart budget that forgives progress (issue 22) --------------------------------------
+
+
+def test_a_forgiven_restart_counts_as_a_restart_but_not_against_the_budget():
+    request = RestartRequest(round=7, node_id="b", reason="exit code 1", forgiven=True)
+    base = replace(running("a", "b", number=7, restarts=2), forgiven=1)
+    view = View(
+        nodes=nodes(node("a"), node("b")), round=base, restart=request, restart_seen_at=10.0,
+        acks=frozenset({"a", "b"}),
+    )
+    d = decide(view, SETTINGS, now=10.1)
+    assert d.round is not None and (d.round.restart_count, d.round.forgiven) == (3, 2)
+    assert "(forgiven: the workers had made progress)" in d.reason
+    charged = decide(replace(view, restart=replace(request, forgiven=False)), SETTINGS, now=10.1)
+    assert charged.round is not None and (charged.round.restart_count, charged.round.forgiven) == (3, 1)
+
+
+def test_forgiven_restarts_survive_a_store_that_restarted_empty():
+    ran = NodeInfo(node_id="a", host="h", addr="x", nproc=1, pid=1, started_at=0.0, ran_round=9, ran_restarts=4,
+                   ran_forgiven=3)
+    view = View(nodes={"a": SeenNode(ran, 0.0), **nodes(node("b"))}, round=None)
+    d = decide(view, SETTINGS, now=10.0)
+    assert d.round is not None and (d.round.restart_count, d.round.forgiven) == (4, 3)
+
+
+# --- a death noticed in about a second (issue 22) ----------------------------------------------
+
+
+def test_a_member_whose_liveness_port_refused_is_dead_at_once_the_others_wait_for_the_ttl():
+    request = RestartRequest(round=4, node_id="a", reason="exit code 1")
+    view = View(
+        nodes=nodes(node("a"), node("b"), node("c")), round=running("a", "b", "c", number=4, restarts=1),
+        restart=request, restart_seen_at=10.0, acks=frozenset({"a"}), refused=frozenset({"c"}),
+    )
+    d = decide(view, SETTINGS, now=10.2)  # b is silent but not refused: still within the TTL
+    assert members(d) == ["a", "b"] and d.dead == ("c",)
+    assert d.round is not None and d.round.restart_count == 1  # a death is free
+    assert "lost c (agent gone: c refused the liveness check)" in d.reason
+    stopped = replace(view, refused=frozenset())
+    assert decide(stopped, SETTINGS, now=10.2).round is None  # a stopped node: the TTL judges

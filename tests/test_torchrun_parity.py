@@ -91,7 +91,7 @@ def assert_same_worker_env(
 
 
 def test_standalone_worker_environment_matches_torchrun(tmp_path: Path) -> None:
-    out_t, out_o = tmp_path / "torchrun", tmp_path / "elasticrun"
+    out_t, out_o = tmp_path / "by-torchrun", tmp_path / "by-elasticrun"
     out_t.mkdir()
     out_o.mkdir()
     args = ["--standalone", "--nproc-per-node", "2", PROBE]
@@ -118,7 +118,7 @@ def test_standalone_worker_environment_matches_torchrun(tmp_path: Path) -> None:
 
 def test_static_backend_without_standalone_matches_torchrun(tmp_path: Path) -> None:
     """The default backend (static) with --master-port: same variables, same port given."""
-    out_t, out_o = tmp_path / "torchrun", tmp_path / "elasticrun"
+    out_t, out_o = tmp_path / "by-torchrun", tmp_path / "by-elasticrun"
     out_t.mkdir()
     out_o.mkdir()
     # torchrun's static agent listens on its master port itself: one port each
@@ -183,7 +183,7 @@ def run_both_probes(
     tmp_path: Path, args: list[object], env: dict[str, str] | None = None, nproc: int = 2
 ) -> tuple[dict[int, dict[str, object]], dict[int, dict[str, object]]]:
     """`args` then an output folder, under torchrun and under elasticrun; what each rank wrote."""
-    outs = tmp_path / "torchrun", tmp_path / "elasticrun"
+    outs = tmp_path / "by-torchrun", tmp_path / "by-elasticrun"
     for out in outs:
         out.mkdir()
     procs = [
@@ -314,7 +314,7 @@ def run_both_env(
 def test_duplicate_filters_write_torchruns_filtered_files(tmp_path: Path) -> None:
     """The tee'd lines that match, with their prefix, in <attempt>/filtered_std*.log."""
     env = clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[${rank}]: ")
-    logs = tmp_path / "torchrun", tmp_path / "elasticrun"
+    logs = tmp_path / "by-torchrun", tmp_path / "by-elasticrun"
     args = ["--standalone", "--nproc-per-node", "2", "--tee", "3",
             "--duplicate-stdout-filters", "rank=1,no,,such", "--duplicate-stderr-filters", "err rank"]
     procs = [start_cli([*args, "--log-dir", logs[0], SPEAK], module=TORCHRUN, env=env),
@@ -338,11 +338,11 @@ def test_a_signalled_agent_exits_128_plus_n_where_torchrun_exits_1(tmp_path: Pat
     wait.write_text("import pathlib, sys, time\npathlib.Path(sys.argv[1]).write_text('up')\ntime.sleep(60)\n")
     procs = []
     for name, module in (("torchrun", TORCHRUN), ("elasticrun", "elasticrun")):
-        (tmp_path / name).mkdir()
-        procs.append(start_cli(["--standalone", wait, tmp_path / name / "ready"], module=module))
+        (tmp_path / f"by-{name}").mkdir()
+        procs.append(start_cli(["--standalone", wait, tmp_path / f"by-{name}" / "ready"], module=module))
     try:
         for name, proc in zip(("torchrun", "elasticrun"), procs, strict=True):
-            wait_for_file(tmp_path / name / "ready", proc)
+            wait_for_file(tmp_path / f"by-{name}" / "ready", proc)
             os.kill(proc.pid, signal.SIGTERM)
         theirs, ours = (finish(p, timeout=60) for p in procs)
     finally:
@@ -425,7 +425,7 @@ def test_logs_specs_lays_out_the_logs_as_under_torchrun(tmp_path: Path, name: st
     (plugin / "flat_logs-1.0.dist-info" / "entry_points.txt").write_text(
         "[torchrun.logs_specs]\nflat = flat_logs:FlatLogs\n")
     env = clean_env(PYTHONPATH=f"{plugin}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    logs = tmp_path / "torchrun", tmp_path / "elasticrun"
+    logs = tmp_path / "by-torchrun", tmp_path / "by-elasticrun"
     args = ["--standalone", "--nproc-per-node", "2", "--redirects", "1", "--logs-specs", name]
     procs = [start_cli([*args, "--log-dir", logs[0], SPEAK], module=TORCHRUN, env=env),
              start_cli([*args, "--log-dir", logs[1], SPEAK], env=env)]

@@ -113,17 +113,19 @@ class Action(enum.Enum):
     LEAVE = "leave"
 
 
-def decide(outcome: Outcome, restart_count: int, max_restarts: int) -> Action:
+def decide(outcome: Outcome, budget_spent: int, max_restarts: int, progressed: bool = False) -> Action:
     """The restart policy, whole.
 
     Only worker failures spend the budget; a round ended by others (a node joined or
-    left) never does. A signal or a watch makes this node leave, and the others go on.
+    left) never does, nor (with --forgive-progress) a failure after the workers made
+    progress since the previous one. A signal or a watch makes this node leave, and
+    the others go on.
     """
     match outcome:
         case Outcome.SUCCEEDED:
             return Action.FINISH
         case Outcome.FAILED | Outcome.BROKEN:
-            return Action.RESTART if restart_count < max_restarts else Action.FAIL
+            return Action.RESTART if progressed or budget_spent < max_restarts else Action.FAIL
         case Outcome.ROUND_ENDED:
             return Action.NEXT_ROUND
         case Outcome.SIGNALLED | Outcome.WATCH | Outcome.DRAINED:
@@ -218,6 +220,10 @@ class Agent:
         self._hang: Hang | None = None
         #: this node's failure beyond the budget: (message, report)
         self._failure: tuple[str, FailureReport | None] | None = None
+        #: progress since this node's previous worker failure (--forgive-progress):
+        #: seconds the workers ran, and whether every worker called heartbeat()
+        self._ran_since_failure = 0.0
+        self._heartbeat_since_failure = False
         root = spec.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
         #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/
         self.run_dir = root / f"{spec.run_id}_{spec.node_id}"
@@ -307,6 +313,10 @@ class Agent:
                 await self.handler.leave(reason)
                 code = exit_for_signal(self._signal) if self._signal is not None else 0
                 return self._end(WorkerState.STOPPED, code, reason)
+            before = self._assignment
+            if before is not None and assignment.restart_count > before.restart_count:
+                # a worker failure, here or on another node: progress counts from it
+                self._ran_since_failure, self._heartbeat_since_failure = 0.0, False
             self._assignment = assignment
             if self.metrics is not None:
                 self.metrics.round_started(assignment)
@@ -318,9 +328,11 @@ class Agent:
             except WorkerStartError as e:
                 await self.handler.leave(str(e))
                 raise
-            action = decide(
-                attempt.outcome, assignment.restart_count, self.spec.max_restarts
-            )
+            forgiven = ""
+            if attempt.outcome in (Outcome.FAILED, Outcome.BROKEN):
+                forgiven = self._forgiveness()
+            spent, budget = assignment.budget_spent, self.spec.max_restarts
+            action = decide(attempt.outcome, spent, budget, bool(forgiven))
             if self.metrics is not None and action in (Action.RESTART, Action.FAIL, Action.NEXT_ROUND):
                 cause = "hang" if self._hang is not None else "worker_failure"
                 self.metrics.round_over(failure=cause if action is Action.RESTART else "")
@@ -329,12 +341,9 @@ class Agent:
                     await self.handler.finish()
                     return self._end(WorkerState.SUCCEEDED, 0, "all workers succeeded")
                 case Action.RESTART:
-                    self._set_state(
-                        WorkerState.STOPPED,
-                        f"{attempt.reason}; restarting "
-                        f"({assignment.restart_count + 1}/{self.spec.max_restarts})",
-                    )
-                    await self.handler.request_restart(attempt.reason)
+                    count = f"forgiven: {forgiven}; {spent}/{budget} spent" if forgiven else f"{spent + 1}/{budget}"
+                    self._set_state(WorkerState.STOPPED, f"{attempt.reason}; restarting ({count})")
+                    await self.handler.request_restart(attempt.reason, forgiven=bool(forgiven))
                 case Action.FAIL:
                     report = attempt.report
                     text = report.text if report is not None else attempt.text or attempt.reason
@@ -367,6 +376,7 @@ class Agent:
         # A fresh watchdog each round: its clock starts now (kept workers waited idle).
         self._hang = None
         dog = self._watchdog()
+        started = time.monotonic()
         if self._group is None:
             self._group = await self._start_group(assignment, dog)
         group = self._group
@@ -383,14 +393,15 @@ class Agent:
             WorkerState.HEALTHY,
             f"round {assignment.round}: node rank {assignment.node_rank}/"
             f"{assignment.node_count}, ranks {assignment.rank_offset}-{last_rank} of "
-            f"{assignment.world_size}, restart {assignment.restart_count}/"
-            f"{spec.max_restarts}, master {assignment.master_addr}:"
+            f"{assignment.world_size}, restart {assignment.budget_spent}/"
+            f"{spec.max_restarts}{f' (+{assignment.forgiven} forgiven)' if assignment.forgiven else ''}, "
+            f"master {assignment.master_addr}:"
             f"{assignment.master_port}",
         )
         if self.metrics is not None:
             self.metrics.running()
         broken = () if self._channel is None else (self._broken(assignment.round),)
-        hung = () if dog is None else (self._hung(dog),)
+        hung = () if dog is None or spec.progress_timeout is None else (self._hung(dog),)
         try:
             # The round's end goes first: workers that failed because the round ended
             # elsewhere (peers gone, this node's lease lost) are no failure of theirs.
@@ -406,6 +417,8 @@ class Agent:
         except BaseException:
             await self._stop_group()
             raise
+        self._ran_since_failure += time.monotonic() - started
+        self._heartbeat_since_failure |= dog is not None and spec.forgive_heartbeat and dog.progressed()
         if outcome is Outcome.BROKEN:  # the workers wait for the next round
             return _Attempt(outcome, reason, None, self._broken_text)
         if outcome is Outcome.ROUND_ENDED and self._keeps_workers():
@@ -431,9 +444,21 @@ class Agent:
             reason = f"worker rank {root.global_rank} failed with {describe_exit(root.returncode)}"
         return _Attempt(outcome, reason, report)
 
+    def _forgiveness(self) -> str:
+        """Why this worker failure spends no restart ("": it does), by the progress
+        made since the previous one (--forgive-progress); the count starts again."""
+        spec, why = self.spec, ""
+        if spec.forgive_heartbeat and self._heartbeat_since_failure:
+            why = "every worker made progress (heartbeat) since the previous failure"
+        elif spec.forgive_after is not None and self._ran_since_failure >= spec.forgive_after:
+            why = f"the workers ran {self._ran_since_failure:.0f}s since the previous failure"
+        self._ran_since_failure, self._heartbeat_since_failure = 0.0, False
+        return why
+
     def _watchdog(self) -> ProgressWatchdog | None:
-        """A progress watchdog whose clock starts now (with --progress-timeout)."""
-        if self.spec.progress_timeout is None:
+        """A progress watchdog whose clock starts now (with --progress-timeout, or for
+        --forgive-progress heartbeat: then it only keeps the progress files)."""
+        if self.spec.progress_timeout is None and not self.spec.forgive_heartbeat:
             return None
         return ProgressWatchdog(
             self.spec.progress_timeout, self.run_dir / "progress", range(self.spec.nproc_per_node)

@@ -102,6 +102,12 @@ class WorkerSpec:
     #: opt-in hang watchdog: a worker that has not called `elasticrun.worker.heartbeat()`
     #: for this many seconds is hung (None: no watchdog)
     progress_timeout: float | None = None
+    #: --forgive-progress heartbeat: a worker failure after every worker called
+    #: `heartbeat()` since the previous failure spends no restart
+    forgive_heartbeat: bool = False
+    #: --forgive-progress SECONDS: a worker failure after this many seconds of running
+    #: since the previous failure spends no restart (None: off)
+    forgive_after: float | None = None
     #: keep surviving workers running across rounds (--elastic-mode=in-process)
     in_process: bool = False
     #: torchrun's file timer (TORCHELASTIC_ENABLE_FILE_TIMER=1): the FIFO's path, or ""
@@ -121,3 +127,5 @@ class WorkerSpec:
             raise UsageError(f"the stop grace period must be >= 0, got {self.stop_grace}")
         if self.progress_timeout is not None and not 0 < self.progress_timeout < float("inf"):
             raise UsageError(f"--progress-timeout must be a positive number of seconds, got {self.progress_timeout:g}")
+        if self.forgive_after is not None and not 0 < self.forgive_after < float("inf"):
+            raise UsageError(f"--forgive-progress must be a positive number of seconds, got {self.forgive_after:g}")

@@ -52,16 +52,20 @@ class _Watched:
 
 
 class ProgressWatchdog:
-    """Watches the progress files of one attempt's workers."""
+    """Watches the progress files of one attempt's workers.
+
+    With no timeout it finds no hang and only keeps the files, for `progressed()`
+    (`--forgive-progress heartbeat` without `--progress-timeout`).
+    """
 
     def __init__(
         self,
-        timeout: float,
+        timeout: float | None,
         directory: Path,
         local_ranks: Iterable[int],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0 < timeout < float("inf"):
+        if timeout is not None and not 0 < timeout < float("inf"):
             raise ValueError(f"the progress timeout must be a positive number of seconds, got {timeout}")
         self.timeout = timeout
         self.directory = Path(directory)
@@ -83,6 +87,11 @@ class ProgressWatchdog:
         except KeyError:
             raise ValueError(f"local rank {local_rank} is not watched (watching {sorted(self._workers)})") from None
 
+    def progressed(self) -> bool:
+        """Whether every worker has called `heartbeat()` since the watchdog was made
+        (--forgive-progress heartbeat): an earlier attempt's files were removed then."""
+        return all(w.path.exists() for w in self._workers.values())
+
     def check(self) -> Hang | None:
         """Look at the files now: the most overdue worker, if one is past the timeout."""
         now, wall = self._clock(), time.time()
@@ -96,7 +105,7 @@ class ProgressWatchdog:
                 watched.progress_at = min(max(watched.progress_at, self._looked_at, now - age), now)
             watched.mtime_ns = mtime_ns
         self._looked_at = now
-        if not self._workers:
+        if not self._workers or self.timeout is None:
             return None
         rank, worst = min(self._workers.items(), key=lambda kv: (kv[1].progress_at, kv[0]))
         silent = now - worst.progress_at
@@ -104,7 +113,7 @@ class ProgressWatchdog:
 
     def next_check_at(self) -> float | None:
         """The earliest moment (watchdog clock) a worker could be overdue."""
-        if not self._workers:
+        if not self._workers or self.timeout is None:
             return None
         return min(w.progress_at for w in self._workers.values()) + self.timeout
 

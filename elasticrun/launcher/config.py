@@ -426,6 +426,19 @@ def carried_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(flags)
 
 
+def _forgiveness(value: str) -> tuple[bool, float | None]:
+    """--forgive-progress: heartbeat, a positive number of seconds, or off ("")."""
+    if value in ("", "heartbeat"):
+        return value == "heartbeat", None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise UsageError(f"--forgive-progress takes heartbeat or a positive number of seconds, got {value!r}")
+    return False, seconds
+
+
 def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchRequest:
     """Every flag of a launch, checked: the one place flags become typed configuration."""
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
@@ -444,6 +457,13 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         raise UsageError(f"--node-rank must be within 0..{max_nodes - 1}, got {args.node_rank}")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    forgive_heartbeat, forgive_after = _forgiveness(args.forgive_progress)
+    if args.node_unit < 1:
+        raise UsageError(f"--node-unit must be >= 1, got {args.node_unit}")
+    if min_nodes % args.node_unit or max_nodes % args.node_unit:
+        raise UsageError(
+            f"--nnodes={args.nnodes}: MIN and MAX must be multiples of --node-unit={args.node_unit}"
+        )
     conf = parse_rdzv_conf(args.rdzv_conf)
     run_id = args.rdzv_id
     endpoint = args.rdzv_endpoint
@@ -487,6 +507,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         quarantine_after=_whole(conf.get("quarantine_after"), "--rdzv-conf quarantine_after", 3),
         quarantine_cooldown=probe.conf_float("quarantine_cooldown", 60.0),
         quarantine_cooldown_max=probe.conf_float("quarantine_cooldown_max", 3600.0),
+        node_unit=args.node_unit,
     )
     if settings.keep_alive_interval >= settings.heartbeat_ttl:
         raise UsageError(
@@ -531,7 +552,9 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         nproc_per_node=nproc_request,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
+        node_unit=args.node_unit,
         max_restarts=args.max_restarts,
+        forgive_progress=args.forgive_progress,
         elastic_mode=args.elastic_mode,
         progress_timeout=args.progress_timeout,
         role=args.role,
@@ -728,6 +751,8 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         gpu_devices=host.gpu_devices,
         isolate_gpus=request.isolate_gpus,
         progress_timeout=spec.progress_timeout,
+        forgive_heartbeat=spec.forgive_progress == "heartbeat",
+        forgive_after=None if spec.forgive_progress in ("", "heartbeat") else float(spec.forgive_progress),
         in_process=spec.elastic_mode == "in-process",
         # the store's secrets stay in the agent; its workers get the token in a file
         withheld_env=store.secret_env if store is not None else SECRET_ENV,

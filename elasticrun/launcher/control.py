@@ -118,6 +118,12 @@ class JobView:
         return bool(self.round or self.spec or self.nodes)
 
     @property
+    def running(self) -> bool:
+        """A round with participants is on: a registered node outside it is a spare."""
+        r = self.round
+        return r is not None and bool(r.participants) and not r.closed
+
+    @property
     def phase(self) -> str:
         """forming, running, restarting, or how the job ended."""
         r = self.round

@@ -109,8 +109,15 @@ def launch_parser() -> argparse.ArgumentParser:
                "tls_ca, tls_cert, tls_key, client_ca, store_timeout; c10d and etcd: client_cert, client_key; "
                "etcd: ca_cert, user, password_file, password_env")
     _flag(p, "standalone", action=_EnvFlag, help="one node, no server: an in-memory rendezvous and a free port")
+    _flag(p, "node-unit", type=int, default=1,
+          help="run a multiple of this many nodes (tensor/pipeline groups that span nodes): the nodes left "
+               "over wait as spares; MIN and MAX of --nnodes must be multiples of it")
     _flag(p, "max-restarts", type=int, default=0,
           help="worker-failure restarts before the job fails (membership changes never count)")
+    _flag(p, "forgive-progress", default="",
+          help="heartbeat, or SECONDS: a worker failure spends a restart only when the workers made no progress "
+               "since the previous failure (every worker called elasticrun.worker.heartbeat(), or ran SECONDS); "
+               "a crash loop still stops after --max-restarts (off by default)")
     _flag(p, "elastic-mode", default="restart", choices=["restart", "in-process"],
           help="on a membership change: restart every worker (torchrun's way), or keep the survivors running "
                "(in-process; the script uses elasticrun.worker.elastic)")

@@ -34,6 +34,7 @@ async def _job_argv(
         *(view.launch.flags if view.launch else ()),
         f"--nnodes={spec.nnodes}",
         f"--nproc-per-node={spec.nproc_per_node}",
+        f"--node-unit={spec.node_unit}",
         f"--max-restarts={spec.max_restarts}",
         f"--role={spec.role}",
         f"--elastic-mode={spec.elastic_mode}",
@@ -42,6 +43,8 @@ async def _job_argv(
         f"--rdzv-id={target.run_id}",
         "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
     ]
+    if spec.forgive_progress:
+        argv.append(f"--forgive-progress={spec.forgive_progress}")
     if spec.progress_timeout is not None:
         argv.append(f"--progress-timeout={spec.progress_timeout}")
     if local_addr:

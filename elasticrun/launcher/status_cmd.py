@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict
 
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job
+from elasticrun.rendezvous.state import Round
 
 #: a live view redraws at most this often
 _WATCH_INTERVAL = 0.5
@@ -30,6 +31,14 @@ def table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
+def _restarts(r: Round | None) -> str:
+    """Restarts spent of the budget, and the forgiven ones (--forgive-progress)."""
+    if r is None:
+        return "0"
+    spent = r.restart_count - r.forgiven
+    return f"{spent} (+{r.forgiven} forgiven)" if r.forgiven else str(spent)
+
+
 def render(view: JobView, now: float) -> str:
     """The status page: the job, its nodes, its latest events."""
     r = view.round
@@ -43,7 +52,7 @@ def render(view: JobView, now: float) -> str:
             str(r.number) if r else "-",
             str(r.world_size) if r else "0",
             f"{len(r.participants) if r else 0} ({low}:{high})",
-            str(r.restart_count) if r else "0",
+            _restarts(r),
             age(now - created) if created else "-",
         ],
     ]
@@ -67,7 +76,7 @@ def render(view: JobView, now: float) -> str:
                 state = "quarantined" if rank is None else state + " (quarantined)"
             rows.append([
                 node_id,
-                state if rank is not None or state != "init" else "waiting",
+                state if rank is not None or state != "init" else "spare" if view.running else "waiting",
                 age(now - info.started_at),
                 str(rank) if rank is not None else "-",
                 status.ranks if status and status.ranks and rank is not None else "-",
@@ -107,6 +116,7 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
             "min_nodes": low,
             "max_nodes": high,
             "restarts": r.restart_count if r else 0,
+            "forgiven_restarts": r.forgiven if r else 0,
             "created_at": view.launch.created_at if view.launch else None,
             "leader": view.state.leader if view.state else view.leader or None,
             "reason": view.state.reason if view.state else (r.reason if r else ""),
@@ -120,6 +130,8 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
                 "node_rank": r.rank_of(n) if r else None,
                 "draining": n in view.drains,
                 "quarantined": n in held,
+                # registered, outside a running round: steps in when a participant goes
+                "spare": view.running and n not in held and (r is None or r.rank_of(n) is None),
             }
             for n, info in sorted(view.nodes.items())
         ],

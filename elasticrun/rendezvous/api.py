@@ -28,6 +28,14 @@ class Assignment:
     master_port: int
     #: worker-failure restarts the job has used so far (TORCHELASTIC_RESTART_COUNT)
     restart_count: int
+    #: of those, the ones forgiven because the workers had made progress
+    #: (--forgive-progress): they do not count against --max-restarts
+    forgiven: int = 0
+
+    @property
+    def budget_spent(self) -> int:
+        """Restarts that count against --max-restarts."""
+        return self.restart_count - self.forgiven
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +90,12 @@ class RendezvousHandler(abc.ABC):
         return True
 
     @abc.abstractmethod
-    async def request_restart(self, reason: str) -> None:
+    async def request_restart(self, reason: str, *, forgiven: bool = False) -> None:
         """Ask for a new round with the same members after a worker failure here.
 
         The new round's `restart_count` is one higher; membership changes never
-        raise it.
+        raise it. A `forgiven` failure (the workers had made progress since the
+        previous one) raises `forgiven` too, so it spends none of the budget.
         """
 
     @abc.abstractmethod

@@ -48,6 +48,9 @@ class RendezvousSettings:
     quarantine_cooldown: float = 60.0
     #: the longest quarantine; a node quiet this long has its record forgotten
     quarantine_cooldown_max: float = 3600.0
+    #: every round's node count is a multiple of this (`--node-unit`; min_nodes and
+    #: max_nodes are multiples too): the registered nodes left over wait as spares
+    node_unit: int = 1
 
     @property
     def keep_alive_interval(self) -> float:
@@ -81,6 +84,9 @@ class View:
     quarantine: QuarantineTable = QuarantineTable()
     #: nodes an operator asked to leave (`elasticrun drain`): their going is no failure
     draining: frozenset[str] = frozenset()
+    #: members whose liveness port refused the leader's connection after the current
+    #: round's restart request (their port had accepted one before): their agent is gone
+    refused: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +106,9 @@ class Decision:
     #: the quarantine table changed: store this one (before the round)
     quarantine: QuarantineTable | None = None
     #: members declared dead because they did not answer the liveness ping for a
-    #: lease TTL: the leader ends their registrations (etcd may keep a dead node's
-    #: lease for a while), or the next decision would admit them again as newcomers
+    #: lease TTL, or their liveness port refused a connection: the leader ends their
+    #: registrations (the store keeps a dead node's lease until its TTL, etcd even
+    #: longer), or the next decision would admit them again as newcomers
     dead: tuple[str, ...] = ()
     #: the job has ended: there is nothing left to lead (a round after it would
     #: re-form a job that every agent already took for finished)
@@ -173,22 +180,28 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
     ran = [n.info for n in view.nodes.values()]
     number = max([number_now, *(i.ran_round for i in ran)]) + 1
     restarts = max([current.restart_count if current else 0, *(i.ran_restarts for i in ran)])
+    forgiven = max([current.forgiven if current else 0, *(i.ran_forgiven for i in ran)])
     restart = view.restart
     dead: tuple[str, ...] = ()
     if current is not None and members and restart is not None and restart.round == current.number:
         # A member that has not answered the liveness ping within a lease TTL is dead,
         # whether or not the store has expired its lease yet (etcd expires leases late):
         # failing the job, or restarting with it, would blame the living for its death.
+        # A member whose liveness port refused a connection is gone now: its kernel
+        # closed the port as the agent died (a stopped or slow one still accepts).
         silent = {p.node_id for p in survivors if p.node_id not in view.acks}
-        if silent and now >= view.restart_seen_at + settings.heartbeat_ttl:
-            survivors = [p for p in survivors if p.node_id not in silent]
-            missing += sorted(silent)
-            dead = tuple(sorted(silent))
+        gone = silent if now >= view.restart_seen_at + settings.heartbeat_ttl else silent & view.refused
+        if gone:
+            survivors = [p for p in survivors if p.node_id not in gone]
+            missing += sorted(gone)
+            dead = tuple(sorted(gone))
     lost = missing + back
     not_new = set(missing) | {p.node_id for p in survivors}
     newcomers = [n for n in view.nodes.values() if n.info.node_id not in not_new]
 
-    def open_round(group: list[Participant], reason: str, restart_count: int = restarts) -> Decision:
+    def open_round(
+        group: list[Participant], reason: str, restart_count: int = restarts, forgiven_count: int = forgiven
+    ) -> Decision:
         return Decision(
             reason=reason,
             dead=dead,
@@ -198,6 +211,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
                 restart_count=restart_count,
                 reason=reason,
                 opened_at=0.0,  # stamped with wall time by the writer
+                forgiven=forgiven_count,
             ),
         )
 
@@ -210,8 +224,10 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
             for node_id in missing:
                 if node_id not in view.draining:
                     book.count(node_id, f"dropped out of round {current.number}")
-        pick = _pick(survivors, newcomers, book, settings)
+        pick = _pick(members, survivors, newcomers, book, settings)
         reason = _lost_reason(missing, back)
+        if set(dead) & view.refused:
+            reason += f" (agent gone: {_names(sorted(set(dead) & view.refused))} refused the liveness check)"
         if len(pick.group) >= settings.min_nodes:
             return open_round(pick.group, reason + pick.joined + pick.notes(book, settings))
         # Too few to continue: an empty round stops the survivors' workers now.
@@ -237,15 +253,17 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
             )
         if book.counts(restart.round):
             book.count(restart.node_id, f"worker failure: {restart.reason}")
-        pick = _pick(survivors, newcomers, book, settings)
+        pick = _pick(members, survivors, newcomers, book, settings)
+        free = " (forgiven: the workers had made progress)" if restart.forgiven else ""
         return open_round(
             pick.group,
-            f"restart after a worker failure on {restart.node_id}: {restart.reason}"
+            f"restart after a worker failure on {restart.node_id}: {restart.reason}{free}"
             f"{pick.joined}{pick.notes(book, settings)}",
             restart_count=restarts + 1,
+            forgiven_count=forgiven + restart.forgiven,
         )
 
-    pick = _pick(survivors, newcomers, book, settings)
+    pick = _pick(members, survivors, newcomers, book, settings)
     group, admitted = pick.group, pick.admitted
     held = book.held_note(view.nodes, [p.node_id for p in group])
     if members and pick.kept_out and len(group) >= settings.min_nodes:
@@ -267,9 +285,10 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
     if current is not None and members:
         if not admitted:
             waiting = [n for n in newcomers if not book.blocked(n.info.node_id)]
-            full = f" ({len(waiting)} waiting, max {settings.max_nodes} reached)" if waiting else ""
+            full = f" ({_spares(len(waiting), len(members), settings)})" if waiting else ""
             return Decision(reason=f"round {current.number} running with {_count(len(members))}{full}{held}")
-        deadline = book.arrival(admitted[0]) + settings.last_call
+        # the last call runs from the arrival that completed the first new unit
+        deadline = book.arrival(admitted[min(settings.node_unit, len(admitted)) - 1]) + settings.last_call
         if len(group) >= settings.max_nodes or now >= deadline:
             return open_round(group, f"scale up to {_count(len(group))}{pick.joined}{pick.notes(book, settings)}")
         return Decision(
@@ -400,9 +419,16 @@ class _Pick:
         return text
 
 
-def _pick(survivors: list[Participant], newcomers: list[SeenNode], book: _Book, settings: RendezvousSettings) -> _Pick:
+def _pick(
+    members: tuple[Participant, ...],
+    survivors: list[Participant],
+    newcomers: list[SeenNode],
+    book: _Book,
+    settings: RendezvousSettings,
+) -> _Pick:
     """Survivors in their order, then newcomers by arrival, up to max; no quarantined
-    node unless the job needs it to reach min (then the fewest, members first)."""
+    node unless the job needs it to reach min (then the fewest, members first); then
+    cut to whole node units (`_in_units`)."""
     waiting = sorted(newcomers, key=lambda n: (book.arrival(n), n.info.node_id))
     fine_new = [n for n in waiting if not book.blocked(n.info.node_id)]
     fine_survivors = [p for p in survivors if not book.blocked(p.node_id)]
@@ -416,9 +442,55 @@ def _pick(survivors: list[Participant], newcomers: list[SeenNode], book: _Book, 
             taken = set(spare[:short])
     group = [p for p in survivors if not book.blocked(p.node_id) or p.node_id in taken]
     admitted += [n for n in waiting if book.blocked(n.info.node_id) and n.info.node_id in taken]
-    group += [_participant(n) for n in admitted]
     kept_out = [p.node_id for p in survivors if book.blocked(p.node_id) and p.node_id not in taken]
-    return _Pick(group=group, admitted=admitted, kept_out=kept_out, last_resort=sorted(taken))
+    if settings.node_unit > 1:
+        group, admitted = _in_units(members, group, admitted, settings)
+    else:
+        group += [_participant(n) for n in admitted]
+    chosen = {p.node_id for p in group}
+    return _Pick(group=group, admitted=admitted, kept_out=kept_out, last_resort=sorted(taken & chosen))
+
+
+def _in_units(
+    members: tuple[Participant, ...], kept: list[Participant], admitted: list[SeenNode], settings: RendezvousSettings
+) -> tuple[list[Participant], list[SeenNode]]:
+    """The group cut to a multiple of the node unit, with ranks stable within units.
+
+    The round's members keep their places; a newcomer (a spare first: spares are the
+    earliest arrivals) takes the place of a member that left, so the unit it left stays
+    one unit at the same node ranks; the newcomers left over go last. When the nodes are
+    not a whole number of units, the ones that go (and wait as spares) are the
+    survivors of units that lost a member, the last such unit first, then the last
+    nodes: intact units stay together.
+    """
+    unit = settings.node_unit
+    kept_ids = {p.node_id for p in kept}
+    slots: list[Participant | None] = [m if m.node_id in kept_ids else None for m in members]
+    queue = [_participant(n) for n in admitted]
+    for i, slot in enumerate(slots):
+        if slot is None and queue:
+            slots[i] = queue.pop(0)
+    slots += queue
+    filled = [i for i, slot in enumerate(slots) if slot is not None]
+    excess = len(filled) - min(settings.max_nodes, len(filled) // unit * unit)
+    broken = [i for i in filled if any(s is None for s in slots[i - i % unit : i - i % unit + unit])]
+    for i in [*reversed(broken), *reversed(filled)]:
+        if excess <= 0:
+            break
+        if slots[i] is not None:
+            slots[i] = None
+            excess -= 1
+    group = [slot for slot in slots if slot is not None]
+    chosen = {p.node_id for p in group}
+    return group, [n for n in admitted if n.info.node_id in chosen]
+
+
+def _spares(waiting: int, running: int, settings: RendezvousSettings) -> str:
+    """What the registered nodes outside a running round wait for, as spares."""
+    spares = _plural(waiting, "spare")
+    if running >= settings.max_nodes:
+        return f"{spares}, max {settings.max_nodes} reached"
+    return f"{spares}, node unit {settings.node_unit}"
 
 
 def _plural(n: int, word: str) -> str:

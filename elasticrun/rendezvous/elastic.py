@@ -35,6 +35,7 @@ from elasticrun.errors import (
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.leader import DETAIL_LIMIT, Leader, close_job
+from elasticrun.rendezvous.liveness import LivenessPort, Verdict, probe
 from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.state import (
@@ -115,6 +116,10 @@ class ElasticRendezvous(RendezvousHandler):
         #: this node's place in a round (None: not in it), by the round's shard folder
         self._placed: tuple[str, Placed | None] = ("", None)
         self._reports = Reporter(store, self._keys, me)
+        #: open from the first registration until the node is done with the job
+        self._liveness: LivenessPort | None = None
+        #: the leader, once its liveness port accepted our connection (see _suspect_leader)
+        self._leader_seen: NodeInfo | None = None
 
     # --- RendezvousHandler -----------------------------------------------------------
 
@@ -126,6 +131,9 @@ class ElasticRendezvous(RendezvousHandler):
         leader = state.reason if state else "waiting for the leader's first decision"
         held = self._quarantined()
         if held is None:
+            current = self._job.round
+            if current and current.participants and not current.closed and current.rank_of(self._me.node_id) is None:
+                return f"spare: takes the place of a participant that goes; the leader: {leader}"
             return leader
         until = time.strftime("%H:%M:%S", time.localtime(held.until))
         return f"quarantined until {until} ({held.reason}); the leader: {leader}"
@@ -213,9 +221,10 @@ class ElasticRendezvous(RendezvousHandler):
             return True
         return current.kept_since > ran.number  # a round since ours went on without one of us
 
-    async def request_restart(self, reason: str) -> None:
-        request = RestartRequest(round=self._last_round, node_id=self._me.node_id, reason=reason)
+    async def request_restart(self, reason: str, *, forgiven: bool = False) -> None:
+        request = RestartRequest(round=self._last_round, node_id=self._me.node_id, reason=reason, forgiven=forgiven)
         await self._store.put(self._keys.restart, encode(request))
+        self._spawn(self._suspect_leader(), "leader check")
 
     async def fail(self, report: str) -> None:
         """Ask the leader to end the job with `report`.
@@ -232,6 +241,7 @@ class ElasticRendezvous(RendezvousHandler):
             report=report[-DETAIL_LIMIT:],
         )
         await self._store.put(self._keys.restart, encode(request))
+        self._spawn(self._suspect_leader(), "leader check")
 
     async def finish(self) -> None:
         await self._close("succeeded", f"workers of {self._me.node_id} succeeded")
@@ -248,6 +258,13 @@ class ElasticRendezvous(RendezvousHandler):
                 await self._store.delete(self._keys.drain(self._me.node_id))
 
     async def aclose(self) -> None:
+        """Give up the membership, then the liveness port: the node is done with the job."""
+        await self._end_membership()
+        liveness, self._liveness = self._liveness, None
+        if liveness is not None:
+            await liveness.close()
+
+    async def _end_membership(self) -> None:
         """Stop the background tasks, give up the lease (deleting our keys now) and the port."""
         self._release_port()
         # A task's own failure was handled as it ended (`_task_ended`); the caller's
@@ -266,7 +283,7 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def _register(self) -> None:
         """Take a lease, check the job spec, register, and start watching."""
-        await self.aclose()
+        await self._end_membership()
         self._lost = ""
         keys = self._keys
         snapshot = await self._reread_job()
@@ -275,11 +292,22 @@ class ElasticRendezvous(RendezvousHandler):
             raise RendezvousClosedError(self.run_id, current.closed, current.detail)
         await self._check_spec()
         self._lease = await self._store.grant_lease(self._settings.heartbeat_ttl)
-        me = replace(self._me, ran_round=self._last_round, ran_restarts=self._ran.restart_count if self._ran else 0)
+        if self._liveness is None:
+            self._liveness = await LivenessPort.open(self._me.addr)
+        ran = self._ran
+        me = replace(
+            self._me,
+            liveness_port=self._liveness.port if self._liveness is not None else 0,
+            ran_round=self._last_round,
+            ran_restarts=ran.restart_count if ran else 0,
+            ran_forgiven=ran.forgiven if ran else 0,
+        )
         await self._store.put(keys.node(self._me.node_id), encode(me), lease=self._lease)
         self._spawn(self._keep_alive(self._lease), "keep-alive")
         self._spawn(self._watch_job(snapshot.revision + 1), "job watch")
         self._spawn(self._reports.publish(self._lease), "reporter")
+        if self._job.leader:
+            self._spawn(self._see_leader(self._job.leader), "leader check")
         await self._try_lead()
 
     async def _check_spec(self) -> None:
@@ -355,7 +383,11 @@ class ElasticRendezvous(RendezvousHandler):
                     start_revision = event.revision + 1
                     self._job.apply(event.key, event.value if event.type is EventType.PUT else None, event.revision)
                     if event.key == self._keys.leader and event.type is EventType.DELETE:
+                        self._leader_seen = None
                         await self._try_lead()
+                    elif event.key == self._keys.leader:
+                        self._leader_seen = None
+                        self._spawn(self._see_leader(self._job.leader), "leader check")
                     elif event.key == self._keys.ping and self._job.ping is not None:
                         await self._answer_ping(self._job.ping)
                     self._pulse.fire()
@@ -366,6 +398,41 @@ class ElasticRendezvous(RendezvousHandler):
                 await asyncio.sleep(self._settings.keep_alive_interval)
                 start_revision = (await self._reread_job()).revision + 1
                 self._pulse.fire()
+
+    async def _see_leader(self, leader: str) -> None:
+        """Connect once to a new leader's liveness port: only a leader whose port
+        accepted our connection may later be found gone by a refusal."""
+        if leader == self._me.node_id:
+            return
+        try:
+            kv = await self._store.get(self._keys.node(leader))
+        except StoreError as e:
+            log.debug("could not read the leader's registration: %s", e)
+            return
+        if kv is None:
+            return
+        info = decode(NodeInfo, kv.value)
+        if info.liveness_port and await probe(info.addr, info.liveness_port) is Verdict.LISTENING:
+            if self._job.leader == leader:
+                self._leader_seen = info
+
+    async def _suspect_leader(self) -> None:
+        """Our workers failed: the peer that died may be the leader, and only the leader
+        checks the members, so look at it here. Its port refusing (where it accepted
+        before) means its agent is gone: end its lease, so another node leads now and
+        finds it lost, rather than a lease TTL later. A stopped or unreachable leader
+        is left to its TTL."""
+        seen = self._leader_seen
+        if seen is None or await probe(seen.addr, seen.liveness_port) is not Verdict.GONE:
+            return
+        try:
+            kv = await self._store.get(self._keys.leader)
+            if kv is None or kv.value.decode() != seen.node_id or not kv.lease:
+                return
+            log.warning("leader %s: its liveness port refused a connection: its agent is gone", seen.node_id)
+            await self._store.revoke_lease(kv.lease)
+        except StoreError as e:
+            log.debug("could not end the gone leader's lease: %s", e)
 
     async def _answer_ping(self, ping: Ping) -> None:
         """Show the leader we are alive, so a failure is told apart from a death."""
@@ -432,6 +499,7 @@ class ElasticRendezvous(RendezvousHandler):
             master_addr=master.addr,
             master_port=master.port,
             restart_count=current.restart_count,
+            forgiven=current.forgiven,
         )
 
     async def _close(self, outcome: str, detail: str) -> None:

@@ -14,15 +14,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from elasticrun.errors import StoreError, StoreGoneError
 from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
+from elasticrun.rendezvous.liveness import Verdict, probe
 from elasticrun.rendezvous.state import (
     Event,
     JobRecords,
     Keys,
     LeaderState,
+    NodeInfo,
     Ping,
     QuarantineTable,
     RestartRequest,
@@ -42,6 +44,16 @@ DETAIL_LIMIT = 16_000
 _STATE_MIN_INTERVAL = 1.0
 #: events kept in the store (the leader prunes older ones)
 EVENTS_KEPT = 200
+
+
+@dataclass(frozen=True, slots=True)
+class _Probed:
+    """What a connection to a node's liveness port showed; `suspect`: the round whose
+    restart request made the leader look (0: the check when the node registered)."""
+
+    info: NodeInfo
+    suspect: int
+    verdict: Verdict
 
 
 class Leader:
@@ -74,6 +86,13 @@ class Leader:
         self._draining: set[str] = set()
         self._published = ""
         self._published_at = -1e9
+        #: liveness (liveness.py): nodes whose port accepted the leader's connection
+        #: once, nodes still to check, and the members found gone, by suspect round
+        self._reachable: set[str] = set()
+        self._unchecked: set[str] = set()
+        self._refused: dict[str, int] = {}
+        self._probes: set[asyncio.Task[None]] = set()
+        self._events: asyncio.Queue[WatchEvent | Exception | _Probed] = asyncio.Queue()
 
     async def run(self) -> None:
         """Lead until the job ends, or until cancelled (this node left or lost its lease).
@@ -97,12 +116,13 @@ class Leader:
     async def _lead(self) -> None:
         snapshot = await self._store.get_prefix(self._keys.rdzv)
         self._resync(snapshot)
-        events: asyncio.Queue[WatchEvent | Exception] = asyncio.Queue()
+        events = self._events = asyncio.Queue()
         pump = asyncio.ensure_future(self._pump(snapshot.revision + 1, events))
         try:
             awaiting_write = False
             while True:
                 recheck: float | None = None
+                self._check_new_nodes()
                 if not awaiting_write:
                     decision = decide(self._view(), self._settings, self._clock())
                     if decision.ended:
@@ -121,10 +141,12 @@ class Leader:
                         awaiting_write = self._apply_event(events.get_nowait(), awaiting_write)
         finally:
             pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pump
+            for task in self._probes:
+                task.cancel()
+            await asyncio.gather(pump, *self._probes, return_exceptions=True)
+            self._probes.clear()
 
-    async def _pump(self, start: int, events: asyncio.Queue[WatchEvent | Exception]) -> None:
+    async def _pump(self, start: int, events: asyncio.Queue[WatchEvent | Exception | _Probed]) -> None:
         """Feed the job's changes to the leader's loop; how the watch ended goes there too
         (a store error: the loop re-reads; anything else: the leader fails, and its node's
         supervisor notices), so the loop never waits on a pump that is gone."""
@@ -143,6 +165,7 @@ class Leader:
             self._apply(kv.key, kv.value, kv.mod_revision)
         for node_id in self._nodes.keys() - self._records.nodes.keys():
             del self._nodes[node_id]
+            self._forget(node_id)
         if self._records.restart is None:
             self._restart = None
 
@@ -160,6 +183,7 @@ class Leader:
             acks=acks,
             quarantine=self._quarantine,
             draining=frozenset(self._draining),
+            refused=frozenset(n for n, suspect in self._refused.items() if suspect == number),
         )
 
     async def _act(self, decision: Decision) -> bool:
@@ -167,6 +191,7 @@ class Leader:
         if decision.ping and decision.ping != self._pinged:
             await self._store.put(self._keys.ping, encode(Ping(round=decision.ping)))
             self._pinged = decision.ping
+            self._check_members(decision.ping)
         if decision.quarantine is not None:
             # Before the round: a new leader that finds a quarantined member still in the
             # round takes it out; one that found the round without the record would not.
@@ -206,6 +231,11 @@ class Leader:
         if kv is not None and kv.lease:
             log.warning("node %s did not show it is alive for a lease TTL: ending its registration", node_id)
             await self._store.revoke_lease(kv.lease)
+
+    def _forget(self, node_id: str) -> None:
+        """What the leader knew of a node's liveness: it is gone, or a new registration."""
+        self._reachable.discard(node_id)
+        self._refused.pop(node_id, None)
 
     async def _store_quarantine(self, table: QuarantineTable) -> None:
         """Store the failure records (on the wall clock); log each new quarantine."""
@@ -256,9 +286,60 @@ class Leader:
         self._published, self._published_at = decision.reason, now
         return None
 
-    def _apply_event(self, event: WatchEvent | Exception, awaiting_write: bool) -> bool:
+    # --- liveness: a dead agent told from a slow one in about a second ---------------------
+
+    def _check_new_nodes(self) -> None:
+        """Connect once to each new node's liveness port: only a node whose port
+        accepted the leader's connection may later be found gone by a refusal."""
+        for node_id in self._unchecked & self._nodes.keys():
+            self._probe(self._nodes[node_id].info, 0)
+        self._unchecked.clear()
+
+    def _check_members(self, number: int) -> None:
+        """A restart request: look at every member but this one now. A dead peer breaks
+        the survivors' collectives at once, so this is when a death shows first."""
+        current = self._records.round
+        for p in current.participants if current and current.number == number else ():
+            seen = self._nodes.get(p.node_id)
+            if p.node_id != self._node_id and p.node_id in self._reachable and seen is not None:
+                self._probe(seen.info, number)
+
+    def _probe(self, info: NodeInfo, suspect: int) -> None:
+        if not info.liveness_port or info.node_id == self._node_id:
+            return
+        task = asyncio.ensure_future(self._connect(info, suspect))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _connect(self, info: NodeInfo, suspect: int) -> None:
+        verdict = await probe(info.addr, info.liveness_port)
+        self._events.put_nowait(_Probed(info, suspect, verdict))
+
+    def _apply_probe(self, probed: _Probed) -> None:
+        node_id = probed.info.node_id
+        seen = self._nodes.get(node_id)
+        if seen is None or seen.info != probed.info:
+            return  # gone, or registered again since: the answer is about an old agent
+        if probed.verdict is Verdict.LISTENING:
+            new = node_id not in self._reachable
+            self._reachable.add(node_id)
+            current = self._records.round
+            if new and not probed.suspect and current is not None and self._pinged == current.number:
+                # found reachable while a check is on (a leader that just took over):
+                # it is a suspect like the others
+                answered = self._records.acks.get(node_id) == Ping(round=current.number)
+                if current.rank_of(node_id) is not None and not answered:
+                    self._probe(probed.info, current.number)
+        elif probed.verdict is Verdict.GONE and probed.suspect and node_id in self._reachable:
+            log.warning("node %s: its liveness port refused a connection: its agent is gone", node_id)
+            self._refused[node_id] = probed.suspect
+
+    def _apply_event(self, event: WatchEvent | Exception | _Probed, awaiting_write: bool) -> bool:
         if isinstance(event, Exception):
             raise event
+        if isinstance(event, _Probed):
+            self._apply_probe(event)
+            return awaiting_write
         if event.key == self._keys.round:
             awaiting_write = False
         self._apply(event.key, event.value if event.type is EventType.PUT else None, event.revision)
@@ -273,8 +354,11 @@ class Leader:
             info, seen = records.nodes.get(node_id), self._nodes.get(node_id)
             if info is None:
                 self._nodes.pop(node_id, None)
+                self._forget(node_id)
             elif seen is None or seen.info != info:  # new, or registered again
                 self._nodes[node_id] = SeenNode(info=info, seen_at=self._clock())
+                self._forget(node_id)
+                self._unchecked.add(node_id)
         elif key == keys.restart:
             restart = records.restart
             if restart is not None and self._restart is not None and self._restart.round == restart.round:

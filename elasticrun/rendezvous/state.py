@@ -60,7 +60,7 @@ SHARD_SIZE = 64
 
 #: the job spec's own version, bumped whenever what a spec holds changes: a node whose
 #: spec has another version is refused as a mismatch, never compared field by field
-JOB_SPEC_VERSION = 1
+JOB_SPEC_VERSION = 2
 
 
 #: the store prefix under which every job has its own (`elasticrun list` reads it)
@@ -199,6 +199,11 @@ class NodeInfo:
     #: registered node ran (a new store numbers from 1 again), and keep the budget.
     ran_round: int = 0
     ran_restarts: int = 0
+    #: of `ran_restarts`, those forgiven (--forgive-progress)
+    ran_forgiven: int = 0
+    #: the agent's liveness port on `addr` (0: none): a refused connection there tells
+    #: the leader that the agent process is gone (see liveness.py)
+    liveness_port: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +231,9 @@ class Round:
     opened_at: float  # wall-clock time
     closed: str = ""
     detail: str = ""
+    #: of `restart_count`, the restarts forgiven because the workers had made progress
+    #: since the previous failure (--forgive-progress): not counted against the budget
+    forgiven: int = 0
 
     def rank_of(self, node_id: str) -> int | None:
         """The node rank of `node_id` in this round, or None when it is not in it."""
@@ -352,7 +360,11 @@ class JobSpec:
     nproc_per_node: str = "1"
     min_nodes: int = 1
     max_nodes: int = 1
+    #: --node-unit: every round runs a multiple of this many nodes
+    node_unit: int = 1
     max_restarts: int = 0
+    #: --forgive-progress: "heartbeat", seconds, or "" (off)
+    forgive_progress: str = ""
     elastic_mode: str = "restart"
     progress_timeout: float | None = None
     role: str = "default"
@@ -395,6 +407,9 @@ class RestartRequest:
     #: the node's budget is spent: end the job (with `report`) unless a node died
     final: bool = False
     report: str = ""
+    #: the workers had made progress since the previous failure (--forgive-progress):
+    #: the restart is free
+    forgiven: bool = False
 
 
 @dataclass(frozen=True, slots=True)

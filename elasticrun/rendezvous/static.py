@@ -70,13 +70,14 @@ class StaticRendezvous(RendezvousHandler):
         never: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         return await never
 
-    async def request_restart(self, reason: str) -> None:
+    async def request_restart(self, reason: str, *, forgiven: bool = False) -> None:
         if self._current is None:
             raise RendezvousError("request_restart() before any round")
         self._next = dataclasses.replace(
             self._current,
             round=self._current.round + 1,
             restart_count=self._current.restart_count + 1,
+            forgiven=self._current.forgiven + forgiven,
         )
         logger.info("static rendezvous: restart requested: %s", reason)
 

@@ -1,0 +1,106 @@
+"""A dead agent noticed in about a second, a stopped one judged by its lease (issue 22).
+
+The liveness port (elasticrun/rendezvous/liveness.py) on its own, then end to end with
+real agents on both backends: with a lease TTL far longer than any wait of the test, a
+SIGKILLed participant is found gone by its refused port and the survivors go on; a
+SIGSTOPped agent (its kernel still accepts) is not removed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from elasticrun.rendezvous.liveness import LivenessPort, Verdict, probe
+from tests.elastic_cluster import RDZV_CONF, Cluster, Rdzv
+from tests.test_elastic_agents import finish, kill_node, leader, node_id, start, step
+
+pytestmark = pytest.mark.timeout(180)
+
+#: a lease TTL no wait of these tests comes near: whatever happens, happens before it
+LONG_TTL = "heartbeat_timeout=120,last_call_timeout=0.5,join_timeout=60"
+
+
+async def test_a_listening_port_accepts_and_a_closed_one_refuses() -> None:
+    port = await LivenessPort.open("127.0.0.1")
+    assert port is not None
+    assert await probe("127.0.0.1", port.port) is Verdict.LISTENING
+    await port.close()
+    assert await probe("127.0.0.1", port.port) is Verdict.GONE
+
+
+async def test_a_stopped_process_still_accepts() -> None:
+    code = (
+        "import socket, sys, time\n"
+        "s = socket.create_server(('127.0.0.1', 0)); print(s.getsockname()[1], flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert await probe("127.0.0.1", port) is Verdict.LISTENING
+        proc.kill()
+        proc.wait()
+        assert await probe("127.0.0.1", port) is Verdict.GONE
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _conf(rdzv: Rdzv) -> str:
+    return rdzv.conf.replace(RDZV_CONF, LONG_TTL)
+
+
+@pytest.mark.parametrize("who", ["member", "leader"])
+def test_a_killed_participant_is_found_gone_long_before_its_lease_ends(cluster: Cluster, rdzv: Rdzv, who: str) -> None:
+    # the survivors' workers fail as their collective breaks (--broken-wait 0): the
+    # leader checks every member, and the dead one's port refuses; a dead leader is
+    # checked by the nodes whose workers failed, which end its lease
+    crash = ("--broken-wait", "0")
+    agents = [start(cluster, rdzv, n, i + 2, "2:3", conf=_conf(rdzv), worker_args=crash) for i, n in enumerate("abc")]
+    before = {p.name: step(p, 3) for p in agents}
+    boss = leader(agents)
+    victim = boss if who == "leader" else next(p for p in agents if p is not boss)
+    survivors = [p for p in agents if p is not victim]
+    marks = {p.name: p.mark() for p in survivors}
+    kill_node(victim, int(before[victim.name]["pid"]))
+
+    for p in survivors:
+        assert step(p, 2, start=marks[p.name])["restart"] == "0"  # a death is free
+    if who == "member":
+        assert re.search(rf"lost {node_id(victim)} \(agent gone: .* refused the liveness check\)", boss.text())
+    else:
+        assert any(re.search(rf"leader {node_id(victim)}: its liveness port refused", p.text()) for p in survivors)
+    finish(cluster, *survivors)
+
+
+def test_a_stopped_agent_shorter_than_its_lease_is_not_removed(cluster: Cluster, rdzv: Rdzv) -> None:
+    crash_dir = cluster.tmp / "crash"
+    crash_dir.mkdir()
+    args = ("--crash-dir", str(crash_dir))
+    a = start(cluster, rdzv, "a", 2, "2", conf=_conf(rdzv), max_restarts=1, worker_args=args)
+    a.wait_for(r"node \S+ leads job")
+    b = start(cluster, rdzv, "b", 3, "2", conf=_conf(rdzv), max_restarts=1, worker_args=args)
+    for p in (a, b):
+        step(p, 2, restart=0)
+    marks = {p.name: p.mark() for p in (a, b)}
+
+    # b's agent stops (its worker runs on); a's worker fails: the leader checks b
+    b.signal(signal.SIGSTOP)
+    bad = crash_dir / node_id(a)
+    bad.touch()
+    a.wait_for(r"checking that every node is alive", start=marks["a"])
+    bad.unlink()
+    b.signal(signal.SIGCONT)
+
+    # b answers the ping: a worker failure with both nodes, not a loss
+    for p in (a, b):
+        step(p, 2, start=marks[p.name], restart=1)
+    assert "lost" not in a.text()[marks["a"]:]
+    finish(cluster, a, b)
