@@ -131,8 +131,8 @@ class ElasticRendezvous(RendezvousHandler):
         leader = state.reason if state else "waiting for the leader's first decision"
         held = self._quarantined()
         if held is None:
-            current = self._job.round
-            if current and current.participants and not current.closed and current.rank_of(self._me.node_id) is None:
+            current, (folder, place) = self._job.head, self._placed
+            if current and current.nodes and not current.closed and folder == current.ranks and place is None:
                 return f"spare: takes the place of a participant that goes; the leader: {leader}"
             return leader
         until = time.strftime("%H:%M:%S", time.localtime(held.until))

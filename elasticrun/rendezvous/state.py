@@ -263,6 +263,7 @@ class RoundHead:
     opened_at: float
     closed: str = ""
     detail: str = ""
+    forgiven: int = 0
     nodes: int = 0
     world_size: int = 0
     shards: int = 0
