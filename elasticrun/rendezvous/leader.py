@@ -40,8 +40,11 @@ log = logging.getLogger("elasticrun.rendezvous")
 
 #: a failure report kept in the closed round record is cut to this many characters
 DETAIL_LIMIT = 16_000
-#: the leader publishes its waiting reason at most this often
+#: the leader publishes its waiting reason at most this often, and at most once per
+#: second per _STATE_FANOUT registered nodes: every node's watch gets it, so a large
+#: job's nodes get ~_STATE_FANOUT state events a second in all, not one each
 _STATE_MIN_INTERVAL = 1.0
+_STATE_FANOUT = 200
 #: events kept in the store (the leader prunes older ones)
 EVENTS_KEPT = 200
 
@@ -266,9 +269,10 @@ class Leader:
             await self._store.delete(kv.key)
 
     async def _publish(self, decision: Decision) -> float | None:
-        """Publish the waiting reason, at most every _STATE_MIN_INTERVAL; else say when."""
+        """Publish the waiting reason, at most every _STATE_MIN_INTERVAL (longer with
+        many nodes, above); else say when."""
         now = self._clock()
-        due = self._published_at + _STATE_MIN_INTERVAL
+        due = self._published_at + _STATE_MIN_INTERVAL * max(1.0, len(self._nodes) / _STATE_FANOUT)
         if now < due:
             return due
         current = self._records.round
