@@ -140,7 +140,7 @@ def role_serve(profile: str) -> None:
 
 
 def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int, total: int, leaver: int, profile: str,
-               shared: bool = False, cap: float = CAP_S) -> None:
+               shared: bool = False, cap: float = CAP_S, heartbeat: float = HEARTBEAT) -> None:
     """`count` ElasticRendezvous instances (node ids first..first+count-1) on one loop,
     collecting garbage as an agent does (unless --default-gc)."""
     import logging
@@ -162,7 +162,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
     rdzv_log.addHandler(CountLosses())
     rdzv_log.setLevel(logging.WARNING)
     rdzv_log.propagate = False  # 1,000 nodes' warnings would flood the terminal
-    settings = RendezvousSettings(run_id, max(total - 1, 1), total, last_call=LAST_CALL, heartbeat_ttl=HEARTBEAT, join_timeout=cap)
+    settings = RendezvousSettings(run_id, max(total - 1, 1), total, last_call=LAST_CALL, heartbeat_ttl=heartbeat, join_timeout=cap)
     registered: dict[int, float] = {}
 
     class Timed(ElasticRendezvous):
@@ -312,6 +312,7 @@ def main() -> int:
     ap.add_argument("--profile-nodes", default="", help="cProfile the first client process here (.prof)")
     ap.add_argument("--shared-client", action="store_true", help="one store client per process (not per node)")
     ap.add_argument("--cap", type=float, default=CAP_S, help="seconds each phase may take")
+    ap.add_argument("--heartbeat", type=float, default=HEARTBEAT, help="the lease TTL (heartbeat_timeout)")
     ap.add_argument("--idle", type=float, default=10.0, help="seconds of keep-alives only, after round 2")
     ap.add_argument("--json")
     add_default_gc_flag(ap)
@@ -347,7 +348,7 @@ def main() -> int:
                 nodes = []
                 for i in range(args.procs):
                     prof = args.profile_nodes if (i == 0 and size == max(args.sizes)) else ""
-                    nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size), str(leaver), prof, "shared" if args.shared_client else "", str(args.cap)))
+                    nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size), str(leaver), prof, "shared" if args.shared_client else "", str(args.cap), str(args.heartbeat)))
                 all_procs.extend(nodes)
                 for p in nodes:
                     assert recv(p).strip() == "ready"
@@ -400,6 +401,7 @@ def main() -> int:
                     "keep_alives_per_s": summarise_ops(idle, backend)[1] / args.idle,
                     "server_cpu_idle": (idle["cpu_s"] - ops2["cpu_s"]) / args.idle,
                     "clients": "one per process" if args.shared_client else "one per node",
+                    "heartbeat_s": args.heartbeat,
                     "load": loadavg(),
                 }
                 results.append(res)
@@ -440,6 +442,6 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "_nodes":
         b, ep, rid, first, count, total, leaver = sys.argv[2:9]
         role_nodes(b, ep, rid, int(first), int(count), int(total), int(leaver), sys.argv[9], sys.argv[10] == "shared",
-                   float(sys.argv[11]))
+                   float(sys.argv[11]), float(sys.argv[12]))
     else:
         sys.exit(main())
