@@ -106,7 +106,7 @@ async def test_a_sigkilled_agent_leaves_nothing_of_its_workers_trees(tmp_path: P
 async def test_a_sigtermed_agent_stops_its_workers_trees(tmp_path: Path, reliability: Reliability) -> None:
     async with _agent_with_tree(tmp_path, "block") as (agent, pids):
         agent.terminate()
-        assert await asyncio.wait_for(agent.wait(), 60) == 1  # torchrun's exit code
+        assert await asyncio.wait_for(agent.wait(), 60) == 128 + signal.SIGTERM  # docs/cli.md#exit-codes
         await _all_gone(pids)
     reliability.record(
         part="security",

@@ -52,10 +52,10 @@ def launcher_vars(env: dict[str, str]) -> dict[str, str]:
 
 
 def run_both(
-    theirs: list[object], ours: list[object]
+    theirs: list[object], ours: list[object], *, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
     """torchrun with `theirs` and elasticrun with `ours`, at the same time."""
-    procs = [start_cli(theirs, module=TORCHRUN), start_cli(ours)]
+    procs = [start_cli(theirs, module=TORCHRUN, env=env, cwd=cwd), start_cli(ours, env=env, cwd=cwd)]
     try:
         return finish(procs[0], timeout=60), finish(procs[1], timeout=60)
     finally:
@@ -95,15 +95,7 @@ def test_standalone_worker_environment_matches_torchrun(tmp_path: Path) -> None:
     out_t.mkdir()
     out_o.mkdir()
     args = ["--standalone", "--nproc-per-node", "2", PROBE]
-    procs = [
-        start_cli([*args, out_t], module=TORCHRUN, env=clean_env(PARITY_MARK="kept")),
-        start_cli([*args, out_o], env=clean_env(PARITY_MARK="kept")),
-    ]
-    try:
-        results = [finish(p, timeout=60) for p in procs]
-    finally:
-        for proc in procs:
-            stop(proc)
+    results = run_both([*args, out_t], [*args, out_o], env=clean_env(PARITY_MARK="kept"))
     assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
     theirs, ours = assert_same_worker_env(out_t, out_o, 2)
     # spelled out, so a change on either side shows here by name
@@ -124,17 +116,11 @@ def test_static_backend_without_standalone_matches_torchrun(tmp_path: Path) -> N
     # torchrun's static agent listens on its master port itself: one port each
     port_t, port_o = free_port(), free_port()
     env = clean_env(PARITY_MARK="kept")
-    procs = [
-        start_cli(["--nproc-per-node", "2", "--master-port", port_t, "--max-restarts", "2", PROBE,
-                   out_t], module=TORCHRUN, env=env),
-        start_cli(["--nproc_per_node", "2", "--master_port", port_o, "--max_restarts", "2", PROBE,
-                   out_o], env=env),
-    ]
-    try:
-        results = [finish(p, timeout=60) for p in procs]
-    finally:
-        for proc in procs:
-            stop(proc)
+    results = run_both(
+        ["--nproc-per-node", "2", "--master-port", port_t, "--max-restarts", "2", PROBE, out_t],
+        ["--nproc_per_node", "2", "--master_port", port_o, "--max_restarts", "2", PROBE, out_o],
+        env=env,
+    )
     assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
     theirs, ours = assert_same_worker_env(out_t, out_o, 2)
     for rank in (0, 1):
@@ -186,15 +172,7 @@ def run_both_probes(
     outs = tmp_path / "by-torchrun", tmp_path / "by-elasticrun"
     for out in outs:
         out.mkdir()
-    procs = [
-        start_cli([*args, outs[0]], module=TORCHRUN, env=env or clean_env(), cwd=tmp_path),
-        start_cli([*args, outs[1]], env=env or clean_env(), cwd=tmp_path),
-    ]
-    try:
-        results = [finish(p, timeout=60) for p in procs]
-    finally:
-        for proc in procs:
-            stop(proc)
+    results = run_both([*args, outs[0]], [*args, outs[1]], env=env, cwd=tmp_path)
     assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
     found = read_probes(outs[0]), read_probes(outs[1])
     assert sorted(found[0]) == sorted(found[1]) == list(range(nproc))
@@ -317,13 +295,7 @@ def test_duplicate_filters_write_torchruns_filtered_files(tmp_path: Path) -> Non
     logs = tmp_path / "by-torchrun", tmp_path / "by-elasticrun"
     args = ["--standalone", "--nproc-per-node", "2", "--tee", "3",
             "--duplicate-stdout-filters", "rank=1,no,,such", "--duplicate-stderr-filters", "err rank"]
-    procs = [start_cli([*args, "--log-dir", logs[0], SPEAK], module=TORCHRUN, env=env),
-             start_cli([*args, "--log-dir", logs[1], SPEAK], env=env)]
-    try:
-        theirs, ours = (finish(p, timeout=60) for p in procs)
-    finally:
-        for proc in procs:
-            stop(proc)
+    theirs, ours = run_both([*args, "--log-dir", logs[0], SPEAK], [*args, "--log-dir", logs[1], SPEAK], env=env)
     assert theirs.returncode == ours.returncode == 0, (theirs.stderr, ours.stderr)
     for name, expected in (("filtered_stdout.log", ["[1]: out rank=1 attempt=0"]),
                            ("filtered_stderr.log", ["[0]: err rank=0 attempt=0", "[1]: err rank=1 attempt=0"])):
@@ -373,9 +345,11 @@ def status_events(stderr: str) -> list[tuple[object, ...]]:
 def test_event_log_handler_records_torchruns_status_events(fails: bool) -> None:
     """--event-log-handler=console: the same events through torch's own event log. One
     difference on purpose: when the workers failed, torchrun's agent event still says
-    SUCCEEDED (its run returned), ours FAILED."""
+    SUCCEEDED (its run returned), ours FAILED. The rank that does not fail waits to be
+    stopped: whether it is still running when the failure is seen decides its event
+    (FAILED with its SIGTERM exit, or TERMINATED), under torchrun as here."""
     args = ["--standalone", "--nproc-per-node", "2", "--event-log-handler", "console",
-            EXIT_RANK, "3" if fails else "0", "1"]
+            EXIT_RANK, *(("3", "1", "wait") if fails else ("0", "1"))]
     theirs, ours = run_both(args, args)
     assert theirs.returncode == ours.returncode == (1 if fails else 0), (theirs.stderr, ours.stderr)
     mine, torchruns = status_events(ours.stderr), status_events(theirs.stderr)
@@ -427,13 +401,7 @@ def test_logs_specs_lays_out_the_logs_as_under_torchrun(tmp_path: Path, name: st
     env = clean_env(PYTHONPATH=f"{plugin}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     logs = tmp_path / "by-torchrun", tmp_path / "by-elasticrun"
     args = ["--standalone", "--nproc-per-node", "2", "--redirects", "1", "--logs-specs", name]
-    procs = [start_cli([*args, "--log-dir", logs[0], SPEAK], module=TORCHRUN, env=env),
-             start_cli([*args, "--log-dir", logs[1], SPEAK], env=env)]
-    try:
-        theirs, ours = (finish(p, timeout=60) for p in procs)
-    finally:
-        for proc in procs:
-            stop(proc)
+    theirs, ours = run_both([*args, "--log-dir", logs[0], SPEAK], [*args, "--log-dir", logs[1], SPEAK], env=env)
     assert theirs.returncode == ours.returncode == 0, (theirs.stderr, ours.stderr)
 
     def files(root: Path) -> dict[str, str]:

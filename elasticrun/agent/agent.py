@@ -592,12 +592,16 @@ class Agent:
         )
 
     def _worker_events(self, group: _Group, assignment: Assignment, outcome: Outcome) -> None:
-        """Each worker's end, as torchrun records it: its own failure, else the group's."""
+        """Each worker's end, as torchrun records it: its own failure, else the group's.
+
+        When the group failed, torchrun books every worker that ended with a non-zero
+        status as FAILED, those it stopped itself included (its `_poll` captures their
+        SIGTERM exits "for bookkeeping"); a worker that exited 0 is TERMINATED."""
         if self._events is None:
             return
         for local_rank, proc in group.workers.procs.items():
             end = group.workers.exits.get(local_rank)
-            if end is not None and end.failed:
+            if end is not None and (end.failed or (outcome is Outcome.FAILED and end.returncode != 0)):
                 state, code = "FAILED", end.returncode
             elif outcome is Outcome.SUCCEEDED:
                 state, code = "SUCCEEDED", None
