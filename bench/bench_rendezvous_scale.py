@@ -1,8 +1,9 @@
-"""A rendezvous-only simulation of up to 1,000 nodes against one store.
+"""A rendezvous-only simulation of up to 10,000 nodes against one store.
 
     python bench/bench_rendezvous_scale.py                        # 100, 300, 1,000 nodes; our store, ~1 minute
     python bench/bench_rendezvous_scale.py --backends etcd --shared-client   # etcd, one client per process
     python bench/bench_rendezvous_scale.py --sizes 1000 --backends grpc --profile-server /tmp/srv.prof
+    python bench/bench_rendezvous_scale.py --sizes 2000 5000 10000 --backends grpc etcd --shared-client --cap 240
 
 No workers and no agents: each client process runs many `ElasticRendezvous` instances
 (one per simulated node, each with its own store client and lease) on one event loop.
@@ -22,7 +23,12 @@ Store operations per round are counted on the server side: for our server by a c
 wrapper around its engine (bench-only subclass: one count per engine call a request
 makes, plus every watch event sent); for etcd from its /metrics (gRPC requests and
 stream messages received per method, and watch events sent). Keep-alives are listed
-apart: they flow all the time, not because of the round.
+apart: they flow all the time, not because of the round. Bytes per round are what the
+store sends the nodes: for our server the keys and values of every watch event and read
+result; for etcd `etcd_network_client_grpc_sent_bytes_total`. After round 2 the nodes
+stay idle for --idle seconds, and the store's CPU over that window (keep-alives and
+nothing else) is reported with the keep-alives per second: for our server the process's
+own CPU time, for etcd `process_cpu_seconds_total`.
 """
 
 from __future__ import annotations
@@ -57,9 +63,12 @@ from common import (  # noqa: E402
 )
 
 HOST = "127.0.0.1"
+#: engine calls counted as they are (get, get_prefix and watches count their bytes too)
+_COUNTED = frozenset({"put", "put_all", "compare_and_put", "delete", "compare_and_delete", "delete_prefix",
+                      "grant_lease", "keep_alive", "revoke_lease"})
 LAST_CALL = 0.5
 HEARTBEAT = 5.0
-CAP_S = 60.0
+CAP_S = 60.0  # --cap
 
 
 # --- children ---------------------------------------------------------------------------
@@ -76,43 +85,31 @@ def role_serve(profile: str) -> None:
     class Counting(MemoryStore):
         async def get(self, key):  # type: ignore[no-untyped-def]
             counts["get"] += 1
-            return await super().get(key)
+            kv = await super().get(key)
+            counts["bytes_sent"] += len(kv.key) + len(kv.value) if kv else 0
+            return kv
 
         async def get_prefix(self, prefix):  # type: ignore[no-untyped-def]
             counts["get_prefix"] += 1
-            return await super().get_prefix(prefix)
+            result = await super().get_prefix(prefix)
+            counts["bytes_sent"] += sum(len(kv.key) + len(kv.value) for kv in result.kvs)
+            return result
 
-        async def put(self, key, value, *, lease=0):  # type: ignore[no-untyped-def]
-            counts["put"] += 1
-            return await super().put(key, value, lease=lease)
-
-        async def compare_and_put(self, key, value, *, expected_mod_revision, lease=0):  # type: ignore[no-untyped-def]
-            counts["compare_and_put"] += 1
-            return await super().compare_and_put(key, value, expected_mod_revision=expected_mod_revision, lease=lease)
-
-        async def delete(self, key):  # type: ignore[no-untyped-def]
-            counts["delete"] += 1
-            return await super().delete(key)
-
-        async def grant_lease(self, ttl):  # type: ignore[no-untyped-def]
-            counts["grant_lease"] += 1
-            return await super().grant_lease(ttl)
-
-        async def keep_alive(self, lease):  # type: ignore[no-untyped-def]
-            counts["keep_alive"] += 1
-            return await super().keep_alive(lease)
-
-        async def revoke_lease(self, lease):  # type: ignore[no-untyped-def]
-            counts["revoke_lease"] += 1
-            return await super().revoke_lease(lease)
+        def __getattribute__(self, name):  # type: ignore[no-untyped-def]
+            # one count per engine call a request makes (put, compare_and_put, delete,
+            # delete_prefix, grant_lease, keep_alive, revoke_lease, ...)
+            if name in _COUNTED:
+                counts[name] += 1
+            return super().__getattribute__(name)
 
         async def watch_batches(self, key, start_revision, prefix):  # type: ignore[no-untyped-def]
             counts["watch"] += 1
             async for batch in super().watch_batches(key, start_revision, prefix):
                 counts["watch_events_sent"] += len(batch)
+                counts["bytes_sent"] += sum(len(e.key) + len(e.value or b"") for e in batch)
                 for e in batch:  # which records fan out: job/round, job/state, nodes/*, ...
                     part = e.key.split("/")
-                    counts["events:" + ("nodes/*" if "nodes" in part else part[-1])] += 1
+                    counts["events:" + ("nodes/*" if "nodes" in part else "ranks/*" if "ranks" in part else part[-1])] += 1
                 yield batch
 
     async def serve() -> None:
@@ -129,7 +126,8 @@ def role_serve(profile: str) -> None:
                 if not line:
                     stop.set()
                     return
-                print(json.dumps(dict(counts)), flush=True)
+                t = os.times()
+                print(json.dumps({**counts, "cpu_s": t.user + t.system}), flush=True)
                 counts.clear()
 
         task = asyncio.ensure_future(commands())
@@ -142,7 +140,7 @@ def role_serve(profile: str) -> None:
 
 
 def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int, total: int, leaver: int, profile: str,
-               shared: bool = False) -> None:
+               shared: bool = False, cap: float = CAP_S, heartbeat: float = HEARTBEAT) -> None:
     """`count` ElasticRendezvous instances (node ids first..first+count-1) on one loop,
     collecting garbage as an agent does (unless --default-gc)."""
     import logging
@@ -164,7 +162,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
     rdzv_log.addHandler(CountLosses())
     rdzv_log.setLevel(logging.WARNING)
     rdzv_log.propagate = False  # 1,000 nodes' warnings would flood the terminal
-    settings = RendezvousSettings(run_id, max(total - 1, 1), total, last_call=LAST_CALL, heartbeat_ttl=HEARTBEAT, join_timeout=CAP_S)
+    settings = RendezvousSettings(run_id, max(total - 1, 1), total, last_call=LAST_CALL, heartbeat_ttl=heartbeat, join_timeout=cap)
     registered: dict[int, float] = {}
 
     class Timed(ElasticRendezvous):
@@ -176,10 +174,10 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
         if backend == "grpc":
             from elasticrun.store.client import GrpcStore
 
-            return GrpcStore(endpoint, timeout=60)
+            return GrpcStore(endpoint, timeout=cap)
         from elasticrun.store.etcd import EtcdStore
 
-        return EtcdStore([endpoint], timeout=60)
+        return EtcdStore([endpoint], timeout=cap)
 
     async def main() -> None:
         nodes, stores = {}, []
@@ -209,7 +207,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
                 errors.append(f"node{n}: {type(e).__name__}: {e}")
 
         tasks = [asyncio.ensure_future(life(n)) for n in nodes]
-        deadline = time.monotonic() + CAP_S
+        deadline = time.monotonic() + cap
         while len(round1) + len(errors) < count and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         print(json.dumps({"registered": registered, "round1": round1, "errors": errors, "lost": lost["lost_membership"]}), flush=True)
@@ -219,10 +217,12 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
             t_leave = time.time()
             await nodes[leaver].leave("bench: scale in")
         expected = count - (leaver in nodes)
-        deadline = time.monotonic() + CAP_S
+        deadline = time.monotonic() + cap
         while len(round2) + len(errors) < expected and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         print(json.dumps({"round2": round2, "t_leave": t_leave, "errors": errors, "lost": lost["lost_membership"]}), flush=True)
+        await asyncio.to_thread(sys.stdin.readline)  # idle window over
+        print(json.dumps({"lost": lost["lost_membership"]}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # quit
         for t in tasks:
             t.cancel()
@@ -274,25 +274,31 @@ class EtcdCounter:
                 counts[f"{kind}:{m.group(2)}"] += int(float(m.group(3)))
             elif line.startswith("etcd_debugging_mvcc_events_total "):
                 counts["watch_events_sent"] += int(float(line.split()[1]))
+            elif line.startswith("etcd_network_client_grpc_sent_bytes_total "):
+                counts["bytes_sent"] += int(float(line.split()[1]))
+            elif line.startswith("process_cpu_seconds_total "):
+                counts["cpu_ms"] += int(float(line.split()[1]) * 1000)
         return counts
 
-    def delta(self) -> dict[str, int]:
+    def delta(self) -> dict[str, float]:
         now = self._read()
-        d = {k: now[k] - self.last.get(k, 0) for k in now if now[k] - self.last.get(k, 0)}
+        d: dict[str, float] = {k: now[k] - self.last.get(k, 0) for k in now if now[k] - self.last.get(k, 0)}
         self.last = now
+        d["cpu_s"] = now["cpu_ms"] / 1000  # a total, as our server reports it
         return d
 
 
-def summarise_ops(counts: dict[str, int], backend: str) -> tuple[int, int, dict[str, int]]:
+def summarise_ops(counts: dict[str, float], backend: str) -> tuple[int, int, dict[str, float]]:
     """(round ops without keep-alives, keep-alives, detail) from server-side counts."""
     if backend == "grpc":
-        keep = counts.get("keep_alive", 0)
-        ops = sum(v for k, v in counts.items() if k not in ("keep_alive", "watch_events_sent") and not k.startswith("events:"))
+        keep = int(counts.get("keep_alive", 0))
+        apart = ("keep_alive", "watch_events_sent", "bytes_sent", "cpu_s")
+        ops = sum(int(v) for k, v in counts.items() if k not in apart and not k.startswith("events:"))
         return ops, keep, counts
     # etcd: unary requests plus messages on streams (Watch creates, keep-alives)
-    keep = counts.get("msg:LeaseKeepAlive", 0)
-    unary = sum(v for k, v in counts.items() if k.startswith("rpc:") and k not in ("rpc:LeaseKeepAlive", "rpc:Watch"))
-    watches = counts.get("msg:Watch", 0)
+    keep = int(counts.get("msg:LeaseKeepAlive", 0))
+    unary = sum(int(v) for k, v in counts.items() if k.startswith("rpc:") and k not in ("rpc:LeaseKeepAlive", "rpc:Watch"))
+    watches = int(counts.get("msg:Watch", 0))
     return unary + watches, keep, counts
 
 
@@ -305,6 +311,9 @@ def main() -> int:
     ap.add_argument("--profile-server", default="", help="cProfile our server process here (.prof)")
     ap.add_argument("--profile-nodes", default="", help="cProfile the first client process here (.prof)")
     ap.add_argument("--shared-client", action="store_true", help="one store client per process (not per node)")
+    ap.add_argument("--cap", type=float, default=CAP_S, help="seconds each phase may take")
+    ap.add_argument("--heartbeat", type=float, default=HEARTBEAT, help="the lease TTL (heartbeat_timeout)")
+    ap.add_argument("--idle", type=float, default=10.0, help="seconds of keep-alives only, after round 2")
     ap.add_argument("--json")
     add_default_gc_flag(ap)
     args = ap.parse_args()
@@ -339,7 +348,7 @@ def main() -> int:
                 nodes = []
                 for i in range(args.procs):
                     prof = args.profile_nodes if (i == 0 and size == max(args.sizes)) else ""
-                    nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size), str(leaver), prof, "shared" if args.shared_client else ""))
+                    nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size), str(leaver), prof, "shared" if args.shared_client else "", str(args.cap), str(args.heartbeat)))
                 all_procs.extend(nodes)
                 for p in nodes:
                     assert recv(p).strip() == "ready"
@@ -357,10 +366,15 @@ def main() -> int:
                     send(p)
                 r2 = [json.loads(recv(p)) for p in nodes]
                 ops2 = json.loads((send(server), recv(server))[1]) if server else counter.delta()  # type: ignore[union-attr]
+                time.sleep(args.idle)  # keep-alives only
+                idle = json.loads((send(server), recv(server))[1]) if server else counter.delta()  # type: ignore[union-attr]
+                for p in nodes:
+                    send(p)
+                r3 = [json.loads(recv(p)) for p in nodes]
                 for p in nodes:
                     send(p)
                 for p in nodes:
-                    p.wait(60)
+                    p.wait(120)
                 registered = [t for r in r1 for t in r["registered"].values()]
                 got1 = [t for r in r1 for t in r["round1"].values()]
                 got2 = [t for r in r2 for t in r["round2"].values()]
@@ -381,7 +395,13 @@ def main() -> int:
                     "errors": errors[:5],
                     "lost_membership_r1": sum(r["lost"] for r in r1),
                     "lost_membership_r1_r2": sum(r["lost"] for r in r2),
+                    "lost_membership_idle": sum(r["lost"] for r in r3),
+                    "bytes_per_node_round1": ops1.get("bytes_sent", 0) / size,
+                    "bytes_per_node_round2": ops2.get("bytes_sent", 0) / (size - 1),
+                    "keep_alives_per_s": summarise_ops(idle, backend)[1] / args.idle,
+                    "server_cpu_idle": (idle["cpu_s"] - ops2["cpu_s"]) / args.idle,
                     "clients": "one per process" if args.shared_client else "one per node",
+                    "heartbeat_s": args.heartbeat,
                     "load": loadavg(),
                 }
                 results.append(res)
@@ -401,13 +421,17 @@ def main() -> int:
         if cluster:
             cluster.close()
 
-    print("\n| backend | clients | nodes | all registered after go s | round 1 s (last registered → last assigned) | round 2 s (leave → last assigned) | ops round 1 (+keep-alives) | ops round 2 (+keep-alives) | ops/node round 1 | watch events sent r1 | leases lost (r1+r2) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| backend | clients | nodes | all registered after go s | round 1 s (last registered → last assigned) | round 2 s (leave → last assigned) "
+          "| store calls/node r1, r2 | bytes/node r1, r2 | watch events sent r1 | keep-alives/s | store CPU, keep-alives only | leases lost (r1+r2, idle) | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        o1, k1, d1 = r["ops_round1"]  # type: ignore[misc]
-        o2, k2, _ = r["ops_round2"]  # type: ignore[misc]
-        print(f"| {r['backend']} | {r['clients']} | {r['nodes']} | {fmt(r['all_registered_after_go_s'])} | {fmt(r['round1_s'])} | {fmt(r['round2_s'])} | "
-              f"{o1} (+{k1}) | {o2} (+{k2}) | {o1 / r['nodes']:.1f} | {d1.get('watch_events_sent', 0)} | {r['lost_membership_r1_r2']} |")
+        o1, _, d1 = r["ops_round1"]  # type: ignore[misc]
+        o2, _, _ = r["ops_round2"]  # type: ignore[misc]
+        n = r["nodes"]
+        print(f"| {r['backend']} | {r['clients']} | {n} | {fmt(r['all_registered_after_go_s'])} | {fmt(r['round1_s'])} | {fmt(r['round2_s'])} | "
+              f"{o1 / n:.2f}, {o2 / (n - 1):.2f} | {r['bytes_per_node_round1']:,.0f}, {r['bytes_per_node_round2']:,.0f} | "
+              f"{int(d1.get('watch_events_sent', 0))} | {r['keep_alives_per_s']:.0f} | {r['server_cpu_idle']:.0%} of a core | "
+              f"{r['lost_membership_r1_r2']}, {r['lost_membership_idle']} | {r['load']} |")
     write_json(args.json, {"machine": info, "results": results})
     return 0
 
@@ -417,6 +441,7 @@ if __name__ == "__main__":
         role_serve(sys.argv[2] if len(sys.argv) > 2 else "")
     elif len(sys.argv) > 1 and sys.argv[1] == "_nodes":
         b, ep, rid, first, count, total, leaver = sys.argv[2:9]
-        role_nodes(b, ep, rid, int(first), int(count), int(total), int(leaver), sys.argv[9], sys.argv[10] == "shared")
+        role_nodes(b, ep, rid, int(first), int(count), int(total), int(leaver), sys.argv[9], sys.argv[10] == "shared",
+                   float(sys.argv[11]), float(sys.argv[12]))
     else:
         sys.exit(main())

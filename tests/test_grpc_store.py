@@ -855,3 +855,13 @@ def test_store_modules_do_not_import_torch() -> None:
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_plain_connection_cut_in_its_handshake_is_worth_retrying_not_a_tls_failure() -> None:
+    # Seen with 1,000 clients connecting at once to a plain server (bench_rendezvous_scale):
+    # taken for a TLS failure, it ended the node's membership instead of being retried.
+    from elasticrun.store.channel import _is_tls_failure
+
+    assert not _is_tls_failure("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: handshaker shutdown")
+    assert not _is_tls_failure("last error: UNAVAILABLE: ipv4:127.0.0.1:9: tcp handshaker shutdown")
+    assert _is_tls_failure("last error: UNAVAILABLE: ipv4:127.0.0.1:9: Ssl handshake failed (TSI_PROTOCOL_FAILURE)")

@@ -46,11 +46,14 @@ from elasticrun.rendezvous.state import (
     Master,
     NodeInfo,
     Ping,
+    Placed,
     QuarantineEntry,
+    RankShard,
     RestartRequest,
-    Round,
+    RoundHead,
     decode,
     encode,
+    shard_of,
 )
 from elasticrun.store.api import EventType, RangeResult, Store
 
@@ -109,7 +112,9 @@ class ElasticRendezvous(RendezvousHandler):
         self._leader_task: asyncio.Task[None] | None = None
         self._job = JobRecords(self._keys)  # what this node knows of job/
         self._last_round = 0
-        self._ran: Round | None = None  # the round this node last ran
+        self._ran: RoundHead | None = None  # the round this node last ran
+        #: this node's place in a round (None: not in it), by the round's shard folder
+        self._placed: tuple[str, Placed | None] = ("", None)
         self._reports = Reporter(store, self._keys, me)
         #: open from the first registration until the node is done with the job
         self._liveness: LivenessPort | None = None
@@ -126,8 +131,8 @@ class ElasticRendezvous(RendezvousHandler):
         leader = state.reason if state else "waiting for the leader's first decision"
         held = self._quarantined()
         if held is None:
-            current = self._job.round
-            if current and current.participants and not current.closed and current.rank_of(self._me.node_id) is None:
+            current, (folder, place) = self._job.head, self._placed
+            if current and current.nodes and not current.closed and folder == current.ranks and place is None:
                 return f"spare: takes the place of a participant that goes; the leader: {leader}"
             return leader
         until = time.strftime("%H:%M:%S", time.localtime(held.until))
@@ -163,16 +168,18 @@ class ElasticRendezvous(RendezvousHandler):
         while True:
             if self._lease is None or self._lost:
                 await self._register()
-            current = self._job.round
+            current = self._job.head
             if current is not None and current.closed:
                 raise RendezvousClosedError(self.run_id, current.closed, current.detail)
-            rank = current.rank_of(self._me.node_id) if current else None
-            if current is not None and rank is not None and current.number > self._last_round:
-                master = await self._master_of(current, rank)
+            place = await self._place(current) if current and current.number > self._last_round else None
+            if self._job.head is not current:  # a newer round came while we read
+                continue
+            if current is not None and place is not None:
+                master = await self._master_of(current, place.rank)
                 if master is not None:
                     self._last_round = current.number
                     self._ran = current
-                    return self._assignment(current, rank, master)
+                    return self._assignment(current, place, master)
                 continue
             status = self.waiting_status
             now = self._clock()
@@ -197,7 +204,7 @@ class ElasticRendezvous(RendezvousHandler):
         while True:
             if self._lost:
                 return f"node {self._me.node_id} lost its membership: {self._lost}"
-            current = self._job.round
+            current = self._job.head
             if current is None:
                 return "the round record vanished from the store"
             if current.number != self._last_round:
@@ -207,12 +214,12 @@ class ElasticRendezvous(RendezvousHandler):
             await self._pulse.wait()
 
     def peers_lost(self) -> bool:
-        ran, current = self._ran, self._job.round
+        ran, current = self._ran, self._job.head
         if self._lost or ran is None or current is None or current.closed:
             return True
         if current.restart_count != ran.restart_count:
             return True
-        return not {p.node_id for p in ran.participants} <= {p.node_id for p in current.participants}
+        return current.kept_since > ran.number  # a round since ours went on without one of us
 
     async def request_restart(self, reason: str, *, forgiven: bool = False) -> None:
         request = RestartRequest(round=self._last_round, node_id=self._me.node_id, reason=reason, forgiven=forgiven)
@@ -280,7 +287,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._lost = ""
         keys = self._keys
         snapshot = await self._reread_job()
-        current = self._job.round
+        current = self._job.head
         if current is not None and current.closed:
             raise RendezvousClosedError(self.run_id, current.closed, current.detail)
         await self._check_spec()
@@ -304,6 +311,11 @@ class ElasticRendezvous(RendezvousHandler):
         await self._try_lead()
 
     async def _check_spec(self) -> None:
+        """Refuse a job whose spec differs; store ours if the job is new. The spec is
+        usually in the `r/job/` snapshot just read: then no store call at all."""
+        if self._job.spec is not None:
+            self._refuse_other(self._job.spec)
+            return
         raw = encode(self._spec)
         if await self._store.compare_and_put(self._keys.spec, raw, expected_mod_revision=0):
             # A new job: the events of an earlier job with this id go.
@@ -317,7 +329,10 @@ class ElasticRendezvous(RendezvousHandler):
         if stored is None:  # closed and cleared in between: ours is the new spec
             await self._store.put(self._keys.spec, raw)
             return
-        differ = decode(JobSpec, stored.value).differences(self._spec)
+        self._refuse_other(decode(JobSpec, stored.value))
+
+    def _refuse_other(self, job: JobSpec) -> None:
+        differ = job.differences(self._spec)
         if differ:
             raise SpecMismatchError(
                 f"this node's job spec differs from the running job '{self.run_id}' ({'; '.join(differ)}); "
@@ -431,7 +446,24 @@ class ElasticRendezvous(RendezvousHandler):
             self._job.apply(kv.key, kv.value, kv.mod_revision)
         return snapshot
 
-    async def _master_of(self, current: Round, rank: int) -> Master | None:
+    async def _place(self, current: RoundHead) -> Placed | None:
+        """This node's place in `current` (None: not in it), read once per round from
+        the one shard its id hashes to: what a node reads of a round does not grow
+        with the job."""
+        folder, place = self._placed
+        if folder == current.ranks:
+            return place
+        place = None
+        if current.shards:
+            key = self._keys.shard(current.ranks, shard_of(self._me.node_id, current.shards))
+            kv = await self._store.get(key)
+            # None: a newer round replaced it already; its head is on its way
+            shard = decode(RankShard, kv.value) if kv is not None else None
+            place = next((p for p in shard.placed if p.node_id == self._me.node_id), None) if shard else None
+        self._placed = (current.ranks, place)
+        return place
+
+    async def _master_of(self, current: RoundHead, rank: int) -> Master | None:
         """The round's master address; node rank 0 reserves a port and publishes it.
 
         The port stays reserved until the agent asks for the next round or leaves: its
@@ -448,7 +480,7 @@ class ElasticRendezvous(RendezvousHandler):
             known = self._job.master
             if known is not None and known.round == current.number:
                 return known
-            if self._lost or self._job.round is not current:
+            if self._lost or self._job.head is not current:
                 return None
             await self._pulse.wait()
 
@@ -457,13 +489,12 @@ class ElasticRendezvous(RendezvousHandler):
         if port is not None:
             port.close()
 
-    def _assignment(self, current: Round, rank: int, master: Master) -> Assignment:
-        offset = sum(p.nproc for p in current.participants[:rank])
+    def _assignment(self, current: RoundHead, place: Placed, master: Master) -> Assignment:
         return Assignment(
             round=current.number,
-            node_rank=rank,
-            node_count=len(current.participants),
-            rank_offset=offset,
+            node_rank=place.rank,
+            node_count=current.nodes,
+            rank_offset=place.offset,
             world_size=current.world_size,
             master_addr=master.addr,
             master_port=master.port,
@@ -497,8 +528,8 @@ class ElasticRendezvous(RendezvousHandler):
     # --- leadership -------------------------------------------------------------------
 
     async def _try_lead(self) -> None:
-        if self._lease is None or self._lost:
-            return
+        if self._lease is None or self._lost or self._job.leader:
+            return  # a leader's key held: its deletion (watched) brings us back here
         me = self._me.node_id.encode()
         if await self._store.compare_and_put(self._keys.leader, me, expected_mod_revision=0, lease=self._lease):
             log.info("node %s leads job '%s'", self._me.node_id, self.run_id)

@@ -29,8 +29,10 @@ from elasticrun.rendezvous.state import (
     QuarantineTable,
     RestartRequest,
     Round,
+    RoundHead,
     decode,
     encode,
+    split_round,
 )
 from elasticrun.store.api import EventType, RangeResult, Store, WatchEvent
 
@@ -38,8 +40,11 @@ log = logging.getLogger("elasticrun.rendezvous")
 
 #: a failure report kept in the closed round record is cut to this many characters
 DETAIL_LIMIT = 16_000
-#: the leader publishes its waiting reason at most this often
+#: the leader publishes its waiting reason at most this often, and at most once per
+#: second per _STATE_FANOUT registered nodes: every node's watch gets it, so a large
+#: job's nodes get ~_STATE_FANOUT state events a second in all, not one each
 _STATE_MIN_INTERVAL = 1.0
+_STATE_FANOUT = 200
 #: events kept in the store (the leader prunes older ones)
 EVENTS_KEPT = 200
 
@@ -202,12 +207,22 @@ class Leader:
         for node_id in decision.dead:
             await self._end_registration(node_id)
         new_round = replace(decision.round, opened_at=time.time())
+        head, shards = split_round(new_round, self._node_id, self._records.head, self._records.round)
+        # The members first, in shards of their own (no node watches them), then the
+        # head, which every node sees: each then reads only its own shard.
+        await asyncio.gather(
+            *(self._store.put(self._keys.shard(head.ranks, i), encode(s)) for i, s in enumerate(shards))
+        )
         written = await self._store.compare_and_put(
-            self._keys.round, encode(new_round), expected_mod_revision=self._records.round_revision
+            self._keys.round, encode(head), expected_mod_revision=self._records.round_revision
         )
         if written:
             log.info("round %d: %s", new_round.number, new_round.reason)
+            for folder in self._records.shards.keys() - {head.ranks}:  # earlier rounds' members
+                await self._store.delete_prefix(f"{self._keys.ranks}{folder}/")
             await self._record_round(new_round)
+        else:  # another leader's round stands: ours was never seen
+            await self._store.delete_prefix(f"{self._keys.ranks}{head.ranks}/")
         # Either way the watch brings the round record that now stands.
         return True
 
@@ -254,9 +269,10 @@ class Leader:
             await self._store.delete(kv.key)
 
     async def _publish(self, decision: Decision) -> float | None:
-        """Publish the waiting reason, at most every _STATE_MIN_INTERVAL; else say when."""
+        """Publish the waiting reason, at most every _STATE_MIN_INTERVAL (longer with
+        many nodes, above); else say when."""
         now = self._clock()
-        due = self._published_at + _STATE_MIN_INTERVAL
+        due = self._published_at + _STATE_MIN_INTERVAL * max(1.0, len(self._nodes) / _STATE_FANOUT)
         if now < due:
             return due
         current = self._records.round
@@ -378,11 +394,11 @@ async def close_round(store: Store, keys: Keys, outcome: str, detail: str, close
     """The part of `close_job` that ends the job: every agent sees it and exits."""
     while True:
         kv = await store.get(keys.round)
-        current = decode(Round, kv.value) if kv else None
+        current = decode(RoundHead, kv.value) if kv else None
         if current is not None and current.closed:
             return False
         closed = replace(
-            current or Round(0, (), 0, "", 0.0),
+            current or RoundHead(0, 0, "", 0.0),
             closed=outcome,
             detail=detail[-DETAIL_LIMIT:],
         )
@@ -401,6 +417,7 @@ async def clear_job_records(store: Store, keys: Keys) -> None:
     for key in (keys.spec, keys.restart, keys.master, keys.state, keys.ping, keys.quarantine):
         await store.delete(key)
     await store.delete_prefix(keys.drains)
+    await store.delete_prefix(keys.ranks)
 
 
 def _plural(n: int, word: str) -> str:

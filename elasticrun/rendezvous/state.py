@@ -9,7 +9,8 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives u
     r/nodes/<node_id>   NodeInfo, bound to the node's lease: vanishes when the node dies
     r/restart           RestartRequest, written by a node whose workers failed
     r/acks/<node_id>    Ack: the node answers a liveness ping, bound to its lease
-    r/job/round         Round: the current round (or the job's end), by the leader
+    r/job/round         RoundHead: the current round without its members (or the job's end)
+    r/ranks/<n>-<leader>/<shard>  RankShard: round n's members whose id hashes to <shard>
     r/job/leader        the leader's node id, bound to its lease
     r/job/master        Master: MASTER_ADDR/PORT of the current round, by its node rank 0
     r/job/ping          Ping: the leader asks every node to show it is alive
@@ -26,6 +27,14 @@ Only the leader watches `r/`; every node watches `r/job/`. A membership change
 therefore costs O(1) events per node, which is what lets one round span thousands of
 nodes, and the busy `c/` records (output windows) never wake the leader.
 
+A round is stored in two parts so that what a node reads of it does not grow with the
+job: the head (`r/job/round`, a few hundred bytes, seen by every node's watch) and
+its members in shards of about `SHARD_SIZE` (`r/ranks/`, which no node watches); a
+node reads the one shard its id hashes to (`shard_of`). A round's bytes are then O(N)
+in total, not O(N) to every node. The leader, which watches `r/`, and job control,
+which reads the whole job, put the shards back together into the `Round` that
+`decide()` made (`JobRecords.round`).
+
 `encode` and `decode` are the only JSON codec, and `JobRecords.apply` the only place a
 key becomes its record: the rendezvous, the leader and job control all read through it.
 """
@@ -35,7 +44,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import typing
+import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
@@ -43,6 +54,9 @@ from typing import Any, TypeVar
 from elasticrun.errors import RendezvousError, SpecMismatchError
 
 FORMAT_VERSION = 1
+
+#: members per stored round shard, on average: what one node reads of a round
+SHARD_SIZE = 64
 
 #: the job spec's own version, bumped whenever what a spec holds changes: a node whose
 #: spec has another version is refused as a mismatch, never compared field by field
@@ -93,6 +107,14 @@ class Keys:
 
     def ack(self, node_id: str) -> str:
         return self.acks + node_id
+
+    @property
+    def ranks(self) -> str:
+        return self.rdzv + "ranks/"
+
+    def shard(self, folder: str, shard: int) -> str:
+        """A round's shard: `folder` is the round's own (`RoundHead.ranks`)."""
+        return f"{self.ranks}{folder}/{shard:05d}"
 
     @property
     def job(self) -> str:
@@ -223,6 +245,102 @@ class Round:
     @property
     def world_size(self) -> int:
         return sum(p.nproc for p in self.participants)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundHead:
+    """A round as every node sees it (r/job/round): all of `Round` but its members.
+
+    `nodes` and `world_size` are the round's; its members are in `shards` records
+    (`RankShard`). `kept_since` is the oldest round number all of whose members are
+    still in this one (so far as each round kept all of the one before): a node that
+    ran round r lost a peer if `kept_since > r`.
+    """
+
+    number: int
+    restart_count: int
+    reason: str
+    opened_at: float
+    closed: str = ""
+    detail: str = ""
+    forgiven: int = 0
+    nodes: int = 0
+    world_size: int = 0
+    shards: int = 0
+    #: the folder of its shards under r/ranks/: the round number and the leader that
+    #: wrote them, so that a stale leader's shards never mix with the round's
+    ranks: str = ""
+    kept_since: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A member of a round: its node rank and the global rank of its first worker."""
+
+    node_id: str
+    addr: str
+    nproc: int
+    rank: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankShard:
+    """The members of round `round` whose node id hashes to this shard (`shard_of`)."""
+
+    round: int
+    placed: tuple[Placed, ...]
+
+
+def shard_of(node_id: str, shards: int) -> int:
+    """The shard that holds `node_id`'s place: a stable hash, the same on every host."""
+    return zlib.crc32(node_id.encode()) % max(shards, 1)
+
+
+#: the fields a round's head copies from the `Round`, and back
+_HEAD_FIELDS = tuple(f.name for f in fields(Round) if f.name != "participants")
+
+
+def split_round(
+    new: Round, leader: str, before: RoundHead | None, previous: Round | None
+) -> tuple[RoundHead, list[RankShard]]:
+    """`new` as stored by `leader`: its head and its shards. `before` and `previous` are
+    the round it follows (head and members), for `kept_since`."""
+    count = len(new.participants)
+    shards = math.ceil(count / SHARD_SIZE)
+    members = {p.node_id for p in new.participants}
+    kept = (
+        before is not None
+        and previous is not None
+        and not previous.closed
+        and {p.node_id for p in previous.participants} <= members
+    )
+    head = RoundHead(
+        **{name: getattr(new, name) for name in _HEAD_FIELDS},
+        nodes=count,
+        world_size=new.world_size,
+        shards=shards,
+        ranks=f"{new.number:08d}-{leader}",
+        kept_since=(before.kept_since or before.number) if kept and before else new.number,
+    )
+    buckets: list[list[Placed]] = [[] for _ in range(shards)]
+    offset = 0
+    for rank, p in enumerate(new.participants):
+        buckets[shard_of(p.node_id, shards)].append(Placed(p.node_id, p.addr, p.nproc, rank, offset))
+        offset += p.nproc
+    return head, [RankShard(round=new.number, placed=tuple(b)) for b in buckets]
+
+
+def join_round(head: RoundHead, shards: Mapping[int, RankShard]) -> Round | None:
+    """The `Round` that `split_round` stored, once every shard of it is at hand."""
+    complete = len(shards) >= head.shards and all(s.round == head.number for s in shards.values())
+    if not complete and not head.closed:
+        return None
+    placed = sorted((p for s in shards.values() for p in s.placed), key=lambda p: p.rank)
+    return Round(
+        participants=tuple(Participant(p.node_id, p.addr, p.nproc) for p in placed),
+        **{name: getattr(head, name) for name in _HEAD_FIELDS},
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,8 +564,8 @@ class Event:
 
 #: every record kept in the store
 Record = (
-    NodeInfo | Round | RestartRequest | Ping | Master | LeaderState | JobSpec | JobLaunch | DrainRequest
-    | QuarantineTable | NodeStatus | LogWindow | Event
+    NodeInfo | Round | RoundHead | RankShard | RestartRequest | Ping | Master | LeaderState | JobSpec | JobLaunch
+    | DrainRequest | QuarantineTable | NodeStatus | LogWindow | Event
 )
 R = TypeVar("R", bound=Record)
 
@@ -519,7 +637,11 @@ class JobRecords:
     """
 
     keys: Keys
-    round: Round | None = None
+    #: the round's head: what a node watching r/job/ knows of the round
+    head: RoundHead | None = None
+    #: the rounds' shards read so far, by folder and shard (the leader and job
+    #: control see them; a node reads only its own)
+    shards: dict[str, dict[int, RankShard]] = field(default_factory=dict)
     #: the round key's mod revision: the leader writes the next round against it
     round_revision: int = 0
     #: the leader's node id (its key holds the bare id, which it compares and sets)
@@ -537,11 +659,29 @@ class JobRecords:
     drains: dict[str, DrainRequest] = field(default_factory=dict)
     statuses: dict[str, NodeStatus] = field(default_factory=dict)
     events: dict[str, Event] = field(default_factory=dict)
+    #: `round`, put together once per change of the head or a shard
+    _joined: tuple[Round | None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def round(self) -> Round | None:
+        """The current round with its members, once its head and every shard are read
+        (a closed round: with the members still at hand, if any)."""
+        if self._joined is None:
+            head = self.head
+            self._joined = (None if head is None else join_round(head, self.shards.get(head.ranks, {})),)
+        return self._joined[0]
 
     def apply(self, key: str, value: bytes | None, revision: int = 0) -> None:
         """Fold one key in: `value` is what it holds at `revision`, None once deleted."""
         keys = self.keys
-        if key.startswith(keys.nodes):
+        if key.startswith(keys.ranks):
+            folder, _, shard = key[len(keys.ranks):].partition("/")
+            held = self.shards.setdefault(folder, {})
+            _fold(held, int(shard), RankShard, value)
+            if not held:
+                del self.shards[folder]
+            self._joined = None
+        elif key.startswith(keys.nodes):
             _fold(self.nodes, key[len(keys.nodes):], NodeInfo, value)
         elif key.startswith(keys.acks):
             _fold(self.acks, key[len(keys.acks):], Ping, value)
@@ -552,7 +692,8 @@ class JobRecords:
         elif key.startswith(keys.events):
             _fold(self.events, key[len(keys.events):], Event, value)
         elif key == keys.round:
-            self.round = _read(Round, value)
+            self.head = _read(RoundHead, value)
+            self._joined = None
             self.round_revision = revision if value is not None else 0
         elif key == keys.leader:
             self.leader = value.decode() if value is not None else ""
@@ -576,7 +717,7 @@ def _read(kind: type[R], value: bytes | None) -> R | None:
     return None if value is None else decode(kind, value)
 
 
-def _fold(records: dict[str, R], name: str, kind: type[R], value: bytes | None) -> None:
+def _fold(records: dict[Any, R], name: Any, kind: type[R], value: bytes | None) -> None:
     if value is None:
         records.pop(name, None)
     else:

@@ -215,9 +215,10 @@ def _certificate_fault(pair: TlsKeyPair) -> str | None:
 
 
 def _is_tls_failure(details: str) -> bool:
-    # "tcp handshaker shutdown" is a plain connection that did not complete (a busy or
-    # stopping server): retryable, not a TLS failure.
-    lowered = details.lower().replace("tcp handshaker", "")
+    # "tcp handshaker shutdown", or "handshaker shutdown" alone, is a plain connection
+    # that did not complete (a busy or stopping server; seen with 1,000 clients
+    # connecting at once): retryable, not a TLS failure, which names ssl or tsi_.
+    lowered = details.lower().replace("tcp handshaker", "").replace("handshaker shutdown", "")
     return any(marker in lowered for marker in _TLS_MARKERS)
 
 
