@@ -159,3 +159,27 @@ def test_agent_metrics_tell_causes_apart() -> None:
     assert count("elasticrun_change_to_running_seconds_count") == 6
     assert count("elasticrun_worker_state", state="healthy") == 1
     assert count("elasticrun_worker_state", state="init") == 0
+
+
+def test_metrics_port_is_part_of_the_launch_configuration() -> None:
+    """--metrics-port reaches the LaunchConfig (so the CLI, `join` and `elasticrun.launch`
+    serve metrics alike), a bad one is a usage line, and parsing it loads no prometheus_client."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from elasticrun.launcher.config import build_config\n"
+        "from elasticrun.launcher.flags import launch_parser\n"
+        "args = launch_parser().parse_args(['--standalone', '--metrics-port', '127.0.0.1:9464', sys.argv[1]])\n"
+        "print(build_config(args, {}).metrics, 'prometheus_client' in sys.modules)\n"
+    )
+    script = Path(__file__).parent / "workers" / "cli_speak.py"
+    out = subprocess.run([sys.executable, "-c", code, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "MetricsAddress(host='127.0.0.1', port=9464) False", out.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "elasticrun", "--standalone", "--metrics-port", "99999", str(script)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "elasticrun: error: --metrics-port takes PORT or HOST:PORT with a port within 1..65535, got '99999'"
+    ], bad.stderr

@@ -75,11 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = launch_parser().parse_args(argv)
         from elasticrun.launcher.config import build_config
         from elasticrun.launcher.launch import run_launch
-        from elasticrun.launcher.metrics_http import metrics_address
-
         log_format.use(args.log_format)
-        metrics = metrics_address(args.metrics_port)
-        return run_launch(build_config(args, os.environ), metrics=metrics)
+        return run_launch(build_config(args, os.environ))
     except ElasticrunError as e:
         print(f"elasticrun: error: {_one_line(str(e))}", file=sys.stderr, flush=True)
         return e.exit_code

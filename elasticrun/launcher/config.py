@@ -31,6 +31,7 @@ from pathlib import Path
 
 from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
 from elasticrun.errors import StoreSettingError, UsageError
+from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.state import JobSpec
 from elasticrun.store.access import SECRET_ENV, StoreAccess, parse_access
@@ -146,6 +147,8 @@ class LaunchConfig:
     logs_specs: str | None = None
     #: --redirects and --tee as given, for a --logs-specs class
     std_flags: tuple[str, str] = ("0", "0")
+    #: --metrics-port: where this agent serves its Prometheus metrics (None: off)
+    metrics: MetricsAddress | None = None
 
 
 # --- parsing: pure -------------------------------------------------------------------
@@ -394,6 +397,7 @@ class LaunchRequest:
     std_flags: tuple[str, str] = ("0", "0")
     #: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, as torchrun reads it
     log_line_prefix_template: str | None = None
+    metrics: MetricsAddress | None = None
     #: TORCHELASTIC_ENABLE_FILE_TIMER=1: TORCHELASTIC_TIMER_FILE or "" (WorkerSpec.file_timer)
     file_timer: str | None = None
     #: --duplicate-stdout-filters and --duplicate-stderr-filters, by stream
@@ -580,6 +584,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         event_log_handler=args.event_log_handler or "null",
         logs_specs=args.logs_specs or None,
         std_flags=(args.redirects, args.tee),
+        metrics=metrics_address(args.metrics_port),
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "") if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
         else None,
@@ -769,6 +774,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         event_log_handler=request.event_log_handler,
         logs_specs=request.logs_specs,
         std_flags=request.std_flags,
+        metrics=request.metrics,
     )
 
 

@@ -16,7 +16,6 @@ import os
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds
-from elasticrun.launcher.metrics_http import metrics_address
 
 
 async def _job_argv(
@@ -63,7 +62,6 @@ async def _job_argv(
 
 def _run(args: argparse.Namespace) -> int:
     target = job_target(args)
-    metrics = metrics_address(args.metrics_port)
     argv, cwd = asyncio.run(_job_argv(target, timeout_seconds(args.timeout), args.local_addr, args.log_dir))
     from elasticrun.launcher.config import build_config
     from elasticrun.launcher.flags import launch_parser
@@ -72,7 +70,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         log_format.use("json")
     os.chdir(cwd)
-    return run_launch(build_config(launch_parser().parse_args(argv), os.environ), metrics=metrics)
+    if args.metrics_port is not None:
+        argv = ["--metrics-port", args.metrics_port, *argv]
+    return run_launch(build_config(launch_parser().parse_args(argv), os.environ))
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

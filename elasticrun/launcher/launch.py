@@ -24,7 +24,7 @@ from elasticrun.errors import GpuUnhealthyError
 from elasticrun.launcher import log_format
 from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
-from elasticrun.launcher.metrics_http import MetricsAddress, serving
+from elasticrun.launcher.metrics_http import serving
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.state import Keys, NodeInfo
@@ -42,16 +42,18 @@ log = logging.getLogger("elasticrun")
 _HOST_LINGER = 300.0
 
 
-def run_launch(config: LaunchConfig, *, metrics: MetricsAddress | None = None) -> int:
-    """Run this node's part of the job; return the process exit code. With `metrics`,
-    serve the agent's Prometheus metrics (and the hosted store's) there."""
+def run_launch(config: LaunchConfig) -> int:
+    """Run this node's part of the job; return the process exit code."""
     settle_gc()
     log_format.tag(config.worker.node_id)
-    return asyncio.run(run_node(config, metrics)).exit_code
+    return asyncio.run(run_node(config)).exit_code
 
 
-async def run_node(config: LaunchConfig, metrics_at: MetricsAddress | None = None) -> AgentResult:
-    """This node's part of the job, to its end (the CLI's and `elasticrun.launch`'s)."""
+async def run_node(config: LaunchConfig) -> AgentResult:
+    """This node's part of the job, to its end (the CLI's and `elasticrun.launch`'s).
+    With `config.metrics`, it serves the agent's Prometheus metrics (and the hosted
+    store's) there."""
+    metrics_at = config.metrics
     async with contextlib.AsyncExitStack() as stack:
         watches = []
         if config.worker.gpu_devices:

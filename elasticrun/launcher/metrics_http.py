@@ -2,7 +2,7 @@
 
 prometheus_client's own server, in daemon threads of this process: a scrape reads the
 metrics there, never waiting for the agent's or the store's event loop, and they never
-wait for it. Off unless the flag is given.
+wait for it. Off unless the flag is given; the library is imported only then.
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from typing import TYPE_CHECKING
 
 from elasticrun.errors import UsageError
+
+if TYPE_CHECKING:  # the library is imported only when metrics are served
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger("elasticrun")
 
@@ -47,6 +49,8 @@ def serving(address: MetricsAddress | None, registry: CollectorRegistry) -> Iter
     if address is None:
         yield
         return
+    from prometheus_client import disable_created_metrics, start_http_server
+
     disable_created_metrics()  # no `_created` twin of every counter: Prometheus does not need it
     try:
         server, thread = start_http_server(address.port, addr=address.host, registry=registry)

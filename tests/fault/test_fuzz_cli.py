@@ -316,7 +316,7 @@ def run_main(argv: list[str], env: dict[str, str]) -> Outcome:
     launched: list[LaunchConfig] = []
     served: list[store_cmd.ServeConfig] = []
 
-    def fake_launch(config: LaunchConfig, *, metrics: object = None) -> int:
+    def fake_launch(config: LaunchConfig) -> int:
         launched.append(config)
         return 0
 
