@@ -67,17 +67,17 @@ async def test_gpu_failing_during_training_makes_the_node_leave(tmp_path):
     agent_a = asyncio.ensure_future(Agent(spec_a, rdzv_a, watches=watches_a).run())
     agent_b = asyncio.ensure_future(Agent(spec_b, rdzv_b, watches=watches_b).run())
     try:
-        await wait_for(lambda: rdzv_a._job.round is not None and rdzv_a._job.round.world_size == 2, "world size 2")
-        round_at_two = rdzv_a._job.round.number
+        await wait_for(lambda: rdzv_a._job.head is not None and rdzv_a._job.head.world_size == 2, "world size 2")
+        round_at_two = rdzv_a._job.head.number
         failing_gpu.ecc = [3]  # an uncorrectable ECC error appears on node-b's GPU
         result_b = await asyncio.wait_for(agent_b, 30)
         assert result_b.exit_code == EXIT_INFRASTRUCTURE
         assert "GPU problem, leaving the job" in result_b.message and "uncorrect" in result_b.message
         # node-a goes on alone, in a new round
         await wait_for(
-            lambda: rdzv_a._job.round.number > round_at_two and rdzv_a._job.round.world_size == 1, "world size 1"
+            lambda: rdzv_a._job.head.number > round_at_two and rdzv_a._job.head.world_size == 1, "world size 1"
         )
-        await wait_for(lambda: rdzv_a._last_round == rdzv_a._job.round.number, "node-a running the new round")
+        await wait_for(lambda: rdzv_a._last_round == rdzv_a._job.head.number, "node-a running the new round")
         events = [decode(Event, kv.value) for kv in (await store.get_prefix(Keys("gpu").events)).kvs]
         assert any(e.node == "node-b" and "GPU problem" in e.detail for e in events)
         stop.touch()
