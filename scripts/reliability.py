@@ -160,7 +160,8 @@ def main() -> int:
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args()
 
-    command = "python scripts/reliability.py" + (" --soak" if args.soak else "")
+    # the checkout's environment (scripts/setup.sh), as every command of the project
+    command = ".venv/bin/python scripts/reliability.py" + (" --soak" if args.soak else "")
     if args.rows is not None:
         rows = load_rows(args.rows)
         code, summary, elapsed = 0, "", None
