@@ -228,12 +228,7 @@ def test_the_prefix_template_gives_torchruns_console_lines() -> None:
     same lines on stdout and on stderr."""
     env = clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[${role_name}${rank}|${local_rank}]: ")
     args = ["--standalone", "--nproc-per-node", "2", "--tee", "3", SPEAK]
-    procs = [start_cli(args, module=TORCHRUN, env=env), start_cli(args, env=env)]
-    try:
-        theirs, ours = (finish(p, timeout=60) for p in procs)
-    finally:
-        for proc in procs:
-            stop(proc)
+    theirs, ours = run_both(args, args, env=env)
     assert theirs.returncode == ours.returncode == 0, (theirs.stderr, ours.stderr)
 
     def worker_lines(text: str) -> list[str]:
@@ -253,12 +248,7 @@ def test_the_file_timer_kills_a_worker_that_overruns_as_torchrun() -> None:
     the attempt as for any killed worker: exit 1 with the failure report.)"""
     env = clean_env(TORCHELASTIC_ENABLE_FILE_TIMER="1")
     args = ["--standalone", "--nproc-per-node", "2", WORKERS / "cli_file_timer.py"]
-    procs = [start_cli(args, module=TORCHRUN, env=env), start_cli(args, env=env)]
-    try:
-        theirs, ours = (finish(p, timeout=60) for p in procs)
-    finally:
-        for proc in procs:
-            stop(proc)
+    theirs, ours = run_both(args, args, env=env)
     for result in (theirs, ours):
         assert "survived" not in result.stdout
         assert "fast step done" in result.stdout
@@ -271,22 +261,12 @@ def test_the_file_timer_kills_a_worker_that_overruns_as_torchrun() -> None:
 def test_the_health_check_port_answers_as_under_torchrun() -> None:
     """torchrun's health check server is a stub in PyTorch's build: nothing listens."""
     env = clean_env(TORCHELASTIC_HEALTH_CHECK_PORT=str(free_port()))
-    theirs, ours = run_both_env(["--standalone", WORKERS / "cli_health_port.py"], env)
+    args = ["--standalone", WORKERS / "cli_health_port.py"]
+    theirs, ours = run_both(args, args, env=env)
     assert theirs.returncode == ours.returncode == 0, (theirs.stderr, ours.stderr)
     assert theirs.stdout.strip() == "health check port refused"
     assert ours.stdout.strip() == "[0]<stdout>: health check port refused"
     assert "no health check server started" in ours.stderr
-
-
-def run_both_env(
-    args: list[object], env: dict[str, str]
-) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
-    procs = [start_cli(args, module=TORCHRUN, env=env), start_cli(args, env=env)]
-    try:
-        return finish(procs[0], timeout=60), finish(procs[1], timeout=60)
-    finally:
-        for proc in procs:
-            stop(proc)
 
 
 def test_duplicate_filters_write_torchruns_filtered_files(tmp_path: Path) -> None:
