@@ -33,9 +33,8 @@ def request(path: Path, pid: int, scope: str, after: float, sig: int = signal.SI
 
 
 async def wait_exit(proc: subprocess.Popen[bytes]) -> int:
-    while proc.poll() is None:
-        await asyncio.sleep(0.02)
-    return proc.returncode
+    """The process's exit, waited for in a thread while the server's loop runs."""
+    return await asyncio.to_thread(proc.wait)
 
 
 async def test_an_expired_timer_kills_its_worker_and_only_that(tmp_path: Path) -> None:
