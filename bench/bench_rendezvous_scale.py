@@ -12,8 +12,9 @@ process of its own; or a real etcd (one member on loopback, memory-backed data d
 as tests/etcd_support.py starts it).
 
 Settings: --nnodes=(N-1):N, last_call 0.5 s (short, for the bench; only waited on if the
-N-th registration came more than 0.5 s after the (N-1)-th), heartbeat 5 s (keep-alives
-every 1.7 s). Per size and backend, two rounds:
+N-th registration came more than 0.5 s after the (N-1)-th), heartbeat as the launcher
+sets it by default (5 s up to 2,000 nodes, N/400 s beyond; keep-alives every third of
+it; --heartbeat overrides). Per size and backend, two rounds:
   round 1 (formation): every node calls next_round() at once; time from the moment the
       last node finished registering (lease, spec check, its node key, its watch) to
       the moment the last node holds its Assignment.
@@ -67,7 +68,6 @@ HOST = "127.0.0.1"
 _COUNTED = frozenset({"put", "put_all", "compare_and_put", "delete", "compare_and_delete", "delete_prefix",
                       "grant_lease", "keep_alive", "revoke_lease"})
 LAST_CALL = 0.5
-HEARTBEAT = 5.0
 CAP_S = 60.0  # --cap
 
 
@@ -140,7 +140,7 @@ def role_serve(profile: str) -> None:
 
 
 def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int, total: int, leaver: int, profile: str,
-               shared: bool = False, cap: float = CAP_S, heartbeat: float = HEARTBEAT) -> None:
+               shared: bool = False, cap: float = CAP_S, heartbeat: float = 0.0) -> None:
     """`count` ElasticRendezvous instances (node ids first..first+count-1) on one loop,
     collecting garbage as an agent does (unless --default-gc)."""
     import logging
@@ -157,12 +157,15 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
             msg = record.getMessage()
             if "lost its membership" in msg:
                 lost["lost_membership"] += 1
+                why = re.sub(r"\d+", "N", msg.split("membership: ", 1)[-1])[:80]
+                lost["why: " + why] += 1
 
     rdzv_log = logging.getLogger("elasticrun.rendezvous")
     rdzv_log.addHandler(CountLosses())
     rdzv_log.setLevel(logging.WARNING)
     rdzv_log.propagate = False  # 1,000 nodes' warnings would flood the terminal
-    settings = RendezvousSettings(run_id, max(total - 1, 1), total, last_call=LAST_CALL, heartbeat_ttl=heartbeat, join_timeout=cap)
+    ttl = heartbeat or RendezvousSettings.default_heartbeat_ttl(total)
+    settings = RendezvousSettings(run_id, max(total - 1, 1), total, last_call=LAST_CALL, heartbeat_ttl=ttl, join_timeout=cap)
     registered: dict[int, float] = {}
 
     class Timed(ElasticRendezvous):
@@ -189,6 +192,20 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
             nodes[n] = Timed(store, settings, me, spec=JobSpec(command=("bench",)))
         print("ready", flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # go
+        lag = [0.0]  # how late this process's loop runs a timer, at most: a busy client
+
+        async def gauge_lag() -> None:
+            while True:
+                t = time.monotonic()
+                await asyncio.sleep(0.1)
+                lag[0] = max(lag[0], time.monotonic() - t - 0.1)
+
+        lag_task = asyncio.ensure_future(gauge_lag())
+
+        def phase() -> dict[str, float]:
+            cpu, worst = time.process_time(), lag[0]
+            lag[0] = 0.0
+            return {"cpu_s": cpu, "lag_s": worst}
         round1: dict[int, float] = {}
         round2: dict[int, float] = {}
         errors: list[str] = []
@@ -210,7 +227,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
         deadline = time.monotonic() + cap
         while len(round1) + len(errors) < count and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        print(json.dumps({"registered": registered, "round1": round1, "errors": errors, "lost": lost["lost_membership"]}), flush=True)
+        print(json.dumps({"registered": registered, "round1": round1, "errors": errors, "lost": lost["lost_membership"], **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # leave (acted on by the leaver's process)
         t_leave = None
         if leaver in nodes:
@@ -220,13 +237,14 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
         deadline = time.monotonic() + cap
         while len(round2) + len(errors) < expected and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        print(json.dumps({"round2": round2, "t_leave": t_leave, "errors": errors, "lost": lost["lost_membership"]}), flush=True)
+        print(json.dumps({"round2": round2, "t_leave": t_leave, "errors": errors, "lost": lost["lost_membership"], **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # idle window over
-        print(json.dumps({"lost": lost["lost_membership"]}), flush=True)
+        why = {k: v for k, v in lost.items() if k != "lost_membership"}
+        print(json.dumps({"lost": lost["lost_membership"], "why": why, **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # quit
-        for t in tasks:
+        for t in [*tasks, lag_task]:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, lag_task, return_exceptions=True)
         await asyncio.gather(*(r.aclose() for r in nodes.values()), return_exceptions=True)
         await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
 
@@ -303,6 +321,8 @@ def summarise_ops(counts: dict[str, float], backend: str) -> tuple[int, int, dic
 
 
 def main() -> int:
+    from elasticrun.rendezvous.decide import RendezvousSettings
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="*", default=[100, 300, 1000])
     # etcd with one client per node runs a thread per watch: 1,000 of them overload a 2-core box
@@ -312,7 +332,8 @@ def main() -> int:
     ap.add_argument("--profile-nodes", default="", help="cProfile the first client process here (.prof)")
     ap.add_argument("--shared-client", action="store_true", help="one store client per process (not per node)")
     ap.add_argument("--cap", type=float, default=CAP_S, help="seconds each phase may take")
-    ap.add_argument("--heartbeat", type=float, default=HEARTBEAT, help="the lease TTL (heartbeat_timeout)")
+    ap.add_argument("--heartbeat", type=float, default=0.0,
+                    help="the lease TTL (heartbeat_timeout); default: the launcher's for the size (5 s to 2,000 nodes, then N/400)")
     ap.add_argument("--idle", type=float, default=10.0, help="seconds of keep-alives only, after round 2")
     ap.add_argument("--json")
     add_default_gc_flag(ap)
@@ -396,12 +417,15 @@ def main() -> int:
                     "lost_membership_r1": sum(r["lost"] for r in r1),
                     "lost_membership_r1_r2": sum(r["lost"] for r in r2),
                     "lost_membership_idle": sum(r["lost"] for r in r3),
+                    "clients_cpu_s": [sum(r["cpu_s"] for r in rs) for rs in (r1, r2, r3)],
+                    "clients_loop_lag_s": [max(r["lag_s"] for r in rs) for rs in (r1, r2, r3)],
+                    "lost_why": dict(sum((collections.Counter(r["why"]) for r in r3), collections.Counter())),
                     "bytes_per_node_round1": ops1.get("bytes_sent", 0) / size,
                     "bytes_per_node_round2": ops2.get("bytes_sent", 0) / (size - 1),
                     "keep_alives_per_s": summarise_ops(idle, backend)[1] / args.idle,
                     "server_cpu_idle": (idle["cpu_s"] - ops2["cpu_s"]) / args.idle,
                     "clients": "one per process" if args.shared_client else "one per node",
-                    "heartbeat_s": args.heartbeat,
+                    "heartbeat_s": args.heartbeat or RendezvousSettings.default_heartbeat_ttl(size),
                     "load": loadavg(),
                 }
                 results.append(res)

@@ -61,6 +61,7 @@ SAMPLES: list[tuple[str, Record]] = [
     (KEYS.launch, JobLaunch("/work", 1.0, "a")),
     (KEYS.drain("a"), DrainRequest("scale in", 2.0)),
     (KEYS.quarantine, QUARANTINE),
+    (KEYS.hold("b"), QUARANTINE.entries[0]),
     (KEYS.status("a"), STATUS),
     (KEYS.event(2.0, "a"), Event(2.0, "a", "round", "round 4")),
 ]
@@ -80,7 +81,8 @@ def test_each_key_becomes_its_record_and_a_deleted_key_forgets_it() -> None:
     records.apply(KEYS.leader, b"a")
     assert (records.nodes, records.acks, records.statuses) == ({"a": NODE}, {"a": Ping(4)}, {"a": STATUS})
     assert (records.round, records.round_revision, records.spec, records.leader) == (ROUND, 7, SPEC, "a")
-    assert records.quarantine == QUARANTINE and list(records.drains) == ["a"] and len(records.events) == 1
+    assert records.quarantine == QUARANTINE and records.holds == {"b": QUARANTINE.entries[0]}
+    assert list(records.drains) == ["a"] and len(records.events) == 1
     for key, _ in SAMPLES:
         records.apply(key, None)
     records.apply(KEYS.leader, None)

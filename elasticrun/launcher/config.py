@@ -55,7 +55,7 @@ SHARED_RDZV_CONF = (
 RDZV_CONF_KEYS = {
     "join_timeout": "seconds a node waits for a round before giving up (default 600)",
     "last_call_timeout": "seconds to wait for more nodes once min are there (default 1)",
-    "heartbeat_timeout": "lease TTL: seconds until a silent node is dropped (default 5)",
+    "heartbeat_timeout": "lease TTL: seconds until a silent node is dropped (default 5, or max nodes / 400 if longer)",
     "heartbeat_interval": "seconds between lease renewals (default: a third of heartbeat_timeout)",
     "closed_ttl": "seconds a finished job stays closed to late agents (default 60)",
     "quarantine_after": (
@@ -505,7 +505,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         max_nodes=max_nodes,
         last_call=probe.conf_float("last_call_timeout", 1.0),
         join_timeout=probe.conf_float("join_timeout", 600.0),
-        heartbeat_ttl=probe.conf_float("heartbeat_timeout", 5.0),
+        heartbeat_ttl=probe.conf_float("heartbeat_timeout", RendezvousSettings.default_heartbeat_ttl(max_nodes)),
         closed_ttl=probe.conf_float("closed_ttl", 60.0),
         heartbeat_interval=probe.conf_float("heartbeat_interval", 0.0),
         quarantine_after=_whole(conf.get("quarantine_after"), "--rdzv-conf quarantine_after", 3),

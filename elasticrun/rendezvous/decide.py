@@ -52,6 +52,15 @@ class RendezvousSettings:
     #: max_nodes are multiples too): the registered nodes left over wait as spares
     node_unit: int = 1
 
+    @staticmethod
+    def default_heartbeat_ttl(max_nodes: int) -> float:
+        """5 s, or longer for a job that may grow past 2,000 nodes: each node renews its
+        lease three times a TTL, so a TTL of max_nodes / 400 s holds the store's
+        keep-alives near 1,200 a second at any size (what both stores served on two
+        cores with room to spare; BENCHMARKS.md). A dead agent is still found within
+        about a second by its liveness port; only a vanished host waits out the TTL."""
+        return max(5.0, max_nodes / 400)
+
     @property
     def keep_alive_interval(self) -> float:
         return self.heartbeat_interval or self.heartbeat_ttl / 3

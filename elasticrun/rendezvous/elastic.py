@@ -115,6 +115,9 @@ class ElasticRendezvous(RendezvousHandler):
         self._ran: RoundHead | None = None  # the round this node last ran
         #: this node's place in a round (None: not in it), by the round's shard folder
         self._placed: tuple[str, Placed | None] = ("", None)
+        #: this node's hold (its latest quarantine), as read for the round and leader
+        #: state it is keyed by
+        self._hold: tuple[tuple[int, float], QuarantineEntry | None] = ((0, 0.0), None)
         self._reports = Reporter(store, self._keys, me)
         #: open from the first registration until the node is done with the job
         self._liveness: LivenessPort | None = None
@@ -139,12 +142,26 @@ class ElasticRendezvous(RendezvousHandler):
         return f"quarantined until {until} ({held.reason}); the leader: {leader}"
 
     def quarantined_nodes(self) -> int:
-        return len(self._job.quarantine.active(time.time()))
+        state = self._job.state
+        return state.quarantined if state else 0
 
     def _quarantined(self) -> QuarantineEntry | None:
         """This node's quarantine, while the leader keeps it out."""
-        entry = self._job.quarantine.get(self._me.node_id)
+        entry = self._hold[1]
         return entry if entry is not None and entry.active(time.time()) else None
+
+    async def _read_hold(self, current: RoundHead | None) -> None:
+        """Read this node's hold (r/holds/<node>) while it waits without a place: once
+        per round that went on without it, and once per leader state that says some
+        node is kept out. A placed node never reads it, a waiting one once per change."""
+        state = self._job.state
+        kept_out = bool(state and state.quarantined)
+        passed_over = current is not None and current.number > self._last_round
+        seen = (current.number if current else 0, state.at if state and kept_out else 0.0)
+        if not (kept_out or passed_over) or self._hold[0] == seen:
+            return
+        kv = await self._store.get(self._keys.hold(self._me.node_id))
+        self._hold = (seen, decode(QuarantineEntry, kv.value) if kv is not None else None)
 
     async def drained(self) -> str:
         while (drain := self._job.drains.get(self._me.node_id)) is None:
@@ -181,6 +198,7 @@ class ElasticRendezvous(RendezvousHandler):
                     self._ran = current
                     return self._assignment(current, place, master)
                 continue
+            await self._read_hold(current)
             status = self.waiting_status
             now = self._clock()
             if status != logged or now - said_at >= WAIT_REPORT_INTERVAL:
@@ -291,9 +309,13 @@ class ElasticRendezvous(RendezvousHandler):
         if current is not None and current.closed:
             raise RendezvousClosedError(self.run_id, current.closed, current.detail)
         await self._check_spec()
-        self._lease = await self._store.grant_lease(self._settings.heartbeat_ttl)
         if self._liveness is None:
             self._liveness = await LivenessPort.open(self._me.addr)
+        # Renewed from the moment it exists: under load the node key's put may take
+        # longer than the TTL, and a lease lapsed before it was ever renewed made the
+        # node register again, and the load worse (seen at 5,000 nodes).
+        self._lease = await self._store.grant_lease(self._settings.heartbeat_ttl)
+        self._spawn(self._keep_alive(self._lease), "keep-alive")
         ran = self._ran
         me = replace(
             self._me,
@@ -303,7 +325,6 @@ class ElasticRendezvous(RendezvousHandler):
             ran_forgiven=ran.forgiven if ran else 0,
         )
         await self._store.put(keys.node(self._me.node_id), encode(me), lease=self._lease)
-        self._spawn(self._keep_alive(self._lease), "keep-alive")
         self._spawn(self._watch_job(snapshot.revision + 1), "job watch")
         self._spawn(self._reports.publish(self._lease), "reporter")
         if self._job.leader:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 
 from elasticrun.errors import StoreError, StoreGoneError
@@ -87,7 +87,8 @@ class Leader:
         self._quarantine = QuarantineTable()
         #: nodes an operator drained (kept while they are registered or in the round)
         self._draining: set[str] = set()
-        self._published = ""
+        #: the waiting reason and number of quarantined nodes last published
+        self._published: tuple[str, int] = ("", 0)
         self._published_at = -1e9
         #: liveness (liveness.py): nodes whose port accepted the leader's connection
         #: once, nodes still to check, and the members found gone, by suspect round
@@ -133,7 +134,7 @@ class Leader:
                         return
                     awaiting_write = await self._act(decision)
                     recheck = decision.recheck_at
-                    if self._published != decision.reason:
+                    if self._published != (decision.reason, self._held()):
                         recheck = _earliest(recheck, await self._publish(decision))
                 timeout = None if recheck is None else max(recheck - self._clock(), 0.0)
                 with contextlib.suppress(TimeoutError):
@@ -241,21 +242,28 @@ class Leader:
         self._refused.pop(node_id, None)
 
     async def _store_quarantine(self, table: QuarantineTable) -> None:
-        """Store the failure records (on the wall clock); log each new quarantine."""
+        """Store the failure records (on the wall clock); give each newly quarantined
+        node its hold, and log it; a node the table forgot loses its hold."""
         before, now = self._quarantine, time.time()
-        await self._store.put(self._keys.quarantine, encode(table.shifted(now - self._clock())))
+        stored = table.shifted(now - self._clock())
+        await self._store.put(self._keys.quarantine, encode(stored))
         self._quarantine = table
-        for entry in table.entries:
+        forgotten = {e.node_id for e in before.entries if e.times} - {e.node_id for e in table.entries}
+        writes: list[Coroutine[object, object, object]] = [self._store.delete(self._keys.hold(n)) for n in forgotten]
+        for entry in stored.entries:
             old = before.get(entry.node_id)
             if entry.times > (old.times if old else 0):
-                until = now + entry.until - self._clock()
                 detail = (
-                    f"quarantined until {time.strftime('%H:%M:%S', time.localtime(until))} "
+                    f"quarantined until {time.strftime('%H:%M:%S', time.localtime(entry.until))} "
                     f"({_ordinal(entry.times)} time): {entry.reason}"
                 )
                 log.warning("node %s %s", entry.node_id, detail)
                 event = Event(at=now, node=entry.node_id, kind="quarantine", detail=detail)
-                await self._store.put(self._keys.event(now, entry.node_id), encode(event))
+                writes += [
+                    self._store.put(self._keys.hold(entry.node_id), encode(entry)),
+                    self._store.put(self._keys.event(now, entry.node_id), encode(event)),
+                ]
+        await asyncio.gather(*writes)
 
     async def _record_round(self, new_round: Round) -> None:
         """Log the round in the job's events, and prune the oldest events."""
@@ -283,12 +291,16 @@ class Leader:
             registered=len(self._nodes),
             at=time.time(),
             waiting=waiting[:16],
+            quarantined=self._held(),
         )
         await self._store.put(self._keys.state, encode(state), lease=self._lease)
         if decision.round is None:
             log.info("leader: %s", decision.reason)
-        self._published, self._published_at = decision.reason, now
+        self._published, self._published_at = (decision.reason, state.quarantined), now
         return None
+
+    def _held(self) -> int:
+        return len(self._quarantine.active(self._clock()))
 
     # --- liveness: a dead agent told from a slow one in about a second ---------------------
 
@@ -416,8 +428,8 @@ async def clear_job_records(store: Store, keys: Keys) -> None:
     """The part of `close_job` that clears the ended job's spec and control records."""
     for key in (keys.spec, keys.restart, keys.master, keys.state, keys.ping, keys.quarantine):
         await store.delete(key)
-    await store.delete_prefix(keys.drains)
-    await store.delete_prefix(keys.ranks)
+    for folder in (keys.drains, keys.ranks, keys.holds):
+        await store.delete_prefix(folder)
 
 
 def _plural(n: int, word: str) -> str:

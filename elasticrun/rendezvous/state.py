@@ -18,7 +18,8 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives u
     r/job/state         LeaderState: what the leader waits for, for waiting nodes and status
     r/job/launch        JobLaunch: when and where the job was started (for status and join)
     r/job/drain/<node>  DrainRequest: an operator asked this node to leave
-    r/job/quarantine    QuarantineTable: failures per node, and who is kept out until when
+    r/quarantine        QuarantineTable: failures per node, and who is kept out until when
+    r/holds/<node_id>   QuarantineEntry: the node's latest quarantine, for the node to read
     c/status/<node_id>  NodeStatus: the node's live state, bound to its lease
     c/logs/<rank>       LogWindow: the latest lines of one rank, bound to its node's lease
     c/events/<t>-<node> Event: what happened, oldest pruned by the leader
@@ -33,7 +34,10 @@ its members in shards of about `SHARD_SIZE` (`r/ranks/`, which no node watches);
 node reads the one shard its id hashes to (`shard_of`). A round's bytes are then O(N)
 in total, not O(N) to every node. The leader, which watches `r/`, and job control,
 which reads the whole job, put the shards back together into the `Round` that
-`decide()` made (`JobRecords.round`).
+`decide()` made (`JobRecords.round`). The failure records are kept out of `r/job/` for
+the same reason: the table has an entry per node that ever failed (a thousand after a
+mass drop-out), so a quarantined node reads only its own hold (`r/holds/<node_id>`),
+and only when the leader's state says some node is kept out.
 
 `encode` and `decode` are the only JSON codec, and `JobRecords.apply` the only place a
 key becomes its record: the rendezvous, the leader and job control all read through it.
@@ -47,7 +51,7 @@ import json
 import math
 import typing
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
@@ -154,7 +158,14 @@ class Keys:
 
     @property
     def quarantine(self) -> str:
-        return self.job + "quarantine"
+        return self.rdzv + "quarantine"
+
+    @property
+    def holds(self) -> str:
+        return self.rdzv + "holds/"
+
+    def hold(self, node_id: str) -> str:
+        return self.holds + node_id
 
     def drain(self, node_id: str) -> str:
         return self.drains + node_id
@@ -438,6 +449,8 @@ class LeaderState:
     registered: int
     at: float
     waiting: tuple[str, ...] = field(default=())
+    #: nodes kept out by a quarantine now: a waiting node reads its own hold only then
+    quarantined: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,7 +500,7 @@ class QuarantineEntry:
 
 @dataclass(frozen=True, slots=True)
 class QuarantineTable:
-    """The leader's failure records (r/job/quarantine), one entry per node id.
+    """The leader's failure records (r/quarantine), one entry per node id.
 
     Stored with wall-clock times, so that the next leader and `elasticrun status` read
     them; the leader shifts them to its own clock for `decide()` (`shifted`).
@@ -565,7 +578,7 @@ class Event:
 #: every record kept in the store
 Record = (
     NodeInfo | Round | RoundHead | RankShard | RestartRequest | Ping | Master | LeaderState | JobSpec | JobLaunch
-    | DrainRequest | QuarantineTable | NodeStatus | LogWindow | Event
+    | DrainRequest | QuarantineTable | QuarantineEntry | NodeStatus | LogWindow | Event
 )
 R = TypeVar("R", bound=Record)
 
@@ -604,24 +617,31 @@ def decode(kind: type[R], raw: bytes) -> R:
 
 def _build(kind: type, body: dict[str, Any]) -> Any:
     """`kind(**body)`, each value first made what its field's type says."""
-    hints = _field_types(kind)
-    return kind(**{name: _typed(hints[name], value) for name, value in body.items()})
+    made = _converters(kind)
+    return kind(**{name: made[name](value) if name in made else value for name, value in body.items()})
 
 
 @functools.cache
-def _field_types(kind: type) -> dict[str, Any]:
-    """A record type's fields and their types, resolved once: the annotations are strings."""
-    return typing.get_type_hints(kind)
+def _converters(kind: type) -> dict[str, Callable[[Any], Any]]:
+    """How each field of a record type that is not plain JSON (a tuple, a record) is
+    made from its JSON value, worked out once per type from its annotations (strings):
+    decoding is most of what a large job's nodes and leader spend their CPU on (a
+    round's shard holds 64 records), and resolving type hints per value tripled it."""
+    hints = typing.get_type_hints(kind)
+    return {name: made for name, hint in hints.items() if (made := _converter(hint)) is not None}
 
 
-def _typed(hint: Any, value: Any) -> Any:
-    """A JSON value as its field's type has it: a list a tuple, an object a record."""
-    if typing.get_origin(hint) is tuple and isinstance(value, list):
-        item = typing.get_args(hint)[0]
-        return tuple(_typed(item, v) for v in value)
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint) and isinstance(value, dict):
-        return _build(hint, value)
-    return value
+def _converter(hint: Any) -> Callable[[Any], Any] | None:
+    """A list as a tuple (of what its items' type says), an object as a record; None
+    for a value that JSON gives as the field holds it."""
+    if typing.get_origin(hint) is tuple:
+        item = _converter(typing.get_args(hint)[0])
+        if item is None:
+            return lambda value: tuple(value) if isinstance(value, list) else value
+        return lambda value: tuple(item(v) for v in value) if isinstance(value, list) else value
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return lambda value: _build(hint, value) if isinstance(value, dict) else value
+    return None
 
 
 # --- key -> record -------------------------------------------------------------------
@@ -655,6 +675,7 @@ class JobRecords:
     quarantine: QuarantineTable = field(default_factory=QuarantineTable)
     #: the records kept one per node (or per event), by the name that ends their key
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    holds: dict[str, QuarantineEntry] = field(default_factory=dict)
     acks: dict[str, Ping] = field(default_factory=dict)
     drains: dict[str, DrainRequest] = field(default_factory=dict)
     statuses: dict[str, NodeStatus] = field(default_factory=dict)
@@ -687,6 +708,8 @@ class JobRecords:
             _fold(self.acks, key[len(keys.acks):], Ping, value)
         elif key.startswith(keys.drains):
             _fold(self.drains, key[len(keys.drains):], DrainRequest, value)
+        elif key.startswith(keys.holds):
+            _fold(self.holds, key[len(keys.holds):], QuarantineEntry, value)
         elif key.startswith(keys.statuses):
             _fold(self.statuses, key[len(keys.statuses):], NodeStatus, value)
         elif key.startswith(keys.events):

@@ -32,7 +32,7 @@ from elasticrun.launcher.control import JobTarget, read_job
 from elasticrun.launcher.status_cmd import as_json, render
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import JobSpec, Keys, NodeInfo, QuarantineTable, decode
+from elasticrun.rendezvous.state import JobSpec, Keys, NodeInfo, QuarantineEntry, QuarantineTable, decode
 from elasticrun.store.access import StoreAccess
 from elasticrun.store.memory import MemoryStore
 from tests.elastic_cluster import Cluster, Proc, run_id
@@ -81,6 +81,10 @@ async def test_flapping_node_is_left_out_and_a_new_leader_keeps_it_out() -> None
         # the record in the store, and `elasticrun status` (table and JSON) from it
         table = decode(QuarantineTable, (await store.get(keys.quarantine)).value)
         assert table.get("c").times == 1 and table.get("c").until > time.time() + 500
+        # ... kept out of what every node watches (r/job/): c reads only its own hold
+        watched = await store.get_prefix(keys.job)
+        assert not [kv.key for kv in watched.kvs if b'"failures"' in kv.value], watched
+        assert decode(QuarantineEntry, (await store.get(keys.hold("c"))).value) == table.get("c")
         view = await read_job(store, JobTarget("c10d", "memory", "job", {}, StoreAccess("c10d", ("memory",))))
         page = render(view, time.time())
         assert re.search(r"^c\s+quarantined\s", page, re.M), page
