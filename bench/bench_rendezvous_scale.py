@@ -157,8 +157,8 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
             msg = record.getMessage()
             if "lost its membership" in msg:
                 lost["lost_membership"] += 1
-                why = re.sub(r"\d+", "N", msg.split("membership: ", 1)[-1])[:80]
-                lost["why: " + why] += 1
+                msg = msg.split("membership: ", 1)[-1]
+            lost[re.sub(r"\d+", "N", msg)[:90]] += 1  # every warning, by its kind
 
     rdzv_log = logging.getLogger("elasticrun.rendezvous")
     rdzv_log.addHandler(CountLosses())
@@ -202,10 +202,11 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
 
         lag_task = asyncio.ensure_future(gauge_lag())
 
-        def phase() -> dict[str, float]:
+        def phase() -> dict[str, object]:
             cpu, worst = time.process_time(), lag[0]
             lag[0] = 0.0
-            return {"cpu_s": cpu, "lag_s": worst}
+            why = {k: v for k, v in lost.items() if k != "lost_membership"}
+            return {"cpu_s": cpu, "lag_s": worst, "why": why}
         round1: dict[int, float] = {}
         round2: dict[int, float] = {}
         errors: list[str] = []
@@ -239,8 +240,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
             await asyncio.sleep(0.02)
         print(json.dumps({"round2": round2, "t_leave": t_leave, "errors": errors, "lost": lost["lost_membership"], **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # idle window over
-        why = {k: v for k, v in lost.items() if k != "lost_membership"}
-        print(json.dumps({"lost": lost["lost_membership"], "why": why, **phase()}), flush=True)
+        print(json.dumps({"lost": lost["lost_membership"], **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # quit
         for t in [*tasks, lag_task]:
             t.cancel()
@@ -419,7 +419,8 @@ def main() -> int:
                     "lost_membership_idle": sum(r["lost"] for r in r3),
                     "clients_cpu_s": [sum(r["cpu_s"] for r in rs) for rs in (r1, r2, r3)],
                     "clients_loop_lag_s": [max(r["lag_s"] for r in rs) for rs in (r1, r2, r3)],
-                    "lost_why": dict(sum((collections.Counter(r["why"]) for r in r3), collections.Counter())),
+                    "lost_why": [dict(sum((collections.Counter(r["why"]) for r in rs), collections.Counter()))
+                                 for rs in (r1, r2, r3)],
                     "bytes_per_node_round1": ops1.get("bytes_sent", 0) / size,
                     "bytes_per_node_round2": ops2.get("bytes_sent", 0) / (size - 1),
                     "keep_alives_per_s": summarise_ops(idle, backend)[1] / args.idle,

@@ -61,7 +61,7 @@ def render(view: JobView, now: float) -> str:
         lines.append(f"leader {view.state.leader}: {view.state.reason}")
     if r is not None and r.closed and r.detail:
         lines.append(f"{r.closed}: {r.detail.splitlines()[0] if r.detail else ''}")
-    ranked = {p.node_id: i for i, p in enumerate(r.participants)} if r else {}
+    ranked = r.node_ranks() if r else {}
     held = view.quarantine.active(now)
     order = sorted(view.nodes, key=lambda n: (ranked.get(n, len(ranked)), n))
     if order:
@@ -105,6 +105,7 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
     now = time.time() if now is None else now
     held = view.quarantine.active(now)
     r = view.round
+    ranked = r.node_ranks() if r else {}
     low, high = view.min_max
     return {
         "job": {
@@ -127,11 +128,11 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
             {
                 **asdict(info),
                 "status": asdict(view.statuses[n]) if n in view.statuses else None,
-                "node_rank": r.rank_of(n) if r else None,
+                "node_rank": ranked.get(n),
                 "draining": n in view.drains,
                 "quarantined": n in held,
                 # registered, outside a running round: steps in when a participant goes
-                "spare": view.running and n not in held and (r is None or r.rank_of(n) is None),
+                "spare": view.running and n not in held and n not in ranked,
             }
             for n, info in sorted(view.nodes.items())
         ],

@@ -45,6 +45,8 @@ DETAIL_LIMIT = 16_000
 #: job's nodes get ~_STATE_FANOUT state events a second in all, not one each
 _STATE_MIN_INTERVAL = 1.0
 _STATE_FANOUT = 200
+#: newcomers' liveness ports the leader connects to at once (liveness.py)
+_CHECKS_AT_ONCE = 64
 #: events kept in the store (the leader prunes older ones)
 EVENTS_KEPT = 200
 
@@ -96,6 +98,9 @@ class Leader:
         self._unchecked: set[str] = set()
         self._refused: dict[str, int] = {}
         self._probes: set[asyncio.Task[None]] = set()
+        #: newcomers' checks under way at once: 10,000 nodes registering meant 10,000
+        #: connections opened together, and checks that timed out behind the others
+        self._checks = asyncio.Semaphore(_CHECKS_AT_ONCE)
         self._events: asyncio.Queue[WatchEvent | Exception | _Probed] = asyncio.Queue()
 
     async def run(self) -> None:
@@ -284,7 +289,8 @@ class Leader:
         if now < due:
             return due
         current = self._records.round
-        waiting = tuple(sorted(n for n in self._nodes if not (current and current.rank_of(n) is not None)))
+        placed = current.node_ranks() if current else {}
+        waiting = tuple(sorted(n for n in self._nodes if n not in placed))
         state = LeaderState(
             leader=self._node_id,
             reason=decision.reason,
@@ -328,7 +334,11 @@ class Leader:
         task.add_done_callback(self._probes.discard)
 
     async def _connect(self, info: NodeInfo, suspect: int) -> None:
-        verdict = await probe(info.addr, info.liveness_port)
+        if suspect:  # a member suspected now: at once
+            verdict = await probe(info.addr, info.liveness_port)
+        else:  # a newcomer's check: a few at a time, each with the whole probe timeout
+            async with self._checks:
+                verdict = await probe(info.addr, info.liveness_port)
         self._events.put_nowait(_Probed(info, suspect, verdict))
 
     def _apply_probe(self, probed: _Probed) -> None:
@@ -344,7 +354,7 @@ class Leader:
                 # found reachable while a check is on (a leader that just took over):
                 # it is a suspect like the others
                 answered = self._records.acks.get(node_id) == Ping(round=current.number)
-                if current.rank_of(node_id) is not None and not answered:
+                if any(p.node_id == node_id for p in current.participants) and not answered:
                     self._probe(probed.info, current.number)
         elif probed.verdict is Verdict.GONE and probed.suspect and node_id in self._reachable:
             log.warning("node %s: its liveness port refused a connection: its agent is gone", node_id)

@@ -31,6 +31,10 @@ log = logging.getLogger("elasticrun.rendezvous")
 
 #: how long the leader waits for a suspect's liveness port to answer
 PROBE_TIMEOUT = 1.0
+#: connections a port holds before it accepts them: every node of a job connects to a
+#: new leader's port at once (asyncio's default, 100, dropped most of 10,000, and each
+#: dropped one waited out the probe timeout)
+_BACKLOG = 4096
 
 
 class Verdict(enum.Enum):
@@ -58,7 +62,9 @@ class LivenessPort:
             # one socket on one address: a name that resolves to several would get a
             # port on each, and the leader could be refused on a port of another
             infos = await asyncio.get_running_loop().getaddrinfo(addr, 0, type=socket.SOCK_STREAM)
-            server = await asyncio.start_server(_close_at_once, host=str(infos[0][4][0]), port=0)
+            server = await asyncio.start_server(
+                _close_at_once, host=str(infos[0][4][0]), port=0, backlog=_BACKLOG
+            )
         except OSError as e:
             log.warning("no liveness port on %s (%s): a death of this node is noticed by its lease TTL", addr, e)
             return None
