@@ -140,7 +140,7 @@ def role_serve(profile: str) -> None:
 
 
 def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int, total: int, leaver: int, profile: str,
-               shared: bool = False, cap: float = CAP_S, heartbeat: float = 0.0) -> None:
+               per_client: int = 1, cap: float = CAP_S, heartbeat: float = 0.0) -> None:
     """`count` ElasticRendezvous instances (node ids first..first+count-1) on one loop,
     collecting garbage as an agent does (unless --default-gc)."""
     import logging
@@ -158,7 +158,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
             if "lost its membership" in msg:
                 lost["lost_membership"] += 1
                 msg = msg.split("membership: ", 1)[-1]
-            lost[re.sub(r"\d+", "N", msg)[:90]] += 1  # every warning, by its kind
+            lost[re.sub(r"\b[0-9a-f]*\d[0-9a-f]*\b", "N", msg)[:90]] += 1  # every warning, by its kind
 
     rdzv_log = logging.getLogger("elasticrun.rendezvous")
     rdzv_log.addHandler(CountLosses())
@@ -173,19 +173,35 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
             await super()._register()
             registered[int(self._me.node_id[4:])] = time.time()
 
+    renewals: list[float] = []  # how long each keep-alive call took (a cancelled one: -1)
+
     def make_store():  # type: ignore[no-untyped-def]
         if backend == "grpc":
             from elasticrun.store.client import GrpcStore
 
-            return GrpcStore(endpoint, timeout=cap)
-        from elasticrun.store.etcd import EtcdStore
+            store = GrpcStore(endpoint, timeout=cap)
+        else:
+            from elasticrun.store.etcd import EtcdStore
 
-        return EtcdStore([endpoint], timeout=cap)
+            store = EtcdStore([endpoint], timeout=cap)
+        renew = store.keep_alive
+
+        async def timed_keep_alive(lease: int) -> None:
+            t = time.monotonic()
+            try:
+                await renew(lease)
+            except asyncio.CancelledError:
+                renewals.append(-1.0)
+                raise
+            renewals.append(time.monotonic() - t)
+
+        store.keep_alive = timed_keep_alive
+        return store
 
     async def main() -> None:
         nodes, stores = {}, []
         for n in range(first, first + count):
-            if not stores or not shared:
+            if (n - first) % per_client == 0:
                 stores.append(make_store())
             store = stores[-1]
             me = NodeInfo(node_id=f"node{n:05d}", host=socket.gethostname(), addr=HOST, nproc=1, pid=os.getpid(), started_at=time.time())
@@ -206,7 +222,12 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
             cpu, worst = time.process_time(), lag[0]
             lag[0] = 0.0
             why = {k: v for k, v in lost.items() if k != "lost_membership"}
-            return {"cpu_s": cpu, "lag_s": worst, "why": why}
+            done = sorted(t for t in renewals if t >= 0)
+            took = {"n": len(done), "cancelled": len(renewals) - len(done),
+                    "p50": done[len(done) // 2] if done else None, "p99": done[len(done) * 99 // 100] if done else None,
+                    "max": done[-1] if done else None}
+            renewals.clear()
+            return {"cpu_s": cpu, "lag_s": worst, "why": why, "keep_alive": took}
         round1: dict[int, float] = {}
         round2: dict[int, float] = {}
         errors: list[str] = []
@@ -331,6 +352,8 @@ def main() -> int:
     ap.add_argument("--profile-server", default="", help="cProfile our server process here (.prof)")
     ap.add_argument("--profile-nodes", default="", help="cProfile the first client process here (.prof)")
     ap.add_argument("--shared-client", action="store_true", help="one store client per process (not per node)")
+    ap.add_argument("--nodes-per-client", type=int, default=0,
+                    help="nodes that share one store client (connection); default 1, or the whole process with --shared-client")
     ap.add_argument("--cap", type=float, default=CAP_S, help="seconds each phase may take")
     ap.add_argument("--heartbeat", type=float, default=0.0,
                     help="the lease TTL (heartbeat_timeout); default: the launcher's for the size (5 s to 2,000 nodes, then N/400)")
@@ -338,6 +361,14 @@ def main() -> int:
     ap.add_argument("--json")
     add_default_gc_flag(ap)
     args = ap.parse_args()
+
+    def per_client(count: int) -> int:
+        return args.nodes_per_client or (count if args.shared_client else 1)
+
+    def clients_label() -> str:
+        if args.nodes_per_client:
+            return f"one per {args.nodes_per_client} nodes"
+        return "one per process" if args.shared_client else "one per node"
     apply_default_gc_flag(args)
     become_subreaper()
     info = machine()
@@ -369,7 +400,7 @@ def main() -> int:
                 nodes = []
                 for i in range(args.procs):
                     prof = args.profile_nodes if (i == 0 and size == max(args.sizes)) else ""
-                    nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size), str(leaver), prof, "shared" if args.shared_client else "", str(args.cap), str(args.heartbeat)))
+                    nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size), str(leaver), prof, str(per_client(per[i])), str(args.cap), str(args.heartbeat)))
                 all_procs.extend(nodes)
                 for p in nodes:
                     assert recv(p).strip() == "ready"
@@ -419,13 +450,14 @@ def main() -> int:
                     "lost_membership_idle": sum(r["lost"] for r in r3),
                     "clients_cpu_s": [sum(r["cpu_s"] for r in rs) for rs in (r1, r2, r3)],
                     "clients_loop_lag_s": [max(r["lag_s"] for r in rs) for rs in (r1, r2, r3)],
+                    "keep_alive_calls": [[r["keep_alive"] for r in rs] for rs in (r1, r2, r3)],
                     "lost_why": [dict(sum((collections.Counter(r["why"]) for r in rs), collections.Counter()))
                                  for rs in (r1, r2, r3)],
                     "bytes_per_node_round1": ops1.get("bytes_sent", 0) / size,
                     "bytes_per_node_round2": ops2.get("bytes_sent", 0) / (size - 1),
                     "keep_alives_per_s": summarise_ops(idle, backend)[1] / args.idle,
                     "server_cpu_idle": (idle["cpu_s"] - ops2["cpu_s"]) / args.idle,
-                    "clients": "one per process" if args.shared_client else "one per node",
+                    "clients": clients_label(),
                     "heartbeat_s": args.heartbeat or RendezvousSettings.default_heartbeat_ttl(size),
                     "load": loadavg(),
                 }
@@ -466,7 +498,7 @@ if __name__ == "__main__":
         role_serve(sys.argv[2] if len(sys.argv) > 2 else "")
     elif len(sys.argv) > 1 and sys.argv[1] == "_nodes":
         b, ep, rid, first, count, total, leaver = sys.argv[2:9]
-        role_nodes(b, ep, rid, int(first), int(count), int(total), int(leaver), sys.argv[9], sys.argv[10] == "shared",
+        role_nodes(b, ep, rid, int(first), int(count), int(total), int(leaver), sys.argv[9], int(sys.argv[10]),
                    float(sys.argv[11]), float(sys.argv[12]))
     else:
         sys.exit(main())

@@ -11,9 +11,10 @@ and replaces gRPC errors with detail-less exceptions. What this module adds inst
 - auth: a token per user, fetched lazily and fetched again when a member no longer
   knows it (simple tokens live in each member's memory and expire when idle);
 - one table (`_ERROR_TABLE`) that turns gRPC statuses into our errors;
-- the blocking gRPC calls run on the store's own threads, so the event loop never
-  waits on etcd, and an etcd outage cannot starve the loop's default executor (which
-  asyncio also uses for DNS lookups);
+- the one blocking gRPC call (authenticating) runs on the store's own threads, so the
+  event loop never waits on etcd, and an etcd outage cannot starve the loop's default
+  executor (which asyncio also uses for DNS lookups); the pauses between retries are
+  taken on the loop, never on those few threads;
 - unary calls as grpc futures awaited on the loop: no thread is held per call in
   flight, so hundreds of nodes sharing one client do not queue behind a few threads;
 - lease keep-alives: one long-lived LeaseKeepAlive stream per lease (grpc.aio, on the
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import functools
 import math
 import threading
 import time
@@ -277,15 +277,18 @@ class _Attempts:
             raise StoreUnavailableError(self.endpoint_list, cause or "timed out")
         return left
 
-    def failed(self, endpoint: str, details: str, *, timed_out: bool) -> None:
-        """Note the failure; once every endpoint failed in a row, pause (bounded)."""
+    def failed(self, endpoint: str, details: str, *, timed_out: bool) -> float:
+        """Note the failure; the pause before the next try: once every endpoint failed
+        in a row (bounded, growing), else none."""
         self.causes[endpoint] = details
         if timed_out:
             self.attempt_timeout *= 2
         self.in_a_row += 1
-        if self.in_a_row % self.endpoint_count == 0:
-            time.sleep(max(0.0, min(self.pause, self.deadline - time.monotonic())))
-            self.pause = min(self.pause * 2, _RETRY_PAUSE_MAX)
+        if self.in_a_row % self.endpoint_count:
+            return 0.0
+        pause = max(0.0, min(self.pause, self.deadline - time.monotonic()))
+        self.pause = min(self.pause * 2, _RETRY_PAUSE_MAX)
+        return pause
 
 
 class _Cluster:
@@ -327,7 +330,7 @@ class _Cluster:
                 return rpc(stubs, timeout, self.metadata(stubs, timeout))
             except grpc.RpcError as exc:
                 code, details = _rpc_facts(exc)
-                self.recover(stubs, code, details, attempts, lease=lease)
+                time.sleep(self.recover(stubs, code, details, attempts, lease=lease))
 
     def recover(
         self,
@@ -337,8 +340,12 @@ class _Cluster:
         attempts: _Attempts,
         *,
         lease: int = 0,
-    ) -> None:
-        """Get ready for the next attempt after a failure on `stubs`, or raise."""
+    ) -> float:
+        """Get ready for the next attempt after a failure on `stubs`, or raise; returns
+        how long to pause first. It never blocks: the async callers pause on their
+        loop, since a pause on the store's few threads queued every other operation's
+        recovery behind it (10,000 nodes' keep-alives timing out at once waited for
+        minutes there, and their leases lapsed)."""
         kind = _classify(code, details)
         if kind in _WRONG_ENDPOINT:
             attempts.wrong[stubs.endpoint] = self.error(kind, details, stubs.endpoint)
@@ -346,14 +353,13 @@ class _Cluster:
                 raise next(iter(attempts.wrong.values()))
         if kind is _Kind.TRANSIENT or kind in _WRONG_ENDPOINT:
             self._fail_over(stubs)
-            attempts.failed(
+            return attempts.failed(
                 stubs.endpoint, details, timed_out=code != grpc.StatusCode.UNAVAILABLE
             )
-            return
         if kind is _Kind.TOKEN_EXPIRED and self.user is not None and not attempts.renewed_token:
             attempts.renewed_token = True
             self._token = None
-            return
+            return 0.0
         raise self.error(kind, details, stubs.endpoint, lease=lease)
 
     def known_metadata(self) -> _Metadata | None:
@@ -553,8 +559,9 @@ class EtcdStore(Store):
         """Try `attempt` on the current member until it succeeds or the cluster gives up.
 
         A gRPC error goes to the cluster, which fails over, re-authenticates or raises
-        our error for it (its table). Authenticating and failing over (which may pause)
-        run on the store's threads; the attempts themselves run on the loop.
+        our error for it (its table), and says how long to pause, which this does on the
+        loop. Authenticating (a blocking call) runs on the store's threads; the attempts
+        themselves run on the loop.
         """
         if self._closed:
             raise StoreUnavailableError(self.endpoint, "this store client is closed")
@@ -573,10 +580,7 @@ class EtcdStore(Store):
                 return await attempt(stubs, timeout, metadata)
             except grpc.RpcError as exc:
                 code, details = _rpc_facts(exc)
-            await loop.run_in_executor(
-                self._executor,
-                functools.partial(cluster.recover, stubs, code, details, attempts, lease=lease),
-            )
+            await asyncio.sleep(cluster.recover(stubs, code, details, attempts, lease=lease))
 
     async def get(self, key: str) -> KeyValue | None:
         request = etcdrpc.RangeRequest(key=key.encode())
@@ -778,10 +782,7 @@ class EtcdStore(Store):
                     self._watch_calls.discard(call)
             if self._closed:
                 raise StoreUnavailableError(self.endpoint, "this store client is closed")
-            await loop.run_in_executor(
-                self._executor,
-                functools.partial(cluster.recover, stubs, code, details, attempts),
-            )
+            await asyncio.sleep(cluster.recover(stubs, code, details, attempts))
 
     def _aio_stubs(self, endpoint: str) -> _AioStubs:
         """The grpc.aio stubs for `endpoint` (made on first use, on the caller's loop)."""
