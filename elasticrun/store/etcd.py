@@ -313,9 +313,11 @@ class _Cluster:
         self._token: str | None = None
         self.credentials = credentials
 
-    def attempts(self) -> _Attempts:
+    def attempts(self, first_timeout: float = _FIRST_ATTEMPT_TIMEOUT) -> _Attempts:
         deadline = time.monotonic() + self.timeout
-        return _Attempts(self.endpoint_list, len(self._stubs), deadline, self._tls)
+        return _Attempts(
+            self.endpoint_list, len(self._stubs), deadline, self._tls, attempt_timeout=first_timeout
+        )
 
     def current(self) -> _Stubs:
         return self._stubs[self._current]
@@ -534,6 +536,8 @@ class EtcdStore(Store):
         self._watch_calls: set[_AioStream] = set()
         self._lease_streams: dict[int, tuple[str, _AioStream]] = {}
         self._lease_locks: dict[int, asyncio.Lock] = {}
+        #: the TTL of each lease this client granted: how long a renewal may take
+        self._lease_ttls: dict[int, float] = {}
 
     async def _run(self, rpc: _FutureRpc, *, lease: int = 0) -> Any:
         """`rpc` through the cluster (failover, auth, errors), awaited on the loop.
@@ -555,6 +559,7 @@ class EtcdStore(Store):
         attempt: Callable[[_Stubs, float, _Metadata], Awaitable[_T]],
         *,
         lease: int = 0,
+        first_timeout: float = _FIRST_ATTEMPT_TIMEOUT,
     ) -> _T:
         """Try `attempt` on the current member until it succeeds or the cluster gives up.
 
@@ -567,7 +572,7 @@ class EtcdStore(Store):
             raise StoreUnavailableError(self.endpoint, "this store client is closed")
         cluster = self._cluster
         loop = asyncio.get_running_loop()
-        attempts = cluster.attempts()
+        attempts = cluster.attempts(first_timeout)
         while True:
             timeout = attempts.next_timeout()
             stubs = cluster.current()
@@ -662,6 +667,7 @@ class EtcdStore(Store):
         )
         if response.error:
             raise StoreError(f"etcd at {self.endpoint} refused a lease: {response.error}")
+        self._lease_ttls[int(response.ID)] = float(response.TTL)
         return int(response.ID)
 
     async def keep_alive(self, lease: int) -> None:
@@ -689,9 +695,15 @@ class EtcdStore(Store):
                 self._drop_lease_stream(lease)
                 raise LeaseExpiredError(lease)
 
+        # A renewal's first try may take a third of the TTL, not the usual second: on a
+        # busy host (10,000 simulated nodes on two cores) answers came late, each try
+        # cut short was sent again on a new stream, more load, and leases lapsed with
+        # their renewals in flight. A third still leaves a silent member time to be
+        # failed over before the lease runs out.
+        first = max(_FIRST_ATTEMPT_TIMEOUT, self._lease_ttls.get(lease, 0.0) / 3)
         lock = self._lease_locks.setdefault(lease, asyncio.Lock())
         async with lock:  # one renewal at a time on a lease's stream
-            await self._with_failover(renew, lease=lease)
+            await self._with_failover(renew, lease=lease, first_timeout=first)
 
     def _lease_stream(self, lease: int, stubs: _Stubs, metadata: _Metadata) -> _AioStream:
         """The lease's open LeaseKeepAlive stream to `stubs`' endpoint, or a new one."""
@@ -721,6 +733,7 @@ class EtcdStore(Store):
         finally:
             self._drop_lease_stream(lease)
             self._lease_locks.pop(lease, None)
+            self._lease_ttls.pop(lease, None)
 
     async def watch(
         self, key: str, *, start_revision: int, prefix: bool = False
