@@ -230,17 +230,20 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
             return {"cpu_s": cpu, "lag_s": worst, "why": why, "keep_alive": took}
         round1: dict[int, float] = {}
         round2: dict[int, float] = {}
+        opened: dict[str, float] = {}  # when the leader wrote each round (its head's opened_at)
         errors: list[str] = []
 
         async def life(n: int) -> None:
             try:
                 a1 = await nodes[n].next_round()
                 round1[n] = time.time()
+                opened["1"] = nodes[n]._ran.opened_at  # type: ignore[union-attr]
                 if n == leaver:
                     return
                 await nodes[n].round_ended()
                 a2 = await nodes[n].next_round()
                 round2[n] = time.time()
+                opened["2"] = nodes[n]._ran.opened_at  # type: ignore[union-attr]
                 assert a2.round > a1.round
             except Exception as e:  # noqa: BLE001
                 errors.append(f"node{n}: {type(e).__name__}: {e}")
@@ -249,7 +252,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
         deadline = time.monotonic() + cap
         while len(round1) + len(errors) < count and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        print(json.dumps({"registered": registered, "round1": round1, "errors": errors, "lost": lost["lost_membership"], **phase()}), flush=True)
+        print(json.dumps({"registered": registered, "round1": round1, "errors": errors, "lost": lost["lost_membership"], "opened": opened.get("1"), **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # leave (acted on by the leaver's process)
         t_leave = None
         if leaver in nodes:
@@ -259,7 +262,8 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
         deadline = time.monotonic() + cap
         while len(round2) + len(errors) < expected and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        print(json.dumps({"round2": round2, "t_leave": t_leave, "errors": errors, "lost": lost["lost_membership"], **phase()}), flush=True)
+        print(json.dumps({"round2": round2, "t_leave": t_leave, "errors": errors, "lost": lost["lost_membership"], "opened": opened.get("2"),
+                          **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # idle window over
         print(json.dumps({"lost": lost["lost_membership"], **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # quit
@@ -274,6 +278,12 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
 
 
 # --- the driver ---------------------------------------------------------------------------
+
+
+def last_opened(reports: list[dict]) -> float | None:  # type: ignore[type-arg]
+    """When the leader wrote the round these reports' nodes got (the latest, if several)."""
+    times = [r["opened"] for r in reports if r.get("opened")]
+    return max(times) if times else None
 
 
 def child(*args: str) -> subprocess.Popen[str]:
@@ -442,6 +452,12 @@ def main() -> int:
                     "round1_s": (max(got1) - max(registered)) if len(got1) == size else None,
                     "round1_from_go_s": (max(got1) - t_go) if len(got1) == size else None,
                     "round2_s": (max(got2) - t_leave) if len(got2) == size - 1 else None,
+                    # how each round's time splits: until the leader wrote it, then until
+                    # the last node held its place (the nodes' side: head, shard, master)
+                    "round1_decided_s": opened1 - max(registered) if (opened1 := last_opened(r1)) else None,
+                    "round1_fanout_s": max(got1) - opened1 if opened1 and len(got1) == size else None,
+                    "round2_decided_s": opened2 - t_leave if (opened2 := last_opened(r2)) else None,
+                    "round2_fanout_s": max(got2) - opened2 if opened2 and len(got2) == size - 1 else None,
                     "ops_round1": summarise_ops(ops1, backend),
                     "ops_round2": summarise_ops(ops2, backend),
                     "errors": errors[:5],
