@@ -340,6 +340,16 @@ def test_repeated_rdzv_conf_flags_merge_later_wins() -> None:
     assert (s.join_timeout, s.heartbeat_ttl, s.closed_ttl) == (7.0, 3.0, 9.0)
 
 
+def test_the_lease_ttl_grows_with_the_jobs_max_past_2000_nodes() -> None:
+    """3 renewals per TTL per node: MAX / 400 s keeps a large job's near 1,200 a second."""
+    def ttl(*flags: str) -> float:
+        cfg = config("--rdzv-backend=c10d", "--rdzv-endpoint=localhost:1", "--rdzv-id=j", *flags, str(SPEAK))
+        return cfg.rdzv.settings.heartbeat_ttl
+
+    assert (ttl("--nnodes=1:4"), ttl("--nnodes=2000"), ttl("--nnodes=1:10000")) == (5.0, 5.0, 25.0)
+    assert ttl("--nnodes=1:10000", "--rdzv-conf", "heartbeat_timeout=8") == 8.0  # given: as given
+
+
 def test_torchruns_own_rdzv_conf_keys_are_accepted(caplog: pytest.LogCaptureFixture) -> None:
     """torchrun command lines run unchanged: keys we have no counterpart for only warn."""
     cfg = config("--standalone", "--rdzv-conf", "close_timeout=10,store_type=tcp,protocol=http",
