@@ -145,8 +145,9 @@ class Leader:
                         return
                     awaiting_write = await self._act(decision)
                     recheck = decision.recheck_at
-                    if self._published != (decision.reason, self._held()):
-                        recheck = _earliest(recheck, await self._publish(decision))
+                    held = len(self._quarantine.active(self._clock()))  # nodes kept out now
+                    if self._published != (decision.reason, held):
+                        recheck = _earliest(recheck, await self._publish(decision, held))
                 timeout = None if recheck is None else max(recheck - self._clock(), 0.0)
                 stale = True  # unless an event comes first: the time to look again
                 with contextlib.suppress(TimeoutError):
@@ -289,7 +290,7 @@ class Leader:
         for kv in events.kvs[: max(len(events.kvs) - EVENTS_KEPT, 0)]:
             await self._store.delete(kv.key)
 
-    async def _publish(self, decision: Decision) -> float | None:
+    async def _publish(self, decision: Decision, held: int) -> float | None:
         """Publish the waiting reason, at most every _STATE_MIN_INTERVAL (longer with
         many nodes, above); else say when."""
         now = self._clock()
@@ -305,16 +306,13 @@ class Leader:
             registered=len(self._nodes),
             at=time.time(),
             waiting=waiting[:16],
-            quarantined=self._held(),
+            quarantined=held,
         )
         await self._store.put(self._keys.state, encode(state), lease=self._lease)
         if decision.round is None:
             log.info("leader: %s", decision.reason)
-        self._published, self._published_at = (decision.reason, state.quarantined), now
+        self._published, self._published_at = (decision.reason, held), now
         return None
-
-    def _held(self) -> int:
-        return len(self._quarantine.active(self._clock()))
 
     # --- liveness: a dead agent told from a slow one in about a second ---------------------
 
