@@ -73,6 +73,20 @@ def _what_is_at(path: Path) -> str:
     return next((name for test, name in kinds if test(mode)), "something")
 
 
+def _open_fifo(path: Path) -> tuple[int, os.stat_result] | None:
+    """Open the FIFO at `path`, never through a link; None when no FIFO is there (the
+    one just made was replaced)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    made = os.fstat(fd)
+    if stat.S_ISFIFO(made.st_mode):
+        return fd, made
+    os.close(fd)
+    return None
+
+
 def _remove_if(path: Path, made: os.stat_result) -> None:
     """Remove `path` if it is still the FIFO `made` describes; leave anything else."""
     try:
@@ -126,15 +140,14 @@ class FileTimerServer:
             ) from None
         except OSError as e:
             raise UsageError(f"{TIMER_FILE_ENV}={self.path}: cannot make the FIFO there: {e.strerror}") from e
-        try:  # O_NOFOLLOW and the check: never anything that replaced the FIFO meanwhile
-            fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            raise UsageError(f"{TIMER_FILE_ENV}={self.path}: cannot open the FIFO made there: {e.strerror}") from e
-        made = os.fstat(fd)
-        if not stat.S_ISFIFO(made.st_mode):
-            os.close(fd)
-            raise UsageError(f"{TIMER_FILE_ENV}={self.path}: the FIFO made there was replaced")
-        self._fd, self._made = fd, made
+        opened = _open_fifo(self.path)
+        if opened is None:
+            raise UsageError(
+                f"{TIMER_FILE_ENV}={self.path}: the FIFO made there was replaced at once (another user "
+                "may write in that folder: name a path in a folder of your own)"
+            )
+        self._fd, made = opened
+        self._made = made
         asyncio.get_running_loop().add_reader(self._fd, self._read)
         logger.info("file timer: serving %s", self.path)
         return made

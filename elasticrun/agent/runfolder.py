@@ -36,7 +36,7 @@ def make_private_folder(path: Path) -> None:
     except FileExistsError:
         pass
     except OSError as e:
-        raise UsageError(f"cannot create the folder {path}: {e.strerror} (check --log-dir)") from e
+        raise UsageError(f"cannot use the folder {path}: {e.strerror} (check --log-dir)") from e
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -45,7 +45,7 @@ def make_private_folder(path: Path) -> None:
                 f"{path} is a link or a file, not a folder: the agent writes only into folders it "
                 "made itself (remove it, or choose another --log-dir)"
             ) from e
-        raise UsageError(f"cannot open the folder {path}: {e.strerror} (check --log-dir)") from e
+        raise UsageError(f"cannot use the folder {path}: {e.strerror} (check --log-dir)") from e
     try:
         info = os.fstat(fd)
         me = os.geteuid()
