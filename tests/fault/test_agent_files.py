@@ -181,7 +181,8 @@ def test_the_warden_holds_no_secret_and_removes_the_token_file_when_the_agent_is
         "agent",
         [
             sys.executable, "-m", "elasticrun", "--nnodes=1", "--nproc-per-node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id=files-{secrets.token_hex(4)}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            f"--rdzv-id=files-{secrets.token_hex(4)}",
             f"--rdzv-conf={RDZV_CONF},password_env=TRAIN_DB_PASSWORD", "--local-addr=127.0.0.1",
             f"--log-dir={tmp_path / 'logs'}", str(script),
         ],
