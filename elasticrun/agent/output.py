@@ -94,10 +94,11 @@ def worker_stdio(
 
     The files are opened here, before any worker starts, so a log folder we cannot write
     to fails the start, and so does a link planted where one goes (it is never followed,
-    see elasticrun.agent.runfolder). They are emptied (a file left by an earlier run under
-    the same run and node id would be relayed again) and opened for appending (every write lands
-    at the end, whichever process of the worker's makes it). The agent's descriptors
-    close when the block ends: start the workers inside it; theirs stay open.
+    see elasticrun.agent.runfolder). They are emptied (a file left by an earlier run
+    under the same run and node id would be relayed again) and opened for appending
+    (every write lands at the end, whichever process of the worker's makes it). The
+    agent's descriptors close when the block ends: start the workers inside it; theirs
+    stay open.
     """
     with contextlib.ExitStack() as opened:
         yield {
