@@ -1,5 +1,6 @@
 """The agent's side of torchrun's file timer, without torch: requests through the FIFO,
-expiry, release, and only the agent's own workers signalled."""
+expiry, release, and only the agent's own workers signalled; a path that exists already
+refused, and only the FIFO the agent made ever removed."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import asyncio
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from elasticrun.agent.filetimer import FileTimerServer
+from elasticrun.errors import UsageError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -73,3 +77,58 @@ async def test_a_timer_without_a_signal_kills_nothing_and_bad_lines_are_ignored(
         for proc in (quiet, overrun):
             proc.kill()
             proc.wait()
+
+
+def _plant(tmp_path: Path, kind: str) -> tuple[Path, Callable[[], object]]:
+    """Something of `kind` at a path, and a snapshot of it (and of what a link points at)."""
+    path = tmp_path / "timer"
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    if kind == "regular file":
+        path.write_text("keep me too\n")
+    elif kind in ("symbolic link", "dangling symbolic link"):
+        path.symlink_to(target if kind == "symbolic link" else tmp_path / "nowhere")
+    elif kind == "folder":
+        path.mkdir()
+        (path / "inside").write_text("keep me too\n")
+    else:  # a FIFO someone else made
+        os.mkfifo(path, 0o600)
+
+    def snapshot() -> object:
+        info = os.lstat(path)
+        inside = sorted(p.name for p in path.iterdir()) if kind == "folder" else None
+        content = path.read_text() if kind == "regular file" else None
+        link = os.readlink(path) if "link" in kind else None
+        return (info.st_ino, info.st_mode, inside, content, link, target.read_text())
+
+    return path, snapshot
+
+
+@pytest.mark.parametrize(
+    "kind", ["regular file", "symbolic link", "dangling symbolic link", "folder", "FIFO"]
+)
+async def test_a_path_that_exists_is_refused_in_one_line_and_left_as_it_was(tmp_path: Path, kind: str) -> None:
+    """torchrun's server removes whatever is at the path (TORCHELASTIC_TIMER_FILE=/dev/null
+    deletes /dev/null); ours makes its own FIFO, so any existing path is refused. (A device
+    is refused the same way, by mkfifo's EEXIST, without touching one in a test.)"""
+    path, snapshot = _plant(tmp_path, kind)
+    before = snapshot()
+    server = FileTimerServer(path, lambda: ())
+    with pytest.raises(UsageError) as refused:
+        server.start()
+    message = str(refused.value)
+    assert "\n" not in message and f"TORCHELASTIC_TIMER_FILE={path}" in message, message
+    expected = {"dangling symbolic link": "a symbolic link"}.get(kind, f"a {kind}")
+    assert f": {expected} is there already" in message, message
+    server.close()  # what the agent's cleanup does after a failed start
+    assert snapshot() == before
+
+
+async def test_at_exit_only_the_fifo_it_made_is_removed(tmp_path: Path) -> None:
+    server = FileTimerServer(tmp_path / "timer", lambda: ())
+    made = server.start()
+    assert stat.S_ISFIFO(os.lstat(server.path).st_mode) and os.lstat(server.path).st_ino == made.st_ino
+    server.path.unlink()  # someone put a file of theirs in its place meanwhile
+    server.path.write_text("not the FIFO\n")
+    server.close()
+    assert server.path.read_text() == "not the FIFO\n"

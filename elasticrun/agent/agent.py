@@ -34,6 +34,7 @@ from elasticrun.agent.failures import (
 from elasticrun.agent.filetimer import TIMER_FILE_ENV, FileTimerServer
 from elasticrun.agent.output import Duplicates, StreamPlan, WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import Warden, WorkerGroup
+from elasticrun.agent.runfolder import create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import (
@@ -229,6 +230,8 @@ class Agent:
         self.run_dir = root / f"{spec.run_id}_{spec.node_id}"
         #: the store's token for the workers, while the agent runs (see `_write_token_file`)
         self._token_file: Path | None = None
+        #: the run folder's events.jsonl, open while the agent runs (see `_write_event`)
+        self._event_log: int | None = None
         #: torchrun's file timer, when asked for (spec.file_timer)
         self._timers: FileTimerServer | None = None
         if spec.file_timer is not None:
@@ -238,13 +241,14 @@ class Agent:
     async def run(self) -> AgentResult:
         """Run until the job ends for this node; signals to the agent are handled here."""
         loop = asyncio.get_running_loop()
-        self._warden = await Warden.start()
+        self._warden = await Warden.start(self.spec.withheld_env)
         for sig in self.spec.signals_to_handle:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
+            self._make_run_folder()
             self._token_file = self._write_token_file()
             if self._timers is not None:
-                self._timers.start()
+                self._warden.remove_on_death(self._timers.path, self._timers.start())
             if self._channel is not None:
                 await self._channel.start()
             return await self._run()
@@ -257,10 +261,25 @@ class Agent:
                 await self._warden.close()  # the sessions are empty: it just exits
                 if self._token_file is not None:
                     self._token_file.unlink(missing_ok=True)
+                if self._event_log is not None:
+                    os.close(self._event_log)
+                    self._event_log = None
             if self._channel is not None:
                 await self._channel.close()
             for sig in self.spec.signals_to_handle:
                 loop.remove_signal_handler(sig)
+
+    def _make_run_folder(self) -> None:
+        """Make the run folder, private, and open its event log (elasticrun.agent.runfolder:
+        a folder of someone else's, or a link where a file goes, is refused)."""
+        try:
+            self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(
+                f"cannot create the log folder {self.run_dir.parent}: {e.strerror} (check --log-dir)"
+            ) from e
+        make_private_folder(self.run_dir)
+        self._event_log = open_log(self.run_dir / "events.jsonl", truncate=False)
 
     def _write_token_file(self) -> Path | None:
         """Write the store's token once, for the workers' store clients, readable by this
@@ -273,16 +292,13 @@ class Agent:
         if token is None:
             return None
         path = self.run_dir / "store_token"
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as f:
-                os.fchmod(f.fileno(), 0o600)  # a file already there keeps its mode otherwise
-                f.write(token)
-        except OSError as e:
-            raise UsageError(
-                f"cannot write the store token file {path}: {e.strerror} (check --log-dir)"
-            ) from e
+        with contextlib.suppress(OSError):
+            path.unlink()  # one a killed agent left (or a link): never written into
+        with os.fdopen(create_new(path, "store token file"), "w") as f:
+            f.write(token)
+            made = os.fstat(f.fileno())
+        assert self._warden is not None  # run() started it
+        self._warden.remove_on_death(path, made)  # should the agent be killed
         return path
 
     def _on_signal(self, sig: signal.Signals) -> None:
@@ -460,6 +476,7 @@ class Agent:
         --forgive-progress heartbeat: then it only keeps the progress files)."""
         if self.spec.progress_timeout is None and not self.spec.forgive_heartbeat:
             return None
+        make_private_folder(self.run_dir / "progress")
         return ProgressWatchdog(
             self.spec.progress_timeout, self.run_dir / "progress", range(self.spec.nproc_per_node)
         )
@@ -528,15 +545,10 @@ class Agent:
         self._attempts += 1
         socket_path = self._channel.path if self._channel is not None else None
         envs, error_files, plans = {}, {}, {}
+        make_private_folder(attempt_dir)
         for local_rank in range(spec.nproc_per_node):
             worker_dir = attempt_dir / str(local_rank)
-            try:
-                worker_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise UsageError(
-                    f"cannot create the log folder {worker_dir}: {e.strerror} "
-                    "(check --log-dir)"
-                ) from e
+            make_private_folder(worker_dir)
             error_files[local_rank] = worker_dir / "error.json"
             error_files[local_rank].unlink(missing_ok=True)
             envs[local_rank] = worker_env(
@@ -741,11 +753,11 @@ class Agent:
 
     def _write_event(self, kind: str, detail: str) -> None:
         """Append to this node's event log (JSON lines) beside its worker logs."""
+        if self._event_log is None:
+            return
         event = {"at": time.time(), "node": self.spec.node_id, "kind": kind, "detail": detail}
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            with (self.run_dir / "events.jsonl").open("a") as f:
-                f.write(json.dumps(event) + "\n")
+            os.write(self._event_log, (json.dumps(event) + "\n").encode())
         except OSError as e:
             logger.warning("cannot write the event log in %s: %s", self.run_dir, e.strerror)
 

@@ -14,6 +14,13 @@ does, since a node that stays in an elastic job keeps training.
 
 The FIFO is opened read-write, so the agent never sees an end of file when the last
 writer closes it, and read when the event loop says there is data: nothing polls.
+
+The agent makes the FIFO itself, and removes only that FIFO. torchrun's server removes
+whatever is at TORCHELASTIC_TIMER_FILE, at start and at exit (so a mistaken
+`TORCHELASTIC_TIMER_FILE=/dev/null` deletes the machine's /dev/null); here a path where
+something exists already, a file, a device, a link, a folder or a FIFO the agent did not
+make, is refused at start with one line, and at exit the path is removed only while it
+is still the FIFO the agent made (same device and inode).
 """
 
 from __future__ import annotations
@@ -24,10 +31,13 @@ import json
 import logging
 import os
 import signal
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from elasticrun.errors import UsageError
 
 logger = logging.getLogger("elasticrun.agent")
 
@@ -47,6 +57,44 @@ class Timer:
             return signal.Signals(self.signal).name
         except ValueError:
             return f"signal {self.signal}"
+
+
+def _what_is_at(path: Path) -> str:
+    """What kind of thing is at `path`, in words (nothing is followed)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "something"
+    kinds = (
+        (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a regular file"),
+        (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "something")
+
+
+def _open_fifo(path: Path) -> tuple[int, os.stat_result] | None:
+    """Open the FIFO at `path`, never through a link; None when no FIFO is there (the
+    one just made was replaced)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    made = os.fstat(fd)
+    if stat.S_ISFIFO(made.st_mode):
+        return fd, made
+    os.close(fd)
+    return None
+
+
+def _remove_if(path: Path, made: os.stat_result) -> None:
+    """Remove `path` if it is still the FIFO `made` describes; leave anything else."""
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISFIFO(now.st_mode) and (now.st_dev, now.st_ino) == (made.st_dev, made.st_ino):
+        path.unlink(missing_ok=True)
 
 
 def parse_request(line: bytes) -> Timer | None:
@@ -71,16 +119,38 @@ class FileTimerServer:
         self.reaped: dict[int, Timer] = {}
         self._timers: dict[tuple[int, str], Timer] = {}
         self._fd: int | None = None
+        #: the FIFO as made (device and inode): the only thing ever removed at `path`
+        self._made: os.stat_result | None = None
         self._partial = b""
         self._alarm: asyncio.TimerHandle | None = None
 
-    def start(self) -> None:
-        self.path.unlink(missing_ok=True)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        os.mkfifo(self.path, 0o600)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
+    def start(self) -> os.stat_result:
+        """Make the FIFO and serve it; returns what was made (for the agent's warden).
+
+        Raises UsageError when something is at `path` already, or it cannot be made.
+        """
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            os.mkfifo(self.path, 0o600)  # EEXIST for anything there, a dangling link included
+        except FileExistsError:
+            raise UsageError(
+                f"{TIMER_FILE_ENV}={self.path}: {_what_is_at(self.path)} is there already; the file timer "
+                "makes its own FIFO and removes it at exit, so it never takes a path that exists "
+                f"(name a new path in {TIMER_FILE_ENV}, or remove that one if it is a FIFO a killed agent left)"
+            ) from None
+        except OSError as e:
+            raise UsageError(f"{TIMER_FILE_ENV}={self.path}: cannot make the FIFO there: {e.strerror}") from e
+        opened = _open_fifo(self.path)
+        if opened is None:
+            raise UsageError(
+                f"{TIMER_FILE_ENV}={self.path}: the FIFO made there was replaced at once (another user "
+                "may write in that folder: name a path in a folder of your own)"
+            )
+        self._fd, made = opened
+        self._made = made
         asyncio.get_running_loop().add_reader(self._fd, self._read)
         logger.info("file timer: serving %s", self.path)
+        return made
 
     def close(self) -> None:
         if self._alarm is not None:
@@ -89,7 +159,9 @@ class FileTimerServer:
             asyncio.get_running_loop().remove_reader(self._fd)
             os.close(self._fd)
             self._fd = None
-        self.path.unlink(missing_ok=True)
+        if self._made is not None:
+            _remove_if(self.path, self._made)
+            self._made = None
 
     def _read(self) -> None:
         assert self._fd is not None

@@ -36,8 +36,9 @@ from string import Template
 from typing import BinaryIO, Protocol
 
 from elasticrun.agent.filetail import FileTail
+from elasticrun.agent.runfolder import open_log
 from elasticrun.agent.spec import Std, WorkerSpec
-from elasticrun.errors import UsageError, WorkerStartError
+from elasticrun.errors import WorkerStartError
 
 logger = logging.getLogger("elasticrun.agent")
 
@@ -92,10 +93,12 @@ def worker_stdio(
     the stream's log file, or asyncio.subprocess.PIPE where it has none.
 
     The files are opened here, before any worker starts, so a log folder we cannot write
-    to fails the start. They are emptied (a file left by an earlier run under the same
-    run and node id would be relayed again) and opened for appending (every write lands
-    at the end, whichever process of the worker's makes it). The agent's descriptors
-    close when the block ends: start the workers inside it; theirs stay open.
+    to fails the start, and so does a link planted where one goes (it is never followed,
+    see elasticrun.agent.runfolder). They are emptied (a file left by an earlier run
+    under the same run and node id would be relayed again) and opened for appending
+    (every write lands at the end, whichever process of the worker's makes it). The
+    agent's descriptors close when the block ends: start the workers inside it; theirs
+    stay open.
     """
     with contextlib.ExitStack() as opened:
         yield {
@@ -110,13 +113,7 @@ def worker_stdio(
 def _open_log(path: Path | None, opened: contextlib.ExitStack) -> int:
     if path is None:
         return asyncio.subprocess.PIPE
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, 0o666)
-    except OSError as e:
-        raise UsageError(
-            f"cannot write the log file {path}: {e.strerror} (check --log-dir)"
-        ) from e
+    fd = open_log(path, truncate=True)
     opened.callback(os.close, fd)
     return fd
 
@@ -129,7 +126,7 @@ class Duplicates:
     def __init__(self, attempt_dir: Path, filters: Mapping[str, tuple[str, ...]]) -> None:
         self._filters = {stream: needles for stream, needles in filters.items() if needles}
         self._files = {
-            stream: open(attempt_dir / f"filtered_{stream}.log", "w", errors="replace")  # noqa: SIM115
+            stream: open(open_log(attempt_dir / f"filtered_{stream}.log", truncate=True), "w", errors="replace")  # noqa: SIM115
             for stream in self._filters
         }
 

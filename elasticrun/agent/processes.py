@@ -1,19 +1,20 @@
 """Start, watch and stop one node's worker processes, and whatever they spawn.
 
 Each worker leads a new session, so a Ctrl-C at the terminal reaches only the agent,
-which decides, and everything the worker spawns stays in the worker's session: a stop
-signals the whole session and SIGKILLs it until nothing of it is left
-(elasticrun.agent.sessions), grandchildren that moved to a process group of their own
-and double-forked daemons included, and so does the agent's `Warden` when the agent
-dies, however it dies. Each worker also asks the kernel to SIGKILL it when the agent
-dies (PR_SET_PDEATHSIG), so a worker goes at once, not only when the warden gets to
-it. The request is made by util-linux's `setpriv --pdeathsig` right before it execs the
-worker, so no Python runs in the child between fork and exec: the agent has threads
-(gRPC's), and Python code in a forked child of a threaded process can deadlock or
-abort. Only where `setpriv` is missing does a `preexec_fn` make the request instead.
+which decides. Everything a worker spawns stays findable (elasticrun.agent.sessions):
+by its session, by the agent's mark in its environment (`ELASTICRUN_TREE`, inherited
+whatever session it moves to, setsid() and double forks included), or as the child of
+a process that is found. A stop signals all of it and SIGKILLs it until nothing is
+left, and so does the agent's `Warden` when the agent dies, however it dies. Each
+worker also asks the kernel to SIGKILL it when the agent dies (PR_SET_PDEATHSIG), so a
+worker goes at once, not only when the warden gets to it. The request is made by
+util-linux's `setpriv --pdeathsig` right before it execs the worker, so no Python runs
+in the child between fork and exec: the agent has threads (gRPC's), and Python code in
+a forked child of a threaded process can deadlock or abort. Only where `setpriv` is
+missing does a `preexec_fn` make the request instead.
 
 Exits are awaited, never polled, and `stop()` never returns before every worker is
-reaped and its session is empty, even when it is cancelled.
+reaped and nothing it started is left, even when it is cancelled.
 """
 
 from __future__ import annotations
@@ -23,17 +24,27 @@ import ctypes
 import errno
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
 import time
 from asyncio.subprocess import PIPE
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from elasticrun.agent import warden
 from elasticrun.agent.numa import cpu_list
-from elasticrun.agent.sessions import KILL_LIMIT, Session, kill_sessions, signal_sessions
+from elasticrun.agent.sessions import (
+    KILL_LIMIT,
+    MARK_VAR,
+    Mark,
+    Session,
+    kill_sessions,
+    process_start,
+    signal_sessions,
+)
 from elasticrun.errors import WorkerStartError
 
 logger = logging.getLogger("elasticrun.agent")
@@ -97,24 +108,32 @@ class Warden:
     """The agent's side of its warden process (elasticrun.agent.warden).
 
     Started once per agent, before its first workers, and closed when the agent ends;
-    should the agent die instead, the warden kills the sessions it was told about.
+    should the agent die instead, the warden removes the files it was told about and
+    kills the sessions it was told about and every process with its mark.
     """
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, mark: Mark) -> None:
         self._proc = proc
+        #: what each worker's environment carries, so that the warden finds its descendants
+        self.mark = mark
         self._lost = False
 
     @classmethod
-    async def start(cls) -> Warden:
+    async def start(cls, withheld_env: Collection[str] = ()) -> Warden:
+        """Start the warden, with the agent's environment less `withheld_env` (its secrets)."""
+        value = secrets.token_hex(16)
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             warden.__name__,
+            value,
             stdin=PIPE,
             stdout=asyncio.subprocess.DEVNULL,
+            env={key: v for key, v in os.environ.items() if key not in withheld_env},
             start_new_session=True,
         )
-        return cls(proc)
+        # Every worker starts after the warden: an older process is none of theirs.
+        return cls(proc, Mark(value, born_after=process_start(proc.pid)))
 
     def watch(self, session: Session) -> None:
         """Have the warden kill `session` if the agent dies."""
@@ -124,6 +143,10 @@ class Warden:
         """`session` is empty: the warden may forget it."""
         self._send(warden.release_line(session))
 
+    def remove_on_death(self, path: Path, made: os.stat_result) -> None:
+        """Have the warden remove `path`, the file `made` describes, if the agent dies."""
+        self._send(warden.remove_line(path, made))
+
     def _send(self, line: bytes) -> None:
         assert self._proc.stdin is not None  # started with stdin=PIPE
         if self._proc.returncode is None:
@@ -132,7 +155,7 @@ class Warden:
             self._lost = True
             logger.warning(
                 "the agent's warden (pid %d) ended with exit code %d: should the agent be "
-                "killed, what its workers spawned may outlive it",
+                "killed, what its workers spawned may outlive it, and its files stay",
                 self._proc.pid,
                 self._proc.returncode,
             )
@@ -206,7 +229,7 @@ class WorkerGroup:
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=stdout,
                     stderr=stderr,
-                    env=dict(env),
+                    env={**env, MARK_VAR: warden.mark.value},
                     start_new_session=True,
                     preexec_fn=preexec,
                 )
@@ -255,7 +278,7 @@ class WorkerGroup:
         watchers = list(self._watchers.values())
         cancelled = False
         if any(not w.done() for w in watchers):
-            signal_sessions(self.sessions.values(), sig)
+            signal_sessions(self.sessions.values(), sig, self._warden.mark)
             try:
                 await asyncio.wait(watchers, timeout=grace)
             except asyncio.CancelledError:
@@ -281,7 +304,7 @@ class WorkerGroup:
     async def _end(self, watchers: list[asyncio.Task[None]]) -> None:
         """SIGKILL the sessions until they are empty, reap the workers, release them."""
         # In a thread: scanning /proc and waiting for the ends would hold the loop.
-        stuck = await asyncio.to_thread(kill_sessions, self.sessions.values(), KILL_LIMIT)
+        stuck = await asyncio.to_thread(kill_sessions, self.sessions.values(), KILL_LIMIT, self._warden.mark)
         await asyncio.gather(*watchers)
         if stuck:  # the warden keeps them, to try again when the agent ends
             logger.warning(

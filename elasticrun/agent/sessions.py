@@ -1,14 +1,33 @@
-"""Find and kill every process of a worker's session, however deep its tree.
+"""Find and kill every process the workers started, however deep, wherever it went.
 
-Each worker starts a new session, so its session id is its own pid, and everything it
-spawns stays in that session unless it calls setsid() itself: grandchildren, shell
-pipelines, a daemon that double-forked or moved to a process group of its own. A
-process group would miss the last two, and parenthood is lost the moment a process is
-orphaned; the session id (field 6 of /proc/PID/stat) is neither. Unprivileged and on
-any Linux, unlike a cgroup (`cgroup.kill`), which needs a delegated, writable cgroup
-that containers and plain hosts rarely give.
+Three ways to belong, each catching what the one before misses:
 
-A session id is a pid, and pids are reused: the kernel frees the number only once no
+- The worker's session. Each worker starts a new session, so its session id is its own
+  pid, and everything it spawns stays in it unless it calls setsid(): grandchildren,
+  shell pipelines, a daemon that double-forked or moved to a process group of its own.
+  A process group would miss the last two, and parenthood is lost the moment a process
+  is orphaned; the session id (field 6 of /proc/PID/stat) is neither.
+- The agent's mark: each worker gets `ELASTICRUN_TREE=<random>` in its environment
+  (`Mark`), and every process it starts inherits it, whatever session it moves to and
+  whoever adopts it once its parent is gone, as long as it keeps the environment it
+  was given: a `setsid()` helper, a daemon that double-forked and left the session,
+  a data service that `subprocess.Popen(..., start_new_session=True)` started. This is
+  how Jenkins' ProcessTreeKiller finds the daemons a build left (its BUILD_ID cookie).
+  Only processes younger than the mark are read (a worker's descendant is younger than
+  the worker), so the scan reads few environments besides the workers' own.
+- Parenthood: a child of a process that belongs, at the moment of the scan. It catches
+  a process that left the session *and* replaced its environment while its parent still
+  belongs (the worker, say).
+
+Why not a subreaper (PR_SET_CHILD_SUBREAPER) or a cgroup. A subreaper keeps orphans in
+its tree only while it lives: the agent as subreaper loses them to init the moment it is
+SIGKILLed, which is when they matter, and the warden (elasticrun.agent.warden) is not an
+ancestor of the workers, so it never adopts anything of theirs; making it one would
+change each worker's parent and how the agent waits on it. A cgroup (`cgroup.kill`)
+needs a delegated, writable cgroup, which containers and plain hosts rarely give. This
+works unprivileged, on any Linux, and does not depend on when the agent dies.
+
+Pids are reused. A session id is a pid: the kernel frees the number only once no
 process has it as pid, process group or session, so a live member of session S means S
 is still the session it was, but once the session is empty a new process may take the
 number and lead a new, unrelated session S. `Session` therefore remembers its leader's
@@ -31,6 +50,9 @@ from dataclasses import dataclass
 #: stuck in the kernel, e.g. in a GPU driver, ends only when the kernel lets it)
 KILL_LIMIT = 10.0
 
+#: the environment variable that marks every process of one agent's workers (`Mark`)
+MARK_VAR = "ELASTICRUN_TREE"
+
 
 @dataclass(frozen=True, slots=True)
 class Session:
@@ -49,10 +71,32 @@ class Session:
 
 
 @dataclass(frozen=True, slots=True)
+class Mark:
+    """One agent's mark, `ELASTICRUN_TREE=<value>` in each of its workers' environments."""
+
+    #: random, one per agent: no other process carries it by chance
+    value: str
+    #: only processes that started at this time or later (clock ticks after boot) are
+    #: read: those that started earlier cannot descend from a worker started after it
+    born_after: int
+
+    def entry(self) -> bytes:
+        """The environment entry, between the NULs of /proc/PID/environ."""
+        return f"\0{MARK_VAR}={self.value}\0".encode()
+
+
+def process_start(pid: int) -> int:
+    """Process `pid`'s start time in clock ticks after boot (0 when it is gone)."""
+    stat = _stat(pid)
+    return stat.start if stat is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
 class _Stat:
     """What one process's /proc/PID/stat says that matters here."""
 
     pid: int
+    ppid: int
     #: neither a zombie nor dead: signalling it can still change something
     live: bool
     sid: int
@@ -61,23 +105,42 @@ class _Stat:
 
 def _stat(pid: int) -> _Stat | None:
     """Process `pid`'s stat, or None when it is gone."""
+    raw = _read(f"/proc/{pid}/stat", 4096)
+    if raw is None:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces and parentheses.
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    return _Stat(pid, int(fields[1]), fields[0] not in (b"Z", b"X"), int(fields[3]), int(fields[19]))
+
+
+def _read(path: str, limit: int) -> bytes | None:
+    """The file's first `limit` bytes, or None when it cannot be read (a process gone,
+    or one whose files this user may not read)."""
     try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        raw = os.read(fd, 4096)
+        chunks = []
+        while limit > 0 and (chunk := os.read(fd, min(limit, 65536))):
+            chunks.append(chunk)
+            limit -= len(chunk)
+        return b"".join(chunks)
     except OSError:
         return None
     finally:
         os.close(fd)
-    # The command name (field 2) is in parentheses and may hold spaces and parentheses.
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    return _Stat(pid, fields[0] not in (b"Z", b"X"), int(fields[3]), int(fields[19]))
 
 
-def _members(sessions: Iterable[Session]) -> list[_Stat]:
-    """The live processes of `sessions`, skipping a session whose id was reused."""
+def _carries(pid: int, mark: Mark) -> bool:
+    """Whether process `pid`'s environment holds the mark."""
+    environ = _read(f"/proc/{pid}/environ", 1 << 22)
+    return environ is not None and mark.entry() in b"\0" + environ
+
+
+def _members(sessions: Iterable[Session], mark: Mark | None = None) -> list[_Stat]:
+    """The live processes of `sessions` or with `mark`, and their descendants; a session
+    whose id was reused is skipped."""
     stats = [s for s in map(_stat, _pids()) if s is not None]
     by_pid = {s.pid: s for s in stats}
     ours = set()
@@ -85,20 +148,35 @@ def _members(sessions: Iterable[Session]) -> list[_Stat]:
         leader = by_pid.get(session.sid)
         if leader is None or leader.start == session.leader_start:
             ours.add(session.sid)
-    return [s for s in stats if s.live and s.sid in ours]
+    found = {
+        s.pid
+        for s in stats
+        if s.sid in ours or (mark is not None and s.live and s.start >= mark.born_after and _carries(s.pid, mark))
+    }
+    children: dict[int, list[int]] = {}
+    for s in stats:
+        children.setdefault(s.ppid, []).append(s.pid)
+    todo = list(found)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return [by_pid[pid] for pid in found if by_pid[pid].live]
 
 
 def _pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
-def _signal_members(sessions: Iterable[Session], sig: signal.Signals) -> list[int]:
-    """Send `sig` to every live process of `sessions`; return pidfds of those it reached.
+def _signal_members(sessions: Iterable[Session], mark: Mark | None, sig: signal.Signals) -> list[int]:
+    """Send `sig` to every live process of `sessions` and `mark`; return pidfds of those
+    it reached.
 
     The caller closes them.
     """
     pidfds = []
-    for member in _members(sessions):
+    for member in _members(sessions, mark):
         try:
             pidfd = os.pidfd_open(member.pid)
         except ProcessLookupError:
@@ -116,14 +194,15 @@ def _signal_members(sessions: Iterable[Session], sig: signal.Signals) -> list[in
     return pidfds
 
 
-def signal_sessions(sessions: Iterable[Session], sig: signal.Signals) -> None:
-    """Send `sig` to every live process of `sessions` (no wait)."""
-    for pidfd in _signal_members(sessions, sig):
+def signal_sessions(sessions: Iterable[Session], sig: signal.Signals, mark: Mark | None = None) -> None:
+    """Send `sig` to every live process of `sessions` and `mark` (no wait)."""
+    for pidfd in _signal_members(sessions, mark, sig):
         os.close(pidfd)
 
 
-def kill_sessions(sessions: Iterable[Session], limit: float) -> list[int]:
-    """SIGKILL every process of `sessions` until none is left; blocks, for `limit` s at most.
+def kill_sessions(sessions: Iterable[Session], limit: float, mark: Mark | None = None) -> list[int]:
+    """SIGKILL every process of `sessions` and `mark` until none is left; blocks, for
+    `limit` s at most.
 
     Scans again after each round of kills has ended, since a process may have forked
     while the scan ran. Returns the pids still alive at the limit (a process stuck in
@@ -132,12 +211,12 @@ def kill_sessions(sessions: Iterable[Session], limit: float) -> list[int]:
     sessions = list(sessions)
     deadline = time.monotonic() + limit
     while True:
-        pidfds = _signal_members(sessions, signal.SIGKILL)
+        pidfds = _signal_members(sessions, mark, signal.SIGKILL)
         if not pidfds:
             return []
         try:
             if not _wait_ended(pidfds, deadline):
-                return [s.pid for s in _members(sessions)]
+                return [s.pid for s in _members(sessions, mark)]
         finally:
             for pidfd in pidfds:
                 os.close(pidfd)
