@@ -338,7 +338,8 @@ def test_repeated_rdzv_conf_flags_merge_and_a_key_is_given_once() -> None:
     s = cfg.rdzv.settings
     assert (s.join_timeout, s.heartbeat_ttl, s.closed_ttl) == (5.0, 3.0, 9.0)
     # twice, in one flag or two, or once by torchrun's name: which value was meant is the user's to say
-    for twice in (["join_timeout=5", "join_timeout=7"], ["join_timeout=5,join_timeout=5"], ["timeout=5,join_timeout=7"]):
+    for twice in (["join_timeout=5", "join_timeout=7"], ["join_timeout=5,join_timeout=5"],
+                  ["timeout=5,join_timeout=7"]):
         with pytest.raises(UsageError, match="--rdzv-conf names join_timeout twice"):
             config("--standalone", *(f"--rdzv-conf={v}" for v in twice), str(SPEAK))
 

@@ -185,13 +185,13 @@ class ClosedJournal:
             return None
         return ClosedRecord(value.decode(), self._clock() + ttl)
 
-    async def follow(self, engine: MemoryStore) -> None:
-        """Keep the journal in step with the store's round records, until cancelled.
+    async def follow(self, engine: MemoryStore, revision: int) -> None:
+        """Keep the journal in step with the store's round records after `revision`,
+        until cancelled.
 
         A watch that fell behind the store's history (a flood of writes while a file
         was written) reads the store as it is, and follows on from there.
         """
-        revision = engine.revision
         while True:
             try:
                 async for event in engine.watch(JOBS_PREFIX, start_revision=revision + 1, prefix=True):
@@ -221,7 +221,7 @@ async def journaled(folder: Path, engine: MemoryStore) -> AsyncIterator[ClosedJo
     restored = await journal.restore(engine)
     if restored:
         log.info("restored the end of %d job(s) from %s", restored, folder)
-    task = asyncio.ensure_future(journal.follow(engine))
+    task = asyncio.ensure_future(journal.follow(engine, engine.revision))
     try:
         yield journal
     finally:
