@@ -59,6 +59,11 @@ _NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?")
 _CARRIED = frozenset("--" + dest.replace("_", "-") for dest in CARRIED_FLAGS)
 
 
+def clipped(text: str, limit: int = 400) -> str:
+    """Text read from the store, cut for a message: whoever wrote it chose its length."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def shown_command(command: tuple[str, ...], no_python: bool) -> str:
     """A job's command as join (and the launcher) takes it on its command line."""
     if no_python:
@@ -83,9 +88,9 @@ def own_command(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[t
 
 def check_command(view: JobView, spec: JobSpec, mine: tuple[tuple[str, ...], bool] | None) -> None:
     """That join runs the job's command, given by its operator: one line naming both if not."""
-    theirs = shown_command(spec.command, spec.no_python)
+    theirs = clipped(shown_command(spec.command, spec.no_python))
     if mine is None:
-        where = f" (its first node ran it in {view.launch.cwd})" if view.launch else ""
+        where = f" (its first node ran it in {clipped(view.launch.cwd)})" if view.launch else ""
         raise UsageError(
             f"join runs only the command given to it: job '{view.run_id}' runs `{theirs}`{where}; "
             f"repeat it after join's flags: elasticrun join [flags] -- {theirs}"
@@ -102,7 +107,8 @@ def shared_conf(view: JobView, spec: JobSpec) -> dict[str, str]:
     for key, value in spec.rdzv_conf.items():
         if key not in SHARED_RDZV_CONF or not _NUMBER.fullmatch(str(value)):
             raise UsageError(
-                f"job '{view.run_id}' has --rdzv-conf {key}={value!r} in its stored spec, which join does not take "
+                f"job '{view.run_id}' has --rdzv-conf {clipped(f'{key}={value!r}')} in its stored spec, which join "
+                "does not take "
                 f"from the store (only the timings {', '.join(SHARED_RDZV_CONF)}, as numbers); "
                 "start this node with the launcher and the job's full command line"
             )
@@ -116,7 +122,9 @@ def carried(view: JobView) -> list[str]:
         if str(flag).partition("=")[0] in _CARRIED:
             kept.append(str(flag))
         else:
-            log.warning("join does not repeat the job's first node's %s: give it to join itself if wanted", flag)
+            log.warning(
+                "join does not repeat the job's first node's %r: give it to join itself if wanted", clipped(str(flag))
+            )
     return kept
 
 
@@ -167,6 +175,9 @@ async def job_argv(target: JobTarget, args: argparse.Namespace, environ: Mapping
     for flag in ("no_python", "module", "run_path"):
         if getattr(args, flag):
             argv.append(f"--{flag.replace('_', '-')}")
+    if any("\0" in arg for arg in argv):  # no command line holds one; the store's records might
+        raise UsageError(f"job '{target.run_id}' has a NUL character in its stored spec; start this node with "
+                         "the launcher and the job's full command line")
     return [*argv, "--", args.training_script, *args.training_script_args]
 
 

@@ -99,19 +99,22 @@ def test_a_command_planted_in_the_store_never_runs(store: str, folders: tuple[Pa
 
 
 def test_stored_settings_that_name_files_are_refused(store: str, folders: tuple[Path, Path]) -> None:
-    """A stored --rdzv-conf key beyond the shared timings, or a timing that smuggles
-    another pair in after a comma, stops join before any agent starts."""
+    """A stored --rdzv-conf key beyond the shared timings, a timing that smuggles another
+    pair in after a comma, or a NUL character (which no command line holds, and which
+    would fail deep in the agent) stops join before any agent starts."""
     _, here = folders
     script = here / "train.py"
     script.write_text("open('ran', 'w').close()\n")
-    for run_id, conf in (
-        ("conf-file", {"heartbeat_timeout": "5", "token_file": "/dev/zero"}),
-        ("conf-comma", {"heartbeat_timeout": "5,tls_ca=/dev/zero"}),
+    for run_id, spec, told in (
+        ("conf-file", JobSpec(command=("train.py",), rdzv_conf={"heartbeat_timeout": "5", "token_file": "/dev/zero"}),
+         "does not take from the store"),
+        ("conf-comma", JobSpec(command=("train.py",), rdzv_conf={"heartbeat_timeout": "5,tls_ca=/dev/zero"}),
+         "does not take from the store"),
+        ("nul", JobSpec(command=("train.py",), role="a\0b"), "a NUL character in its stored spec"),
     ):
-        plant(store, run_id, JobSpec(command=("train.py",), rdzv_conf=conf),
-              JobLaunch(cwd=str(here), created_at=time.time(), created_by="attacker"))
+        plant(store, run_id, spec, JobLaunch(cwd=str(here), created_at=time.time(), created_by="attacker"))
         line = one_error(join(store, run_id, "train.py", cwd=here))
-        assert "does not take from the store" in line and f"job '{run_id}'" in line, line
+        assert told in line and f"job '{run_id}'" in line, line
     assert not (here / "ran").exists()
 
 
