@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,21 +26,26 @@ import pytest
 from elasticrun.rendezvous.state import JobLaunch, JobSpec, Keys, encode
 from elasticrun.store.client import GrpcStore
 from tests.agent_helpers import free_port
-from tests.elastic_cluster import Cluster
+from tests.elastic_cluster import TAG_VAR, Proc
 
 pytestmark = pytest.mark.timeout(90)
 
 PLANTED = ("/bin/sh", "-c", "id > pwned")
 
 
-@pytest.fixture
-def store(cluster: Cluster) -> str:
-    """A loopback store without a token, as `store serve --host 127.0.0.1` runs it."""
-    cluster._env.pop("ELASTICRUN_STORE_TOKEN", None)
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A loopback store without a token, as `store serve --host 127.0.0.1` runs it (one
+    for the module: each test plants its own job ids)."""
     port = free_port()
-    cluster.start("store", [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1",
-                            "--port", str(port)]).wait_for(r"serving on")
-    return f"127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k not in (TAG_VAR, "ELASTICRUN_STORE_TOKEN")}
+    proc = Proc("store", [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1",
+                          "--port", str(port)], tmp_path_factory.mktemp("store") / "store.log", env)
+    try:
+        proc.wait_for(r"serving on")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
 
 
 def plant(endpoint: str, run_id: str, spec: JobSpec, launch: JobLaunch) -> None:
@@ -53,13 +59,26 @@ def plant(endpoint: str, run_id: str, spec: JobSpec, launch: JobLaunch) -> None:
     asyncio.run(write())
 
 
-def join(endpoint: str, run_id: str, *command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def start_join(endpoint: str, run_id: str, *command: str, cwd: Path) -> subprocess.Popen[str]:
     argv = [
         sys.executable, "-m", "elasticrun", "join", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}", "--timeout=20", "--rdzv-conf=is_host=false,store_timeout=5", *command,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_") and k != "ELASTICRUN_STORE_TOKEN"}
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def join(endpoint: str, run_id: str, *command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return finished(start_join(endpoint, run_id, *command, cwd=cwd))
 
 
 def one_error(done: subprocess.CompletedProcess[str]) -> str:
@@ -105,16 +124,19 @@ def test_stored_settings_that_name_files_are_refused(store: str, folders: tuple[
     _, here = folders
     script = here / "train.py"
     script.write_text("open('ran', 'w').close()\n")
-    for run_id, spec, told in (
-        ("conf-file", JobSpec(command=("train.py",), rdzv_conf={"heartbeat_timeout": "5", "token_file": "/dev/zero"}),
-         "does not take from the store"),
-        ("conf-comma", JobSpec(command=("train.py",), rdzv_conf={"heartbeat_timeout": "5,tls_ca=/dev/zero"}),
-         "does not take from the store"),
-        ("nul", JobSpec(command=("train.py",), role="a\0b"), "a NUL character in its stored spec"),
-    ):
+    cases = {
+        "conf-file": (JobSpec(command=("train.py",), rdzv_conf={"heartbeat_timeout": "5", "token_file": "/dev/zero"}),
+                      "does not take from the store"),
+        "conf-comma": (JobSpec(command=("train.py",), rdzv_conf={"heartbeat_timeout": "5,tls_ca=/dev/zero"}),
+                       "does not take from the store"),
+        "nul": (JobSpec(command=("train.py",), role="a\0b"), "a NUL character in its stored spec"),
+    }
+    for run_id, (spec, _) in cases.items():
         plant(store, run_id, spec, JobLaunch(cwd=str(here), created_at=time.time(), created_by="attacker"))
-        line = one_error(join(store, run_id, "train.py", cwd=here))
-        assert told in line and f"job '{run_id}'" in line, line
+    joins = {run_id: start_join(store, run_id, "train.py", cwd=here) for run_id in cases}
+    for run_id, proc in joins.items():
+        line = one_error(finished(proc))
+        assert cases[run_id][1] in line and f"job '{run_id}'" in line, line
     assert not (here / "ran").exists()
 
 
