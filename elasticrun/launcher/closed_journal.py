@@ -222,13 +222,23 @@ async def journaled(folder: Path, engine: MemoryStore) -> AsyncIterator[ClosedJo
     if restored:
         log.info("restored the end of %d job(s) from %s", restored, folder)
     task = asyncio.ensure_future(journal.follow(engine, engine.revision))
+    task.add_done_callback(functools.partial(_report_failure, folder))
     try:
         yield journal
     finally:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.gather(task, return_exceptions=True)  # a failure was told as it happened
         await journal.settle(engine)
+
+
+def _report_failure(folder: Path, task: asyncio.Task[None]) -> None:
+    """Say at once that the journal stopped following the store. The store serves on:
+    its jobs run as before, only a restart would now forget the ends that follow."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error(
+            "the closed-job journal in %s stopped: %r; a restart of the store forgets the jobs that end from now on",
+            folder, task.exception(),
+        )
 
 
 def _read_record(path: Path) -> tuple[str, ClosedRecord]:
