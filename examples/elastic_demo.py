@@ -173,7 +173,9 @@ def run_demo(workdir: Path, endpoint: str, nodes: list[Node]) -> int:
     show_status(endpoint, nodes)
 
     say("node-c joins (elasticrun join): the job scales up to 3")
-    nodes.append(Node("node-c", [*ELASTICRUN, "join", *job_flags(endpoint), "--local-addr=127.0.0.3", "--timeout=60"], workdir))
+    # join runs the job's command only as given here, never as read from the store
+    join = [*ELASTICRUN, "join", *job_flags(endpoint), "--local-addr=127.0.0.3", "--timeout=60", "--", *train]
+    nodes.append(Node("node-c", join, workdir))
     progress(nodes, 3)
     show_status(endpoint, nodes)
 

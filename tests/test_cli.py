@@ -331,13 +331,25 @@ def test_pet_environment_through_the_real_command(tmp_path: Path) -> None:
     assert {p["ROLE_NAME"] for p in probes.values()} == {"trainer"}
 
 
-def test_repeated_rdzv_conf_flags_merge_later_wins() -> None:
+def test_repeated_rdzv_conf_flags_merge_and_a_key_is_given_once() -> None:
     cfg = config("--standalone", "--rdzv-conf", "join_timeout=5,heartbeat_timeout=3",
-                 "--rdzv_conf", "join_timeout=7", "--rdzv-conf", "closed_ttl=9",
-                 str(SPEAK))
-    assert cfg.rdzv.conf == {"join_timeout": "7", "heartbeat_timeout": "3", "closed_ttl": "9"}
+                 "--rdzv-conf", "closed_ttl=9", str(SPEAK))
+    assert cfg.rdzv.conf == {"join_timeout": "5", "heartbeat_timeout": "3", "closed_ttl": "9"}
     s = cfg.rdzv.settings
-    assert (s.join_timeout, s.heartbeat_ttl, s.closed_ttl) == (7.0, 3.0, 9.0)
+    assert (s.join_timeout, s.heartbeat_ttl, s.closed_ttl) == (5.0, 3.0, 9.0)
+    # twice, in one flag or two, or once by torchrun's name: which value was meant is the user's to say
+    for twice in (["join_timeout=5", "join_timeout=7"], ["join_timeout=5,join_timeout=5"],
+                  ["timeout=5,join_timeout=7"]):
+        with pytest.raises(UsageError, match="--rdzv-conf names join_timeout twice"):
+            config("--standalone", *(f"--rdzv-conf={v}" for v in twice), str(SPEAK))
+
+
+def test_a_rdzv_conf_key_of_pet_rdzv_conf_is_overridden_once_not_repeated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_RDZV_CONF", "join_timeout=11,join_timeout=12")
+    with pytest.raises(UsageError, match="names join_timeout twice"):
+        config("--standalone", str(SPEAK))
+    monkeypatch.setenv("PET_RDZV_CONF", "join_timeout=11")
+    assert config("--standalone", "--rdzv-conf=join_timeout=4", str(SPEAK)).rdzv.conf == {"join_timeout": "4"}
 
 
 def test_the_lease_ttl_grows_with_the_jobs_max_past_2000_nodes() -> None:
@@ -381,9 +393,9 @@ def test_torchruns_rdzv_conf_names_are_our_keys() -> None:
 @pytest.mark.parametrize("quote", ["'", '"'])
 def test_rdzv_conf_in_one_pair_of_quotes(quote: str) -> None:
     """As PyTorch's launcher tests and manifests without a shell write it."""
-    value = f"{quote}join_timeout=5,last_call_timeout=1,timeout=6{quote}"
+    value = f"{quote}join_timeout=5,last_call_timeout=1,read_timeout=6{quote}"
     assert config("--standalone", f"--rdzv-conf={value}", str(SPEAK)).rdzv.conf == {
-        "join_timeout": "6", "last_call_timeout": "1",
+        "join_timeout": "5", "last_call_timeout": "1", "store_timeout": "6",
     }
     # only a matching pair around the whole value
     with pytest.raises(UsageError, match="unknown key"):
@@ -597,6 +609,31 @@ BAD_INPUT = {
     "store serve requiring a token it lacks": (
         ["store", "serve", "--host", "127.0.0.1", "--port", "0", "--require-token"],
         ["--require-token, --token-file: no store token is set"]),
+    # issue 29: past a sane bound, refused at the edge instead of failing deep (or after the job)
+    "nproc-per-node past the bound": (["--nproc-per-node", "999999999999", S],
+                                      ["--nproc-per-node", "at most 1024", "'999999999999'"]),
+    "nnodes past the bound": (["--nnodes", "1:100000000000000000000", S], ["--nnodes", "at most 100000"]),
+    "nnodes with a sign": (["--nnodes", "+1:2", S], ["--nnodes must be N or MIN:MAX"]),
+    "heartbeat_timeout past etcd's lease limit": (
+        ["--standalone", "--rdzv-conf", "heartbeat_timeout=1e308", S],
+        ["--rdzv-conf heartbeat_timeout must be at most 9000000000 seconds", "'1e308'"]),
+    "closed_ttl past etcd's lease limit": (
+        ["--standalone", "--rdzv-conf", "closed_ttl=1e300", S], ["--rdzv-conf closed_ttl", "at most"]),
+    "shutdown-timeout past the bound": (["--shutdown-timeout", "1e300", S], ["--shutdown-timeout", "at most"]),
+    "progress-timeout past the bound": (["--progress-timeout", "1e12", S], ["--progress-timeout", "at most"]),
+    "a rdzv-conf key twice": (["--standalone", "--rdzv-conf", "closed_ttl=5", "--rdzv-conf", "closed_ttl=6", S],
+                              ["--rdzv-conf names closed_ttl twice", "give each key once"]),
+    "token file that never ends": (
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "token_file=/dev/zero", S],
+        ["--rdzv-conf token_file", "/dev/zero is larger than 1 MiB"]),
+    "job control with a token file that never ends": (
+        ["status", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "j", "--rdzv-conf", "token_file=/dev/zero"],
+        ["--rdzv-conf token_file", "larger than 1 MiB"]),
+    "store serve with a token file that never ends": (
+        ["store", "serve", "--host", "127.0.0.1", "--port", "0", "--token-file", "/dev/zero"],
+        ["--token-file", "larger than 1 MiB"]),
+    "join timeout past the bound": (
+        ["join", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "j", "--timeout", "1e300"], ["--timeout", "at most"]),
     "require_token not a boolean": (
         ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "require_token=maybe", S],
         ["--rdzv-conf require_token: must be true or false", "'maybe'"]),

@@ -8,10 +8,11 @@ output (tables, JSON) and exit codes.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -33,16 +34,23 @@ def agent(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str = "1:3
     return cluster.start(name, argv)
 
 
-def ctl(rdzv: Rdzv, *args: str, run_id: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run one job-control command to its end."""
+def ctl(
+    rdzv: Rdzv, *args: str, run_id: str | None = None, timeout: float = 60, command: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Run one job-control command to its end (`command`: join's, after every flag)."""
     argv = [
         sys.executable, "-m", "elasticrun", *args,
         f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}",
         f"--rdzv-id={run_id or rdzv.run_id}",
     ]
-    if rdzv.backend == "c10d":
+    if rdzv.backend == "c10d" and not any(a.startswith("--rdzv-conf") for a in args):
         argv.append("--rdzv-conf=store_timeout=3")
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*argv, *command], capture_output=True, text=True, timeout=timeout)
+
+
+def ticker_command(cluster: Cluster) -> list[str]:
+    """The agents' command, as `join` must be given it again."""
+    return ["--", str(TICKER), "--stop-file", str(cluster.stop_file)]
 
 
 def status(rdzv: Rdzv) -> dict:
@@ -89,6 +97,7 @@ def test_status_table_and_json_before_and_after_scale_out(cluster, rdzv, job):
         sys.executable, "-m", "elasticrun", "join", f"--rdzv-backend={rdzv.backend}",
         f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", "--local-addr=127.0.0.3",
         "--timeout=30", *(["--rdzv-conf=is_host=false"] if rdzv.backend == "c10d" else []),
+        *ticker_command(cluster),
     ])
     after = wait_world(rdzv, 3)
     ranks = {n["node_id"]: n["node_rank"] for n in after["nodes"]}
@@ -159,7 +168,8 @@ def test_join_is_rolled_back_when_not_admitted(cluster, rdzv):
     agents = [agent(cluster, rdzv, n, i + 1, nnodes="1:2") for i, n in enumerate("ab")]
     wait_world(rdzv, 2)
     extra = ["--rdzv-conf=is_host=false,store_timeout=3"] if rdzv.backend == "c10d" else []
-    done = ctl(rdzv, "join", "--timeout", "2", "--local-addr", "127.0.0.3", *extra, timeout=60)
+    done = ctl(rdzv, "join", "--timeout", "2", "--local-addr", "127.0.0.3", *extra, timeout=60,
+               command=ticker_command(cluster))
     assert done.returncode != 0
     assert "no round of job" in done.stderr and "max 2 reached" in done.stderr
     assert len(status(rdzv)["nodes"]) == 2  # it left: no trace of it
@@ -250,13 +260,18 @@ def test_list_shows_every_job_on_the_store_and_json_results(cluster, rdzv, job):
     assert after[rdzv.run_id]["state"] == "stopped"
 
 
-# --- join repeats every setting of the job's first node ----------------------------------
+# --- join repeats the harmless settings of the first node, and only its operator's command --
 
 
-async def test_join_carries_every_setting_of_the_first_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The spec's flags and the first node's own (JobLaunch.flags) come back as the same
-    configuration, through a real rendezvous writing its records."""
+async def test_join_carries_the_harmless_settings_of_the_first_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spec's flags and the first node's own harmless ones (JobLaunch.flags) come back
+    as the same configuration, through a real rendezvous writing its records; its
+    --log-dir, --event-log-handler and working folder do not: they name files and code on
+    the joining host, which only its operator chooses."""
     from elasticrun.launcher import join_cmd
+    from elasticrun.launcher.cli import subcommand_parser
     from elasticrun.launcher.config import build_config
     from elasticrun.launcher.control import JobTarget
     from elasticrun.launcher.flags import launch_parser
@@ -264,32 +279,41 @@ async def test_join_carries_every_setting_of_the_first_node(tmp_path: Path, monk
     from elasticrun.rendezvous.state import NodeInfo
     from elasticrun.store.memory import MemoryStore
 
-    monkeypatch.chdir(tmp_path)
-    script = tmp_path / "train.py"
-    script.write_text("")
+    first_dir, join_dir = tmp_path / "first", tmp_path / "join"
+    for folder in (first_dir, join_dir):
+        folder.mkdir()
+        (folder / "train.py").write_text("")
+    monkeypatch.chdir(first_dir)
     first = build_config(launch_parser().parse_args([
         "--nnodes=1:3", "--nproc-per-node=2", "--max-restarts=2", "--role=trainer", "--rdzv-backend=c10d",
         "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-id=job", "--rdzv-conf=heartbeat_timeout=7,is_host=false",
         "--shutdown-timeout=4", "--tee=0:3", "--redirects=1", "--signals-to-handle=SIGTERM,SIGUSR1",
         "--local-ranks-filter=0", "--health-interval=3", "--virtual-local-rank", f"--log-dir={tmp_path / 'logs'}",
-        "--progress-timeout=30", "--run-path", str(script), "--lr", "0.1",
+        "--event-log-handler=console", "--progress-timeout=30", "--run-path", "train.py", "--lr", "0.1",
     ]), {})
     store = MemoryStore()
     me = NodeInfo(node_id="a", host="h", addr="127.0.0.1", nproc=2, pid=1, started_at=0.0)
     node = ElasticRendezvous(store, first.rdzv.settings, me, spec=first.job_spec, launch_flags=first.carried_flags)
     try:
-        await node._check_spec()
+        await node._check_spec()  # stores the job's records, with this folder as the first node's
+        monkeypatch.chdir(join_dir)
         target = JobTarget("c10d", "127.0.0.1:29400", "job", {"is_host": "false"}, first.rdzv.store)  # type: ignore[arg-type]
         monkeypatch.setattr(JobTarget, "open", lambda self: store)
-        argv, cwd = await join_cmd._job_argv(target, 60.0, "127.0.0.5", None)
+        args = subcommand_parser().parse_args([
+            "join", "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-id=job", "--timeout=60", "--local-addr=127.0.0.5",
+            "--run-path", "train.py", "--lr", "0.1",
+        ])
+        argv = await join_cmd.job_argv(target, args, {})
     finally:
         await node.aclose()
     joined = build_config(launch_parser().parse_args(argv), {})
-    assert cwd == str(tmp_path)
+    assert os.getcwd() == str(join_dir)
     assert joined.job_spec == first.job_spec
     w, f = joined.worker, first.worker
     carried = ("entrypoint", "nproc_per_node", "role", "max_restarts", "stop_grace", "signals_to_handle", "redirects",
-               "tee", "log_dir", "local_ranks_filter", "isolate_gpus", "progress_timeout", "in_process")
+               "tee", "local_ranks_filter", "isolate_gpus", "progress_timeout", "in_process")
     assert {k: getattr(w, k) for k in carried} == {k: getattr(f, k) for k in carried}
     assert (w.stop_grace, w.isolate_gpus, joined.health_interval) == (4.0, True, 3.0)
     assert joined.rdzv.local_addr == "127.0.0.5" and joined.rdzv.settings.join_timeout == 60.0
+    assert (w.log_dir, joined.event_log_handler) == (None, "null")
+    assert not any(a.startswith(("--log-dir", "--event-log-handler")) for a in argv), argv

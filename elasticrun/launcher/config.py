@@ -31,14 +31,33 @@ from pathlib import Path
 
 from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
 from elasticrun.errors import StoreSettingError, UsageError
+from elasticrun.launcher.flags import FromEnvironment
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.state import JobSpec
 from elasticrun.store.access import SECRET_ENV, StoreAccess, parse_access
+from elasticrun.store.api import MAX_LEASE_TTL
 from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TOKEN_ENV
 
 #: backend names as torchrun spells them -> ours
 BACKENDS = {"c10d": "c10d", "etcd": "etcd", "etcd-v2": "etcd", "static": "static"}
+
+#: The longest a timing may be, in seconds: etcd's longest lease (`MaxLeaseTTL`, about
+#: 285 years), for every timing alike. Two of them become leases (heartbeat_timeout,
+#: closed_ttl), where no store takes longer; the others become deadlines, which a
+#: number past this no longer is (1e300 s from now is no time at all in floating point).
+MAX_SECONDS = MAX_LEASE_TTL
+
+#: The most nodes a job may have: every node holds a lease and a few keys in the store,
+#: and the built-in store holds at most 100,000 leases; the rendezvous is measured up to
+#: 10,000 nodes (BENCHMARKS.md). A larger MAX is a typo, refused before it becomes a
+#: lease TTL (max / 400 s) or a shard count.
+MAX_NODES = 100_000
+
+#: The most workers one node may run: no host has more than a few hundred CPUs or GPUs,
+#: and every worker costs the agent a process, its pipes and a supervising task; a larger
+#: number is a typo, refused before the agent spawns without end.
+MAX_NPROC_PER_NODE = 1024
 
 #: --rdzv-conf keys that hold seconds: checked when parsed (job control reads some too)
 TIMING_RDZV_CONF = (
@@ -157,15 +176,13 @@ class LaunchConfig:
 def parse_nnodes(value: str) -> tuple[int, int]:
     """`N` or `MIN:MAX` -> (min, max)."""
     parts = value.split(":")
-    try:
-        numbers = [int(p) for p in parts]
-    except ValueError:
-        numbers = []
-    if len(parts) not in (1, 2) or len(numbers) != len(parts):
+    if len(parts) not in (1, 2) or not all(_digits(p) for p in parts):
         raise UsageError(f"--nnodes must be N or MIN:MAX, got {value!r}")
-    low, high = numbers[0], numbers[-1]
+    low, high = int(parts[0]), int(parts[-1])
     if low < 1 or high < low:
         raise UsageError(f"--nnodes needs 1 <= MIN <= MAX, got {value!r}")
+    if high > MAX_NODES:
+        raise UsageError(f"--nnodes allows at most {MAX_NODES} nodes, got {value!r}")
     return low, high
 
 
@@ -188,16 +205,22 @@ def parse_std(value: str, flag: str) -> Std | dict[int, Std]:
 
 
 def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
-    """Repeated `--rdzv-conf k=v,k2=v2` flags, merged (later ones win).
+    """Repeated `--rdzv-conf k=v,k2=v2` flags, merged.
 
-    A value wrapped in one pair of quotes (`'join_timeout=5'`, as job manifests that pass
-    arguments without a shell often write it) is taken without them. torchrun's key names
-    are taken as ours (`RDZV_CONF_ALIASES`, `KEEP_ALIVE_ATTEMPTS`).
+    A key may be given once: twice is a usage error (which of two values is meant is
+    for the user to say), save that the command line overrides a key of
+    $PET_RDZV_CONF (a `FromEnvironment` value), its default. A value wrapped in one pair
+    of quotes (`'join_timeout=5'`, as job manifests that pass arguments without a shell
+    often write it) is taken without them. torchrun's key names are taken as ours
+    (`RDZV_CONF_ALIASES`, `KEEP_ALIVE_ATTEMPTS`), and count as the key they stand for.
     """
     conf: dict[str, str] = {}
+    #: the keys given so far, with whether their value came from the environment
+    seen: dict[str, bool] = {}
     attempts: str | None = None
     keep_alive = False  # torchrun's keep_alive_interval was given
     for value in values:
+        from_env = isinstance(value, FromEnvironment)
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
@@ -205,6 +228,10 @@ def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
             key, sep, val = item.partition("=")
             if not sep or not key:
                 raise UsageError(f"--rdzv-conf takes key=value pairs, got {item!r}")
+            named = RDZV_CONF_ALIASES.get(key, key)
+            if named in seen and not (seen[named] and not from_env):
+                raise UsageError(f"--rdzv-conf names {named} twice (the second time as {item!r}): give each key once")
+            seen[named] = from_env
             if key in RDZV_CONF_TORCHRUN_ONLY:
                 logging.getLogger("elasticrun").warning(
                     "--rdzv-conf %s is accepted for torchrun compatibility and has no effect here "
@@ -240,7 +267,16 @@ def _positive(value: str | None, flag: str, default: float) -> float:
         number = -1.0
     if not (number > 0 and math.isfinite(number)):
         raise UsageError(f"{flag} must be a positive number of seconds, got {value!r}")
-    return number
+    return within_max_seconds(number, flag, repr(value))
+
+
+def within_max_seconds(seconds: float, flag: str, shown: str) -> float:
+    """A timing already known to be a finite number, refused past MAX_SECONDS."""
+    if seconds > MAX_SECONDS:
+        raise UsageError(
+            f"{flag} must be at most {MAX_SECONDS:.0f} seconds (etcd's longest lease, about 285 years), got {shown}"
+        )
+    return seconds
 
 
 def _digits(text: str) -> bool:
@@ -407,11 +443,13 @@ class LaunchRequest:
 
 
 #: the launcher flags of one node's own that the job's first node stores (JobLaunch.flags)
-#: and `elasticrun join` repeats; what every node must share is in the JobSpec instead
+#: and `elasticrun join` repeats; what every node must share is in the JobSpec instead.
+#: Only flags that can neither run code nor name a file on the joining host: whoever can
+#: write the store chooses them (so no --log-dir, --event-log-handler, --logs-specs).
 CARRIED_FLAGS = (
     "shutdown_timeout", "gpus", "isolate_gpus", "tee", "redirects", "signals_to_handle",
-    "local_ranks_filter", "health_interval", "log_dir", "duplicate_stdout_filters", "duplicate_stderr_filters",
-    "numa_binding", "event_log_handler", "logs_specs",
+    "local_ranks_filter", "health_interval", "duplicate_stdout_filters", "duplicate_stderr_filters",
+    "numa_binding",
 )
 
 
@@ -440,7 +478,7 @@ def _forgiveness(value: str) -> tuple[bool, float | None]:
         seconds = math.nan
     if not (seconds > 0 and math.isfinite(seconds)):
         raise UsageError(f"--forgive-progress takes heartbeat or a positive number of seconds, got {value!r}")
-    return False, seconds
+    return False, within_max_seconds(seconds, "--forgive-progress", repr(value))
 
 
 def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchRequest:
@@ -533,11 +571,18 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     nproc_request = str(args.nproc_per_node)
     if not (_digits(nproc_request) and int(nproc_request) > 0) and nproc_request not in ("cpu", "gpu", "auto"):
         raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu or auto; got {nproc_request!r}")
+    if _digits(nproc_request) and int(nproc_request) > MAX_NPROC_PER_NODE:
+        raise UsageError(
+            f"--nproc-per-node allows at most {MAX_NPROC_PER_NODE} workers per node, got {nproc_request!r}"
+        )
     shutdown = args.shutdown_timeout
     if shutdown is None:
         shutdown = _positive(environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0)
     elif not (shutdown >= 0 and math.isfinite(shutdown)):
         raise UsageError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown:g}")
+    within_max_seconds(shutdown, "--shutdown-timeout", f"{shutdown:g}")
+    if args.progress_timeout is not None:  # its lower bound is the worker spec's
+        within_max_seconds(args.progress_timeout, "--progress-timeout", f"{args.progress_timeout:g}")
     filter_ranks = None
     if args.local_ranks_filter:
         try:
@@ -567,6 +612,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     )
     if not (args.health_interval > 0 and math.isfinite(args.health_interval)):
         raise UsageError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
+    within_max_seconds(args.health_interval, "--health-interval", f"{args.health_interval:g}")
     return LaunchRequest(
         rdzv=rdzv,
         job_spec=job_spec,

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from elasticrun.errors import UsageError
-from elasticrun.launcher.config import BACKENDS, parse_rdzv_conf, settings_from_flags
+from elasticrun.launcher.config import BACKENDS, parse_rdzv_conf, settings_from_flags, within_max_seconds
 from elasticrun.rendezvous.state import (
     JOBS_PREFIX,
     Event,
@@ -189,7 +189,7 @@ def timeout_seconds(value: float) -> float:
     """A subcommand's `--timeout`, checked: a positive, finite number of seconds."""
     if not (value > 0 and math.isfinite(value)):
         raise UsageError(f"--timeout must be a positive number of seconds, got {value:g}")
-    return value
+    return within_max_seconds(value, "--timeout", f"{value:g}")
 
 
 async def wait_nodes_gone(store: Store, keys: Keys, node_ids: set[str], timeout: float) -> set[str]:

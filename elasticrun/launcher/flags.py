@@ -49,12 +49,17 @@ class _EnvDefault(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class FromEnvironment(str):
+    """A flag's value that came from its PET_<NAME> variable: a default the command
+    line may override, where a value given twice on the command line is a mistake."""
+
+
 class _EnvAppend(argparse.Action):
     """A repeatable flag (values merged), with PET_<NAME> as the first value."""
 
     def __init__(self, dest: str, default: object = None, **kw: Any) -> None:
         env = os.environ.get("PET_" + dest.upper())
-        super().__init__(dest=dest, default=[env] if env else [], **kw)
+        super().__init__(dest=dest, default=[FromEnvironment(env)] if env else [], **kw)
 
     def __call__(
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,

@@ -7,8 +7,10 @@ import asyncio
 import getpass
 import json
 import socket
+from collections.abc import Mapping
 
 from elasticrun.errors import ElasticrunError, StoreUnavailableError, UsageError
+from elasticrun.launcher.config import MAX_SECONDS
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_nodes_gone
 from elasticrun.rendezvous.leader import clear_job_records, close_round
 
@@ -26,8 +28,7 @@ async def stop(target: JobTarget, *, timeout: float, as_data: bool = False) -> i
         view = await read_job(store, target)
         if view.round is not None and view.round.closed:
             raise UsageError(f"job '{target.run_id}' has already ended ({view.round.closed})")
-        conf = view.spec.rdzv_conf if view.spec else {}
-        ttl = float(conf.get("closed_ttl", _DEFAULT_CLOSED_TTL))
+        ttl = _closed_ttl(view.spec.rdzv_conf if view.spec else {})
         who = f"{getpass.getuser()}@{socket.gethostname()}"
         if not await close_round(store, keys, "stopped", f"stopped by {who}", ttl):
             raise UsageError(f"job '{target.run_id}' has already ended")
@@ -46,6 +47,16 @@ async def stop(target: JobTarget, *, timeout: float, as_data: bool = False) -> i
     said = f"job '{target.run_id}' stopped; {len(view.nodes)} node(s) exited"
     _say(said, {"job": target.run_id, "stopped": True, "nodes": len(view.nodes), "store_gone": False}, as_data)
     return 0
+
+
+def _closed_ttl(conf: Mapping[str, str]) -> float:
+    """The job's closed_ttl as its stored spec says, or the default where it says no
+    valid timing: the store's records are input, not the checked flags they came from."""
+    try:
+        ttl = float(conf.get("closed_ttl", _DEFAULT_CLOSED_TTL))
+    except (TypeError, ValueError):
+        return _DEFAULT_CLOSED_TTL
+    return ttl if 0 < ttl <= MAX_SECONDS else _DEFAULT_CLOSED_TTL
 
 
 def _say(text: str, data: dict[str, object], as_data: bool) -> None:

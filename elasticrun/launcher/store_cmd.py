@@ -10,12 +10,15 @@ import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from elasticrun.errors import UsageError
+from elasticrun.launcher.closed_journal import journaled
 from elasticrun.launcher.config import settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address, serving
 from elasticrun.store.access import exposure_warning, read_token, server_tls
+from elasticrun.store.memory import MemoryStore
 from elasticrun.store.server import StoreServer
 from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV, TlsKeyPair
 
@@ -28,6 +31,8 @@ class ServeConfig:
     tls: TlsKeyPair | None
     client_ca: bytes | None
     metrics: MetricsAddress | None = None
+    #: --state-dir: where the ended jobs are kept across restarts (closed_journal)
+    state_dir: Path | None = None
 
 
 #: the flag of each store setting `store serve` takes
@@ -52,7 +57,8 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeC
     with settings_from_flags(_flag_of):
         tls, client_ca = server_tls(given)
         token = read_token(args.token_file, environ, required=args.require_token)
-    return ServeConfig(args.host, args.port, token, tls, client_ca, metrics_address(args.metrics_port))
+    state_dir = Path(args.state_dir) if args.state_dir else None
+    return ServeConfig(args.host, args.port, token, tls, client_ca, metrics_address(args.metrics_port), state_dir)
 
 
 async def serve(config: ServeConfig) -> int:
@@ -66,10 +72,15 @@ async def serve(config: ServeConfig) -> int:
 
         metrics = StoreMetrics(CollectorRegistry(auto_describe=True))
         ProcessCollector(registry=metrics.registry)
+    engine = MemoryStore()
     server = StoreServer(
-        config.host, config.port, token=config.token, tls=config.tls, client_ca=config.client_ca, metrics=metrics
+        config.host, config.port, engine=engine, token=config.token, tls=config.tls, client_ca=config.client_ca,
+        metrics=metrics,
     )
-    with contextlib.ExitStack() as stack:
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(engine.close)
+        if config.state_dir is not None:  # restored before any client is served
+            await stack.enter_async_context(journaled(config.state_dir, engine))
         if metrics is not None:
             stack.enter_context(serving(config.metrics, metrics.registry))
         with settings_from_flags(_flag_of):
@@ -129,5 +140,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--metrics-port", metavar="[HOST:]PORT", default=None,
         help="serve Prometheus metrics of the store on this port (all interfaces, or HOST only) at /metrics; "
         "off by default",
+    )
+    serve_parser.add_argument(
+        "--state-dir", default=None,
+        help="a private folder (made 0700) where the store keeps the jobs that ended, so that a job ended "
+        "before a restart of the store stays ended for its closed_ttl; off by default",
     )
     serve_parser.set_defaults(run=_run)

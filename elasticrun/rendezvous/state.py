@@ -359,8 +359,9 @@ class JobSpec:
 
     A node that registers with another spec is refused, naming each field that differs,
     and `elasticrun join` starts an agent from the stored one, so that nobody repeats the
-    job's flags by hand. It holds no secret and no path of one node's: every node and
-    every operator of the job reads it.
+    job's flags by hand; its command join runs only as its operator gives it again, since
+    whoever can write the store can write this record. It holds no secret and no path of
+    one node's: every node and every operator of the job reads it.
     """
 
     #: what the workers run, without this node's interpreter: `script args`,
@@ -456,8 +457,9 @@ class LeaderState:
 class JobLaunch:
     """Facts about the job that nodes need not agree on: where and when it started, and
     the first node's own launcher settings (`--gpus`, `--tee`, `--shutdown-timeout`, ...),
-    which `elasticrun join` repeats: nodes may differ in them, so they are no part of the
-    spec, but a joining node starts like the first unless told otherwise."""
+    which `elasticrun join` repeats where they can neither run code nor name a file
+    (`CARRIED_FLAGS`): nodes may differ in them, so they are no part of the spec, but a
+    joining node starts like the first unless told otherwise. `cwd` is only shown."""
 
     cwd: str
     created_at: float

@@ -24,11 +24,10 @@ import socket
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elasticrun.errors import StoreAddressError, StoreSettingError
-from elasticrun.store.api import Store
+from elasticrun.store.api import MAX_LEASE_TTL, Store
 from elasticrun.store.wire import (
     CLIENT_CA_NEEDS_TLS,
     DEFAULT_C10D_PORT,
@@ -152,12 +151,29 @@ def read_token(token_file: str | None, environ: Mapping[str, str], *, required: 
     return token
 
 
+#: The largest file a setting may name: a certificate chain, a key, a token or a
+#: password is a few KiB; anything larger is the wrong file (or /dev/zero), read no further.
+MAX_SETTING_FILE_BYTES = 1 << 20
+
+
 def read_file(setting: str, path: str) -> bytes:
-    """The file a setting names (a certificate, a key, a token, a password)."""
+    """The file a setting names (a certificate, a key, a token, a password).
+
+    At most `MAX_SETTING_FILE_BYTES` are read (one byte more, to tell that it is
+    larger): a setting naming a device or a huge file fails in one line instead of
+    filling the memory.
+    """
     try:
-        return Path(path).read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(MAX_SETTING_FILE_BYTES + 1)
     except OSError as e:
         raise StoreSettingError(setting, f"cannot read {path}: {e.strerror}") from None
+    if len(data) > MAX_SETTING_FILE_BYTES:
+        raise StoreSettingError(
+            setting,
+            f"{path} is larger than {MAX_SETTING_FILE_BYTES >> 20} MiB: name the file itself (PEM, token, password)",
+        )
+    return data
 
 
 def key_pair(settings: Mapping[str, str], cert: str, key: str) -> TlsKeyPair | None:
@@ -228,8 +244,10 @@ def _seconds(value: str | None) -> float:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise StoreSettingError("store_timeout", f"must be a positive number of seconds, got {value!r}")
+    if not (0 < seconds <= MAX_LEASE_TTL):
+        raise StoreSettingError(
+            "store_timeout", f"must be a positive number of seconds up to {MAX_LEASE_TTL:.0f}, got {value!r}"
+        )
     return seconds
 
 
@@ -279,7 +297,16 @@ def _etcd_credentials(settings: Mapping[str, str], environ: Mapping[str, str]) -
 
 
 def open_client(access: StoreAccess) -> Store:
-    """A client of the job's store: the built-in gRPC store, or etcd."""
+    """A client of the job's store: the built-in gRPC store, or etcd.
+
+    A secret about to travel in plaintext to another host is warned about here, once
+    per process and store (`plaintext_warning`): this is the one place every command
+    opens a store from its settings.
+    """
+    warning = plaintext_warning(access)
+    if warning is not None and access.endpoint not in _WARNED_PLAINTEXT:
+        _WARNED_PLAINTEXT.add(access.endpoint)
+        log.warning("%s", warning)
     if access.backend == "etcd":
         from elasticrun.store.etcd import EtcdStore
 
@@ -300,6 +327,32 @@ def open_client(access: StoreAccess) -> Store:
         client_tls=access.client_tls,
         timeout=access.timeout,
     )
+
+
+#: the stores whose plaintext secret this process has warned about
+_WARNED_PLAINTEXT: set[str] = set()
+
+
+def plaintext_warning(access: StoreAccess) -> str | None:
+    """What to tell a client that sends a secret (the built-in store's token, etcd's
+    password) without TLS to an address other hosts can see (None otherwise).
+
+    Anyone on the network path then reads the secret and may use the store as this
+    client does; the line names the setting that turns TLS on.
+    """
+    if access.tls_ca is not None or all(is_loopback(ep.rpartition(":")[0]) for ep in access.endpoints):
+        return None
+    if access.backend == "c10d" and access.token is not None:
+        return (
+            f"the store token goes to {access.endpoint} in plaintext: anyone on the network path can read it "
+            "and use the store; serve the store with TLS and set --rdzv-conf tls_ca=<its CA certificate>"
+        )
+    if access.backend == "etcd" and access.password is not None:
+        return (
+            f"the etcd password of user '{access.user}' goes to {access.endpoint} in plaintext: anyone on the "
+            "network path can read it; serve etcd with TLS and set --rdzv-conf ca_cert=<its CA certificate>"
+        )
+    return None
 
 
 def is_loopback(host: str) -> bool:

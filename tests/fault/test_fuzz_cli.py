@@ -574,7 +574,7 @@ def _as_bytes(arg: str) -> bytes:
 def test_real_processes_never_crash_nor_leave_anything(in_process: None, argv: list[str]) -> None:
     argv = [str(SCRIPT) if a == "SCRIPT" else a for a in argv]
     if argv[:1] in (["status"], ["logs"], ["join"], ["drain"], ["stop"]):
-        # an unreachable store is given up quickly (the fuzzed conf, later, still wins)
+        # an unreachable store is given up quickly (a fuzzed store_timeout repeats the key: one line, exit 2)
         argv = [argv[0], "--rdzv-conf=store_timeout=1", *argv[1:]]
     result = run_real([_as_bytes(a) for a in argv], cwd=SCRIPT.parent)
     check_real(result, argv)
