@@ -99,7 +99,8 @@ class SlurmCluster:
             f"--log-error={db_log}", "--skip-name-resolve", "--innodb-flush-log-at-trx-commit=0", *innodb,
         ], lambda: "ready for connections" in _read(db_log))
         self._start("slurmdbd", ["slurmdbd", "-D"], lambda: " started" in self.log("slurmdbd"))
-        self._start("slurmctld", ["slurmctld", "-D", "-i"], lambda: "Running as primary controller" in self.log("slurmctld"))
+        self._start("slurmctld", ["slurmctld", "-D", "-i"],
+                    lambda: "Running as primary controller" in self.log("slurmctld"))
         self._start("slurmd", ["slurmd", "-D", "-N", NODE], lambda: self._node_state() == "idle")
 
     def run(self, *argv: str, check: bool = True) -> str:
@@ -131,7 +132,9 @@ class SlurmCluster:
             state = self.accounting(job).get(str(job))
             return state if state and state[0].split()[0] in TERMINAL_STATES else None
 
-        return wait_until(ended, timeout, f"job {job} to end in sacct", interval=0.5)
+        state = wait_until(ended, timeout, f"job {job} to end in sacct", interval=0.5)
+        assert state is not None
+        return state
 
     def log(self, name: str) -> str:
         return _read(self.root / f"{name}.log")
@@ -158,7 +161,9 @@ class SlurmCluster:
 
     def _start(self, name: str, argv: list[str], ready: Callable[[], bool]) -> None:
         with open(self.root / f"{name}.log", "ab") as log:
-            process = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(
+                argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
         self._daemons.append((name, process))
 
         def started() -> bool:
@@ -193,7 +198,7 @@ class SlurmCluster:
             + f"SlurmctldPidFile={self.root / 'slurmctld.pid'}\nSlurmdPidFile={self.root / 'slurmd.pid'}\n"
             + "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
             + "MpiDefault=none\nMailProg=/bin/true\nReturnToService=2\n"
-            + f"AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=127.0.0.1\n"
+            + "AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=127.0.0.1\n"
             + f"AccountingStoragePort={dbd_port}\nAccountingStoragePass={munge}\n"
             + "SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\nSlurmdParameters=config_overrides\n"
             + f"NodeName={NODE} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN\n"

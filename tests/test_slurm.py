@@ -69,9 +69,11 @@ class Output:
     def wait_for(self, pattern: str, timeout: float = WAIT, flags: int = 0) -> re.Match[str]:
         regex = re.compile(pattern, flags)
         try:
-            return wait_until(lambda: regex.search(self.text()), timeout, repr(pattern), interval=0.2)
+            match = wait_until(lambda: regex.search(self.text()), timeout, repr(pattern), interval=0.2)
         except AssertionError as e:
             raise AssertionError(f"{e}; the job's output:\n{self.text()[-4000:]}") from None
+        assert match is not None
+        return match
 
 
 def submit(slurm: SlurmCluster, tmp_path: Path, *args: str, tasks: int, env: dict[str, str]) -> tuple[int, Output]:
