@@ -78,9 +78,13 @@ def _builtin(doc: dict[str, Any], where: str) -> None:
 
 #: Kubernetes' own types in the models (by the generators' names), each checked as part
 #: of a resource of its kind
+def _in_configmap(metadata: Any) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata}
+
+
 _KUBERNETES_PARTS: dict[str, Callable[[Any], dict[str, Any]]] = {
-    "V1ObjectMeta": lambda data: {"apiVersion": "v1", "kind": "ConfigMap", "metadata": data},
-    "IoK8sApimachineryPkgApisMetaV1ObjectMeta": lambda data: {"apiVersion": "v1", "kind": "ConfigMap", "metadata": data},
+    "V1ObjectMeta": _in_configmap,
+    "IoK8sApimachineryPkgApisMetaV1ObjectMeta": _in_configmap,
     "V1PodTemplateSpec": lambda data: {
         "apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "template"}, "template": data,
     },

@@ -335,7 +335,11 @@ def join_takes_the_command() -> bool:
 
 def check_cli_accepts(args: list[str], dummy_script: Path, env: dict[str, str] | None = None) -> str:
     """Parse one elasticrun command line as the CLI would, with `env` as its environment;
-    return its kind."""
+    return its kind. A token file named in --rdzv-conf is in the pod or on the node: a
+    sample one stands for it."""
+    token = dummy_script.with_name("store.token")
+    token.write_text("sample-token\n")
+    args = [re.sub(r"token_file=[^,]+", f"token_file={token}", a) for a in args]
     if args and args[0] in SUBCOMMANDS:
         parsed = subcommand_parser().parse_args(args)
         if args[0] == "list":
@@ -349,11 +353,7 @@ def check_cli_accepts(args: list[str], dummy_script: Path, env: dict[str, str] |
 
 def launch_config(args: list[str], dummy_script: Path, env: dict[str, str]) -> LaunchConfig:
     """The launcher's config for a command line; its flags' defaults from `env`'s PET_*
-    variables, as torchrun's. A token file named in --rdzv-conf is in the pod or on the
-    node: a sample one stands for it."""
-    token = dummy_script.with_name("store.token")
-    token.write_text("sample-token\n")
-    args = [re.sub(r"token_file=[^,]+", f"token_file={token}", a) for a in args]
+    variables, as torchrun's."""
     with mock.patch.dict(os.environ, env):
         parsed = launch_parser().parse_args(args)
     parsed.training_script = str(dummy_script)

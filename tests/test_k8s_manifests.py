@@ -57,12 +57,12 @@ def test_the_examples_run_the_training_as_a_job_a_pytorchjob_and_a_jobset() -> N
     assert {("training-job.yaml", "Job"), ("pytorchjob-elastic.yaml", "PyTorchJob"), ("jobset.yaml", "JobSet")} <= kinds
 
 
-_TRAINER = ["spec", "template", "spec", "containers", 0]
-_WORKER = ["spec", "pytorchReplicaSpecs", "Worker", "template", "spec", "containers", 0]
-_ELASTIC = ["spec", "elasticPolicy"]
-_TRAINERS = ["spec", "replicatedJobs", 1]
+_TRAINER: list[str | int] = ["spec", "template", "spec", "containers", 0]
+_WORKER: list[str | int] = ["spec", "pytorchReplicaSpecs", "Worker", "template", "spec", "containers", 0]
+_ELASTIC: list[str | int] = ["spec", "elasticPolicy"]
+_TRAINERS: list[str | int] = ["spec", "replicatedJobs", 1]
 
-MISTAKES = [
+MISTAKES: list[tuple[str, str, list[str | int], object, str]] = [
     # (file, kind, where, the wrong value, what the error says)
     ("training-job.yaml", "Job", ["spec", "paralellism"], 4, "'paralellism' was unexpected"),
     ("training-job.yaml", "Job", ["spec", "parallelism"], "four", "is not of type 'integer'"),
