@@ -141,12 +141,22 @@ class SlurmCluster:
 
     def close(self) -> None:
         """Cancel the jobs left and wait for them to end; stop the daemons by PID."""
-        if any(name == "slurmctld" for name, _ in self._daemons):
-            jobs = self.run("squeue", "--noheader", "--format=%A", check=False).split()
-            if jobs:
-                self.run("scancel", "--full", *jobs, check=False)
-                wait_until(lambda: not self.run("squeue", "--noheader", check=False).strip(),
-                           STOP_TIMEOUT, "the cancelled jobs to end", interval=0.2)
+        try:
+            if any(name == "slurmctld" and p.poll() is None for name, p in self._daemons):
+                self._cancel_jobs()
+        finally:
+            self._stop_daemons()
+
+    # --- internals ---
+
+    def _cancel_jobs(self) -> None:
+        jobs = self.run("squeue", "--noheader", "--format=%A", check=False).split()
+        if jobs:
+            self.run("scancel", "--full", *jobs, check=False)
+            wait_until(lambda: not self.run("squeue", "--noheader", check=False).strip(),
+                       STOP_TIMEOUT, "the cancelled jobs to end", interval=0.2)
+
+    def _stop_daemons(self) -> None:
         for _, process in reversed(self._daemons):
             process.send_signal(signal.SIGTERM)
             try:
@@ -156,8 +166,6 @@ class SlurmCluster:
                 process.wait()
         self._daemons.clear()
         shutil.rmtree(self.root, ignore_errors=True)
-
-    # --- internals ---
 
     def _start(self, name: str, argv: list[str], ready: Callable[[], bool]) -> None:
         with open(self.root / f"{name}.log", "ab") as log:
