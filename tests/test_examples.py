@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import shlex
@@ -21,12 +22,13 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from examples.elastic_demo import descendants, kill_tree
 from elasticrun.launcher.cli import SUBCOMMANDS, launch_parser, subcommand_parser
-from elasticrun.launcher.config import build_config
+from elasticrun.launcher.config import LaunchConfig, build_config
 from elasticrun.launcher.control import job_target, store_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,10 +143,10 @@ def _substitute(text: str, values: dict[str, str]) -> str:
 
     def one(m: re.Match[str]) -> str:
         name = m.group("k8s") or m.group("brace") or m.group("plain")
+        if m.group("default") is not None and not values.get(name):  # as the shell: unset or empty
+            return _substitute(m.group("default"), values)
         if name in values:
             return values[name]
-        if m.group("default") is not None:
-            return _substitute(m.group("default"), values)
         raise AssertionError(f"no sample value for ${name} in {text!r}")
 
     pattern = r"\$\((?P<k8s>\w+)\)|\$\{(?P<brace>\w+)(?::-(?P<default>[^}]*))?\}|\$(?P<plain>[A-Za-z_]\w*)"
@@ -178,10 +180,37 @@ def shell_commands(script: str) -> list[str]:
     return lines
 
 
-def _containers(doc: dict) -> list[dict]:
-    spec = doc.get("spec") or {}
-    pod = (spec.get("template") or {}).get("spec") or spec
-    return [*(pod.get("initContainers") or []), *(pod.get("containers") or [])]
+def _containers(node: object) -> list[dict]:
+    """Every container of every pod template in a manifest, wherever its kind keeps them
+    (a Job's spec.template, a PyTorchJob's replica specs, a JobSet's replicated Jobs)."""
+    if isinstance(node, list):
+        return [c for item in node for c in _containers(item)]
+    if not isinstance(node, dict):
+        return []
+    if isinstance(node.get("containers"), list):  # a pod spec
+        return [*(node.get("initContainers") or []), *node["containers"]]
+    return [c for value in node.values() for c in _containers(value)]
+
+
+def operator_env(doc: dict) -> dict[str, str]:
+    """What the Kubeflow training operator adds to every pod of an elastic PyTorchJob: its
+    elasticPolicy as torchrun's PET_* variables (the operator's documented mapping)."""
+    policy = (doc.get("spec") or {}).get("elasticPolicy") if doc.get("kind") == "PyTorchJob" else None
+    if not policy:
+        return {}
+    host = policy.get("rdzvHost", f"{doc['metadata']['name']}-worker-0")
+    env = {
+        "PET_RDZV_BACKEND": policy.get("rdzvBackend", "c10d"),
+        "PET_RDZV_ENDPOINT": f"{host}:{policy['rdzvPort']}",
+        "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
+    }
+    for variable, key in (("PET_MAX_RESTARTS", "maxRestarts"), ("PET_NPROC_PER_NODE", "nProcPerNode"),
+                          ("PET_RDZV_ID", "rdzvId")):
+        if key in policy:
+            env[variable] = str(policy[key])
+    if policy.get("rdzvConf"):
+        env["PET_RDZV_CONF"] = ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"])
+    return env
 
 
 def _manifest_docs() -> list[tuple[str, dict]]:
@@ -212,10 +241,16 @@ def test_every_kubernetes_manifest_parses_and_names_its_kind() -> None:
     assert all(classes[c]["value"] < min(v["value"] for k, v in classes.items() if k not in training) for c in training)
 
 
-def manifest_commands() -> list[tuple[str, list[str]]]:
-    """(where, argv after `elasticrun`) for every elasticrun command in the manifests."""
+#: where, the arguments after `elasticrun`, and the variables it gets from outside its
+#: command line (a PyTorchJob's from the operator)
+Command = tuple[str, list[str], dict[str, str]]
+
+
+def manifest_commands() -> list[Command]:
+    """Every elasticrun command in the manifests."""
     found = []
     for name, doc in _manifest_docs():
+        outside = operator_env(doc)
         for container in _containers(doc):
             env = {e["name"]: e.get("value", "placeholder") for e in container.get("env") or []}
             env.setdefault("POD_IP", "10.0.0.1")
@@ -228,7 +263,7 @@ def manifest_commands() -> list[tuple[str, list[str]]]:
                 tokens = shlex.split(_substitute(line, env))
                 args = elasticrun_argv(tokens)
                 if args is not None:
-                    found.append((f"{name}: {container['name']}", args))
+                    found.append((f"{name}: {container['name']}", args, outside))
     return found
 
 
@@ -243,10 +278,12 @@ SAMPLE_ENV = {
     "JOB": "bert-elastic",
     "POD": "elastic-train-0-abcde",
     "HOME": "/home/user",
+    "SLURM_PROCID": "1",
+    "NNODES": "4",  # the script's default is an arithmetic expansion: $((SLURM_NTASKS - 1))
 }
 
 
-def shell_script_commands(where: str, script: str, values: dict[str, str] | None = None) -> list[tuple[str, list[str]]]:
+def shell_script_commands(where: str, script: str, values: dict[str, str] | None = None) -> list[Command]:
     """elasticrun commands of a shell script; its simple `NAME=value` lines are followed
     (in `values`, which a caller may share between the blocks of one document)."""
     found = []
@@ -258,20 +295,22 @@ def shell_script_commands(where: str, script: str, values: dict[str, str] | None
             # a command substitution stands for a host or pod name here
             values[assign.group(1)] = "node001" if "$(" in value else _substitute(value, values)
             continue
+        if "elasticrun" not in line:
+            continue
         args = elasticrun_argv(shlex.split(_substitute(line, values)))
         if args is not None:
-            found.append((where, args))
+            found.append((where, args, {}))
     return found
 
 
-def slurm_commands() -> list[tuple[str, list[str]]]:
+def slurm_commands() -> list[Command]:
     found = []
     for path in sorted(SLURM.glob("*.sbatch")):
         found += shell_script_commands(path.name, path.read_text())
     return found
 
 
-def readme_commands() -> list[tuple[str, list[str]]]:
+def readme_commands() -> list[Command]:
     found = []
     values = dict(SAMPLE_ENV)
     text = (K8S / "README.md").read_text()
@@ -280,8 +319,13 @@ def readme_commands() -> list[tuple[str, list[str]]]:
     return found
 
 
-def check_cli_accepts(args: list[str], dummy_script: Path) -> str:
-    """Parse one elasticrun command line as the CLI would; return its kind."""
+def check_cli_accepts(args: list[str], dummy_script: Path, env: dict[str, str] | None = None) -> str:
+    """Parse one elasticrun command line as the CLI would, with `env` as its environment;
+    return its kind. A token file named in --rdzv-conf is in the pod or on the node: a
+    sample one stands for it."""
+    token = dummy_script.with_name("store.token")
+    token.write_text("sample-token\n")
+    args = [re.sub(r"token_file=[^,]+", f"token_file={token}", a) for a in args]
     if args and args[0] in SUBCOMMANDS:
         parsed = subcommand_parser().parse_args(args)
         if args[0] == "list":
@@ -289,12 +333,19 @@ def check_cli_accepts(args: list[str], dummy_script: Path) -> str:
         elif args[0] != "store":
             job_target(parsed)
         return args[0]
-    parsed = launch_parser().parse_args(args)
+    launch_config(args, dummy_script, env or {})
+    return "launch"
+
+
+def launch_config(args: list[str], dummy_script: Path, env: dict[str, str]) -> LaunchConfig:
+    """The launcher's config for a command line; its flags' defaults from `env`'s PET_*
+    variables, as torchrun's."""
+    with mock.patch.dict(os.environ, env):
+        parsed = launch_parser().parse_args(args)
     parsed.training_script = str(dummy_script)
     if parsed.nproc_per_node == "gpu":
         parsed.nproc_per_node = "1"  # the GPU count is the host's, not the manifest's
-    build_config(parsed, {})
-    return "launch"
+    return build_config(parsed, env)
 
 
 def test_every_elasticrun_command_in_the_deployment_examples_is_accepted(tmp_path: Path) -> None:
@@ -302,17 +353,20 @@ def test_every_elasticrun_command_in_the_deployment_examples_is_accepted(tmp_pat
     dummy.write_text("")
     commands = manifest_commands() + readme_commands() + slurm_commands()
     kinds: dict[str, set[str]] = {}
-    for where, args in commands:
+    for where, args, env in commands:
         try:
-            kind = check_cli_accepts(args, dummy)
+            kind = check_cli_accepts(args, dummy, env)
         except Exception as e:  # noqa: BLE001 - report which line failed, and why
             pytest.fail(f"{where}: elasticrun {shlex.join(args)}\n  rejected: {type(e).__name__}: {e}")
         kinds.setdefault(where.split(":")[0], set()).add(kind)
     # The extraction itself must find what the examples are about.
     assert "launch" in kinds.get("training-job.yaml", set()), kinds
     assert "join" in kinds.get("join-pod.yaml", set()), kinds
+    assert "launch" in kinds.get("pytorchjob-elastic.yaml", set()), kinds
+    assert {"store", "launch"} <= kinds.get("jobset.yaml", set()), kinds
     assert {"status", "join", "drain", "logs"} <= kinds.get("kubernetes/README.md", set()), kinds
     assert "launch" in kinds.get("fault_tolerant.sbatch", set()), kinds
+    assert "join" in kinds.get("fault_tolerant.sbatch", set()), kinds
 
 
 def test_the_command_check_rejects_a_bad_command_line(tmp_path: Path) -> None:
@@ -338,3 +392,19 @@ def test_the_slurm_script_is_valid_bash_with_sbatch_options() -> None:
         assert checked.returncode == 0, checked.stderr
         options = re.findall(r"^#SBATCH\s+(--[\w-]+)", path.read_text(), flags=re.M)
         assert {"--nodes", "--ntasks-per-node"} <= set(options), options
+
+
+def test_the_pytorchjob_command_takes_the_elastic_policy_from_the_operators_variables(tmp_path: Path) -> None:
+    """The PyTorchJob's command names none of min:max, restarts, backend, id or timings:
+    elasticrun reads them from the PET_* variables the operator sets, as torchrun would;
+    the endpoint on the command line (all three etcd members) wins over the variable's."""
+    dummy = tmp_path / "train.py"
+    dummy.write_text("")
+    [(_, args, env)] = [c for c in manifest_commands() if c[0].startswith("pytorchjob-elastic.yaml")]
+    assert env["PET_NNODES"] == "2:8" and not any(a.startswith("--nnodes") for a in args)
+    config = launch_config(args, dummy, env)
+    spec, rdzv = config.job_spec, config.rdzv
+    assert (spec.min_nodes, spec.max_nodes, spec.max_restarts) == (2, 8, 3)
+    assert (rdzv.backend, rdzv.endpoint) == ("etcd", "etcd-0.etcd:2379,etcd-1.etcd:2379,etcd-2.etcd:2379")
+    assert config.worker.run_id == "bert-elastic"
+    assert {"heartbeat_timeout": "10", "join_timeout": "1800"}.items() <= dict(rdzv.conf).items()
