@@ -50,8 +50,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -350,6 +353,14 @@ def run_head_restart(job: Job, cap: float) -> dict[str, object]:
         return result
     time.sleep(0.5)
     survivors = {i: p for i in (2, 3) for p in job.tracker.procs if p.pid == job.nodes[i]}
+    exited: dict[str, float] = {}  # when a survivor's agent exited, should it
+
+    def exit_of(i: int, p: subprocess.Popen[bytes]) -> None:
+        p.wait()
+        exited[f"n{i}"] = time.time()
+
+    for i, p in survivors.items():
+        threading.Thread(target=exit_of, args=(i, p), daemon=True).start()
     t0 = time.time()
     kill_tree(job.nodes[1], signal.SIGKILL)
     time.sleep(HEAD_RESTART_DELAY)
@@ -361,12 +372,18 @@ def run_head_restart(job: Job, cap: float) -> dict[str, object]:
     after = [e for e in job.events.events if e["ev"] == "step" and float(e["t"]) > restarted]  # type: ignore[arg-type]
     first_after = min(after, key=lambda e: float(e["t"]), default=None)  # type: ignore[arg-type]
     codes = {f"n{i}": p.poll() for i, p in survivors.items()}  # None: still running
+    # elasticrun: the rounds the new head ran its workers in, as (number, nodes)
+    new_head = (job.workdir / "n1.log").read_text(errors="replace").rsplit("hosting the rendezvous store", 1)[-1]
+    rounds = [(int(n), int(k)) for n, k in re.findall(r"-> healthy: round (\d+): node rank \d+/(\d+)", new_head)]
     _phase(result, "head_back", t0, t1, cap, _spawned(job, restarted, 3), job,
            labels=("first step at world 3", "its 3 workers started"),
            from_restart_s=None if t1 is None else t1 - restarted, survivors_at_restart=waiting,
-           survivor_exit_codes=codes, first_world_after=None if first_after is None else first_after["world"])
-    print(f"      survivors running when the new head started: {waiting}; exit codes {codes}; "
-          f"first step after it at world {None if first_after is None else first_after['world']}", flush=True)
+           survivor_exit_codes=codes, survivor_exit_s={n: t - t0 for n, t in exited.items()},
+           first_world_after=None if first_after is None else first_after["world"], new_head_rounds=rounds)
+    print(f"      survivors running when the new head started: {waiting}; exit codes {codes}, "
+          f"after {', '.join(f'{n} {t - t0:.2f} s' for n, t in sorted(exited.items())) or '-'}; "
+          f"first step after it at world {None if first_after is None else first_after['world']}; "
+          f"the new head's rounds (number, nodes): {rounds}", flush=True)
     return result
 
 
