@@ -95,12 +95,12 @@ async def _lose_the_host(job: _Nodes, server: StoreServer) -> None:
     await server.stop(0)
     ended = await asyncio.gather(*(n.round_ended() for n in job.nodes))
     assert all("the agent that hosted it is gone" in e for e in ended), ended
-    assert all(
-        re.fullmatch(rf"the store at {re.escape(job.endpoint)} \(hosted by the agent on 127.0.0.1\) refused a "
-                     rf"connection: waiting until \d\d:\d\d:\d\d \(store_host_grace={job.settings.store_host_grace:g}s\) "
-                     "for a new store there", n.waiting_status)
-        for n in job.nodes
-    ), [n.waiting_status for n in job.nodes]
+    grace = job.settings.store_host_grace
+    said = (
+        rf"the store at {re.escape(job.endpoint)} \(hosted by the agent on 127.0.0.1\) refused a connection: "
+        rf"waiting until \d\d:\d\d:\d\d \(store_host_grace={grace:g}s\) for a new store there"
+    )
+    assert all(re.fullmatch(said, n.waiting_status) for n in job.nodes), [n.waiting_status for n in job.nodes]
 
 
 @pytest.mark.parametrize("nodes", [30.0], indirect=True)
