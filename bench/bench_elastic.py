@@ -26,9 +26,17 @@ Scenarios (t0 is taken just before the action; every wait is capped at --cap sec
              worker together (a node dies) -> first step of the survivors at world 2
   host-kill  --nnodes=1:3, n1..n3 stepping at world 3, then SIGKILL of n1's agent (the
              store's host) and worker together -> the last of n2's and n3's agents has
-             exited (`s`; polled every 0.02 s), and every process below them at t0 (their
-             workers) is gone (`spawn_s`); with their exit codes and last error lines.
-             No store, no job: both launchers can only end, the question is how soon.
+             exited (`s`; polled every 0.02 s), and their workers (the processes below
+             them at t0 that run the script) are gone (`spawn_s`); with their exit codes
+             and last error lines. No head comes back: elasticrun's survivors stop their
+             workers at once and exit when store_host_grace (30 s) has passed.
+  head-restart --nnodes=1:3, n1..n3 stepping at world 3, then SIGKILL of n1's agent and
+             worker together, and a new n1 agent at the same address HEAD_RESTART_DELAY
+             (5 s) later, as a scheduler restarting the head does -> the first step at
+             world 3 after the new agent started (`s`, from the kill), and all three
+             workers of that round started (`spawn_s`); with whether the survivors were
+             still running when the new head started, their exit codes, and the world
+             of the first step after it (torchrun's new head alone: world 1).
   spare      --nnodes=3 (fixed), n1..n3 stepping at world 3, then n4 started and left
              to settle 5 s (a spare; torchrun's waits for the next round), then SIGKILL
              of n3's agent and worker -> first step at world 3 again (n4 in n3's place)
@@ -43,8 +51,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -72,6 +83,8 @@ from common import (  # noqa: E402
 SCRIPT = WORKERS / "elastic_loop.py"
 #: seconds the spare scenario gives the fourth agent to settle before the kill
 SPARE_SETTLE = 5.0
+#: seconds between the SIGKILL of the head and the start of its replacement (head-restart)
+HEAD_RESTART_DELAY = 5.0
 #: --baseline: a checkout of an earlier elasticrun, run as launcher "elasticrun-base"
 BASELINE = ""
 MAX_RESTARTS = 3
@@ -304,13 +317,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _runs(pid: int, script: str) -> bool:
+    """Whether process `pid` runs `script` (its name is one of its arguments)."""
+    try:
+        return any(Path(arg.decode()).name == script for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+    except OSError:
+        return False
+
+
 def run_host_kill(job: Job, cap: float) -> dict[str, object]:
     result: dict[str, object] = {}
     if not _form_three(job, result, cap):
         return result
     time.sleep(0.5)
     agents = {i: p for i in (2, 3) for p in job.tracker.procs if p.pid == job.nodes[i]}
-    workers = [pid for i in agents for pid in descendants(job.nodes[i])]
+    # the workers: not elasticrun's warden, which lives as long as its agent
+    workers = [pid for i in agents for pid in descendants(job.nodes[i]) if _runs(pid, job.script.name)]
     t0 = time.time()
     kill_tree(job.nodes[1], signal.SIGKILL)
     exited: dict[int, float] = {}
@@ -333,6 +355,48 @@ def run_host_kill(job: Job, cap: float) -> dict[str, object]:
     return result
 
 
+def run_head_restart(job: Job, cap: float) -> dict[str, object]:
+    """SIGKILL of n1 (the store's host) and a new n1 at the same address
+    HEAD_RESTART_DELAY later -> the first step at world 3 after the new agent started."""
+    result: dict[str, object] = {}
+    if not _form_three(job, result, cap):
+        return result
+    time.sleep(0.5)
+    survivors = {i: p for i in (2, 3) for p in job.tracker.procs if p.pid == job.nodes[i]}
+    exited: dict[str, float] = {}  # when a survivor's agent exited, should it
+
+    def exit_of(i: int, p: subprocess.Popen[bytes]) -> None:
+        p.wait()
+        exited[f"n{i}"] = time.time()
+
+    for i, p in survivors.items():
+        threading.Thread(target=exit_of, args=(i, p), daemon=True).start()
+    t0 = time.time()
+    kill_tree(job.nodes[1], signal.SIGKILL)
+    time.sleep(HEAD_RESTART_DELAY)
+    waiting = [f"n{i}" for i, p in survivors.items() if p.poll() is None]
+    restarted = time.time()
+    job.start_node(1)
+    t1 = job.step_at(3, restarted, cap)
+    job.events.refresh()
+    after = [e for e in job.events.events if e["ev"] == "step" and float(e["t"]) > restarted]  # type: ignore[arg-type]
+    first_after = min(after, key=lambda e: float(e["t"]), default=None)  # type: ignore[arg-type]
+    codes = {f"n{i}": p.poll() for i, p in survivors.items()}  # None: still running
+    # elasticrun: the rounds the new head ran its workers in, as (number, nodes)
+    new_head = (job.workdir / "n1.log").read_text(errors="replace").rsplit("hosting the rendezvous store", 1)[-1]
+    rounds = [(int(n), int(k)) for n, k in re.findall(r"-> healthy: round (\d+): node rank \d+/(\d+)", new_head)]
+    _phase(result, "head_back", t0, t1, cap, _spawned(job, restarted, 3), job,
+           labels=("first step at world 3", "its 3 workers started"),
+           from_restart_s=None if t1 is None else t1 - restarted, survivors_at_restart=waiting,
+           survivor_exit_codes=codes, survivor_exit_s={n: t - t0 for n, t in exited.items()},
+           first_world_after=None if first_after is None else first_after["world"], new_head_rounds=rounds)
+    print(f"      survivors running when the new head started: {waiting}; exit codes {codes}, "
+          f"after {', '.join(f'{n} {t - t0:.2f} s' for n, t in sorted(exited.items())) or '-'}; "
+          f"first step after it at world {None if first_after is None else first_after['world']}; "
+          f"the new head's rounds (number, nodes): {rounds}", flush=True)
+    return result
+
+
 PHASES = {
     "rdzv-2": ["first_step"],
     "rdzv-4": ["first_step"],
@@ -340,12 +404,14 @@ PHASES = {
     "grow": ["formation", "scale_up", "crash", "sigterm"],
     "kill": ["formation_3_of_max_3", "sigkill"],
     "host-kill": ["formation_3_of_max_3", "host_lost"],
+    "head-restart": ["formation_3_of_max_3", "head_back"],
     "spare": ["formation_3_of_max_3", "sigkill_spare_in"],
 }
 TARGETS = {"grow/formation": "≤ 3 s", "grow/scale_up": "≤ 5 s", "kill/sigkill": "≤ 10 s", "grow/sigterm": "≤ 3 s", "grow/crash": "≤ 3 s",
-           "host-kill/host_lost": "≤ 3 s"}
+           "host-kill/host_lost": "store_host_grace (30 s) + ≤ 3 s"}
 RUNNERS: dict[str, Callable[[Job, float], dict[str, object]]] = {
     "grow": run_grow, "kill": run_kill, "host-kill": run_host_kill, "spare": run_spare,
+    "head-restart": run_head_restart,
 }
 
 

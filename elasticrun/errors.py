@@ -61,9 +61,11 @@ class StoreUnavailableError(StoreError):
 
 
 class StoreGoneError(StoreUnavailableError):
-    """The store is unreachable and will not come back: its agent host died.
+    """The store an agent hosted refuses connections: that agent is gone, and the
+    store's records with it.
 
-    Waiting out the deadline would only delay the job's end, so callers give up at once.
+    Retrying the call until its deadline cannot bring them back, so the call fails at
+    once; the rendezvous then waits `store_host_grace` for a new store at the endpoint.
     """
 
 

@@ -62,6 +62,7 @@ MAX_NPROC_PER_NODE = 1024
 #: --rdzv-conf keys that hold seconds: checked when parsed (job control reads some too)
 TIMING_RDZV_CONF = (
     "join_timeout", "last_call_timeout", "heartbeat_timeout", "heartbeat_interval", "closed_ttl", "store_timeout",
+    "store_host_grace",
 )
 
 #: --rdzv-conf keys that are part of the job spec: every node must use the same
@@ -94,6 +95,7 @@ RDZV_CONF_KEYS = {
         "(mutual TLS; needs tls_cert, tls_key)"
     ),
     "store_timeout": f"seconds a store call may take, retries included (default {DEFAULT_TIMEOUT:g})",
+    "store_host_grace": "c10d: seconds to wait for a new store when the agent hosting it is gone (default 30)",
     "ca_cert": "etcd: CA certificate (PEM)",
     "client_cert": "c10d and etcd: this client's certificate (PEM), for a store that requires one",
     "client_key": "c10d and etcd: private key (PEM) of client_cert",
@@ -543,6 +545,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         max_nodes=max_nodes,
         last_call=probe.conf_float("last_call_timeout", 1.0),
         join_timeout=probe.conf_float("join_timeout", 600.0),
+        store_host_grace=probe.conf_float("store_host_grace", 30.0),
         heartbeat_ttl=probe.conf_float("heartbeat_timeout", RendezvousSettings.default_heartbeat_ttl(max_nodes)),
         closed_ttl=probe.conf_float("closed_ttl", 60.0),
         heartbeat_interval=probe.conf_float("heartbeat_interval", 0.0),

@@ -111,8 +111,8 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "rdzv-conf", action=_EnvAppend,
           help="key=value,... (repeatable, merged): join_timeout, last_call_timeout, heartbeat_timeout, closed_ttl, "
                "quarantine_after, quarantine_cooldown, quarantine_cooldown_max, is_host, token_file, require_token, "
-               "tls_ca, tls_cert, tls_key, client_ca, store_timeout; c10d and etcd: client_cert, client_key; "
-               "etcd: ca_cert, user, password_file, password_env")
+               "tls_ca, tls_cert, tls_key, client_ca, store_timeout, store_host_grace; c10d and etcd: client_cert, "
+               "client_key; etcd: ca_cert, user, password_file, password_env")
     _flag(p, "standalone", action=_EnvFlag, help="one node, no server: an in-memory rendezvous and a free port")
     _flag(p, "node-unit", type=int, default=1,
           help="run a multiple of this many nodes (tensor/pipeline groups that span nodes): the nodes left "

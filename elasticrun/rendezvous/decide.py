@@ -35,6 +35,9 @@ class RendezvousSettings:
     last_call: float = 1.0
     #: a node that gets no place in a round within this time gives up
     join_timeout: float = 600.0
+    #: when the store an agent hosted refuses us (its agent is gone), how long to wait
+    #: for a new one at the same endpoint (the head restarted by its scheduler)
+    store_host_grace: float = 30.0
     #: lease TTL: a node that stops renewing is removed after this long
     heartbeat_ttl: float = 5.0
     #: how long a closed job stays closed, so late agents exit instead of starting anew

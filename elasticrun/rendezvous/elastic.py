@@ -62,6 +62,10 @@ log = logging.getLogger("elasticrun.rendezvous")
 
 #: seconds between the lines that say what a waiting node waits for, while nothing changes
 WAIT_REPORT_INTERVAL = 5.0
+#: seconds between tries to register while the store an agent hosted refuses us. A try
+#: on a refused connection fails at once, without a packet: the client's channel dials
+#: again on its own backoff (at most a second), so a short pause adds little to that.
+REFUSED_RETRY = 0.2
 
 
 class _Pulse:
@@ -123,11 +127,23 @@ class ElasticRendezvous(RendezvousHandler):
         self._liveness: LivenessPort | None = None
         #: the leader, once its liveness port accepted our connection (see _suspect_leader)
         self._leader_seen: NodeInfo | None = None
+        #: the store an agent hosted refused us (its agent is gone), and when it first
+        #: did (self._clock): until a store answers there again (see _register_or_wait)
+        self._refused: tuple[StoreGoneError, float] | None = None
 
     # --- RendezvousHandler -----------------------------------------------------------
 
     @property
     def waiting_status(self) -> str:
+        if self._refused is not None:
+            error, since = self._refused
+            grace = self._settings.store_host_grace
+            until = time.strftime("%H:%M:%S", time.localtime(time.time() + since + grace - self._clock()))
+            host = error.endpoint.rpartition(":")[0]
+            return (
+                f"the store at {error.endpoint} (hosted by the agent on {host}) refused a connection: "
+                f"waiting until {until} (store_host_grace={grace:g}s) for a new store there"
+            )
         if self._lost:  # what we knew of the job is stale until we register again
             return f"registering again (this node lost its membership: {self._lost})"
         state = self._job.state
@@ -184,21 +200,25 @@ class ElasticRendezvous(RendezvousHandler):
         logged, said_at = "", -math.inf
         while True:
             if self._lease is None or self._lost:
-                await self._register()
+                await self._register_or_wait()
             current = self._job.head
             if current is not None and current.closed:
                 raise RendezvousClosedError(self.run_id, current.closed, current.detail)
-            place = await self._place(current) if current and current.number > self._last_round else None
-            if self._job.head is not current:  # a newer round came while we read
+            try:
+                place = await self._place(current) if current and current.number > self._last_round else None
+                if self._job.head is not current:  # a newer round came while we read
+                    continue
+                if current is not None and place is not None:
+                    master = await self._master_of(current, place.rank)
+                    if master is not None:
+                        self._last_round = current.number
+                        self._ran = current
+                        return self._assignment(current, place, master)
+                    continue
+                await self._read_hold(current)
+            except StoreGoneError as e:
+                self._store_refused(e)
                 continue
-            if current is not None and place is not None:
-                master = await self._master_of(current, place.rank)
-                if master is not None:
-                    self._last_round = current.number
-                    self._ran = current
-                    return self._assignment(current, place, master)
-                continue
-            await self._read_hold(current)
             status = self.waiting_status
             now = self._clock()
             if status != logged or now - said_at >= WAIT_REPORT_INTERVAL:
@@ -240,9 +260,9 @@ class ElasticRendezvous(RendezvousHandler):
         return current.kept_since > ran.number  # a round since ours went on without one of us
 
     async def request_restart(self, reason: str, *, forgiven: bool = False) -> None:
-        request = RestartRequest(round=self._last_round, node_id=self._me.node_id, reason=reason, forgiven=forgiven)
-        await self._store.put(self._keys.restart, encode(request))
-        self._spawn(self._suspect_leader(), "leader check")
+        await self._request(
+            RestartRequest(round=self._last_round, node_id=self._me.node_id, reason=reason, forgiven=forgiven)
+        )
 
     async def fail(self, report: str) -> None:
         """Ask the leader to end the job with `report`.
@@ -258,7 +278,19 @@ class ElasticRendezvous(RendezvousHandler):
             final=True,
             report=report[-DETAIL_LIMIT:],
         )
-        await self._store.put(self._keys.restart, encode(request))
+        await self._request(request)
+
+    async def _request(self, request: RestartRequest) -> None:
+        """Hand the leader a restart (or final) request, and check that it lives.
+
+        A store an agent hosted that refuses us took the round with it: the request goes
+        nowhere, and the node registers again once a new store answers (next_round).
+        """
+        try:
+            await self._store.put(self._keys.restart, encode(request))
+        except StoreGoneError as e:
+            self._store_refused(e)
+            return
         self._spawn(self._suspect_leader(), "leader check")
 
     async def finish(self) -> None:
@@ -298,6 +330,57 @@ class ElasticRendezvous(RendezvousHandler):
                 await self._store.revoke_lease(lease)
 
     # --- membership -------------------------------------------------------------------
+
+    async def _register_or_wait(self) -> None:
+        """Register; while the store an agent hosted refuses us, try again until
+        store_host_grace has passed since it first did, then give up with its error.
+
+        A refused store hosted by an agent means that agent is gone, and its records
+        with it; a scheduler that restarts it (a pod replaced behind the same Service, a
+        requeued first task) brings a new, empty store to the same endpoint. This node
+        then registers there like any node that finds a new store (`ran_round` and
+        `ran_restarts` in its record), and the job goes on in a new round.
+        """
+        said_at = -math.inf
+        while True:
+            try:
+                await self._register()
+            except StoreGoneError as e:
+                self._note_refused(e)  # not registered: no membership to lose
+            else:
+                if self._refused is not None:
+                    error, since = self._refused
+                    log.info(
+                        "node %s: a store answers at %s again, %.1f s after it refused: registered again",
+                        self._me.node_id, error.endpoint, self._clock() - since,
+                    )
+                    # what this node read of the gone store's rounds means nothing here
+                    self._refused, self._placed, self._hold = None, ("", None), ((0, 0.0), None)
+                return
+            assert self._refused is not None
+            error, since = self._refused
+            grace = self._settings.store_host_grace
+            now = self._clock()
+            left = since + grace - now
+            if left <= 0:
+                raise StoreGoneError(
+                    error.endpoint,
+                    f"{error.cause}, and no new store answered there within store_host_grace={grace:g}s",
+                )
+            if now - said_at >= WAIT_REPORT_INTERVAL:
+                log.warning("node %s waiting: %s; %.0f s left", self._me.node_id, self.waiting_status, left)
+                said_at = now
+            await asyncio.sleep(min(REFUSED_RETRY, left))
+
+    def _store_refused(self, error: StoreGoneError) -> None:
+        """The store an agent hosted refused us: this membership is over (the workers
+        stop), and store_host_grace runs from the first refusal."""
+        self._note_refused(error)
+        self._lose(str(error))
+
+    def _note_refused(self, error: StoreGoneError) -> None:
+        if self._refused is None:
+            self._refused = (error, self._clock())
 
     async def _register(self) -> None:
         """Take a lease, check the job spec, register, and start watching."""
@@ -380,7 +463,7 @@ class ElasticRendezvous(RendezvousHandler):
             except LeaseExpiredError:
                 return self._lose("its lease expired")
             except StoreGoneError:
-                raise  # no store to wait for: the supervisor ends the membership with it
+                raise  # its host is gone: the membership ends (the supervisor), next_round waits for a new store
             except (StoreError, TimeoutError) as e:
                 if self._clock() >= renewed + ttl:
                     cause = str(e) or "no answer in time"
@@ -413,7 +496,7 @@ class ElasticRendezvous(RendezvousHandler):
                         await self._answer_ping(self._job.ping)
                     self._pulse.fire()
             except StoreGoneError:
-                raise  # no store to wait for: the supervisor ends the membership with it
+                raise  # its host is gone: the membership ends (the supervisor), next_round waits for a new store
             except StoreError as e:
                 log.warning("watch on job '%s' broke (%s); re-reading", self.run_id, e)
                 await asyncio.sleep(self._settings.keep_alive_interval)
@@ -544,6 +627,8 @@ class ElasticRendezvous(RendezvousHandler):
         error = task.exception()
         if error is not None:
             log.debug("the %s failed", what, exc_info=error)
+            if isinstance(error, StoreGoneError):
+                self._note_refused(error)
             self._lose(f"its {what} failed: {error if isinstance(error, ElasticrunError) else repr(error)}")
 
     # --- leadership -------------------------------------------------------------------

@@ -8,9 +8,11 @@ a watch that reconnects to a server holding a different history (it restarted an
 its memory) gets CompactedError, so the caller re-reads instead of missing changes.
 
 One exception to the retries: a server that said (in a watch reply) it is hosted by a
-launcher agent is never restarted, so when its port refuses connections every call
-fails at once, as torchrun's agents do when the agent hosting their TCPStore dies,
-rather than after the whole timeout. Nor are calls retried when the server refuses the
+launcher agent lives and dies with that agent, so when its port refuses connections
+every call fails at once with StoreGoneError, as torchrun's agents do when the agent
+hosting their TCPStore dies, rather than after the whole timeout. Whether to wait for a
+new store at the same endpoint (the agent restarted there) is the rendezvous's call
+(`store_host_grace`). Nor are calls retried when the server refuses the
 client's TLS (`channel.tls_refusal`: a plaintext client of a TLS server, a client
 certificate the server does not take): StoreAuthError at once.
 
@@ -145,15 +147,14 @@ class GrpcStore(Store):
         return retryable(error) and not self._host_gone(error)
 
     def _host_gone(self, error: grpc.RpcError) -> bool:
-        """The agent that hosted the server died: its port refuses us, and it won't return."""
+        """The agent that hosted the server is gone: its port refuses us."""
         return self._hosted_by_agent and "connection refused" in (error.details() or "").lower()
 
     def _final_error(self, error: grpc.RpcError, lease: int = 0) -> ElasticrunError:
         if self._host_gone(error):
             return StoreGoneError(
                 self.endpoint,
-                "connection refused: the agent that hosted it is gone, and a store "
-                "hosted by an agent is not restarted",
+                "connection refused: the agent that hosted it is gone",
             )
         translated = error_from(error, self.endpoint, lease)
         if isinstance(translated, StoreUnavailableError):
