@@ -230,21 +230,6 @@ async def test_lease_ttl_must_be_positive_and_at_most_etcds_limit() -> None:
     await store.close()
 
 
-async def test_leases_are_counted_by_owner_until_revoked_or_expired() -> None:
-    store = MemoryStore()
-    kept = await store.grant_lease(60, owner="a")
-    await store.grant_lease(0.05, owner="a")
-    await store.grant_lease(60, owner="b")
-    assert (store.leases_owned_by("a"), store.leases_owned_by("b")) == (2, 1)
-    await store.revoke_lease(kept)
-    assert store.leases_owned_by("a") == 1
-    async with asyncio.timeout(EVENT_WAIT):
-        while store.leases_owned_by("a"):  # the short one expires on the timer
-            await asyncio.sleep(0.01)
-    assert store.leases_owned_by("b") == 1 and not store._owned.get("a")
-    await store.close()
-
-
 async def test_put_all_is_all_or_nothing() -> None:
     store = MemoryStore(max_total_bytes=100)
     await store.put("a", b"x" * 40)

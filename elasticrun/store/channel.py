@@ -20,6 +20,7 @@ from elasticrun.errors import (
     StoreAuthError,
     StoreError,
     StoreLimitError,
+    StorePermissionError,
     StoreRequestError,
     StoreSettingError,
     StoreUnavailableError,
@@ -232,6 +233,8 @@ def error_from(error: grpc.RpcError, endpoint: str, lease: int = 0) -> Elasticru
     code, details = error.code(), error.details() or ""
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return StoreAuthError(f"the store at {endpoint} refused us: {details}")
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return StorePermissionError(f"the store at {endpoint} refused the request: {details}")
     if _is_tls_failure(details):
         return StoreAuthError(
             f"TLS with the store at {endpoint} failed (is the CA right, and does the "
