@@ -57,8 +57,9 @@ class C10dStore(dist.Store):
     `token` is the store's token or a credential derived from it; without one, the
     worker credential the agent left for its workers (`agent_token`) is used, if any.
     `timeout` is how long get/wait wait for keys (torch's store timeout);
-    `connect_timeout` bounds reaching the server for each call. `tls_ca` (PEM) makes it speak TLS trusting that CA; `client_tls` is the
-    certificate it presents to a store that requires one (`client_ca`):
+    `connect_timeout` bounds reaching the server for each call. `tls_ca` (PEM) makes
+    it speak TLS trusting that CA; `client_tls` is the certificate it presents to a
+    store that requires one (`client_ca`):
     `TlsKeyPair(cert=Path("node.crt").read_bytes(), key=Path("node.key").read_bytes())`.
     """
 
