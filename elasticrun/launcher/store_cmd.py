@@ -37,28 +37,20 @@ class ServeConfig:
     metrics: MetricsAddress | None = None
 
 
-#: the flag of each store setting `store serve` takes
-_FLAGS = {
-    "token_file": "--token-file",
-    "require_token": "--require-token",
-    "tls_cert": "--tls-cert",
-    "tls_key": "--tls-key",
-    "client_ca": "--client-ca",
-    "rdzv_id": "--rdzv-id",
-    "admin_password_file": "--admin-password-file",
-    "reader_password_file": "--reader-password-file",
-}
+#: the store settings `store serve` takes, each from the flag of its name
+_SERVE_SETTINGS = ("token_file", "require_token", "tls_cert", "tls_key", "client_ca")
 
 
 def _flag_of(setting: str) -> str:
-    return _FLAGS.get(setting, setting)
+    """The flag of a setting in these commands: `token_file` is --token-file."""
+    return "--" + setting.replace("_", "-")
 
 
 def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeConfig:
     """Check the flags of `store serve` and gather what the server needs."""
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be within 0..65535, got {args.port}")
-    given = {setting: getattr(args, setting) for setting in _FLAGS if getattr(args, setting) is not None}
+    given = {setting: getattr(args, setting) for setting in _SERVE_SETTINGS if getattr(args, setting) is not None}
     with settings_from_flags(_flag_of):
         tls, client_ca = server_tls(given)
         token = read_token(args.token_file, environ, required=args.require_token)

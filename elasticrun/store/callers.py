@@ -15,10 +15,9 @@ keys and bytes each bounded per identity, and all of them together bounded to a 
 the store's totals, so that whatever the workers and readers do, the rest stays for the
 agents. Leases are no one's but the admin's (no other role may grant one).
 
-A reply of more than `INLINE_REPLY_BYTES` is encoded on a worker thread, and a limited
-identity has one such reply in the making at a time (`Shares.turn`): however many large
-reads it starts, it holds the server's loop for one page at a time, not for all of
-them at once.
+An identity other than admin also has one reply in the making at a time (`Shares.turn`):
+a page of a prefix read, a watch event, a multi_get. However many reads and watches it
+runs, a call of anyone else waits for one of its replies at most, not for all of them.
 """
 
 from __future__ import annotations
@@ -30,9 +29,6 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from elasticrun.store.credentials import ADMIN, Grant, Role, grant_of_certificate, grant_of_token
-
-#: Replies up to this size are encoded on the loop (a few tens of microseconds).
-INLINE_REPLY_BYTES = 64 << 10
 
 #: What each role other than admin may call, by service.
 _ALLOWED: Mapping[Role, Mapping[str, frozenset[str] | None]] = {
@@ -164,7 +160,7 @@ class Counter:
 
 
 class Shares:
-    """The fair shares of one server: calls and watches held, and turns for big replies."""
+    """The fair shares of one server: calls and watches held, and turns for replies."""
 
     def __init__(self, fair: FairShare, max_calls: int) -> None:
         self.fair = fair
@@ -174,7 +170,7 @@ class Shares:
 
     @contextlib.asynccontextmanager
     async def turn(self, caller: Caller) -> AsyncIterator[None]:
-        """Wait until `caller` has no other big reply in the making (admin: at once)."""
+        """Wait until `caller` has no other reply in the making (admin: at once)."""
         if not caller.limited:
             yield
             return

@@ -15,9 +15,13 @@ one past its identity's fair share RESOURCE_EXHAUSTED. A worker's c10d keys live
 job's own namespace (`/elasticrun/<job>/w/`), so a torch process group runs unchanged
 and sees nothing else. State lives in memory and is never pickled.
 
-No request holds the loop for long: a prefix read is sent in pages of about a MiB
-(`RangePages`), read at one revision, and a large reply is encoded on a worker thread,
-one at a time for each identity but the admin's.
+No request holds the loop for long: a prefix read is sent in pages of at most 256 keys or
+about 256 KiB (`RangePages`), read at one revision, each page encoded as it goes out
+(about a millisecond); a caller other than admin has one reply in the making at a time
+(`Shares.turn`), so however many reads and watches it runs, the others wait for one of
+its pages at most, not for all of them. (The pages are encoded on the loop, not on a
+worker thread: protobuf holds the GIL while it copies, so a thread would stall the loop
+as long, plus the GIL's switch interval.)
 """
 
 from __future__ import annotations
@@ -50,7 +54,6 @@ from elasticrun.proto import store_pb2_grpc as pb_grpc
 from elasticrun.store.api import EventType, KeyValue, WatchEvent
 from elasticrun.store.callers import (
     DEFAULT_FAIR_SHARE,
-    INLINE_REPLY_BYTES,
     Caller,
     Counter,
     FairShare,
@@ -83,9 +86,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_CALLS = 100_000
 #: A page of a prefix read: about this many bytes of keys and values (at least one key,
 #: so up to a largest value more), or this many keys, whichever comes first. Encoding
-#: one takes about a millisecond.
-PAGE_BYTES = 1 << 20
-PAGE_KEYS = 1_000
+#: one takes about a millisecond of CPU (a 1 MiB value alone, the largest, about 4 ms).
+PAGE_BYTES = 256 << 10
+PAGE_KEYS = 256
+#: The most a c10d multi_get may answer at once: unlike a prefix read it cannot be
+#: paged, and encoding a reply costs about 4 ms per MiB of the server's loop.
+MAX_MULTI_GET_BYTES = 4 << 20
 #: How long in-flight calls may finish when the server stops.
 DEFAULT_STOP_GRACE = 2.0
 
@@ -320,14 +326,10 @@ class StoreServer:
             finally:
                 self._watches_total -= 1
 
-    async def encoded(self, build: Callable[[], pb.RangeReply | pb.MultiGetReply], size: int) -> bytes:
-        """The reply `build` makes, encoded: on the loop when small (`size`, its bytes
-        of keys and values, is under `INLINE_REPLY_BYTES`), else on a worker thread,
-        in the caller's turn (`Shares.turn`)."""
-        if size < INLINE_REPLY_BYTES:
-            return _encode(build())
+    async def encoded(self, reply: Callable[[], pb.RangeReply | pb.MultiGetReply]) -> bytes:
+        """The message `reply` makes, encoded in the caller's turn (`Shares.turn`)."""
         async with self.shares.turn(_CALLER.get()):
-            return await asyncio.to_thread(lambda: _encode(build()))
+            return _encode(reply())
 
     def load(self) -> ServerLoad:
         """What the server holds now (sizes only: safe from the metrics thread)."""
@@ -450,10 +452,6 @@ def _kv_message(kv: KeyValue) -> pb.KeyValue:
 _EVENT_TYPES = {EventType.PUT: pb.WatchEvent.PUT, EventType.DELETE: pb.WatchEvent.DELETE}
 
 
-def _size(kvs: Sequence[KeyValue]) -> int:
-    return sum(len(kv.key) + len(kv.value) for kv in kvs)
-
-
 def _pages(kvs: Sequence[KeyValue]) -> Iterator[Sequence[KeyValue]]:
     """`kvs` in reply pages (one, empty, for none), each found when it is asked for:
     the work of each step is that of one page, however many keys there are."""
@@ -501,7 +499,7 @@ class _StoreService(pb_grpc.StoreServicer):
         else:
             kv = await self._engine.get(request.key)
             kvs, revision = ((kv,) if kv else ()), self._engine.revision
-        return await self._server.encoded(lambda: _range_reply(kvs, revision), _size(kvs))
+        return await self._server.encoded(lambda: _range_reply(kvs, revision))
 
     async def RangePages(self, request: pb.RangeRequest, context: grpc.aio.ServicerContext) -> None:
         # One snapshot, read at once (its keys are immutable), sent a page at a time:
@@ -510,10 +508,11 @@ class _StoreService(pb_grpc.StoreServicer):
             result = await self._engine.get_prefix(request.key)
         except ElasticrunError as e:
             await context.abort(_status_of(e), str(e))
+        turn = self._server.shares.turn
+        caller = _CALLER.get()
         for page in _pages(result.kvs):
-            await context.write(
-                await self._server.encoded(functools.partial(_range_reply, page, result.revision), _size(page))
-            )
+            async with turn(caller):  # the page's write too: its identity's one page in flight
+                await context.write(_encode(_range_reply(page, result.revision)))
 
     @_unary
     async def Put(self, request: pb.PutRequest, context: object) -> pb.PutReply:
@@ -582,6 +581,8 @@ class _StoreService(pb_grpc.StoreServicer):
         # Replies go out pre-serialized (the handler has no response serializer): a
         # change seen by 1,000 watchers of one key is encoded once, not 1,000 times.
         write = context.write
+        caller = _CALLER.get()
+        turn = self._server.shares.turn
         async with self._server.counted_watch(context), self._server._long_call(context):
             await write(self._confirm)
             batches = self._engine.watch_batches(
@@ -591,7 +592,11 @@ class _StoreService(pb_grpc.StoreServicer):
             try:
                 async with contextlib.aclosing(batches):
                     async for batch in batches:
-                        await write(self._encoded(cache_key, batch))
+                        if caller.limited:  # its watches take turns with its reads
+                            async with turn(caller):
+                                await write(self._encoded(cache_key, batch))
+                        else:
+                            await write(self._encoded(cache_key, batch))
             except CompactedError as e:
                 await write(self._reply(compact_revision=e.oldest).SerializeToString())
             except StoreRequestError as e:  # an empty key
@@ -917,12 +922,12 @@ class _C10dService(pb_grpc.C10dStoreServicer):
         if values is None:
             return _encode(pb.MultiGetReply(timed_out=True))
         size = sum(map(len, values))
-        if size > MAX_REPLY_BYTES:  # the same key named a thousand times, say
+        if size > MAX_MULTI_GET_BYTES:
             raise StoreLimitError(
                 f"multi_get of {len(values)} keys would reply {size} bytes, over the store's "
-                f"limit of {MAX_REPLY_BYTES} bytes per reply"
+                f"limit of {MAX_MULTI_GET_BYTES} bytes per multi_get: get them in smaller batches"
             )
-        return await self._server.encoded(lambda: pb.MultiGetReply(values=values), size)
+        return await self._server.encoded(lambda: pb.MultiGetReply(values=values))
 
     @_unary
     async def MultiSet(self, request: pb.MultiSetRequest, context: object) -> pb.MultiSetReply:

@@ -190,3 +190,183 @@ async def test_job_control_with_a_reader_credential(
         happened="list read the store; stop refused in one line naming the reader's role (exit 2); nothing written",
         lost="nothing",
     )
+
+
+@pytest.mark.security
+async def test_client_certificates_name_roles(reliability: Reliability) -> None:
+    """A certificate's `elasticrun:` URI names its role; none is admin; with a token too,
+    the lesser of the two wins."""
+    server_ca, client_ca = TestCa("server CA"), TestCa("client CA")
+    server = StoreServer("127.0.0.1", 0, token=TOKEN, tls=server_ca.issue(), client_ca=client_ca.pem)
+    await server.start()
+
+    def client(token: str, *uris: str) -> GrpcStore:
+        return GrpcStore(server.endpoint, token=token, tls_ca=server_ca.pem, client_tls=client_ca.issue("c", uris=uris))
+
+    plain, reader = client(TOKEN), client(TOKEN, "elasticrun:reader")
+    await plain.put(SPEC, b"spec")  # no role URI, the admin token: admin
+    assert (await reader.get(SPEC)).value == b"spec"  # type: ignore[union-attr]
+    with pytest.raises(StorePermissionError, match="is a reader"):  # the admin token cannot lift it
+        await reader.put(SPEC, b"evil")
+    worker_cert = client(TOKEN, "elasticrun:worker:job-a")
+    with pytest.raises(StorePermissionError, match="worker of job 'job-a'"):
+        await worker_cert.get(SPEC)
+    # a worker token with an admin certificate is a worker; with another job's certificate, nothing
+    mixed = client(worker_credential(TOKEN, "job-a"))
+    with pytest.raises(StorePermissionError, match="worker of job 'job-a'"):
+        await mixed.get(SPEC)
+    crossed = client(worker_credential(TOKEN, "job-a"), "elasticrun:worker:job-b")
+    with pytest.raises(StorePermissionError, match="no role"):
+        await crossed.get(SPEC)
+    for c in (plain, reader, worker_cert, mixed, crossed):
+        await c.close()
+    await server.stop()
+    reliability.record(
+        part="security",
+        scenario="client certificates with roles",
+        injected="mutual TLS and a token: certificates naming elasticrun:reader, elasticrun:worker:job-a, none; "
+        "a worker token with an admin certificate; a worker token with another job's certificate",
+        happened="the certificate without a role URI was admin; each other call kept to the lesser of its token's "
+        "and its certificate's role (PERMISSION_DENIED naming it); disagreeing ones got no role",
+        lost="nothing",
+    )
+
+
+@pytest.mark.security
+async def test_workers_keep_to_their_share_of_keys(reliability: Reliability) -> None:
+    """One job's workers fill their share, all workers theirs; an agent still registers."""
+    engine = MemoryStore(max_keys=40)
+    server = StoreServer("127.0.0.1", 0, engine=engine, token=TOKEN, fair_share=FairShare(keys=6, share=0.25))
+    await server.start()
+
+    def fill(job: str) -> tuple[int, str]:
+        """Set keys as job's workers until refused: how many, and the refusal."""
+        client = C10dClient(server.endpoint, token=worker_credential(TOKEN, job), timeout=10)
+        try:
+            for n in range(100):
+                try:
+                    client.set(f"k{n}", b"x")
+                except StoreLimitError as e:
+                    return n, str(e)
+            return 100, ""
+        finally:
+            client.close()
+
+    held_a, why_a = await asyncio.to_thread(fill, "job-a")
+    held_b, why_b = await asyncio.to_thread(fill, "job-b")
+    assert (held_a, held_b) == (6, 4), (held_a, held_b)  # 10 of the 40 keys for all workers together
+    assert "its fair share" in why_a and "kept for the agents" in why_b, (why_a, why_b)
+    admin = GrpcStore(server.endpoint, token=TOKEN)
+    lease = await admin.grant_lease(10)
+    await admin.put("/elasticrun/job-a/r/nodes/n1", b"{}", lease=lease)  # the next node registers
+    await admin.close()
+    await server.stop()
+    reliability.record(
+        part="security",
+        scenario="workers fill the store",
+        injected="job-a's workers set keys until refused, then job-b's (a store of 40 keys, 6 per job, a quarter "
+        "for all workers)",
+        happened="job-a refused past 6 keys (its fair share), job-b past the workers' 10 in all (the rest kept "
+        "for the agents); a node then registered with a lease",
+        lost="nothing",
+    )
+
+
+ABUSER = REPO / "tests" / "workers" / "store_abuser.py"
+#: the issue's abuse, scaled to this test: 64 values of 1 MiB read whole by 4 loops
+BIG_KEYS, BIG_VALUE = 64, (1 << 20) - 64
+#: watches the abuser opens: five times a reader's share
+WATCHES = 500
+
+
+async def start(*argv: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+async def line_with(proc: asyncio.subprocess.Process, text: str) -> str:
+    async with asyncio.timeout(60):
+        while True:
+            line = (await proc.stdout.readline()).decode()  # type: ignore[union-attr]
+            assert line, f"the process ended before saying {text!r}"
+            if text in line:
+                return line
+
+
+async def stopped(proc: asyncio.subprocess.Process) -> str:
+    """Its output, after SIGTERM (SIGKILL if it lingers)."""
+    if proc.returncode is None:
+        proc.terminate()
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(30):
+            return (await proc.communicate())[0].decode()
+    proc.kill()
+    return (await proc.communicate())[0].decode()
+
+
+@pytest.mark.security
+@pytest.mark.timeout(180)
+async def test_a_readers_range_and_watch_abuse_stalls_no_one(tmp_path: Path, reliability: Reliability) -> None:
+    (tmp_path / "token").write_text(TOKEN)
+    server = await start(sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", "0",
+                         "--token-file", str(tmp_path / "token"))
+    abuser = None
+    try:
+        endpoint = (await line_with(server, "serving on")).split()[-1]
+        victim = GrpcStore(endpoint, token=TOKEN)
+        for i in range(BIG_KEYS):
+            await victim.put(f"/elasticrun/big/{i:03d}", bytes([i]) * BIG_VALUE)
+        await victim.put("/elasticrun/marker", b"")  # what the abuser's watches see first
+        abuser = await start(sys.executable, str(ABUSER), endpoint, reader_credential(TOKEN), "/elasticrun/big/",
+                             "/elasticrun/", str(WATCHES))
+        await line_with(abuser, "abusing")
+        lease = await victim.grant_lease(2.0)
+        node = "/elasticrun/victim/r/nodes/n1"
+        await victim.put(node, b"{}", lease=lease)
+        renewals: list[float] = []
+
+        async def keep_alive() -> None:
+            while True:
+                await asyncio.sleep(0.5)
+                t = time.perf_counter()
+                await victim.keep_alive(lease)  # LeaseExpiredError: the lease was lost
+                renewals.append(time.perf_counter() - t)
+
+        renewing = asyncio.create_task(keep_alive())
+        latencies = []
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            t = time.perf_counter()
+            await victim.put("/elasticrun/victim/r/job/state", b"x" * 100)
+            latencies.append(time.perf_counter() - t)
+            await asyncio.sleep(0.01)
+        renewing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewing
+        await victim.keep_alive(lease)
+        assert (await victim.get(node)) is not None, "the victim's lease-bound key is gone"
+        await victim.close()
+        report = await stopped(abuser)
+        figures = dict(item.split("=") for item in report.strip().splitlines()[-1].split())
+    finally:
+        for proc in (abuser, server):
+            if proc is not None:
+                await stopped(proc)
+    latencies.sort()
+    p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
+    assert int(figures["ranges"]) > 4 and int(figures["open_watches"]) == 100, figures
+    assert p99 <= 0.100, f"victim put p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms under abuse ({figures})"
+    reliability.record(
+        part="security",
+        scenario="one reader stalls every job (range and watch abuse)",
+        injected=f"from its own process, a reader read {BIG_KEYS} values of 1 MiB whole in 4 loops and opened "
+        f"{WATCHES} prefix watches over 8 connections, while a victim put a key every 10 ms and kept a 2 s lease alive",
+        happened=f"the reader's reads went out in pages ({figures['ranges']} reads, {figures['mib']} MiB); "
+        f"{figures['refused_watches']} of its watches refused (its fair share); victim put p50 "
+        f"{p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms (bound: 100 ms); the lease never lapsed",
+        lost="nothing",
+        victim_put_p50_ms=round(p50 * 1000, 1), victim_put_p99_ms=round(p99 * 1000, 1),
+        victim_renewal_max_ms=round(max(renewals, default=0.0) * 1000, 1),
+    )
