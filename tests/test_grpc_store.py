@@ -29,13 +29,12 @@ from elasticrun.errors import (
 )
 from elasticrun.launcher import store_cmd
 from elasticrun.store.access import exposure_warning, parse_access
-from elasticrun.store.api import EventType, WatchEvent
+from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
 from elasticrun.store.c10d_client import C10dClient
-from elasticrun.store.client import GrpcStore
-from elasticrun.store.api import MAX_LEASE_TTL
-from elasticrun.store.memory import MemoryStore
 from elasticrun.store.callers import FairShare
+from elasticrun.store.client import GrpcStore
 from elasticrun.store.credentials import reader_credential
+from elasticrun.store.memory import MemoryStore
 from elasticrun.store.server import StoreServer
 from elasticrun.store.wire import TlsKeyPair
 from tests.agent_helpers import eventually
@@ -379,7 +378,7 @@ async def test_one_identity_cannot_take_the_calls_of_others(reliability: Reliabi
     reliability.record(
         part="security",
         scenario="one identity holds every call slot",
-        injected="a reader holds its identity's maximum of calls in progress and makes another, over a second connection too",
+        injected="a reader holds its identity's maximum of calls in progress and makes more, over a second connection too",
         happened="refused (RESOURCE_EXHAUSTED: its fair share) on both connections; an admin client's call served",
         lost="nothing",
     )

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.errors import LeaseExpiredError, StoreAuthError, StoreLimitError, StorePermissionError
+from elasticrun.errors import StoreAuthError, StoreLimitError, StorePermissionError
 from elasticrun.rendezvous.state import JobSpec, encode
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.callers import FairShare
@@ -101,10 +101,12 @@ async def test_a_worker_credential_reaches_only_its_jobs_worker_keys(
     assert (await admin.get(SPEC)).value == b'{"command": "train.py"}'  # type: ignore[union-attr]
     assert (await admin.get(OTHER)).value == b'{"command": "other.py"}'  # type: ignore[union-attr]
     mine = await admin.get_prefix(worker_prefix("job-a"))
-    assert sorted(kv.key for kv in mine.kvs) == sorted(worker_prefix("job-a") + k for k in (SPEC, "../job-b/r/job/spec"))
+    written = (SPEC, "../job-b/r/job/spec")
+    assert sorted(kv.key for kv in mine.kvs) == sorted(worker_prefix("job-a") + key for key in written)
     assert not (await admin.get_prefix(worker_prefix("job-b"))).kvs
     # a forged credential (another job's name on job-a's MAC, another store's key) is no credential
-    forged = worker_credential(TOKEN, "job-b").rsplit(".", 1)[0] + "." + worker_credential(TOKEN, "job-a").rsplit(".")[-1]
+    job_b, job_a = worker_credential(TOKEN, "job-b"), worker_credential(TOKEN, "job-a")
+    forged = job_b.rsplit(".", 1)[0] + "." + job_a.rsplit(".", 1)[1]
     for credential in (forged, worker_credential("another-token", "job-a")):
         stranger = GrpcStore(server.endpoint, token=credential)
         with pytest.raises(StoreAuthError, match="missing or wrong store token"):
@@ -369,4 +371,55 @@ async def test_a_readers_range_and_watch_abuse_stalls_no_one(tmp_path: Path, rel
         lost="nothing",
         victim_put_p50_ms=round(p50 * 1000, 1), victim_put_p99_ms=round(p99 * 1000, 1),
         victim_renewal_max_ms=round(max(renewals, default=0.0) * 1000, 1),
+    )
+
+
+@pytest.mark.security
+async def test_etcd_roles_split_admin_and_reader(
+    etcd_auth: EtcdCluster, tmp_path: Path, reliability: Reliability
+) -> None:
+    endpoint = etcd_auth.endpoints[0]
+    passwords = {"root": AUTH_PASSWORD, "admin": "admin-" + os.urandom(6).hex(), "reader": "rd-" + os.urandom(6).hex()}
+    for name, password in passwords.items():
+        (tmp_path / name).write_text(password + "\n")
+    command = ["store", "etcd-roles", "--rdzv-endpoint", endpoint,
+               "--rdzv-conf", f"user={AUTH_USER},password_file={tmp_path / 'root'}",
+               "--admin-password-file", str(tmp_path / "admin"), "--reader-password-file", str(tmp_path / "reader")]
+    first = await asyncio.to_thread(elasticrun, tmp_path, *command)
+    assert first.returncode == 0 and "role elasticrun-admin: readwrite on /elasticrun/" in first.stdout, first
+    again = await asyncio.to_thread(elasticrun, tmp_path, *command)  # run twice: the same roles, passwords set again
+    assert again.returncode == 0 and "user elasticrun-reader: password set" in again.stdout, again
+    assert not any(p in first.stdout + first.stderr for p in passwords.values())
+
+    admin = EtcdStore([endpoint], user="elasticrun-admin", password=passwords["admin"], timeout=10)
+    reader = EtcdStore([endpoint], user="elasticrun-reader", password=passwords["reader"], timeout=10)
+    node = "/elasticrun/job-e/r/nodes/n1"
+    lease = await admin.grant_lease(5)
+    revision = await admin.put(node, b"{}", lease=lease)
+    await admin.keep_alive(lease)
+    assert (await reader.get(node)).value == b"{}"  # type: ignore[union-attr]
+    assert [kv.key for kv in (await reader.get_prefix("/elasticrun/")).kvs] == [node]
+    watch = reader.watch("/elasticrun/job-e/", start_revision=revision + 1, prefix=True)
+    watched = asyncio.ensure_future(anext(watch))
+    await admin.put(SPEC.replace("job-a", "job-e"), b"spec")
+    async with asyncio.timeout(10):
+        assert (await watched).value == b"spec"
+    await watch.aclose()
+    for call in (reader.put(node, b"evil"), reader.delete(node), reader.delete_prefix("/elasticrun/"),
+                 admin.put("/elsewhere", b"x"), admin.get("/elsewhere")):
+        with pytest.raises(StorePermissionError, match="its roles do not allow it"):
+            await call
+    await admin.revoke_lease(lease)
+    assert await reader.get(node) is None
+    for store in (admin, reader):
+        await store.close()
+    reliability.record(
+        part="security",
+        scenario="etcd: the same roles",
+        injected="`elasticrun store etcd-roles` (twice) on an etcd with auth on; then the admin user registered a "
+        "node with a lease and wrote a spec, the reader read and watched them and tried to write and delete; "
+        "the admin wrote outside /elasticrun/",
+        happened="roles and users created, then passwords set again; the admin's rendezvous calls and the reader's "
+        "reads served; every other call refused (PERMISSION_DENIED, StorePermissionError); no password printed",
+        lost="nothing",
     )
