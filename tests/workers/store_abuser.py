@@ -1,9 +1,10 @@
 """A store client doing what issue 29's abusive client did, until SIGTERM.
 
-    python tests/workers/store_abuser.py ENDPOINT CREDENTIAL RANGE_PREFIX WATCH_PREFIX [WATCHES]
+    python tests/workers/store_abuser.py ENDPOINT CREDENTIAL RANGE_PREFIX WATCH_PREFIX [WATCHES [READERS]]
 
 Over 8 connections: WATCHES (2,000) prefix watches of WATCH_PREFIX (those the store
-refuses are counted, not retried), and 4 loops reading every key under RANGE_PREFIX again and again.
+refuses are counted, not retried), and READERS (4) loops reading every key under
+RANGE_PREFIX again and again.
 The watches start at the store's latest write, which the caller makes under
 WATCH_PREFIX, so that each open one says so with that event at once. Prints `abusing`
 once every watch is open or refused and each loop has read the prefix whole, then, on
@@ -22,10 +23,11 @@ from elasticrun.errors import ElasticrunError
 from elasticrun.store.client import GrpcStore
 
 CONNECTIONS = 8
-READERS = 4
 
 
-async def main(endpoint: str, credential: str, range_prefix: str, watch_prefix: str, watches: int = 2_000) -> None:
+async def main(
+    endpoint: str, credential: str, range_prefix: str, watch_prefix: str, watches: int = 2_000, readers: int = 4
+) -> None:
     clients = [GrpcStore(endpoint, token=credential, timeout=60) for _ in range(CONNECTIONS)]
     counts = {"ranges": 0, "bytes": 0, "open_watches": 0, "refused_watches": 0, "errors": 0}
     revision = (await clients[0].get_prefix(watch_prefix + "\0")).revision  # just the revision
@@ -51,8 +53,8 @@ async def main(endpoint: str, credential: str, range_prefix: str, watch_prefix: 
             counts["bytes"] += sum(len(kv.value) for kv in result.kvs)
 
     tasks = [asyncio.create_task(hold_watch(clients[i % CONNECTIONS])) for i in range(watches)]
-    tasks += [asyncio.create_task(read(clients[i % CONNECTIONS])) for i in range(READERS)]
-    while counts["ranges"] < READERS or counts["open_watches"] + counts["refused_watches"] < watches:
+    tasks += [asyncio.create_task(read(clients[i % CONNECTIONS])) for i in range(readers)]
+    while counts["ranges"] < readers or counts["open_watches"] + counts["refused_watches"] < watches:
         await asyncio.sleep(0.01)
     print("abusing", flush=True)
     stop = asyncio.Event()
@@ -71,4 +73,4 @@ async def main(endpoint: str, credential: str, range_prefix: str, watch_prefix: 
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:5], *map(int, sys.argv[5:6])))
+    asyncio.run(main(*sys.argv[1:5], *map(int, sys.argv[5:7])))
