@@ -111,6 +111,8 @@ def credential(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
             return reader_credential(token)
         if args.rdzv_id is None:
             raise UsageError("--role worker needs --rdzv-id: a worker credential reaches one job's worker keys")
+        if not args.rdzv_id or "/" in args.rdzv_id:
+            raise UsageError(f"--rdzv-id must be a non-empty name without '/', got {args.rdzv_id!r}")
         return worker_credential(token, args.rdzv_id)
 
 

@@ -37,8 +37,6 @@ import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from elasticrun.errors import StoreSettingError
-
 #: Where every job keeps its keys (`/elasticrun/<job>/`), the rendezvous's layout.
 JOBS_PREFIX = "/elasticrun/"
 #: The folder of a job's prefix that holds its workers' c10d keys.
@@ -89,9 +87,10 @@ NOTHING = Grant(None)
 
 
 def check_job(job: str) -> str:
-    """A job id a worker credential can name: what --rdzv-id takes (no '/')."""
+    """A job id a worker credential can name: what --rdzv-id takes (no '/'), which the
+    commands check first; anything else is a caller's mistake (ValueError)."""
     if not job or "/" in job:
-        raise StoreSettingError("rdzv_id", f"a job id must be a non-empty name without '/', got {job!r}")
+        raise ValueError(f"a job id must be a non-empty name without '/', got {job!r}")
     return job
 
 
