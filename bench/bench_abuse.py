@@ -117,13 +117,16 @@ async def trial(tree: Path, credential: str, watches: int, readers: int, seconds
 
 async def _victim(victim: GrpcStore, seconds: float) -> dict[str, object]:
     lease = await victim.grant_lease(2.0)
-    await victim.put("/elasticrun/victim/r/nodes/n1", b"{}", lease=lease)
     renewals: list[float] = []
     lapsed = False
+    try:
+        await victim.put("/elasticrun/victim/r/nodes/n1", b"{}", lease=lease)
+    except Exception:  # the put took longer than the lease: lost before it was used
+        lapsed = True
 
     async def keep_alive() -> None:
         nonlocal lapsed
-        while True:
+        while not lapsed:
             await asyncio.sleep(0.5)
             t = time.perf_counter()
             try:
