@@ -51,7 +51,7 @@ CLIENT_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
     ("grpc.max_send_message_length", -1),
     # A connection of its own per client (grpc shares them within a process by
-    # default): the server's per-connection limits then hold per client.
+    # default): one client's long replies never queue behind another's on one socket.
     ("grpc.use_local_subchannel_pool", 1),
 ]
 
