@@ -53,7 +53,8 @@ def test_certificate_roles_and_the_lesser_of_two() -> None:
     for service, method in (("Store", "Put"), ("C10dStore", "Set"), ("Store", "Range")):
         assert not permits(NOTHING, service, method)
     assert permits(READER, "Store", "RangePages") and not permits(READER, "C10dStore", "Get")
-    assert permits(Grant(Role.WORKER, "a"), "C10dStore", "Get") and not permits(Grant(Role.WORKER, "a"), "Store", "Range")
+    worker = Grant(Role.WORKER, "a")
+    assert permits(worker, "C10dStore", "Get") and not permits(worker, "Store", "Range")
 
 
 def test_who_a_caller_is() -> None:
