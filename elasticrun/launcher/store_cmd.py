@@ -42,8 +42,9 @@ _SERVE_SETTINGS = ("token_file", "require_token", "tls_cert", "tls_key", "client
 
 
 def _flag_of(setting: str) -> str:
-    """The flag of a setting in these commands: `token_file` is --token-file."""
-    return "--" + setting.replace("_", "-")
+    """The flag of a setting in these commands (`token_file` is --token-file); a variable
+    (`$ELASTICRUN_STORE_TOKEN`) stays as it is."""
+    return "--" + setting.replace("_", "-") if setting.isidentifier() and setting.islower() else setting
 
 
 def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeConfig:
