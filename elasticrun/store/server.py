@@ -263,17 +263,20 @@ class StoreServer:
         try:
             caller = await self._caller(context, service, method)
             _CALLER.set(caller)
+            why = self.shares.calls.take(caller)
+            if why is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             peer = context.peer()
-            async with _held(self.shares.calls, caller, context):
-                self._connections[peer] = self._connections.get(peer, 0) + 1
-                self._calls_total += 1
-                try:
-                    yield
-                finally:
-                    self._calls_total -= 1
-                    left = self._connections.pop(peer) - 1
-                    if left:
-                        self._connections[peer] = left
+            self._connections[peer] = self._connections.get(peer, 0) + 1
+            self._calls_total += 1
+            try:
+                yield
+            finally:
+                self.shares.calls.give_back(caller)
+                self._calls_total -= 1
+                left = self._connections.pop(peer) - 1
+                if left:
+                    self._connections[peer] = left
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
@@ -429,8 +432,12 @@ def _unary(fn: _Handler[_T]) -> _Handler[_T]:
         try:
             return await fn(self, request, context)
         except ElasticrunError as e:
-            await context.abort(_status_of(e), str(e))
-            raise  # unreachable: abort raises
+            status, details = _status_of(e), str(e)
+        # Aborted outside the except clause: the error's traceback (whose frames hold the
+        # request, a 1 MiB value, say) is not chained to the abort that grpc keeps, so a
+        # refused request is freed at once rather than by a later garbage collection.
+        await context.abort(status, details)
+        raise AssertionError("unreachable: abort raises")
 
     return handler
 
