@@ -358,7 +358,8 @@ async def test_a_readers_range_and_watch_abuse_stalls_no_one(tmp_path: Path, rel
                 await stopped(proc)
     latencies.sort()
     p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
-    assert int(figures["ranges"]) > 4 and int(figures["open_watches"]) == 100, figures
+    # its 4 reading loops ran throughout (a read always in flight), none refused; its share of watches open
+    assert int(figures["ranges"]) >= 4 and figures["errors"] == "0" and int(figures["open_watches"]) == 100, figures
     assert p99 <= 0.100, f"victim put p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms under abuse ({figures})"
     reliability.record(
         part="security",
