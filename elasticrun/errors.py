@@ -75,6 +75,11 @@ class StoreAuthError(StoreError):
     exit_code = EXIT_USAGE
 
 
+class StorePermissionError(StoreAuthError):
+    """The store took our credential, but its role may not do this: a reader writing, a
+    worker reading a job's records (the built-in store's roles, etcd's key permissions)."""
+
+
 class StoreSettingError(StoreError):
     """A store setting that cannot work: an unreadable file, a malformed endpoint,
     credentials that do not go together.

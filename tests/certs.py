@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -37,9 +38,10 @@ class TestCa:
         #: the CA's certificate, PEM
         self.pem = cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, name: str = "localhost", *, expired: bool = False) -> TlsKeyPair:
+    def issue(self, name: str = "localhost", *, expired: bool = False, uris: Sequence[str] = ()) -> TlsKeyPair:
         """A certificate and key for `name` (valid for a day; `expired`: ended yesterday),
-        with 127.0.0.1 and localhost as its addresses: a server's or a client's."""
+        with 127.0.0.1 and localhost as its addresses: a server's or a client's; `uris`
+        are more subject alternative names (a store role: `elasticrun:reader`)."""
         now = datetime.datetime.now(datetime.UTC)
         start = now - datetime.timedelta(days=2 if expired else 0, minutes=5)
         key = ec.generate_private_key(ec.SECP256R1())
@@ -53,7 +55,11 @@ class TestCa:
             .not_valid_after(now - datetime.timedelta(days=1) if expired else now + datetime.timedelta(days=1))
             .add_extension(
                 x509.SubjectAlternativeName(
-                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                    [
+                        x509.DNSName("localhost"),
+                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                        *(x509.UniformResourceIdentifier(uri) for uri in uris),
+                    ]
                 ),
                 critical=False,
             )

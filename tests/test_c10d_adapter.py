@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from elasticrun.errors import StoreAuthError, StoreSettingError, StoreTimeoutError
+from elasticrun.store.credentials import worker_credential
 from elasticrun.store.server import StoreServer
 from elasticrun.worker.c10d_store import C10dStore
 from tests.certs import TestCa
@@ -44,10 +45,18 @@ async def server() -> AsyncIterator[StoreServer]:
     await s.stop()
 
 
-async def test_two_process_gloo_all_reduce(server: StoreServer) -> None:
+#: the store's token, and what an agent gives its workers: a worker credential of the
+#: job, with which the same process group runs in the job's own key namespace
+CREDENTIALS = pytest.mark.parametrize(
+    "credential", [TOKEN, worker_credential(TOKEN, "job1")], ids=["admin token", "worker credential"]
+)
+
+
+@CREDENTIALS
+async def test_two_process_gloo_all_reduce(server: StoreServer, credential: str) -> None:
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-c", WORKER, server.endpoint, TOKEN, str(rank),
+            sys.executable, "-c", WORKER, server.endpoint, credential, str(rank),
             cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO)},
             stdout=asyncio.subprocess.PIPE,
@@ -68,9 +77,10 @@ async def test_two_process_gloo_all_reduce(server: StoreServer) -> None:
                 await proc.wait()
 
 
-async def test_adapter_operations_through_a_prefix_store(server: StoreServer) -> None:
+@CREDENTIALS
+async def test_adapter_operations_through_a_prefix_store(server: StoreServer, credential: str) -> None:
     def ops() -> None:
-        store = C10dStore(server.endpoint, token=TOKEN, timeout=datetime.timedelta(seconds=5))
+        store = C10dStore(server.endpoint, token=credential, timeout=datetime.timedelta(seconds=5))
         store.set("a", "text")
         assert store.get("a") == b"text"
         assert store.add("n", 2) == 2 and store.add("n", -1) == 1

@@ -49,7 +49,8 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
     parsers = {"Launcher": launch_parser()}
     for name in ("status", "list", "logs", "join", "drain", "stop"):
         parsers[f"`elasticrun {name}`"] = subs[name]
-    parsers["`elasticrun store serve`"] = _subparsers(subs["store"])["serve"]
+    for name in ("serve", "credential", "etcd-roles"):
+        parsers[f"`elasticrun store {name}`"] = _subparsers(subs["store"])[name]
     return parsers
 
 

@@ -29,12 +29,13 @@ from elasticrun.errors import (
 )
 from elasticrun.launcher import store_cmd
 from elasticrun.store.access import exposure_warning, parse_access
-from elasticrun.store.api import EventType, WatchEvent
+from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
 from elasticrun.store.c10d_client import C10dClient
+from elasticrun.store.callers import FairShare
 from elasticrun.store.client import GrpcStore
-from elasticrun.store.api import MAX_LEASE_TTL
+from elasticrun.store.credentials import reader_credential
 from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import ConnectionLimits, StoreServer
+from elasticrun.store.server import StoreServer
 from elasticrun.store.wire import TlsKeyPair
 from tests.agent_helpers import eventually
 from tests.certs import TestCa, write_pair
@@ -320,89 +321,65 @@ async def test_absurd_lease_ttls_are_refused(server: StoreServer, reliability: R
     )
 
 
-# --- limits per connection ----------------------------------------------------------
+# --- fair shares per identity -------------------------------------------------------
+
+TOKEN = "s3cret-token"
 
 
 @pytest.mark.security
-async def test_one_connection_cannot_take_the_leases_of_others(reliability: Reliability) -> None:
-    server = StoreServer("127.0.0.1", 0, connection_limits=ConnectionLimits(max_leases=2))
+async def test_one_identity_cannot_take_the_watches_of_others(reliability: Reliability) -> None:
+    server = StoreServer("127.0.0.1", 0, token=TOKEN, fair_share=FairShare(watches=2))
     await server.start()
-    greedy, other = GrpcStore(server.endpoint), GrpcStore(server.endpoint)
-    held = [await greedy.grant_lease(60), await greedy.grant_lease(0.2)]
-    with pytest.raises(StoreLimitError, match="max_leases per connection"):
-        await greedy.grant_lease(60)
-    await other.put("other", b"", lease=await other.grant_lease(60))  # unaffected
-    await greedy.revoke_lease(held[0])  # a revoked lease no longer counts
-    held[0] = await greedy.grant_lease(60)
-    with pytest.raises(StoreLimitError, match="max_leases per connection"):
-        await greedy.grant_lease(60)
-    # nor does an expired one (the 0.2 s lease, never kept alive)
-    peer = server.engine._leases[held[0]].owner
-    await eventually(lambda: server.engine.leases_owned_by(peer) < 2, EVENT_WAIT)
-    await greedy.grant_lease(60)
-    await greedy.close()
-    await other.close()
-    await server.stop()
-    reliability.record(
-        part="security",
-        scenario='one client takes every lease',
-        injected="a client holds its connection's maximum of leases and asks for more",
-        happened="refused (RESOURCE_EXHAUSTED: max_leases per connection); another client's leases granted; revoked and expired leases no longer count",
-        lost="nothing",
-    )
-
-
-@pytest.mark.security
-async def test_one_connection_cannot_take_the_watches_of_others(reliability: Reliability) -> None:
-    server = StoreServer("127.0.0.1", 0, connection_limits=ConnectionLimits(max_watches=2))
-    await server.start()
-    greedy, other = GrpcStore(server.endpoint), GrpcStore(server.endpoint)
-    revision = await other.put("k", b"1")
+    reader = reader_credential(TOKEN)
+    greedy, again, admin = (GrpcStore(server.endpoint, token=t) for t in (reader, reader, TOKEN))
+    revision = await admin.put("k", b"1")
     watches = [greedy.watch("k", start_revision=revision) for _ in range(2)]
     for watch in watches:  # each stream open on the server, holding its event
         await next_events(watch, 1)
-    with pytest.raises(StoreLimitError, match="max_watches per connection"):
-        await next_events(greedy.watch("k", start_revision=revision), 1)
-    mine = other.watch("k", start_revision=revision)
+    for client in (greedy, again):  # a new connection brings no new allowance
+        with pytest.raises(StoreLimitError, match="maximum of 2 open watches"):
+            await next_events(client.watch("k", start_revision=revision), 1)
+    mine = admin.watch("k", start_revision=revision)
     assert [e.value for e in await next_events(mine, 1)] == [b"1"]
     for watch in (*watches, mine):
         await watch.aclose()
-    await greedy.close()
-    await other.close()
+    for client in (greedy, again, admin):
+        await client.close()
     await server.stop()
     reliability.record(
         part="security",
-        scenario='one client opens watches without end',
-        injected="a client holds its connection's maximum of watches and opens another",
-        happened="refused (RESOURCE_EXHAUSTED: max_watches per connection); another client's watch delivered",
+        scenario="one identity opens watches without end",
+        injected="a reader holds its identity's maximum of watches and opens more, over a second connection too",
+        happened="refused (RESOURCE_EXHAUSTED: its fair share) on both connections; an admin client's watch delivered",
         lost="nothing",
     )
 
 
 @pytest.mark.security
-async def test_one_connection_cannot_take_the_calls_of_others(reliability: Reliability) -> None:
-    limits = ConnectionLimits(max_calls=2)
-    server = StoreServer("127.0.0.1", 0, connection_limits=limits)
+async def test_one_identity_cannot_take_the_calls_of_others(reliability: Reliability) -> None:
+    server = StoreServer("127.0.0.1", 0, token=TOKEN, fair_share=FairShare(calls=2))
     await server.start()
-    greedy, other = GrpcStore(server.endpoint), GrpcStore(server.endpoint)
-    revision = await other.put("k", b"1")
+    reader = reader_credential(TOKEN)
+    greedy, again, admin = (GrpcStore(server.endpoint, token=t) for t in (reader, reader, TOKEN))
+    revision = await admin.put("k", b"1")
     watches = [greedy.watch("k", start_revision=revision) for _ in range(2)]
     for watch in watches:  # two calls in progress for as long as they stay open
         await next_events(watch, 1)
-    with pytest.raises(StoreLimitError, match="max_calls per connection"):
-        await greedy.get("k")
-    kv = await other.get("k")
+    for client in (greedy, again):
+        with pytest.raises(StoreLimitError, match="maximum of 2 calls in progress"):
+            await client.get("k")
+    kv = await admin.get("k")
     assert kv is not None and kv.value == b"1"
     for watch in watches:
         await watch.aclose()
-    await greedy.close()
-    await other.close()
+    for client in (greedy, again, admin):
+        await client.close()
     await server.stop()
     reliability.record(
         part="security",
-        scenario='one client holds every call slot',
-        injected="a client holds its connection's maximum of calls in progress and makes another",
-        happened="refused (RESOURCE_EXHAUSTED: max_calls per connection); another client's call served",
+        scenario="one identity holds every call slot",
+        injected="a reader holds its identity's maximum of calls in progress and makes more, over a second connection too",
+        happened="refused (RESOURCE_EXHAUSTED: its fair share) on both connections; an admin client's call served",
         lost="nothing",
     )
 

@@ -21,7 +21,8 @@ from elasticrun.errors import (
 )
 from elasticrun.store import memory as memory_store
 from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.credentials import worker_prefix
+from elasticrun.store.memory import MemoryStore, SpaceQuota
 
 #: Bounds every wait on the store in these tests; far above any healthy latency.
 EVENT_WAIT = 10.0
@@ -230,21 +231,6 @@ async def test_lease_ttl_must_be_positive_and_at_most_etcds_limit() -> None:
     await store.close()
 
 
-async def test_leases_are_counted_by_owner_until_revoked_or_expired() -> None:
-    store = MemoryStore()
-    kept = await store.grant_lease(60, owner="a")
-    await store.grant_lease(0.05, owner="a")
-    await store.grant_lease(60, owner="b")
-    assert (store.leases_owned_by("a"), store.leases_owned_by("b")) == (2, 1)
-    await store.revoke_lease(kept)
-    assert store.leases_owned_by("a") == 1
-    async with asyncio.timeout(EVENT_WAIT):
-        while store.leases_owned_by("a"):  # the short one expires on the timer
-            await asyncio.sleep(0.01)
-    assert store.leases_owned_by("b") == 1 and not store._owned.get("a")
-    await store.close()
-
-
 async def test_put_all_is_all_or_nothing() -> None:
     store = MemoryStore(max_total_bytes=100)
     await store.put("a", b"x" * 40)
@@ -402,4 +388,31 @@ async def test_a_due_lease_is_expired_even_before_its_timer_runs() -> None:
     with pytest.raises(LeaseExpiredError):
         await store.keep_alive(lease)
     assert await store.get("k") is None
+    await store.close()
+
+
+async def test_worker_namespaces_are_counted_as_they_change() -> None:
+    """Keys under a job's worker namespace count for its quota until they are gone,
+    however they go (delete, a prefix delete, a lease)."""
+    store = MemoryStore()
+    quota = SpaceQuota(keys=2, bytes=100, all_keys=3, all_bytes=1_000)
+    a, b = worker_prefix("a"), worker_prefix("b")
+    await store.put(a + "1", b"x" * 10, quota=quota)
+    await store.put(a + "1", b"x" * 40, quota=quota)  # an overwrite: still one key, 40 bytes more
+    await store.put_all([(a + "2", b"y")], quota=quota)
+    assert store.worker_keys("a") == 2
+    with pytest.raises(StoreLimitError, match="its fair share"):
+        await store.put(a + "3", b"", quota=quota)
+    with pytest.raises(StoreLimitError, match="its fair share"):  # bytes: 10 + 40 + len(key) > 100
+        await store.put(a + "1", b"x" * 100, quota=quota)
+    await store.put(b + "1", b"", quota=quota)
+    with pytest.raises(StoreLimitError, match="kept for the agents"):  # 3 worker keys in all
+        await store.put(b + "2", b"", quota=quota)
+    await store.put("/elasticrun/a/r/nodes/n", b"", quota=quota)  # outside every namespace: no quota
+    assert await store.delete_prefix(a) == 2 and store.worker_keys("a") == 0
+    lease = await store.grant_lease(60)
+    await store.put(a + "1", b"z", lease=lease, quota=quota)
+    await store.revoke_lease(lease)
+    assert store.worker_keys("a") == 0 and store.worker_keys("b") == 1
+    await store.put_all([(b + "2", b""), (a + "1", b"")], quota=quota)  # room again, for both
     await store.close()

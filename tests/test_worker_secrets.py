@@ -2,7 +2,8 @@
 
 - An agent hosting a token-protected c10d store, started with ELASTICRUN_STORE_TOKEN and
   a variable named by password_env: its worker's environment holds neither value, and
-  ELASTICRUN_STORE_TOKEN_FILE names a 0600 file with the token, gone once the agent ends.
+  ELASTICRUN_STORE_TOKEN_FILE names a 0600 file with a worker credential of the job
+  (never the token), gone once the agent ends.
 - Without a token, `elasticrun store serve` and an agent hosting the store warn in one
   line when they listen on a wildcard address; on loopback `store serve` says nothing.
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticrun.store.credentials import worker_credential
 from tests.agent_helpers import free_port, write_script
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
 from tests.reliability_rows import Reliability
@@ -77,7 +79,10 @@ def test_workers_get_no_secret_but_a_private_token_file(cluster: Cluster, tmp_pa
     path = Path(report["path"])
     assert re.search(rf"^\[0\]<stdout>: env ELASTICRUN_STORE_TOKEN_FILE={re.escape(str(path))}$", out, re.MULTILINE)
     assert path.is_relative_to(cluster.tmp / "logs"), path  # in the agent's run folder
-    assert report["mode"] == 0o600 and report["content"] == token, report | {"content": "..."}
+    run_id = re.search(r"^\[0\]<stdout>: env TORCHELASTIC_RUN_ID=(.*)$", out, re.MULTILINE)
+    assert run_id is not None, out[-3000:]
+    credential = worker_credential(token, run_id.group(1))
+    assert report["mode"] == 0o600 and report["content"] == credential, report | {"content": "..."}
     assert not path.exists(), "the agent left its token file behind"
     assert not re.search(NO_TOKEN, out), out[-3000:]  # a token: nothing to warn about
     cluster.assert_no_orphans()
@@ -87,7 +92,8 @@ def test_workers_get_no_secret_but_a_private_token_file(cluster: Cluster, tmp_pa
         injected="an agent with $ELASTICRUN_STORE_TOKEN and an etcd password_env variable set; its worker "
         "prints its whole environment",
         happened="neither secret in the worker's environment or output; the worker got "
-        "ELASTICRUN_STORE_TOKEN_FILE, a 0600 file in the agent's run folder, removed when the agent ended",
+        "ELASTICRUN_STORE_TOKEN_FILE, a 0600 file in the agent's run folder holding a worker credential of its "
+        "job (not the token), removed when the agent ended",
         lost="nothing",
     )
 

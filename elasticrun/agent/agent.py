@@ -46,6 +46,7 @@ from elasticrun.errors import (
     exit_for_signal,
 )
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
+from elasticrun.store.credentials import worker_credential
 
 if TYPE_CHECKING:  # imported by the launcher only when metrics are asked for
     from elasticrun.agent.metrics import AgentMetrics
@@ -282,15 +283,18 @@ class Agent:
         self._event_log = open_log(self.run_dir / "events.jsonl", truncate=False)
 
     def _write_token_file(self) -> Path | None:
-        """Write the store's token once, for the workers' store clients, readable by this
-        user only; None when the store has no token.
+        """Write the workers' store credential once, for their store clients, readable
+        by this user only; None when the store has no token.
 
-        A file rather than a variable: a worker's environment ends up in logs, crash
-        reports and experiment trackers, a file in the agent's run folder does not.
+        The credential is a worker's of this job (`worker_credential`), never the
+        store's token: it reaches the c10d operations on this job's worker keys only,
+        not the job's records, its spec or another job. A file rather than a variable:
+        a worker's environment ends up in logs, crash reports and experiment trackers,
+        a file in the agent's run folder does not.
         """
-        token = self.spec.store_token
-        if token is None:
+        if self.spec.store_token is None:
             return None
+        token = worker_credential(self.spec.store_token, self.spec.run_id)
         path = self.run_dir / "store_token"
         with contextlib.suppress(OSError):
             path.unlink()  # one a killed agent left (or a link): never written into

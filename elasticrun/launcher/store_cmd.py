@@ -1,4 +1,10 @@
-"""`elasticrun store serve`: run the built-in store server alone on a dedicated host."""
+"""`elasticrun store`: the built-in store's own commands, and etcd's roles.
+
+- `serve` runs the built-in store server alone on a dedicated host;
+- `credential` prints a worker or reader credential derived from the store's token,
+  for an operator to hand out (`store/credentials.py`);
+- `etcd-roles` creates etcd's users and roles for the same split (`store/etcd_roles.py`).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +20,11 @@ from pathlib import Path
 
 from elasticrun.errors import UsageError
 from elasticrun.launcher.closed_journal import journaled
-from elasticrun.launcher.config import settings_from_flags
+from elasticrun.launcher.config import parse_rdzv_conf, settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address, serving
-from elasticrun.store.access import exposure_warning, read_token, server_tls
+from elasticrun.store.access import exposure_warning, parse_access, read_file, read_token, server_tls
+from elasticrun.store.credentials import reader_credential, worker_credential
 from elasticrun.store.memory import MemoryStore
 from elasticrun.store.server import StoreServer
 from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV, TlsKeyPair
@@ -35,25 +42,21 @@ class ServeConfig:
     state_dir: Path | None = None
 
 
-#: the flag of each store setting `store serve` takes
-_FLAGS = {
-    "token_file": "--token-file",
-    "require_token": "--require-token",
-    "tls_cert": "--tls-cert",
-    "tls_key": "--tls-key",
-    "client_ca": "--client-ca",
-}
+#: the store settings `store serve` takes, each from the flag of its name
+_SERVE_SETTINGS = ("token_file", "require_token", "tls_cert", "tls_key", "client_ca")
 
 
 def _flag_of(setting: str) -> str:
-    return _FLAGS.get(setting, setting)
+    """The flag of a setting in these commands (`token_file` is --token-file); a variable
+    (`$ELASTICRUN_STORE_TOKEN`) stays as it is."""
+    return "--" + setting.replace("_", "-") if setting.isidentifier() and setting.islower() else setting
 
 
 def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeConfig:
     """Check the flags of `store serve` and gather what the server needs."""
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be within 0..65535, got {args.port}")
-    given = {setting: getattr(args, setting) for setting in _FLAGS if getattr(args, setting) is not None}
+    given = {setting: getattr(args, setting) for setting in _SERVE_SETTINGS if getattr(args, setting) is not None}
     with settings_from_flags(_flag_of):
         tls, client_ca = server_tls(given)
         token = read_token(args.token_file, environ, required=args.require_token)
@@ -108,8 +111,76 @@ def _run(args: argparse.Namespace) -> int:
     return asyncio.run(serve(config))
 
 
+def credential(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """The credential `store credential` prints: a worker's of --rdzv-id, or the reader's."""
+    with settings_from_flags(_flag_of):
+        token = read_token(args.token_file, environ)
+        if token is None:
+            raise UsageError(f"no store token to derive it from: give --token-file, or set ${TOKEN_ENV}")
+        if args.role == "reader":
+            if args.rdzv_id is not None:
+                raise UsageError("--rdzv-id goes with --role worker only: a reader credential reads every job")
+            return reader_credential(token)
+        if args.rdzv_id is None:
+            raise UsageError("--role worker needs --rdzv-id: a worker credential reaches one job's worker keys")
+        if not args.rdzv_id or "/" in args.rdzv_id:
+            raise UsageError(f"--rdzv-id must be a non-empty name without '/', got {args.rdzv_id!r}")
+        return worker_credential(token, args.rdzv_id)
+
+
+def _print_credential(args: argparse.Namespace) -> int:
+    print(credential(args, os.environ), flush=True)
+    return 0
+
+
+def _etcd_roles(args: argparse.Namespace) -> int:
+    from elasticrun.store.etcd import EtcdStore
+    from elasticrun.store.etcd_roles import ADMIN, READER, set_up
+
+    conf = parse_rdzv_conf(args.rdzv_conf)
+    with settings_from_flags():
+        access = parse_access("etcd", args.rdzv_endpoint, conf, os.environ)
+    with settings_from_flags(_flag_of):
+        passwords = {
+            role: _password(setting, path)
+            for role, setting, path in (
+                (ADMIN, "admin_password_file", args.admin_password_file),
+                (READER, "reader_password_file", args.reader_password_file),
+            )
+            if path is not None
+        }
+    if not passwords:
+        raise UsageError("give --admin-password-file, --reader-password-file or both: the users to set up")
+
+    async def run() -> list[str]:
+        store = EtcdStore(
+            access.endpoints, tls_ca=access.tls_ca, client_tls=access.client_tls,
+            user=access.user, password=access.password, timeout=access.timeout,
+        )
+        try:
+            return await set_up(store, passwords)
+        finally:
+            await store.close()
+
+    for line in asyncio.run(run()):
+        print(f"elasticrun store etcd-roles: {line}", flush=True)
+    return 0
+
+
+def _password(setting: str, path: str) -> str:
+    """A password from the file `path` names: its first line, not empty."""
+    try:
+        password = read_file(setting, path).decode().rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise UsageError(f"{_flag_of(setting)}: {path} is not UTF-8 text") from None
+    if not password:
+        raise UsageError(f"{_flag_of(setting)}: {path} is empty")
+    return password
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add `store serve` to the CLI; the parsed args carry `run(args) -> int`."""
+    """Add `store serve`, `store credential` and `store etcd-roles` to the CLI; the
+    parsed args carry `run(args) -> int`."""
     store = subparsers.add_parser("store", help="the built-in key-value store")
     commands = store.add_subparsers(dest="store_command", required=True)
     serve_parser = commands.add_parser(
@@ -147,3 +218,33 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "before a restart of the store stays ended for its closed_ttl; off by default",
     )
     serve_parser.set_defaults(run=_run)
+    credential_parser = commands.add_parser(
+        "credential",
+        help="print a worker or reader credential for the built-in store, derived from its token",
+        description="Print, on one line, a credential derived from the store's token: a worker's reaches the "
+        "c10d operations on one job's own keys, a reader's reads every key and writes none. The store checks "
+        "it with its token alone; give the token with --token-file or $" + TOKEN_ENV + ".",
+    )
+    credential_parser.add_argument("--role", required=True, choices=("worker", "reader"))
+    credential_parser.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="the worker's job (--role worker)")
+    credential_parser.add_argument(
+        "--token-file", help=f"file holding the store's token (default: ${TOKEN_ENV})"
+    )
+    credential_parser.set_defaults(run=_print_credential)
+    roles_parser = commands.add_parser(
+        "etcd-roles",
+        help="create etcd's elasticrun-admin and elasticrun-reader users and roles on /elasticrun/",
+        description="As a user of etcd's root role (--rdzv-conf user=root,password_file=...), create the roles "
+        "elasticrun-admin (readwrite on /elasticrun/) and elasticrun-reader (read on /elasticrun/), and a user "
+        "of each with the password in its file (an existing user gets that password). Workers need no etcd user.",
+    )
+    roles_parser.add_argument(
+        "--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", required=True, help="etcd: h1:2379,..."
+    )
+    roles_parser.add_argument(
+        "--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", action="append", default=[],
+        help="etcd access: user, password_file, password_env, ca_cert, client_cert, client_key, store_timeout",
+    )
+    roles_parser.add_argument("--admin-password-file", help="the password of the user elasticrun-admin")
+    roles_parser.add_argument("--reader-password-file", help="the password of the user elasticrun-reader")
+    roles_parser.set_defaults(run=_etcd_roles)

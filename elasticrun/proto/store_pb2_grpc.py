@@ -40,6 +40,11 @@ class StoreStub:
                 request_serializer=store__pb2.RangeRequest.SerializeToString,
                 response_deserializer=store__pb2.RangeReply.FromString,
                 _registered_method=True)
+        self.RangePages = channel.unary_stream(
+                '/elasticrun.store.v1.Store/RangePages',
+                request_serializer=store__pb2.RangeRequest.SerializeToString,
+                response_deserializer=store__pb2.RangeReply.FromString,
+                _registered_method=True)
         self.Put = channel.unary_unary(
                 '/elasticrun.store.v1.Store/Put',
                 request_serializer=store__pb2.PutRequest.SerializeToString,
@@ -87,7 +92,17 @@ class StoreServicer:
     """
 
     def Range(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One key, or the keys under a prefix when they fit one page (else RESOURCE_EXHAUSTED:
+        read them with RangePages).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RangePages(self, request, context):
+        """The keys under a prefix, in pages of about a MiB (at least one reply), all read at
+        one revision: a large read is sent piece by piece, never built whole on the server.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -147,6 +162,11 @@ def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Range': grpc.unary_unary_rpc_method_handler(
                     servicer.Range,
+                    request_deserializer=store__pb2.RangeRequest.FromString,
+                    response_serializer=store__pb2.RangeReply.SerializeToString,
+            ),
+            'RangePages': grpc.unary_stream_rpc_method_handler(
+                    servicer.RangePages,
                     request_deserializer=store__pb2.RangeRequest.FromString,
                     response_serializer=store__pb2.RangeReply.SerializeToString,
             ),
@@ -217,6 +237,33 @@ class Store:
             request,
             target,
             '/elasticrun.store.v1.Store/Range',
+            store__pb2.RangeRequest.SerializeToString,
+            store__pb2.RangeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RangePages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/elasticrun.store.v1.Store/RangePages',
             store__pb2.RangeRequest.SerializeToString,
             store__pb2.RangeReply.FromString,
             options,

@@ -20,6 +20,7 @@ from elasticrun.errors import (
     StoreAuthError,
     StoreError,
     StoreLimitError,
+    StorePermissionError,
     StoreRequestError,
     StoreSettingError,
     StoreUnavailableError,
@@ -50,7 +51,7 @@ CLIENT_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
     ("grpc.max_send_message_length", -1),
     # A connection of its own per client (grpc shares them within a process by
-    # default): the server's per-connection limits then hold per client.
+    # default): one client's long replies never queue behind another's on one socket.
     ("grpc.use_local_subchannel_pool", 1),
 ]
 
@@ -232,6 +233,8 @@ def error_from(error: grpc.RpcError, endpoint: str, lease: int = 0) -> Elasticru
     code, details = error.code(), error.details() or ""
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return StoreAuthError(f"the store at {endpoint} refused us: {details}")
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return StorePermissionError(f"the store at {endpoint} refused the request: {details}")
     if _is_tls_failure(details):
         return StoreAuthError(
             f"TLS with the store at {endpoint} failed (is the CA right, and does the "

@@ -118,14 +118,19 @@ class GrpcStore(Store):
         self, method: Callable[..., Awaitable[_T]], request: object, *, lease: int = 0
     ) -> _T:
         """One unary call under the deadline, retried with backoff while unreachable."""
+        return await self._retried(
+            lambda timeout: method(request, timeout=timeout, metadata=self._metadata), lease=lease
+        )
+
+    async def _retried(self, attempt: Callable[[float], Awaitable[_T]], *, lease: int = 0) -> _T:
+        """`attempt(timeout)` under the deadline, tried again with backoff while the
+        server is unreachable."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         delay = FIRST_BACKOFF
         while True:
             try:
-                return await method(
-                    request, timeout=max(deadline - loop.time(), 0.0), metadata=self._metadata
-                )
+                return await attempt(max(deadline - loop.time(), 0.0))
             except grpc.aio.AioRpcError as e:
                 await self._retry_or_raise(e, lease, out_of_time=loop.time() + delay >= deadline)
             await asyncio.sleep(delay)
@@ -170,8 +175,23 @@ class GrpcStore(Store):
         return _key_value(reply.kvs[0]) if reply.kvs else None
 
     async def get_prefix(self, prefix: str) -> RangeResult:
-        reply = await self._call(self._stub.Range, pb.RangeRequest(key=prefix, prefix=True))
-        return RangeResult(tuple(_key_value(kv) for kv in reply.kvs), reply.revision)
+        """In pages, all read at one revision by the server (`RangePages`); a read
+        broken off is read again whole."""
+        request = pb.RangeRequest(key=prefix, prefix=True)
+
+        async def read(timeout: float) -> RangeResult:
+            kvs: list[KeyValue] = []
+            revision = 0
+            call = self._stub.RangePages(request, timeout=timeout, metadata=self._metadata)
+            try:
+                async for page in call:
+                    kvs.extend(map(_key_value, page.kvs))
+                    revision = page.revision
+            finally:
+                call.cancel()
+            return RangeResult(tuple(kvs), revision)
+
+        return await self._retried(read)
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         reply: pb.PutReply = await self._call(

@@ -57,6 +57,7 @@ from elasticrun.errors import (
     StoreAuthError,
     StoreError,
     StoreLimitError,
+    StorePermissionError,
     StoreRequestError,
     StoreSettingError,
     StoreUnavailableError,
@@ -108,6 +109,7 @@ class _Kind(enum.Enum):
     AUTH_REQUIRED = "credentials missing"
     AUTH_FAILED = "credentials refused"
     AUTH_DISABLED = "credentials given to an etcd without auth"
+    PERMISSION = "the user's roles do not allow it"
     TLS = "TLS handshake failed"
     NOT_ETCD = "not an etcd v3 server"
     LEASE_GONE = "lease not found"
@@ -138,7 +140,7 @@ _ERROR_TABLE: tuple[tuple[grpc.StatusCode, str, _Kind], ...] = (
     (grpc.StatusCode.INVALID_ARGUMENT, "too many operations", _Kind.LIMIT),
     (grpc.StatusCode.INVALID_ARGUMENT, "key is not provided", _Kind.REQUEST),
     (grpc.StatusCode.UNAUTHENTICATED, "", _Kind.AUTH_FAILED),
-    (grpc.StatusCode.PERMISSION_DENIED, "", _Kind.AUTH_FAILED),
+    (grpc.StatusCode.PERMISSION_DENIED, "", _Kind.PERMISSION),
     (grpc.StatusCode.FAILED_PRECONDITION, "authentication is not enabled", _Kind.AUTH_DISABLED),
     (grpc.StatusCode.NOT_FOUND, "lease not found", _Kind.LEASE_GONE),
     (grpc.StatusCode.UNIMPLEMENTED, "", _Kind.NOT_ETCD),
@@ -202,6 +204,12 @@ def _store_error(
         return StoreAuthError(
             f"etcd at {endpoint} refused {who} ({details}): check user and "
             f"password_file/password_env in {conf} and the user's role on the key prefix"
+        )
+    if kind is _Kind.PERMISSION:
+        who = f"user {user!r}" if user is not None else "an anonymous client"
+        return StorePermissionError(
+            f"etcd at {endpoint} refused {who} the request ({details}): its roles do not allow it "
+            "(`elasticrun store etcd-roles` sets up the admin and reader roles)"
         )
     if kind is _Kind.AUTH_DISABLED:
         return StoreAuthError(
@@ -447,7 +455,7 @@ def _key_value(kv: kv_pb2.KeyValue) -> KeyValue:
     )
 
 
-def _prefix_range(prefix: str) -> tuple[bytes, bytes]:
+def prefix_range(prefix: str) -> tuple[bytes, bytes]:
     """etcd's [key, range_end) for every key starting with `prefix` ("" = every key)."""
     start = prefix.encode()
     end = bytearray(start)
@@ -587,13 +595,18 @@ class EtcdStore(Store):
                 code, details = _rpc_facts(exc)
             await asyncio.sleep(cluster.recover(stubs, code, details, attempts, lease=lease))
 
+    async def auth(self, method: str, request: object) -> Any:
+        """One call of etcd's Auth service (`RoleAdd`, `UserGrantRole`, ...) with this
+        client's failover and credentials: how `etcd_roles` sets up users and roles."""
+        return await self._run(lambda s, t, m: getattr(s.auth, method).future(request, timeout=t, metadata=m))
+
     async def get(self, key: str) -> KeyValue | None:
         request = etcdrpc.RangeRequest(key=key.encode())
         response = await self._run(lambda s, t, m: s.kv.Range.future(request, timeout=t, metadata=m))
         return _key_value(response.kvs[0]) if response.kvs else None
 
     async def get_prefix(self, prefix: str) -> RangeResult:
-        start, end = _prefix_range(prefix)
+        start, end = prefix_range(prefix)
         request = etcdrpc.RangeRequest(key=start, range_end=end)
         response = await self._run(lambda s, t, m: s.kv.Range.future(request, timeout=t, metadata=m))
         return RangeResult(tuple(_key_value(kv) for kv in response.kvs), response.header.revision)
@@ -653,7 +666,7 @@ class EtcdStore(Store):
         return bool(response.succeeded and response.responses[0].response_delete_range.deleted)
 
     async def delete_prefix(self, prefix: str) -> int:
-        start, end = _prefix_range(prefix)
+        start, end = prefix_range(prefix)
         request = etcdrpc.DeleteRangeRequest(key=start, range_end=end)
         response = await self._run(
             lambda s, t, m: s.kv.DeleteRange.future(request, timeout=t, metadata=m)
@@ -742,7 +755,7 @@ class EtcdStore(Store):
         # nodes per client, hundreds of watch threads fought the loop for the GIL).
         if self._closed:
             raise StoreUnavailableError(self.endpoint, "this store client is closed")
-        start, end = _prefix_range(key) if prefix else (key.encode(), b"")
+        start, end = prefix_range(key) if prefix else (key.encode(), b"")
         request = etcdrpc.WatchCreateRequest(
             key=start, range_end=end, start_revision=start_revision
         )

@@ -28,6 +28,10 @@ next revision is evicted in between gets CompactedError, as above.
 Leases expire by themselves: one timer on the loop fires at the earliest deadline of a
 heap of (deadline, lease id). Keep-alives push a new entry and leave the old one to be
 skipped when it surfaces, so a keep-alive is O(log n) and never reschedules the timer.
+
+The keys of each job's worker namespace (`/elasticrun/<job>/w/`, see
+`store/credentials.py`) are counted as they change, by job and in all: the server bounds
+what a worker credential may make the store hold (`SpaceQuota`) without a scan.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from elasticrun.store.api import (
     WatchEvent,
     check_lease_ttl,
 )
+from elasticrun.store.credentials import worker_job_of
 
 #: A round record at 1,000 nodes is ~100 KB; leave room for ten times that.
 DEFAULT_MAX_VALUE_BYTES = 1 << 20
@@ -84,8 +89,6 @@ class _Lease:
     id: int
     ttl: float
     deadline: float
-    #: who granted it (the server's client connection), counted in `_owned`
-    owner: str = ""
     keys: set[str] = field(default_factory=set)
 
 
@@ -172,6 +175,26 @@ class _Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class SpaceQuota:
+    """What a write may make the worker namespaces hold: the keys and bytes (keys and
+    values) of the written key's own job (`keys`, `bytes`), and of all of them together
+    (`all_keys`, `all_bytes`). Past one, the write is refused with StoreLimitError."""
+
+    keys: int
+    bytes: int
+    all_keys: int
+    all_bytes: int
+
+
+@dataclass(slots=True)
+class _Usage:
+    """What one worker namespace (or all of them) holds."""
+
+    keys: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class StoreLoad:
     """The engine's size at one moment (see `MemoryStore.load`)."""
 
@@ -222,7 +245,9 @@ class MemoryStore(Store):
         self._exact_watchers: dict[str, set[_Watcher]] = {}
         self._prefix_watchers: set[_Watcher] = set()
         self._leases: dict[int, _Lease] = {}
-        self._owned: dict[str, int] = {}  # live leases by owner; no entry at zero
+        #: keys and bytes of each job's worker namespace (no entry when empty), and in all
+        self._usage: dict[str, _Usage] = {}
+        self._all_usage = _Usage()
         self._expiry_heap: list[tuple[float, int]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
@@ -256,22 +281,32 @@ class MemoryStore(Store):
         return self._kvs.get(key)
 
     async def get_prefix(self, prefix: str) -> RangeResult:
+        """A snapshot: the keys are immutable, so it stays as read while the store moves on.
+
+        Costs a few microseconds per 100 keys (two binary searches, then C loops): the
+        server takes the snapshot of a large prefix at once and sends it in pages.
+        """
         self._check_open()
-        return RangeResult(
-            tuple(self._kvs[k] for k in self._keys_with_prefix(prefix)), self._revision
-        )
+        return RangeResult(tuple(map(self._kvs.__getitem__, self._keys_with_prefix(prefix))), self._revision)
+
+    def worker_keys(self, job: str) -> int:
+        """How many keys job `job`'s worker namespace holds."""
+        usage = self._usage.get(job)
+        return usage.keys if usage is not None else 0
 
     # --- writes --------------------------------------------------------------------
 
-    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+    async def put(self, key: str, value: bytes, *, lease: int = 0, quota: SpaceQuota | None = None) -> int:
+        """Write the key; with `quota` (the server's, for a worker credential) only
+        within it."""
         self._check_open()
-        self._put(key, value, lease)
+        self._put(key, value, lease, quota)
         return self._revision
 
-    async def put_all(self, items: Sequence[tuple[str, bytes]]) -> int:
+    async def put_all(self, items: Sequence[tuple[str, bytes]], *, quota: SpaceQuota | None = None) -> int:
         """Put every (key, value) without a lease, or none if one of them would break a
-        bound (etcd's transactions are all or nothing too). A key given twice takes its
-        last value, written once. Returns the store revision."""
+        bound (etcd's transactions are all or nothing too), `quota` included. A key
+        given twice takes its last value, written once. Returns the store revision."""
         self._check_open()
         batch = dict(items)
         for key, value in batch.items():
@@ -282,11 +317,12 @@ class MemoryStore(Store):
             raise self._too_many_keys(created[0])
         total = self._total_bytes
         for key, value in batch.items():
-            current = self._kvs.get(key)
-            total += len(key) + len(value) - (len(key) + len(current.value) if current else 0)
+            total += self._growth(key, value)
         if total > self.max_total_bytes:
             key = next(iter(batch))
             raise self._too_many_bytes(key, sum(len(v) for v in batch.values()))
+        if quota is not None:
+            self._check_quota(batch, quota)
         for key, value in batch.items():
             self._write(key, value, 0, None)
         return self._revision
@@ -317,12 +353,11 @@ class MemoryStore(Store):
 
     async def delete_prefix(self, prefix: str) -> int:
         self._check_open()
-        return self._delete(list(self._keys_with_prefix(prefix)))
+        return self._delete(self._keys_with_prefix(prefix))
 
     # --- leases --------------------------------------------------------------------
 
-    async def grant_lease(self, ttl: float, *, owner: str = "") -> int:
-        """A new lease; `owner` names who asked for it, for `leases_owned_by`."""
+    async def grant_lease(self, ttl: float) -> int:
         self._check_open()
         check_lease_ttl(ttl)
         if len(self._leases) >= self.max_leases:
@@ -333,9 +368,8 @@ class MemoryStore(Store):
         lease_id = 0
         while lease_id == 0 or lease_id in self._leases:
             lease_id = secrets.randbits(63)  # random: an old id never names a new lease
-        lease = _Lease(lease_id, ttl, asyncio.get_running_loop().time() + ttl, owner)
+        lease = _Lease(lease_id, ttl, asyncio.get_running_loop().time() + ttl)
         self._leases[lease_id] = lease
-        self._owned[owner] = self._owned.get(owner, 0) + 1
         self._push_deadline(lease)
         return lease_id
 
@@ -350,10 +384,6 @@ class MemoryStore(Store):
         held = self._leases.get(lease)
         if held is not None:
             self._end_lease(held)
-
-    def leases_owned_by(self, owner: str) -> int:
-        """How many live leases `owner` was granted (revoked and expired ones not counted)."""
-        return self._owned.get(owner, 0)
 
     def lease_ttl(self, lease: int) -> float:
         """The lease's TTL in seconds (for keep-alive replies); LeaseExpiredError if gone."""
@@ -434,12 +464,12 @@ class MemoryStore(Store):
         if self._closed:
             raise StoreUnavailableError(self.endpoint, "the store was closed")
 
-    def _keys_with_prefix(self, prefix: str) -> Iterable[str]:
+    def _keys_with_prefix(self, prefix: str) -> list[str]:
+        """The keys that start with `prefix`, sorted: two binary searches and a slice."""
         keys = self._sorted_keys
-        i = bisect.bisect_left(keys, prefix)
-        while i < len(keys) and keys[i].startswith(prefix):
-            yield keys[i]
-            i += 1
+        lo = bisect.bisect_left(keys, prefix)
+        end = _prefix_end(prefix)
+        return keys[lo : len(keys) if end is None else bisect.bisect_left(keys, end, lo)]
 
     def _live_lease(self, lease: int) -> _Lease:
         held = self._leases.get(lease)
@@ -450,24 +480,73 @@ class MemoryStore(Store):
             raise LeaseExpiredError(lease)
         return held
 
-    def _put(self, key: str, value: bytes, lease: int) -> None:
+    def _put(self, key: str, value: bytes, lease: int, quota: SpaceQuota | None = None) -> None:
         self._check_key(key)
         self._check_value(key, value)
         held = self._live_lease(lease) if lease else None
         current = self._kvs.get(key)
         if current is None and len(self._kvs) >= self.max_keys:
             raise self._too_many_keys(key)
-        total = self._total_bytes + len(key) + len(value)
-        if current is not None:
-            total -= len(key) + len(current.value)
-        if total > self.max_total_bytes:
+        if self._total_bytes + self._growth(key, value) > self.max_total_bytes:
             raise self._too_many_bytes(key, len(value))
+        if quota is not None:
+            self._check_quota({key: value}, quota)
         self._write(key, value, lease, held)
+
+    def _growth(self, key: str, value: bytes) -> int:
+        """How many bytes writing `value` at `key` adds to the store (negative: frees)."""
+        current = self._kvs.get(key)
+        return len(value) - len(current.value) if current else len(key) + len(value)
+
+    def _check_quota(self, batch: dict[str, bytes], quota: SpaceQuota) -> None:
+        """Refuse the batch if it would take a worker namespace, or all of them, past `quota`."""
+        growth: dict[str, _Usage] = {}
+        for key, value in batch.items():
+            job = worker_job_of(key)
+            if job is None:
+                continue
+            grown = growth.setdefault(job, _Usage())
+            grown.keys += key not in self._kvs
+            grown.bytes += self._growth(key, value)
+        all_keys = self._all_usage.keys + sum(g.keys for g in growth.values())
+        all_bytes = self._all_usage.bytes + sum(g.bytes for g in growth.values())
+        for job, grown in growth.items():
+            held = self._usage.get(job, _Usage())
+            if (grown.keys > 0 and held.keys + grown.keys > quota.keys) or (
+                grown.bytes > 0 and held.bytes + grown.bytes > quota.bytes
+            ):
+                raise StoreLimitError(
+                    f"the workers of job {job!r} hold {held.keys} keys, {held.bytes} bytes: the most a "
+                    f"worker credential may hold is {quota.keys} keys, {quota.bytes} bytes (its fair share)"
+                )
+            if (grown.keys > 0 and all_keys > quota.all_keys) or (grown.bytes > 0 and all_bytes > quota.all_bytes):
+                raise StoreLimitError(
+                    f"the workers of all jobs hold {self._all_usage.keys} keys, {self._all_usage.bytes} bytes: "
+                    f"the most workers may hold together is {quota.all_keys} keys, {quota.all_bytes} bytes "
+                    "(the rest is kept for the agents)"
+                )
+
+    def _count(self, key: str, keys: int, size: int) -> None:
+        """Add to the usage of `key`'s worker namespace, if it is in one."""
+        job = worker_job_of(key)
+        if job is None:
+            return
+        usage = self._usage.get(job)
+        if usage is None:
+            usage = self._usage[job] = _Usage()
+        usage.keys += keys
+        usage.bytes += size
+        self._all_usage.keys += keys
+        self._all_usage.bytes += size
+        if not usage.keys:
+            del self._usage[job]
 
     def _write(self, key: str, value: bytes, lease: int, held: _Lease | None) -> None:
         """Store `value` at a new revision: the bounds are checked, `held` is `lease`'s."""
         current = self._kvs.get(key)
-        self._total_bytes += len(key) + len(value) - (len(key) + len(current.value) if current else 0)
+        growth = self._growth(key, value)
+        self._total_bytes += growth
+        self._count(key, current is None, growth)
         self._revision += 1
         rev = self._revision
         if current is None:
@@ -521,6 +600,7 @@ class MemoryStore(Store):
         for key in keys:
             kv = self._kvs.pop(key)
             self._total_bytes -= len(key) + len(kv.value)
+            self._count(key, -1, -(len(key) + len(kv.value)))
             del self._sorted_keys[bisect.bisect_left(self._sorted_keys, key)]
             if kv.lease:
                 self._unbind(key, kv.lease)
@@ -600,9 +680,6 @@ class MemoryStore(Store):
 
     def _end_lease(self, lease: _Lease) -> None:
         del self._leases[lease.id]
-        left = self._owned.pop(lease.owner) - 1
-        if left:
-            self._owned[lease.owner] = left
         self._delete(sorted(lease.keys))
 
     def _push_deadline(self, lease: _Lease) -> None:
@@ -635,6 +712,15 @@ class MemoryStore(Store):
             if held is not None and held.deadline <= now:
                 self._end_lease(held)
         self._arm_timer()
+
+
+def _prefix_end(prefix: str) -> str | None:
+    """The first string after every string that starts with `prefix`; None when there is
+    none (an empty prefix, or one of only the last code point)."""
+    stripped = prefix.rstrip(chr(0x10FFFF))
+    if not stripped:
+        return None
+    return stripped[:-1] + chr(ord(stripped[-1]) + 1)
 
 
 def _check_not_empty(key: str) -> None:

@@ -4,23 +4,36 @@ The agent on the `--rdzv-endpoint` host embeds it in its own event loop; a dedic
 host runs it alone with `elasticrun store serve`. Two services share the engine: the
 etcd-like `Store` the rendezvous uses and the c10d operations workers use.
 
-Security: with a token, every call must carry `authorization: Bearer <token>`
-(compared in constant time, never logged) or gets UNAUTHENTICATED; with a certificate
-and key, the server speaks TLS only; with a CA for clients (`client_ca`) as well, it
-takes only connections whose client certificate chains to that CA (mutual TLS). State
-lives in memory and is never pickled.
+Security: with a token, every call must carry `authorization: Bearer <credential>`,
+the token itself (admin) or a worker or reader credential derived from it (compared in
+constant time, never logged), or gets UNAUTHENTICATED; with a certificate and key, the
+server speaks TLS only; with a CA for clients (`client_ca`) as well, it takes only
+connections whose client certificate chains to that CA (mutual TLS), and the
+certificate may name a role too. Each call is attributed to its caller once, before its
+handler runs (`store/callers.py`): a call its role may not make gets PERMISSION_DENIED,
+one past its identity's fair share RESOURCE_EXHAUSTED. A worker's c10d keys live in its
+job's own namespace (`/elasticrun/<job>/w/`), so a torch process group runs unchanged
+and sees nothing else. State lives in memory and is never pickled.
+
+No request holds the loop for long: a prefix read is sent in pages of at most 256 keys or
+about 256 KiB (`RangePages`), read at one revision, each page encoded as it goes out
+(about a millisecond); a caller other than admin has one reply in the making at a time
+(`Shares.turn`), so however many reads and watches it runs, the others wait for one of
+its pages at most, not for all of them. (The pages are encoded on the loop, not on a
+worker thread: protobuf holds the GIL while it copies, so a thread would stall the loop
+as long, plus the GIL's switch interval.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
-import hmac
 import inspect
 import logging
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar, cast
 
@@ -39,8 +52,20 @@ from elasticrun.errors import (
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
 from elasticrun.store.api import EventType, KeyValue, WatchEvent
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.callers import (
+    DEFAULT_FAIR_SHARE,
+    Caller,
+    Counter,
+    FairShare,
+    Shares,
+    identify,
+    permits,
+    refusal,
+)
+from elasticrun.store.credentials import Role, worker_prefix
+from elasticrun.store.memory import MemoryStore, SpaceQuota
 from elasticrun.store.wire import (
+    BEARER_PREFIX,
     CLIENT_CA_NEEDS_TLS,
     CLIENT_PING_MS,
     MAX_REPLY_BYTES,
@@ -48,7 +73,6 @@ from elasticrun.store.wire import (
     TOKEN_ENV,
     TOKEN_METADATA_KEY,
     TlsKeyPair,
-    bearer,
 )
 
 if TYPE_CHECKING:  # imported by `store serve` and the launcher only when metrics are asked for
@@ -60,11 +84,14 @@ logger = logging.getLogger(__name__)
 #: ~2.5 GiB however many streams clients open; past it a call gets RESOURCE_EXHAUSTED.
 #: A 1,000-node job holds a few thousand.
 DEFAULT_MAX_CALLS = 100_000
-#: What one client connection may hold at once (see `ConnectionLimits`): an agent needs
-#: a handful of each, a process of many agents (benchmarks) a few per agent.
-DEFAULT_CONNECTION_CALLS = 10_000
-DEFAULT_CONNECTION_WATCHES = 5_000
-DEFAULT_CONNECTION_LEASES = 5_000
+#: A page of a prefix read: about this many bytes of keys and values (at least one key,
+#: so up to a largest value more), or this many keys, whichever comes first. Encoding
+#: one takes about a millisecond of CPU (a 1 MiB value alone, the largest, about 4 ms).
+PAGE_BYTES = 256 << 10
+PAGE_KEYS = 256
+#: The most a c10d multi_get may answer at once: unlike a prefix read it cannot be
+#: paged, and encoding a reply costs about 4 ms per MiB of the server's loop.
+MAX_MULTI_GET_BYTES = 4 << 20
 #: How long in-flight calls may finish when the server stops.
 DEFAULT_STOP_GRACE = 2.0
 
@@ -83,22 +110,9 @@ SERVER_OPTIONS = [
 
 _T = TypeVar("_T")
 
-
-@dataclass(frozen=True, slots=True)
-class ConnectionLimits:
-    """What one client connection (gRPC's `context.peer()`) may hold at once.
-
-    The server's own bounds (`max_calls`, the engine's `max_leases`) are shared by all
-    clients: without these, one client could take all of them and starve the others.
-    Past one, a call gets RESOURCE_EXHAUSTED naming it; other connections go on.
-    """
-
-    #: calls in progress, watches and waits included
-    max_calls: int = DEFAULT_CONNECTION_CALLS
-    #: open Watch streams
-    max_watches: int = DEFAULT_CONNECTION_WATCHES
-    #: live leases granted over the connection (released as they expire or are revoked)
-    max_leases: int = DEFAULT_CONNECTION_LEASES
+#: The caller of the call in progress, set once per call before its handler runs (each
+#: call has a task, and so a context, of its own).
+_CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("store_caller")
 
 
 class StoreServer:
@@ -109,10 +123,11 @@ class StoreServer:
     `hosted_by_agent` tells the clients (in every watch reply) that this server lives
     and dies with a launcher agent: a refused connection then means it is gone for good,
     and they stop waiting for it at once instead of after their timeout.
-    `max_calls` bounds the calls in progress from all clients, `connection_limits` what
-    each client connection may take of them (and of the engine's leases). `client_ca`
-    (PEM, with `tls` only) makes it require and verify a client certificate on every
-    connection.
+    `max_calls` bounds the calls in progress from all clients, `fair_share` what each
+    identity other than admin may take of them, of watches and of the engine's keys and
+    bytes, and what all those identities may take together. `token` is the admin token
+    (worker and reader credentials are derived from it). `client_ca` (PEM, with `tls`
+    only) makes it require and verify a client certificate on every connection.
     """
 
     def __init__(
@@ -125,22 +140,28 @@ class StoreServer:
         tls: TlsKeyPair | None = None,
         client_ca: bytes | None = None,
         max_calls: int = DEFAULT_MAX_CALLS,
-        connection_limits: ConnectionLimits = ConnectionLimits(),
+        fair_share: FairShare = DEFAULT_FAIR_SHARE,
         hosted_by_agent: bool = False,
         metrics: StoreMetrics | None = None,
     ) -> None:
         self.host = host
         self.hosted_by_agent = hosted_by_agent
         self.max_calls = max_calls
-        self.connection_limits = connection_limits
-        #: calls and watches in progress, by connection (no entry at zero)
-        self._calls: dict[str, int] = {}
-        self._watches: dict[str, int] = {}
-        #: the sums of those, kept as they change: metrics read them from another thread
+        self.shares = Shares(fair_share, max_calls)
+        #: calls in progress by connection (no entry at zero), for the metrics
+        self._connections: dict[str, int] = {}
+        #: calls and watches in progress, kept as they change: metrics read them from another thread
         self._calls_total = 0
         self._watches_total = 0
         self.metrics = metrics
         self.engine = engine if engine is not None else MemoryStore()
+        #: what a worker credential's writes may make the engine hold
+        self.quota = SpaceQuota(
+            keys=fair_share.keys,
+            bytes=fair_share.bytes,
+            all_keys=fair_share.of(self.engine.max_keys),
+            all_bytes=fair_share.of(self.engine.max_total_bytes),
+        )
         self._owns_engine = engine is None
         self._requested_port = port
         self._token = token
@@ -159,9 +180,7 @@ class StoreServer:
     async def start(self) -> None:
         """Listen on host:port (port 0: any free port, then see `port`)."""
         max_request = self.engine.max_key_bytes + self.engine.max_value_bytes
-        interceptors = [_TokenInterceptor(self._token)] if self._token else []
         server = grpc.aio.server(
-            interceptors=interceptors,
             maximum_concurrent_rpcs=self.max_calls,
             options=[
                 *SERVER_OPTIONS,
@@ -237,17 +256,27 @@ class StoreServer:
     async def counted_call(
         self, context: grpc.aio.ServicerContext, service: str = "", method: str = ""
     ) -> AsyncIterator[None]:
-        """Count a call against its connection's `max_calls` for as long as it runs,
-        and (with metrics) by its status code once it ends."""
-        limit = self.connection_limits.max_calls
+        """Attribute the call to its caller (refusing it if the caller may not make
+        it), count it against the caller's share for as long as it runs, and (with
+        metrics) by its status code once it ends."""
         code = "OK"
         try:
-            async with _counted(self._calls, context, limit, "calls in progress", "max_calls"):
-                self._calls_total += 1
-                try:
-                    yield
-                finally:
-                    self._calls_total -= 1
+            caller = await self._caller(context, service, method)
+            _CALLER.set(caller)
+            why = self.shares.calls.take(caller)
+            if why is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+            peer = context.peer()
+            self._connections[peer] = self._connections.get(peer, 0) + 1
+            self._calls_total += 1
+            try:
+                yield
+            finally:
+                self.shares.calls.give_back(caller)
+                self._calls_total -= 1
+                left = self._connections.pop(peer) - 1
+                if left:
+                    self._connections[peer] = left
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
@@ -259,50 +288,86 @@ class StoreServer:
             if self.metrics is not None:
                 self.metrics.calls.labels(service, method, code).inc()
 
+    async def _caller(self, context: grpc.aio.ServicerContext, service: str, method: str) -> Caller:
+        """Who makes this call; the call is refused (UNAUTHENTICATED, PERMISSION_DENIED)
+        when its credential is wrong or its role may not make it."""
+        given = None
+        for key, value in context.invocation_metadata() or ():
+            if key == TOKEN_METADATA_KEY:
+                text = value.decode("latin-1") if isinstance(value, bytes) else value
+                given = text.removeprefix(BEARER_PREFIX) if text.startswith(BEARER_PREFIX) else ""
+        certificate: bytes | None = None
+        uris: list[bytes] = []
+        if self._client_ca is not None:
+            facts = context.auth_context()
+            certificate = b"".join(facts.get("x509_pem_cert", ()))
+            uris = facts.get("peer_uri", [])
+        caller = identify(
+            bearer=given,
+            token=self._token,
+            certificate=certificate,
+            uris=[uri.decode("utf-8", "replace") for uri in uris],
+            host=_host_of(context.peer()),
+        )
+        if caller is None:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"missing or wrong store token (set it with --token-file or {TOKEN_ENV})",
+            )
+            raise AssertionError("unreachable: abort raises")
+        if not permits(caller.grant, service, method):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal(caller.grant, service, method))
+        return caller
+
     @contextlib.asynccontextmanager
     async def counted_watch(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """Count a watch against its connection's `max_watches` for as long as it runs."""
-        limit = self.connection_limits.max_watches
-        async with _counted(self._watches, context, limit, "open watches", "max_watches"):
+        """Count a watch against its caller's share for as long as it runs."""
+        async with _held(self.shares.watches, _CALLER.get(), context):
             self._watches_total += 1
             try:
                 yield
             finally:
                 self._watches_total -= 1
 
+    async def encoded(self, reply: Callable[[], pb.RangeReply | pb.MultiGetReply]) -> bytes:
+        """The message `reply` makes, encoded in the caller's turn (`Shares.turn`)."""
+        caller = _CALLER.get()
+        if not caller.limited:  # the agents' reads: no turn to wait for (a hot path)
+            return _encode(reply())
+        async with self.shares.turn(caller):
+            return _encode(reply())
+
     def load(self) -> ServerLoad:
         """What the server holds now (sizes only: safe from the metrics thread)."""
         from elasticrun.store.metrics import ServerLoad
 
         return ServerLoad(
-            connections=len(self._calls), calls=self._calls_total, watches=self._watches_total,
+            connections=len(self._connections), calls=self._calls_total, watches=self._watches_total,
             engine=self.engine.load(),
         )
 
 
 @contextlib.asynccontextmanager
-async def _counted(
-    counts: dict[str, int], context: grpc.aio.ServicerContext, limit: int, what: str, name: str
-) -> AsyncIterator[None]:
-    """Hold one of `counts[peer]`, or refuse the call with RESOURCE_EXHAUSTED at `limit`."""
-    peer = context.peer()
-    held = counts.get(peer, 0)
-    if held >= limit:
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _over_connection_limit(limit, what, name))
-    counts[peer] = held + 1
+async def _held(counter: Counter, caller: Caller, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Hold one of `counter` for `caller`, or refuse the call with RESOURCE_EXHAUSTED."""
+    why = counter.take(caller)
+    if why is not None:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
     try:
         yield
     finally:
-        left = counts.pop(peer) - 1
-        if left:
-            counts[peer] = left
+        counter.give_back(caller)
 
 
-def _over_connection_limit(limit: int, what: str, name: str) -> str:
-    return (
-        f"this connection has its maximum of {limit} {what} ({name} per connection); "
-        "other clients are not affected"
-    )
+def _encode(reply: pb.RangeReply | pb.MultiGetReply) -> bytes:
+    data: bytes = reply.SerializeToString()
+    return data
+
+
+def _host_of(peer: str) -> str:
+    """The host of gRPC's peer string ("ipv4:10.0.0.5:41234", "ipv6:[::1]:5000")."""
+    address = peer.partition(":")[2]
+    return address.rpartition(":")[0].strip("[]") or address
 
 
 def _check_key_pair(pair: TlsKeyPair) -> None:
@@ -370,8 +435,12 @@ def _unary(fn: _Handler[_T]) -> _Handler[_T]:
         try:
             return await fn(self, request, context)
         except ElasticrunError as e:
-            await context.abort(_status_of(e), str(e))
-            raise  # unreachable: abort raises
+            status, details = _status_of(e), str(e)
+        # Aborted outside the except clause: the error's traceback (whose frames hold the
+        # request, a 1 MiB value, say) is not chained to the abort that grpc keeps, so a
+        # refused request is freed at once rather than by a later garbage collection.
+        await context.abort(status, details)
+        raise AssertionError("unreachable: abort raises")
 
     return handler
 
@@ -393,6 +462,31 @@ def _kv_message(kv: KeyValue) -> pb.KeyValue:
 _EVENT_TYPES = {EventType.PUT: pb.WatchEvent.PUT, EventType.DELETE: pb.WatchEvent.DELETE}
 
 
+def _pages(kvs: Sequence[KeyValue]) -> Iterator[Sequence[KeyValue]]:
+    """`kvs` in reply pages (one, empty, for none), each found when it is asked for:
+    the work of each step is that of one page, however many keys there are."""
+    start = 0
+    while True:
+        end, size = start, 0
+        while end < len(kvs) and end - start < PAGE_KEYS:
+            grown = size + len(kvs[end].key) + len(kvs[end].value)
+            if grown > PAGE_BYTES and end > start:
+                break
+            end, size = end + 1, grown
+        yield kvs[start:end]
+        if end == len(kvs):
+            return
+        start = end
+
+
+def _one_page(kvs: Sequence[KeyValue]) -> bool:
+    return len(kvs) <= PAGE_KEYS and len(next(_pages(kvs))) == len(kvs)
+
+
+def _range_reply(kvs: Sequence[KeyValue], revision: int) -> pb.RangeReply:
+    return pb.RangeReply(kvs=[_kv_message(kv) for kv in kvs], revision=revision)
+
+
 class _StoreService(pb_grpc.StoreServicer):
     def __init__(self, server: StoreServer) -> None:
         self._server = server
@@ -403,14 +497,32 @@ class _StoreService(pb_grpc.StoreServicer):
         self._cache_revision = 0
 
     @_unary
-    async def Range(self, request: pb.RangeRequest, context: object) -> pb.RangeReply:
+    async def Range(self, request: pb.RangeRequest, context: object) -> bytes:
         if request.prefix:
             result = await self._engine.get_prefix(request.key)
-            return pb.RangeReply(kvs=[_kv_message(kv) for kv in result.kvs], revision=result.revision)
-        kv = await self._engine.get(request.key)
-        return pb.RangeReply(
-            kvs=[_kv_message(kv)] if kv else [], revision=self._engine.revision
-        )
+            kvs, revision = result.kvs, result.revision
+            if not _one_page(kvs):
+                raise StoreLimitError(
+                    f"the keys under {request.key[:64]!r} are more than one reply page "
+                    f"({len(kvs)} keys): read them with RangePages"
+                )
+        else:
+            kv = await self._engine.get(request.key)
+            kvs, revision = ((kv,) if kv else ()), self._engine.revision
+        return await self._server.encoded(lambda: _range_reply(kvs, revision))
+
+    async def RangePages(self, request: pb.RangeRequest, context: grpc.aio.ServicerContext) -> None:
+        # One snapshot, read at once (its keys are immutable), sent a page at a time:
+        # every page says the same revision, and other calls run between the pages.
+        try:
+            result = await self._engine.get_prefix(request.key)
+        except ElasticrunError as e:
+            await context.abort(_status_of(e), str(e))
+        turn = self._server.shares.turn
+        caller = _CALLER.get()
+        for page in _pages(result.kvs):
+            async with turn(caller):  # the page's write too: its identity's one page in flight
+                await context.write(_encode(_range_reply(page, result.revision)))
 
     @_unary
     async def Put(self, request: pb.PutRequest, context: object) -> pb.PutReply:
@@ -449,15 +561,9 @@ class _StoreService(pb_grpc.StoreServicer):
         return pb.CompareReply(succeeded=done)
 
     @_unary
-    async def LeaseGrant(
-        self, request: pb.LeaseGrantRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LeaseGrantReply:
-        # The connection owns its leases, until they expire or are revoked.
-        peer = context.peer()
-        limit = self._server.connection_limits.max_leases
-        if self._engine.leases_owned_by(peer) >= limit:
-            raise StoreLimitError(_over_connection_limit(limit, "leases", "max_leases"))
-        return pb.LeaseGrantReply(lease=await self._engine.grant_lease(request.ttl_seconds, owner=peer))
+    async def LeaseGrant(self, request: pb.LeaseGrantRequest, context: object) -> pb.LeaseGrantReply:
+        # Only admin callers reach this (`callers.permits`): the leases are the agents'.
+        return pb.LeaseGrantReply(lease=await self._engine.grant_lease(request.ttl_seconds))
 
     async def LeaseKeepAlive(
         self,
@@ -485,6 +591,8 @@ class _StoreService(pb_grpc.StoreServicer):
         # Replies go out pre-serialized (the handler has no response serializer): a
         # change seen by 1,000 watchers of one key is encoded once, not 1,000 times.
         write = context.write
+        caller = _CALLER.get()
+        turn = self._server.shares.turn
         async with self._server.counted_watch(context), self._server._long_call(context):
             await write(self._confirm)
             batches = self._engine.watch_batches(
@@ -494,7 +602,11 @@ class _StoreService(pb_grpc.StoreServicer):
             try:
                 async with contextlib.aclosing(batches):
                     async for batch in batches:
-                        await write(self._encoded(cache_key, batch))
+                        if caller.limited:  # its watches take turns with its reads
+                            async with turn(caller):
+                                await write(self._encoded(cache_key, batch))
+                        else:
+                            await write(self._encoded(cache_key, batch))
             except CompactedError as e:
                 await write(self._reply(compact_revision=e.oldest).SerializeToString())
             except StoreRequestError as e:  # an empty key
@@ -556,22 +668,44 @@ def _counter_of(count: _CallCounter, service: str, method: str) -> _Counter:
     return counted
 
 
+#: The methods whose handlers encode their replies themselves (they return or write
+#: bytes): a reply built once for many watchers, or on a worker thread when large.
+_ENCODED_BY_HANDLER: dict[str, dict[str, Callable[[bytes], object]]] = {
+    "Store": {
+        "Range": pb.RangeRequest.FromString,
+        "RangePages": pb.RangeRequest.FromString,
+        "Watch": pb.WatchRequest.FromString,
+    },
+    "C10dStore": {"MultiGet": pb.MultiGetRequest.FromString},
+}
+
+
 def _add_store_service(servicer: _StoreService, server: grpc.aio.Server, count: _CallCounter) -> None:
-    """Register the Store service as the generated code does, but with a Watch handler
-    that sends bytes (`_StoreService.Watch` serializes its replies itself)."""
     capture = _Capture()
     pb_grpc.add_StoreServicer_to_server(servicer, capture)
-    handlers = dict(capture.handlers)
-    handlers["Watch"] = grpc.unary_stream_rpc_method_handler(
-        servicer.Watch, request_deserializer=pb.WatchRequest.FromString
-    )
-    _register(server, capture.name, handlers, count)
+    _register(server, capture.name, _encoded_by_handler(capture.handlers, "Store"), count)
 
 
 def _add_c10d_service(servicer: _C10dService, server: grpc.aio.Server, count: _CallCounter) -> None:
     capture = _Capture()
     pb_grpc.add_C10dStoreServicer_to_server(servicer, capture)
-    _register(server, capture.name, dict(capture.handlers), count)
+    _register(server, capture.name, _encoded_by_handler(capture.handlers, "C10dStore"), count)
+
+
+def _encoded_by_handler(handlers: dict[str, grpc.RpcMethodHandler], service: str) -> dict[str, grpc.RpcMethodHandler]:
+    """The generated handlers, but those of `_ENCODED_BY_HANDLER` with no response
+    serializer: their replies go out as the bytes the handler made."""
+    handlers = dict(handlers)
+    for method, parse in _ENCODED_BY_HANDLER[service].items():
+        handler = handlers[method]
+        make = (
+            grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method] = make(
+            handler.unary_stream if handler.response_streaming else handler.unary_unary,
+            request_deserializer=parse,
+        )
+    return handlers
 
 
 def _register(
@@ -613,9 +747,10 @@ async def _refuse_malformed(request: _Malformed, context: grpc.aio.ServicerConte
 
 
 def _guarded(handler: grpc.RpcMethodHandler, count: _Counter) -> grpc.RpcMethodHandler:
-    """The same handler, but a request that does not decode gets INVALID_ARGUMENT (grpc
-    itself would answer UNKNOWN and log a traceback for each: a log flood on demand),
-    and the call counts against its connection's limit (`count`) while it runs."""
+    """The same handler, but the call is first attributed to its caller and counted
+    against its share while it runs (`count`, which refuses a caller that may not make
+    it), and a request that does not decode gets INVALID_ARGUMENT (grpc itself would
+    answer UNKNOWN and log a traceback for each: a log flood on demand)."""
     parse = _tolerant(handler.request_deserializer)
     serialize = handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
@@ -641,18 +776,18 @@ def _guarded(handler: grpc.RpcMethodHandler, count: _Counter) -> grpc.RpcMethodH
     if inspect.isasyncgenfunction(inner):
 
         async def unary_gen(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
-            if isinstance(request, _Malformed):
-                await _refuse_malformed(request, context)
             async with count(context):
+                if isinstance(request, _Malformed):
+                    await _refuse_malformed(request, context)
                 async for reply in inner(request, context):
                     yield reply
 
         return grpc.unary_stream_rpc_method_handler(unary_gen, parse, serialize)
 
     async def unary(request: object, context: grpc.aio.ServicerContext) -> object:
-        if isinstance(request, _Malformed):
-            await _refuse_malformed(request, context)
         async with count(context):
+            if isinstance(request, _Malformed):
+                await _refuse_malformed(request, context)
             return await inner(request, context)
 
     if handler.response_streaming:
@@ -669,11 +804,21 @@ class _C10dService(pb_grpc.C10dStoreServicer):
     Engine calls never suspend, so a read followed by a write with no other await in
     between (add, compare_set) is atomic, as TCPStore's single-threaded daemon is.
     Values of `add` are decimal ASCII, as TCPStore stores them.
+
+    An admin caller's keys are the engine's own. A worker's are its job's (`_Keys`):
+    each key it names lives under `/elasticrun/<job>/w/`, `num_keys` counts those only,
+    and its writes keep to the server's quota for worker credentials.
     """
 
     def __init__(self, server: StoreServer) -> None:
         self._server = server
         self._engine = server.engine
+
+    def _keys(self) -> _Keys:
+        grant = _CALLER.get().grant
+        if grant.role is Role.WORKER:
+            return _Keys(worker_prefix(grant.job), self._server.quota, grant.job)
+        return _Keys()
 
     async def _await_key(self, key: str) -> None:
         if await self._engine.get(key) is not None:
@@ -703,21 +848,24 @@ class _C10dService(pb_grpc.C10dStoreServicer):
 
     @_unary
     async def Set(self, request: pb.SetRequest, context: object) -> pb.SetReply:
-        await self._engine.put(request.key, request.value)
+        keys = self._keys()
+        await self._engine.put(keys.of(request.key), request.value, quota=keys.quota)
         return pb.SetReply()
 
     @_unary
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetReply:
-        values = await self._await_keys([request.key], request.timeout_seconds, context)
+        key = self._keys().of(request.key)
+        values = await self._await_keys([key], request.timeout_seconds, context)
         if values is None:
             return pb.GetReply(timed_out=True)
         return pb.GetReply(value=values[0])
 
     @_unary
     async def Add(self, request: pb.AddRequest, context: object) -> pb.AddReply:
-        kv = await self._engine.get(request.key)
+        keys = self._keys()
+        kv = await self._engine.get(keys.of(request.key))
         try:
             value = (int(kv.value) if kv else 0) + request.amount
         except ValueError:
@@ -729,21 +877,23 @@ class _C10dService(pb_grpc.C10dStoreServicer):
                 f"cannot add {request.amount} to key {request.key!r}: the sum leaves the "
                 "64-bit integer range"
             )
-        await self._engine.put(request.key, str(value).encode())
+        await self._engine.put(keys.of(request.key), str(value).encode(), quota=keys.quota)
         return pb.AddReply(value=value)
 
     @_unary
     async def CompareSet(
         self, request: pb.CompareSetRequest, context: object
     ) -> pb.CompareSetReply:
-        kv = await self._engine.get(request.key)
+        keys = self._keys()
+        key = keys.of(request.key)
+        kv = await self._engine.get(key)
         if kv is None:
             if request.expected:
                 return pb.CompareSetReply(value=request.expected)  # as TCPStore does
-            await self._engine.put(request.key, request.desired)
+            await self._engine.put(key, request.desired, quota=keys.quota)
             return pb.CompareSetReply(value=request.desired)
         if kv.value == request.expected:
-            await self._engine.put(request.key, request.desired)
+            await self._engine.put(key, request.desired, quota=keys.quota)
             return pb.CompareSetReply(value=request.desired)
         return pb.CompareSetReply(value=kv.value)
 
@@ -751,33 +901,43 @@ class _C10dService(pb_grpc.C10dStoreServicer):
     async def Wait(
         self, request: pb.WaitRequest, context: grpc.aio.ServicerContext
     ) -> pb.WaitReply:
-        values = await self._await_keys(list(request.keys), request.timeout_seconds, context)
+        keys = self._keys()
+        values = await self._await_keys([keys.of(k) for k in request.keys], request.timeout_seconds, context)
         return pb.WaitReply(timed_out=values is None)
 
     @_unary
     async def Check(self, request: pb.CheckRequest, context: object) -> pb.CheckReply:
+        keys = self._keys()
         return pb.CheckReply(
-            ready=all([await self._engine.get(key) is not None for key in request.keys])
+            ready=all([await self._engine.get(keys.of(key)) is not None for key in request.keys])
         )
 
     @_unary
     async def NumKeys(self, request: pb.NumKeysRequest, context: object) -> pb.NumKeysReply:
-        return pb.NumKeysReply(count=len(self._engine))
+        job = self._keys().job
+        return pb.NumKeysReply(count=len(self._engine) if job is None else self._engine.worker_keys(job))
 
     @_unary
     async def DeleteKey(
         self, request: pb.DeleteKeyRequest, context: object
     ) -> pb.DeleteKeyReply:
-        return pb.DeleteKeyReply(deleted=await self._engine.delete(request.key))
+        return pb.DeleteKeyReply(deleted=await self._engine.delete(self._keys().of(request.key)))
 
     @_unary
     async def MultiGet(
         self, request: pb.MultiGetRequest, context: grpc.aio.ServicerContext
-    ) -> pb.MultiGetReply:
-        values = await self._await_keys(list(request.keys), request.timeout_seconds, context)
+    ) -> bytes:
+        keys = self._keys()
+        values = await self._await_keys([keys.of(k) for k in request.keys], request.timeout_seconds, context)
         if values is None:
-            return pb.MultiGetReply(timed_out=True)
-        return pb.MultiGetReply(values=values)
+            return _encode(pb.MultiGetReply(timed_out=True))
+        size = sum(map(len, values))
+        if size > MAX_MULTI_GET_BYTES:
+            raise StoreLimitError(
+                f"multi_get of {len(values)} keys would reply {size} bytes, over the store's "
+                f"limit of {MAX_MULTI_GET_BYTES} bytes per multi_get: get them in smaller batches"
+            )
+        return await self._server.encoded(lambda: pb.MultiGetReply(values=values))
 
     @_unary
     async def MultiSet(self, request: pb.MultiSetRequest, context: object) -> pb.MultiSetReply:
@@ -785,48 +945,22 @@ class _C10dService(pb_grpc.C10dStoreServicer):
             raise StoreRequestError(
                 f"multi_set got {len(request.keys)} keys but {len(request.values)} values"
             )
-        await self._engine.put_all(list(zip(request.keys, request.values, strict=True)))
+        keys = self._keys()
+        items = [(keys.of(k), v) for k, v in zip(request.keys, request.values, strict=True)]
+        await self._engine.put_all(items, quota=keys.quota)
         return pb.MultiSetReply()
 
 
-# --- authentication ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Keys:
+    """Where a c10d caller's keys live: the engine's own (admin), or a job's worker
+    namespace (`prefix`), with the quota its writes keep to."""
 
+    prefix: str = ""
+    quota: SpaceQuota | None = None
+    #: the job of a worker, None for admin
+    job: str | None = None
 
-class _TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Reject every call that does not carry the token, before any handler runs."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = bearer(token).encode()
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        given = b""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                given = value.encode() if isinstance(value, str) else value
-        if handler is None or hmac.compare_digest(given, self._expected):
-            return handler
-        return _refusal_like(handler)
-
-
-async def _refuse(request: object, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(
-        grpc.StatusCode.UNAUTHENTICATED,
-        f"missing or wrong store token (set it with --token-file or {TOKEN_ENV})",
-    )
-
-
-def _refusal_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as `handler` that refuses the call."""
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_refuse)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_refuse)
-    return grpc.unary_unary_rpc_method_handler(_refuse)
-
+    def of(self, key: str) -> str:
+        # An empty key stays empty, for the engine to refuse as it refuses any.
+        return self.prefix + key if key else key

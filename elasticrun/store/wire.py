@@ -48,9 +48,13 @@ CLIENT_CA_NEEDS_TLS = "client certificates are checked only over TLS: give the s
 DEFAULT_TIMEOUT = 10.0
 
 
+#: What the metadata value starts with, before the token or credential.
+BEARER_PREFIX = "Bearer "
+
+
 def bearer(token: str) -> str:
-    """The metadata value that carries `token`."""
-    return f"Bearer {token}"
+    """The metadata value that carries `token` (or a credential derived from it)."""
+    return BEARER_PREFIX + token
 
 
 @dataclass(frozen=True, slots=True)

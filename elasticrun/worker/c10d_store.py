@@ -6,11 +6,14 @@
 Unlike TCPStore it needs no extra port, speaks to a server that can require a token and
 TLS, and loads nothing but bytes from the wire.
 
-Under an elasticrun agent whose store has a token, a worker finds it without being told:
-the agent keeps the token out of its workers' environment (whatever a script logs or
-sends to an experiment tracker would carry it) and writes it instead to a file only its
-user can read, named by `$ELASTICRUN_STORE_TOKEN_FILE`, which `C10dStore` reads when no
-`token` is passed.
+Under an elasticrun agent whose store has a token, a worker finds its credential without
+being told: the agent writes a worker credential of its job (never the store's token)
+to a file only its user can read, named by `$ELASTICRUN_STORE_TOKEN_FILE`, which
+`C10dStore` reads when no `token` is passed; nothing goes through the environment,
+where whatever a script logs or sends to an experiment tracker would carry it. With
+that credential the store serves the c10d operations only, on keys of the job's own
+(the server keeps them under the job's worker namespace, and `num_keys` counts those),
+so a process group works as with any store while the job's records stay out of reach.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ def _as_bytes(value: str | bytes) -> bytes:
 
 
 def agent_token() -> str | None:
-    """The store token the agent left for its workers: the content of the file
-    `$ELASTICRUN_STORE_TOKEN_FILE` names; None when it names none (a store without one)."""
+    """The store credential the agent left for its workers: the content of the file
+    `$ELASTICRUN_STORE_TOKEN_FILE` names; None when it names none (a store without a token)."""
     path = os.environ.get(TOKEN_FILE_ENV)
     if not path:
         return None
@@ -51,11 +54,12 @@ def agent_token() -> str | None:
 class C10dStore(dist.Store):
     """The c10d operations of the store server at `endpoint` (host:port).
 
-    `token` is the store's token; without one, the token the agent left for its
-    workers (`agent_token`) is used, if any. `timeout` is how long get/wait wait for
-    keys (torch's store timeout); `connect_timeout` bounds reaching the server for
-    each call. `tls_ca` (PEM) makes it speak TLS trusting that CA; `client_tls` is the
-    certificate it presents to a store that requires one (`client_ca`):
+    `token` is the store's token or a credential derived from it; without one, the
+    worker credential the agent left for its workers (`agent_token`) is used, if any.
+    `timeout` is how long get/wait wait for keys (torch's store timeout);
+    `connect_timeout` bounds reaching the server for each call. `tls_ca` (PEM) makes
+    it speak TLS trusting that CA; `client_tls` is the certificate it presents to a
+    store that requires one (`client_ca`):
     `TlsKeyPair(cert=Path("node.crt").read_bytes(), key=Path("node.key").read_bytes())`.
     """
 

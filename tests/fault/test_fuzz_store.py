@@ -229,13 +229,17 @@ def raw_call(
 def state(channel: grpc.Channel, token: str) -> tuple[int, list[tuple[str, bytes, int]], int]:
     """(revision, every key with its value and mod revision, key count): what a write changes."""
     md = metadata(token)
-    rng = pb.RangeReply.FromString(
-        channel.unary_unary(BY_NAME["Range"].path)(pb.RangeRequest(key="", prefix=True).SerializeToString(), metadata=md, timeout=10)
-    )
+    pages = [
+        pb.RangeReply.FromString(page)
+        for page in channel.unary_stream(BY_NAME["RangePages"].path)(
+            pb.RangeRequest(key="", prefix=True).SerializeToString(), metadata=md, timeout=10
+        )
+    ]
+    assert len({page.revision for page in pages}) == 1, "the pages of one read are at one revision"
     count = pb.NumKeysReply.FromString(
         channel.unary_unary(BY_NAME["NumKeys"].path)(b"", metadata=md, timeout=10)
     ).count
-    return rng.revision, [(kv.key, kv.value, kv.mod_revision) for kv in rng.kvs], count
+    return pages[0].revision, [(kv.key, kv.value, kv.mod_revision) for page in pages for kv in page.kvs], count
 
 
 def wipe(channel: grpc.Channel, token: str) -> None:

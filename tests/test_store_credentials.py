@@ -1,0 +1,80 @@
+"""Store roles: credentials derived from the token, certificate roles, and how two combine."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticrun.store.callers import identify, permits
+from elasticrun.store.credentials import (
+    ADMIN,
+    NOTHING,
+    READER,
+    Grant,
+    Role,
+    grant_of_certificate,
+    grant_of_token,
+    reader_credential,
+    worker_credential,
+    worker_job_of,
+    worker_prefix,
+)
+
+TOKEN = "the-admin-token"
+
+
+def test_credentials_derive_from_the_token_and_only_from_it() -> None:
+    worker = worker_credential(TOKEN, "job-ü.1")
+    assert grant_of_token(TOKEN, TOKEN) == ADMIN
+    assert grant_of_token(reader_credential(TOKEN), TOKEN) == READER
+    assert grant_of_token(worker, TOKEN) == Grant(Role.WORKER, "job-ü.1")
+    assert worker.isascii() and worker.isprintable() and TOKEN not in worker  # a gRPC header value
+    tag, job, mac = worker.split(".")
+    others = worker_credential(TOKEN, "other").split(".")
+    for forged in (
+        "", "nope", TOKEN + "x", reader_credential("another-token"), worker_credential("another-token", "job-ü.1"),
+        f"{tag}.{others[1]}.{mac}",  # another job's name on this job's MAC
+        f"{tag}.{job}.{others[2]}", f"{tag}.{job}", f"{tag}.!!.{mac}", "err1." + mac,
+    ):
+        assert grant_of_token(forged, TOKEN) is None, forged
+    with pytest.raises(ValueError):
+        worker_credential(TOKEN, "a/b")
+
+
+def test_certificate_roles_and_the_lesser_of_two() -> None:
+    assert grant_of_certificate([]) == ADMIN  # no role named: admin, as before roles
+    assert grant_of_certificate(["spiffe://x/y", "elasticrun:reader"]) == READER
+    assert grant_of_certificate(["elasticrun:worker:j"]) == Grant(Role.WORKER, "j")
+    assert grant_of_certificate(["elasticrun:root"]) == NOTHING
+    assert grant_of_certificate(["elasticrun:worker:"]) == NOTHING
+    assert grant_of_certificate(["elasticrun:admin", "elasticrun:reader"]) == READER
+    assert Grant(Role.WORKER, "a") & Grant(Role.WORKER, "b") == NOTHING
+    assert READER & Grant(Role.WORKER, "a") == NOTHING
+    assert ADMIN & READER == READER & ADMIN == READER
+    for service, method in (("Store", "Put"), ("C10dStore", "Set"), ("Store", "Range")):
+        assert not permits(NOTHING, service, method)
+    assert permits(READER, "Store", "RangePages") and not permits(READER, "C10dStore", "Get")
+    worker = Grant(Role.WORKER, "a")
+    assert permits(worker, "C10dStore", "Get") and not permits(worker, "Store", "Range")
+
+
+def test_who_a_caller_is() -> None:
+    worker = worker_credential(TOKEN, "j")
+    cert, uris = b"-----BEGIN CERTIFICATE-----...", ["elasticrun:reader"]
+    open_store = identify(bearer=None, token=None, certificate=None, uris=[], host="10.0.0.5")
+    assert open_store is not None and open_store.grant == ADMIN and open_store.identity == "host 10.0.0.5"
+    assert identify(bearer=None, token=TOKEN, certificate=None, uris=[], host="h") is None
+    by_token = identify(bearer=worker, token=TOKEN, certificate=None, uris=[], host="h")
+    assert by_token is not None and by_token.limited and by_token.identity == "worker credential of job 'j'"
+    # the certificate decides: a reader, counted as its certificate
+    both = identify(bearer=TOKEN, token=TOKEN, certificate=cert, uris=uris, host="h")
+    assert both is not None and both.grant == READER and both.identity.startswith("certificate ")
+    # the token decides: a worker with an admin certificate, counted as the job's workers
+    mixed = identify(bearer=worker, token=TOKEN, certificate=cert, uris=[], host="h")
+    assert mixed is not None and mixed.grant == Grant(Role.WORKER, "j") and "job 'j'" in mixed.identity
+
+
+def test_worker_namespaces() -> None:
+    assert worker_prefix("j") == "/elasticrun/j/w/"
+    assert worker_job_of("/elasticrun/j/w/rank0") == "j"
+    for key in ("/elasticrun/j/r/job/spec", "/elasticrun/j/w", "/elasticrun//w/x", "/other/j/w/x", "j/w/x"):
+        assert worker_job_of(key) is None, key
