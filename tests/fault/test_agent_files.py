@@ -28,6 +28,7 @@ import pytest
 from elasticrun.agent.agent import Agent
 from elasticrun.agent.spec import Std, WorkerState
 from elasticrun.errors import UsageError
+from elasticrun.store.credentials import worker_credential
 from tests.agent_helpers import free_port, make_spec, static_for, wait_until, write_script
 from tests.elastic_cluster import RDZV_CONF, Cluster
 from tests.reliability_rows import Reliability
@@ -121,7 +122,8 @@ async def test_the_run_folder_is_private_and_its_files_too(tmp_path: Path) -> No
 @pytest.mark.parametrize("left", ["file", "link"])
 async def test_the_token_file_is_made_fresh_never_written_into(tmp_path: Path, left: str) -> None:
     """A token file a killed agent left (or a link someone put there) is replaced: the
-    workers get a new 0600 file with this agent's token, what a link points at is untouched."""
+    workers get a new 0600 file with this agent's worker credential (derived from its
+    token, never the token itself), what a link points at is untouched."""
     token = "store-token-" + secrets.token_hex(8)
     report = tmp_path / "report"
     code = f"""
@@ -142,7 +144,7 @@ with open({str(report)!r}, "w") as f:
         stale.symlink_to(target)
     result = await agent.run()
     assert result.state is WorkerState.SUCCEEDED, result
-    assert report.read_text() == f"True 600 {token}"
+    assert report.read_text() == f"True 600 {worker_credential(token, agent.spec.run_id)}"
     assert target.read_text() == ("an old token\n" if left == "file" else "keep me\n")
     assert not stale.exists() and not stale.is_symlink()  # removed when the agent ended
 
@@ -177,18 +179,19 @@ def test_the_warden_holds_no_secret_and_removes_the_token_file_when_the_agent_is
     password = "etcd-password-" + secrets.token_hex(12)
     cluster._env.update(ELASTICRUN_STORE_TOKEN=token, TRAIN_DB_PASSWORD=password)
     script = write_script(tmp_path, "holder.py", HOLDER)
+    run_id = f"files-{secrets.token_hex(4)}"
     agent = cluster.start(
         "agent",
         [
             sys.executable, "-m", "elasticrun", "--nnodes=1", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            f"--rdzv-id=files-{secrets.token_hex(4)}",
+            f"--rdzv-id={run_id}",
             f"--rdzv-conf={RDZV_CONF},password_env=TRAIN_DB_PASSWORD", "--local-addr=127.0.0.1",
             f"--log-dir={tmp_path / 'logs'}", str(script),
         ],
     )
     token_file = Path(agent.wait_for(r"<stdout>: token file (\S+)$").group(1))
-    assert token_file.read_text() == token
+    assert token_file.read_text() == worker_credential(token, run_id)
     warden = _warden_of(agent.pid)
     environ = Path(f"/proc/{warden}/environ").read_bytes()
     assert token.encode() not in environ and password.encode() not in environ
@@ -202,7 +205,7 @@ def test_the_warden_holds_no_secret_and_removes_the_token_file_when_the_agent_is
         injected="an agent with $ELASTICRUN_STORE_TOKEN and an etcd password_env variable, hosting a "
         "token-protected store; its worker running; then the agent got SIGKILL",
         happened="the agent's warden had neither secret in its environment; when the agent died it removed "
-        "the token file and killed the worker's tree",
+        "the token file (the worker's credential) and killed the worker's tree",
         lost="nothing (no token file or process left)",
     )
 
