@@ -121,8 +121,10 @@ class StoreServer:
     It serves `engine` when given (and leaves it open on stop, so a new server can
     serve the same history) or a `MemoryStore` of its own (closed on stop).
     `hosted_by_agent` tells the clients (in every watch reply) that this server lives
-    and dies with a launcher agent: a refused connection then means it is gone for good,
-    and they stop waiting for it at once instead of after their timeout.
+    and dies with a launcher agent: a refused connection then means its records are gone
+    with it, so the clients stop waiting for it at once instead of after their timeout
+    (the rendezvous then waits `store_host_grace` for a new store at the endpoint, the
+    head's replacement, and registers there anew).
     `max_calls` bounds the calls in progress from all clients, `fair_share` what each
     identity other than admin may take of them, of watches and of the engine's keys and
     bytes, and what all those identities may take together. `token` is the admin token
