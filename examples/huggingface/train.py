@@ -140,7 +140,7 @@ def main() -> None:
     )
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
-        bos_token_id=0, eos_token_id=0,
+        bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
     )
     model = GPT2LMHeadModel(config)
     trainer = Trainer(model=model, args=training, train_dataset=CountingSequences(), callbacks=[Report(args.step_time)])
