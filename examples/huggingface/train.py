@@ -19,8 +19,8 @@ What makes it elastic (see README.md next to it):
 
 Rank 0 prints one line per step, and where it (re)starts:
 
-    start at step 8: world size 1, restart count 0
-    Step #9  Loss: 3.98702  (world size 1)
+    start at step 20: world size 1, restart count 0
+    Step #21  Loss: 2.53093  (world size 1)
 
 The model is a tiny GPT-2 built from a config object and the data is generated (token
 sequences that count upwards), so nothing is downloaded. CPU (gloo) when there is no

@@ -12,15 +12,15 @@ What makes it elastic (see README.md next to it):
   (`num_nodes` = WORLD_SIZE / LOCAL_WORLD_SIZE, `devices` = LOCAL_WORLD_SIZE), so a
   restart at another world size builds a matching Trainer;
 - `ModelCheckpoint(save_last=True, every_n_train_steps=N)` rewrites `last.ckpt` every
-  N steps (Lightning writes it to a temporary file and renames it: never half a file),
-  and `fit(ckpt_path="last")` resumes from it on every (re)start;
-- the data is a stream drawn per rank, seeded by the step it resumes from, so a new
-  world size needs no re-sharding and a restart does not replay the same samples.
+  N steps, written beside it and renamed into place (never half a file, even on a
+  shared filesystem), and `fit(ckpt_path="last")` resumes from it on every (re)start;
+- the data is a stream drawn per rank, seeded by the rank and the step it resumes
+  from, so a new world size needs no re-sharding.
 
 Rank 0 prints one line per step, and where it (re)starts:
 
-    start at step 8: world size 1, restart count 0
-    Step #9  Loss: 0.41013  (world size 1)
+    start at step 20: world size 1, restart count 0
+    Step #21  Loss: 0.20307  (world size 1)
 
 The data is generated (a noisy linear function), so nothing is downloaded. CPU (gloo)
 when there is no GPU, one GPU per process (nccl) when there are.
@@ -32,10 +32,12 @@ import argparse
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.plugins import TorchCheckpointIO
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -88,6 +90,22 @@ class Regression(pl.LightningModule):
         return DataLoader(NoisyLinear(seed), batch_size=self.hparams.batch_size)
 
 
+class RenamedCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint beside its target, then renames it into place.
+
+    Lightning's own save stages the file in the system's temporary folder and moves it;
+    on a shared filesystem (where a multi-node job keeps its checkpoints) that move is a
+    copy, and a node killed during it leaves half a last.ckpt that no restart can load.
+    A rename within one folder is atomic. (The staging name does not end in .ckpt, so
+    `ckpt_path="last"` never picks one a killed writer left behind.)
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        staging = f"{path}.partial-{os.getpid()}"
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        os.replace(staging, path)
+
+
 class Report(pl.Callback):
     """Rank 0's lines: where this start resumes, then one line per step."""
 
@@ -129,6 +147,7 @@ def main() -> None:
         strategy="ddp",
         max_steps=args.max_steps,
         callbacks=[Report(args.step_time), checkpoints],
+        plugins=[RenamedCheckpointIO()],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
