@@ -3,8 +3,9 @@
 Each example runs as it would on a cluster: two agents (`python -m elasticrun`, nodes
 127.0.0.1 and .2, one gloo worker each) on a standalone store, with one checkpoint
 folder shared by the nodes. The test SIGKILLs the node of rank 0 (the one writing the
-checkpoints) once a checkpoint exists; the survivor must restart its worker at world
-size 1 from that checkpoint. A third node then joins with `elasticrun join`; both
+checkpoints) once a checkpoint exists, and leaves in the folder what a writer killed
+while saving leaves; the survivor must restart its worker at world size 1 from the last
+whole checkpoint. A third node then joins with `elasticrun join`; both
 restart at world size 2 from the newest checkpoint and finish the run: exit 0, the
 step count printed and checkpointed is the run's total, and every step after the last
 restart is printed once, in order.
@@ -44,6 +45,19 @@ CONF = "heartbeat_timeout=2,last_call_timeout=5,join_timeout=60,is_host=false"
 WAIT = 180.0
 
 
+def lightning_torn(folder: Path, step: int) -> None:
+    """What the example's writer leaves when killed while saving: a half staging file."""
+    (folder / "last.ckpt.partial-999999").write_bytes(b"PK\x03\x04 cut short")
+
+
+def huggingface_torn(folder: Path, step: int) -> None:
+    """What the Trainer leaves when killed while saving: a checkpoint folder without
+    trainer_state.json (it writes that file last)."""
+    torn = folder / f"checkpoint-{step}"
+    torn.mkdir(exist_ok=True)
+    (torn / "model.safetensors").write_bytes(b"cut short")
+
+
 def lightning_step(folder: Path) -> int:
     import torch
 
@@ -61,6 +75,7 @@ class Example:
     folder_flag: str  # the flag that names its checkpoint folder
     step_flag: str  # the flag that sets the steps between checkpoints
     saved_step: Callable[[Path], int]  # the step of the last checkpoint in the folder
+    torn: Callable[[Path, int], None]  # leave in the folder what a writer killed saving `step` leaves
 
     def command(self, folder: Path) -> list[str]:
         return [
@@ -70,8 +85,12 @@ class Example:
 
 
 EXAMPLE_CASES = {
-    "lightning": Example(EXAMPLES / "lightning" / "train.py", "--checkpoint-dir", "--checkpoint-every", lightning_step),
-    "huggingface": Example(EXAMPLES / "huggingface" / "train.py", "--output-dir", "--save-steps", huggingface_step),
+    "lightning": Example(
+        EXAMPLES / "lightning" / "train.py", "--checkpoint-dir", "--checkpoint-every", lightning_step, lightning_torn
+    ),
+    "huggingface": Example(
+        EXAMPLES / "huggingface" / "train.py", "--output-dir", "--save-steps", huggingface_step, huggingface_torn
+    ),
 }
 
 
@@ -131,6 +150,9 @@ def test_example_resumes_after_a_lost_and_a_joined_node(
     first.wait_for(step_line(EVERY + 1, 2), timeout=WAIT)
     dead = worker_pids(first, example.script)
     assert dead, f"no worker of {first.name} runs {example.script}"
+    # as if it died writing a checkpoint (of a step the run never reaches, so no real save
+    # completes it): the survivor must resume from the last whole one
+    example.torn(folder, STEPS + EVERY)
     os.kill(first.pid, signal.SIGKILL)
     first.wait_exit()
     wait_until(lambda: not any(pid_alive(p) for p in dead), what=f"the end of {first.name}'s worker")
