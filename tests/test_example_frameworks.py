@@ -40,8 +40,8 @@ EVERY, STEPS = 4, 32
 CONF = "heartbeat_timeout=2,last_call_timeout=5,join_timeout=60,is_host=false"
 #: the bound of each wait on a worker's line or an exit: each spans a worker start, which
 #: imports torch and the framework (5-10 s of CPU, two at once on two cores), or
-#: training steps (a bound, not an expected time: on an idle 2-core box the test takes
-#: about a minute)
+#: training steps (a bound, not an expected time: on an idle 2-core box each test takes
+#: under a minute)
 WAIT = 180.0
 
 
