@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import math
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from elasticrun.errors import UsageError
@@ -31,6 +32,7 @@ from elasticrun.rendezvous.state import (
 )
 from elasticrun.store.access import StoreAccess, open_client, parse_access
 from elasticrun.store.api import EventType, Store
+from elasticrun.store.contact import first_contact
 
 
 def add_job_flags(parser: argparse.ArgumentParser) -> None:
@@ -74,8 +76,25 @@ class JobTarget:
     def keys(self) -> Keys:
         return Keys(self.run_id)
 
-    def open(self) -> Store:
-        return open_client(self.access)
+    @contextlib.asynccontextmanager
+    async def open(self) -> AsyncIterator[Store]:
+        """A client of the job's store, once the store has answered: nothing listening
+        there, or a name that does not resolve, is an error at once, and a connection
+        that takes longer than a second is said on stderr (see `store.contact`)."""
+        async with open_client(self.access) as store:
+            await first_contact(
+                store,
+                self.access.endpoints,
+                self.access.timeout,
+                self.keys.prefix if self.run_id else JOBS_PREFIX,
+                patient=False,
+                say=_say,
+            )
+            yield store
+
+
+def _say(line: str) -> None:
+    print(f"elasticrun: {line}", file=sys.stderr, flush=True)
 
 
 def job_target(args: argparse.Namespace) -> JobTarget:
