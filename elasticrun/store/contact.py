@@ -33,6 +33,8 @@ NOTICE_AFTER = 1.0
 
 _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 1.0
+#: the least time a try is given, the last one too: a refusal comes back in microseconds
+_LAST_TRY = 0.25
 
 #: the variables through which grpc reaches servers by a proxy (either case)
 _PROXY_ENV = ("grpc_proxy", "https_proxy", "http_proxy")
@@ -85,15 +87,16 @@ async def _reach(endpoints: Sequence[str], timeout: float, patient: bool, tried:
     deadline = loop.time() + timeout
     delay = _FIRST_BACKOFF
     while True:
-        cause = await _reach_any(endpoints, deadline - loop.time())
+        cause = await _reach_any(endpoints, max(deadline - loop.time(), _LAST_TRY))
         if cause is None:
             return
         tried.append(cause)
         if not patient:
             raise StoreUnavailableError(",".join(endpoints), f"{cause}; {CHECK}")
-        if loop.time() + delay >= deadline:
+        left = deadline - loop.time()
+        if left <= 0:
             raise StoreUnavailableError(",".join(endpoints), f"{cause} (gave up after {timeout:g} s)")
-        await asyncio.sleep(delay)
+        await asyncio.sleep(min(delay, left))
         delay = min(2 * delay, _MAX_BACKOFF)
 
 
@@ -102,7 +105,7 @@ async def _reach_any(endpoints: Sequence[str], timeout: float) -> str | None:
     tries = [asyncio.ensure_future(_reach_one(endpoint)) for endpoint in endpoints]
     causes: dict[str, str] = {}
     try:
-        async with asyncio.timeout(max(timeout, 0.0)):
+        async with asyncio.timeout(timeout):
             for done in asyncio.as_completed(tries):
                 endpoint, cause = await done
                 if cause is None:
