@@ -8,6 +8,7 @@ output (tables, JSON) and exit codes.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -16,19 +17,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_cluster import Cluster, Proc, Rdzv, wait_until
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 TICKER = Path(__file__).resolve().parent / "workers" / "tick_worker.py"
 
 
-def agent(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str = "1:3") -> Proc:
+def agent(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str = "1:3", *worker_args: str) -> Proc:
     argv = [
         sys.executable, "-m", "elasticrun", f"--nnodes={nnodes}", "--nproc-per-node=1",
         f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
         f"--rdzv-conf={rdzv.conf}", f"--local-addr=127.0.0.{addr}", "--shutdown-timeout=5",
-        f"--log-dir={cluster.tmp / 'logs'}", str(TICKER), "--stop-file", str(cluster.stop_file),
+        f"--log-dir={cluster.tmp / 'logs'}", str(TICKER), "--stop-file", str(cluster.stop_file), *worker_args,
     ]
     return cluster.start(name, argv)
 
@@ -152,6 +153,30 @@ def test_drain_by_name(cluster, rdzv):
     cluster.stop_training()
     for proc in agents:
         proc.wait_exit()
+    cluster.assert_no_orphans()
+
+
+def test_drain_waits_until_the_drained_agent_is_done(cluster, c10d_store):
+    """The drained node's workers take 2 s to save on SIGTERM: `drain` returns after that
+    (it once returned at once, the agent exiting later); `--no-wait` only asks."""
+    rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())
+    agents = [agent(cluster, rdzv, n, i + 1, "1:3", "--save-seconds", "2") for i, n in enumerate("abc")]
+    s = wait_world(rdzv, 3)
+    newest = max(s["nodes"], key=lambda n: n["node_rank"])["node_id"]
+    done = ctl(rdzv, "drain", "--count", "1", "--timeout", "60")
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(rf"drained {newest} in \d+\.\ds \(left the job, workers stopped\)\n", done.stdout)
+    assert Path(f"{cluster.stop_file}.saved.{newest}").exists()  # its workers had saved
+    s = wait_world(rdzv, 2)
+    oldest = min(s["nodes"], key=lambda n: n["node_rank"])["node_id"]
+    asked = ctl(rdzv, "drain", "--node", oldest, "--no-wait")
+    assert (asked.returncode, asked.stdout) == (0, f"drain requested: {oldest}\n"), asked.stderr
+    wait_world(rdzv, 1)
+    drained = [p for p in agents if newest.endswith(f"_{p.pid}") or oldest.endswith(f"_{p.pid}")]
+    assert [p.wait_exit() for p in drained] == [0, 0]
+    cluster.stop_training()
+    for proc in agents:
+        assert proc.wait_exit() == 0
     cluster.assert_no_orphans()
 
 

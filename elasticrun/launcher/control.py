@@ -213,15 +213,22 @@ def timeout_seconds(value: float) -> float:
 
 async def wait_nodes_gone(store: Store, keys: Keys, node_ids: set[str], timeout: float) -> set[str]:
     """Wait until these nodes are no longer registered; return those still there."""
-    snapshot = await store.get_prefix(keys.nodes)
-    left = {nid for nid in node_ids if keys.node(nid) in {kv.key for kv in snapshot.kvs}}
+    still = await wait_keys_gone(store, keys.nodes, {keys.node(n) for n in node_ids}, timeout)
+    return {key[len(keys.nodes):] for key in still}
+
+
+async def wait_keys_gone(store: Store, prefix: str, wanted: set[str], timeout: float) -> set[str]:
+    """Wait until none of the keys `wanted` (all under `prefix`) exists; return those
+    still there after `timeout` seconds."""
+    snapshot = await store.get_prefix(prefix)
+    left = wanted & {kv.key for kv in snapshot.kvs}
     if not left:
         return left
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout):
-            async for event in store.watch(keys.nodes, start_revision=snapshot.revision + 1, prefix=True):
+            async for event in store.watch(prefix, start_revision=snapshot.revision + 1, prefix=True):
                 if event.type is EventType.DELETE:
-                    left.discard(event.key[len(keys.nodes):])
+                    left.discard(event.key)
                 if not left:
                     break
     return left
