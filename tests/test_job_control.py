@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,6 +179,44 @@ def test_drain_waits_until_the_drained_agent_is_done(cluster, c10d_store):
     for proc in agents:
         assert proc.wait_exit() == 0
     cluster.assert_no_orphans()
+
+
+def test_a_piped_status_watch_prints_a_page_only_when_it_changed(cluster, c10d_store):
+    """Workers' output moves the store many times a second; a piped watch prints a new
+    page only when the job itself changed (once, then for the drain), never a copy."""
+    rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())
+    agents = [agent(cluster, rdzv, n, i + 1, "1:2") for i, n in enumerate("ab")]
+    wait_world(rdzv, 2)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "elasticrun", "status", "--watch", f"--rdzv-endpoint={rdzv.endpoint}",
+         f"--rdzv-id={rdzv.run_id}"],
+        stdout=subprocess.PIPE, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(watch.stdout or ()), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: any(line.startswith("JOB") for line in out), what="the first page")
+
+        def ticks() -> int:
+            return len(re.findall(r"tick=", ctl(rdzv, "logs", "--tail", "1000").stdout))
+
+        seen = ticks()
+        wait_until(lambda: ticks() >= seen + 20, what="20 more ticks: the store changed many times")
+        before = [line for line in out if line.startswith("--- ")]
+        assert ctl(rdzv, "drain", "--count", "1").returncode == 0
+        wait_until(lambda: any(re.match(rf"{rdzv.run_id}\s+running\s+\d+\s+1\s", line) for line in out),
+                   what="a page at world size 1")
+    finally:
+        watch.kill()
+        watch.wait()
+        reader.join(10)
+    assert len(before) == 1, "".join(out)
+    pages = "".join(out).split("--- ")[1:]
+    unaged = [re.sub(r"\b\d+(m\d+)?s\b", "AGE", page.split("\n", 1)[1]) for page in pages]
+    assert all(a != b for a, b in zip(unaged, unaged[1:], strict=False)), "".join(out)
+    cluster.stop_training()
+    for proc in agents:
+        assert proc.wait_exit() == 0
 
 
 def test_join_is_rolled_back_when_not_admitted(cluster, rdzv):

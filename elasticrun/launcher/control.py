@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import BACKENDS, parse_rdzv_conf, settings_from_flags
+from elasticrun.launcher.flags import rdzv_conf_keys
 from elasticrun.rendezvous.state import (
     JOBS_PREFIX,
     Event,
@@ -33,6 +34,12 @@ from elasticrun.rendezvous.state import (
 from elasticrun.store.access import StoreAccess, open_client, parse_access
 from elasticrun.store.api import EventType, Store
 from elasticrun.store.contact import first_contact
+
+#: the --rdzv-conf keys job control reads: how to reach the store
+ACCESS_KEYS = (
+    "token_file", "require_token", "tls_ca", "store_timeout", "client_cert", "client_key",
+    "ca_cert", "user", "password_file", "password_env",
+)
 
 
 def add_job_flags(parser: argparse.ArgumentParser) -> None:
@@ -54,10 +61,7 @@ def add_store_flags(parser: argparse.ArgumentParser, *, with_id: bool = False) -
         )
     parser.add_argument(
         "--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", action="append", default=[],
-        help=(
-            "store access: token_file, require_token, tls_ca, store_timeout; c10d and etcd: "
-            "client_cert, client_key; etcd: ca_cert, user, password_file, password_env"
-        ),
+        help=f"store access: {rdzv_conf_keys(ACCESS_KEYS)}",
     )
 
 

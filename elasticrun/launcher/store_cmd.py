@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import settings_from_flags
+from elasticrun.launcher.flags import Parser
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address, serving
 from elasticrun.store.access import exposure_warning, read_token, server_tls
@@ -97,10 +98,18 @@ def _run(args: argparse.Namespace) -> int:
     return asyncio.run(serve(config))
 
 
+def _no_command(args: argparse.Namespace) -> int:
+    raise UsageError(
+        "elasticrun store takes a command: elasticrun store serve runs the store on its own "
+        "(see elasticrun store serve --help)"
+    )
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `store serve` to the CLI; the parsed args carry `run(args) -> int`."""
     store = subparsers.add_parser("store", help="the built-in key-value store")
-    commands = store.add_subparsers(dest="store_command", required=True)
+    store.set_defaults(run=_no_command)
+    commands = store.add_subparsers(dest="store_command", metavar="COMMAND", parser_class=Parser)
     serve_parser = commands.add_parser(
         "serve",
         help="run the store server alone (instead of inside the agent on the endpoint host)",
