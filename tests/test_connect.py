@@ -217,9 +217,8 @@ def test_an_agent_waits_for_a_store_that_starts_late_and_says_so(cluster: Cluste
     port = free_port()
     endpoint = f"127.0.0.1:{port}"
     (tmp_path / "stop").touch()
-    agent = cluster.start("agent", [
-        sys.executable, "-m", "elasticrun", *_agent_argv(endpoint, tmp_path / "stop", ",is_host=false,store_timeout=30"),
-    ])
+    argv = _agent_argv(endpoint, tmp_path / "stop", ",is_host=false,store_timeout=30")
+    agent = cluster.start("agent", [sys.executable, "-m", "elasticrun", *argv])
     agent.wait_for(
         rf"connecting to the store at {endpoint} \(connection refused: nothing listens on port {port} of "
         r"127\.0\.0\.1\); trying again until store_timeout \(30 s\)$"
