@@ -18,6 +18,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from elasticrun.agent.spec import WorkerState
 from elasticrun.rendezvous.api import Assignment
+from elasticrun.store.metrics import export_info
 
 #: seconds from a change to running again: a membership change in place takes well
 #: under a second, a restart of big workers minutes
@@ -32,10 +33,12 @@ MEMBERSHIP_CAUSES = ("scale_up", "scale_down", "replace")
 class AgentMetrics:
     """What one agent exports; `registry` is what its HTTP server serves."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str, node_id: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        export_info(r, "This agent: the id of its job (--rdzv-id), its node id, the elasticrun version",
+                    job_id=run_id, node_id=node_id)
         self.rounds = Counter("elasticrun_rounds", "Rounds of the job this node took part in", registry=r)
         self.round = Gauge("elasticrun_round", "The number of the round this node is in (0: none yet)", registry=r)
         self.world_size = Gauge("elasticrun_world_size", "Workers in the job in this node's round", registry=r)

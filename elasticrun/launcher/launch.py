@@ -66,7 +66,7 @@ async def run_node(config: LaunchConfig) -> AgentResult:
             from elasticrun.agent.metrics import AgentMetrics
             from elasticrun.store.metrics import StoreMetrics
 
-            metrics = AgentMetrics()
+            metrics = AgentMetrics(config.worker.run_id, config.worker.node_id)
             store_metrics = StoreMetrics(metrics.registry)
         events = None
         if config.event_log_handler != "null":

@@ -63,10 +63,12 @@ async def serve(config: ServeConfig) -> int:
         from prometheus_client import CollectorRegistry
         from prometheus_client.process_collector import ProcessCollector
 
-        from elasticrun.store.metrics import StoreMetrics
+        from elasticrun.store.metrics import StoreMetrics, export_info
 
         metrics = StoreMetrics(CollectorRegistry(auto_describe=True))
         ProcessCollector(registry=metrics.registry)
+        export_info(metrics.registry, "This store server: where it listens, the elasticrun version",
+                    address=f"{config.host}:{config.port}")
     server = StoreServer(
         config.host, config.port, token=config.token, tls=config.tls, client_ca=config.client_ca, metrics=metrics
     )

@@ -12,11 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Info
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from elasticrun import __version__
 from elasticrun.store.memory import StoreLoad
+
+
+def export_info(registry: CollectorRegistry, what: str, **labels: str) -> None:
+    """`elasticrun_info{version=..., <labels>} 1`: the facts to join other series on
+    (`* on(instance) group_left(job_id, node_id) elasticrun_info`)."""
+    Info("elasticrun", what, registry=registry).info({"version": __version__, **labels})
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +72,8 @@ class _LoadCollector(Collector):
             ("elasticrun_store_watchers", "Open watch streams", load.watches),
             ("elasticrun_store_leases", "Live leases", e.leases),
             ("elasticrun_store_keys", "Keys held", e.keys),
-            ("elasticrun_store_key_bytes", "Bytes of the keys and values held", e.key_bytes),
+            ("elasticrun_store_key_bytes", "Bytes of the keys held (UTF-8)", e.key_bytes),
+            ("elasticrun_store_value_bytes", "Bytes of the values held", e.value_bytes),
             ("elasticrun_store_history_revisions", "Revisions kept in the watch history", e.history_revisions),
             ("elasticrun_store_history_bytes", "Bytes of the watch history", e.history_bytes),
             ("elasticrun_store_revision", "The store's revision (that of its latest write)", e.revision),
