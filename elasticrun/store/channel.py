@@ -29,6 +29,7 @@ from elasticrun.store.wire import (
     CLIENT_PING_MS,
     DEFAULT_C10D_PORT,
     MAX_REPLY_BYTES,
+    TOKEN_ENV,
     TOKEN_METADATA_KEY,
     TlsKeyPair,
     bearer,
@@ -279,6 +280,11 @@ def error_from(error: grpc.RpcError, endpoint: str, lease: int = 0) -> Elasticru
     """The one translation of a gRPC status into our errors, for both clients."""
     code, details = error.code(), error.details() or ""
     if code is grpc.StatusCode.UNAUTHENTICATED:
+        if "store token" in details:  # the server names its own flag; ours is the client's
+            return StoreAuthError(
+                f"the store at {endpoint} refused us: missing or wrong store token; give the store's token "
+                f"with --rdzv-conf token_file=<file> or ${TOKEN_ENV}"
+            )
         return StoreAuthError(f"the store at {endpoint} refused us: {details}")
     if _is_tls_failure(details):
         return StoreAuthError(
