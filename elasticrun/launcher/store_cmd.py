@@ -11,6 +11,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import settings_from_flags
 from elasticrun.launcher.flags import Parser
@@ -60,15 +61,15 @@ async def serve(config: ServeConfig) -> int:
     """Serve until SIGTERM or SIGINT, then stop gracefully."""
     metrics = None
     if config.metrics is not None:  # the library is loaded only when asked for
-        from prometheus_client import CollectorRegistry
+        from prometheus_client import CollectorRegistry, Info
         from prometheus_client.process_collector import ProcessCollector
 
-        from elasticrun.store.metrics import StoreMetrics, export_info
+        from elasticrun.store.metrics import StoreMetrics
 
         metrics = StoreMetrics(CollectorRegistry(auto_describe=True))
         ProcessCollector(registry=metrics.registry)
-        export_info(metrics.registry, "This store server: where it listens, the elasticrun version",
-                    address=f"{config.host}:{config.port}")
+        Info("elasticrun", "This store server: where it listens, the elasticrun version",
+             registry=metrics.registry).info({"address": f"{config.host}:{config.port}", "version": __version__})
     server = StoreServer(
         config.host, config.port, token=config.token, tls=config.tls, client_ca=config.client_ca, metrics=metrics
     )

@@ -12,18 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Info
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from elasticrun import __version__
 from elasticrun.store.memory import StoreLoad
-
-
-def export_info(registry: CollectorRegistry, what: str, **labels: str) -> None:
-    """`elasticrun_info{version=..., <labels>} 1`: the facts to join other series on
-    (`* on(instance) group_left(job_id, node_id) elasticrun_info`)."""
-    Info("elasticrun", what, registry=registry).info({"version": __version__, **labels})
 
 
 @dataclass(frozen=True, slots=True)
