@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import pickle
 import shutil
@@ -38,6 +39,11 @@ from elasticrun.launcher.flags import launch_parser
 from elasticrun.worker.call import PAYLOAD_ENV, RESULTS_ENV
 
 __all__ = ["LaunchFailed", "WorkersFailed", "launch"]
+
+# A library prints nothing of its own unless its user asks: the agent's lines go where
+# the application's logging sends them, and nowhere without any (Python's last-resort
+# handler would print the warnings and the failure report, which is raised anyway).
+logging.getLogger("elasticrun").addHandler(logging.NullHandler())
 
 #: the worker module that calls a function entrypoint (elasticrun/worker/call.py)
 _CALL_MODULE = "elasticrun.worker.call"
@@ -77,7 +83,7 @@ def launch(entrypoint: Callable[..., Any] | str, *args: Any, **flags: Any) -> di
             if config.job_spec.elastic_mode != "restart":
                 raise UsageError("a function entrypoint runs with elastic_mode='restart' only")
             env = {**config.worker.extra_env, PAYLOAD_ENV: str(call.payload), RESULTS_ENV: str(call.results)}
-            config = replace(config, worker=replace(config.worker, extra_env=env))
+            config = replace(config, worker=replace(config.worker, extra_env=env, title=call.title))
         result = _run(config)
         if result.exit_code == 0:
             # a script returns nothing: None for each of this node's ranks, as torchrun's
@@ -88,8 +94,12 @@ def launch(entrypoint: Callable[..., Any] | str, *args: Any, **flags: Any) -> di
 
 
 class _Call:
-    def __init__(self, entrypoint: str, args: tuple[str, ...], payload: Path | None, results: Path | None) -> None:
+    def __init__(
+        self, entrypoint: str, args: tuple[str, ...], payload: Path | None, results: Path | None, title: str = ""
+    ) -> None:
         self.entrypoint, self.args, self.payload, self.results = entrypoint, args, payload, results
+        #: the function as its failure report names it, `module:function`
+        self.title = title
 
 
 @contextlib.contextmanager
@@ -104,8 +114,9 @@ def _call_files(entrypoint: Callable[..., Any] | str, args: tuple[Any, ...]) -> 
     try:
         payload, results = folder / "payload.pkl", folder / "results"
         results.mkdir()
+        main_path = _main_path(entrypoint)
         with open(payload, "wb") as f:
-            pickle.dump(_main_path(entrypoint), f)
+            pickle.dump(main_path, f)
             try:
                 pickle.dump((entrypoint, args), f)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
@@ -113,9 +124,15 @@ def _call_files(entrypoint: Callable[..., Any] | str, args: tuple[Any, ...]) -> 
                     f"cannot send {getattr(entrypoint, '__qualname__', entrypoint)!r} and its arguments to the "
                     f"workers: {e} (a function entrypoint must be defined at the top level of a module or script)"
                 ) from None
-        yield _Call(_CALL_MODULE, (), payload, results)
+        yield _Call(_CALL_MODULE, (), payload, results, _title(entrypoint, main_path))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _title(function: Callable[..., Any], main_path: str | None) -> str:
+    """`module:function` (`script.py:function` for one of the launching script)."""
+    module = os.path.basename(main_path) if main_path else getattr(function, "__module__", "?")
+    return f"{module}:{getattr(function, '__qualname__', repr(function))}"
 
 
 def _main_path(function: Callable[..., Any]) -> str | None:

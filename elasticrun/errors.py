@@ -104,6 +104,22 @@ class StoreAddressError(StoreError):
     exit_code = EXIT_USAGE
 
 
+class NotAStoreError(StoreError):
+    """Something answers at the endpoint, but not as the store the backend expects: an
+    etcd server at a c10d endpoint, another gRPC service, a program that does not speak
+    gRPC at all. Retrying cannot help: the endpoint (or the backend) is wrong.
+
+    `what` says what answers there, in a few words ("an etcd server").
+    """
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, endpoint: str, what: str, fix: str) -> None:
+        super().__init__(f"{endpoint} is {what}, not the built-in store: {fix}")
+        self.endpoint = endpoint
+        self.what = what
+
+
 class StoreRequestError(StoreError):
     """The store refused a request as malformed (a TTL that is no duration, adding to a
     value that is no integer): retrying it cannot help."""

@@ -42,6 +42,46 @@ def test_a_failure_carries_the_root_cause_report() -> None:
     assert "Root cause" in str(failed.value)
 
 
+def test_a_failure_names_the_function_and_shows_the_users_frames_only() -> None:
+    with pytest.raises(elasticrun.WorkersFailed) as failed:
+        elasticrun.launch(api_targets.fail_on_rank, 0, standalone=True, nproc_per_node=1)
+    report = failed.value.report
+    assert report is not None
+    assert report.text.splitlines()[1].endswith("failed: tests.api_targets:fail_on_rank")
+    frames = [line for line in report.root_cause.traceback.splitlines() if line.lstrip().startswith("File ")]
+    assert len(frames) == 1 and "api_targets.py" in frames[0] and "in fail_on_rank" in frames[0], frames
+    assert report.root_cause.traceback_source.endswith("error.json")  # torch's error file format
+
+
+QUIET = """\
+import logging, sys
+import elasticrun
+from tests import api_targets
+for ask in (False, True):
+    if ask:
+        print("--- logging configured", file=sys.stderr, flush=True)
+        logging.basicConfig(level=logging.INFO)
+    try:
+        elasticrun.launch(api_targets.fail_on_rank, 0, standalone=True, nproc_per_node=1)
+    except elasticrun.WorkersFailed as e:
+        print(e.report.root_cause.global_rank)
+"""
+
+
+def test_the_library_prints_nothing_of_its_own_unless_asked(tmp_path: Path) -> None:
+    """The failure is raised, not also printed; the agent's lines appear once the
+    application configures logging. The workers' own output is theirs, and shown."""
+    script = tmp_path / "quiet.py"
+    script.write_text(QUIET)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env=clean_env(PYTHONPATH=str(REPO)), cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (0, "0\n0\n"), done.stderr
+    unasked, asked = done.stderr.split("--- logging configured\n")
+    assert [line for line in unasked.splitlines() if not line.startswith("[0]<stderr>: ")] == [], unasked
+    assert "ValueError: rank 0 gives up" in unasked  # the worker's own stderr
+    assert "Root cause (first failure):" in asked and "workers init -> failed" in asked, asked
+
+
 def test_restarts_and_the_values_of_the_attempt_that_succeeded() -> None:
     values = elasticrun.launch(api_targets.fail_first_attempt, standalone=True, nproc_per_node=2, max_restarts=1)
     assert values == {0: "attempt 1", 1: "attempt 1"}

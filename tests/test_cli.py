@@ -598,7 +598,7 @@ BAD_INPUT = {
     "store serve tls key without cert": (["store", "serve", "--tls-key", "key.pem"],
                                          ["--tls-cert", "--tls-key"]),
     "store serve bad port": (["store", "serve", "--port", "70000"], ["--port", "70000"]),
-    "store without a command": (["store"], ["store_command"]),
+    "store without a command": (["store"], ["elasticrun store serve"]),
     # require_token with no token anywhere: refused before anything starts, naming the flags
     "agent requiring a token it lacks": (
         ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "require_token=true", S],

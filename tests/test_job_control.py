@@ -9,27 +9,29 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from tests.elastic_cluster import Cluster, Proc, Rdzv, wait_until
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 TICKER = Path(__file__).resolve().parent / "workers" / "tick_worker.py"
 
 
-def agent(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str = "1:3") -> Proc:
+def agent(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str = "1:3", *worker_args: str) -> Proc:
     argv = [
         sys.executable, "-m", "elasticrun", f"--nnodes={nnodes}", "--nproc-per-node=1",
         f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
         f"--rdzv-conf={rdzv.conf}", f"--local-addr=127.0.0.{addr}", "--shutdown-timeout=5",
-        f"--log-dir={cluster.tmp / 'logs'}", str(TICKER), "--stop-file", str(cluster.stop_file),
+        f"--log-dir={cluster.tmp / 'logs'}", str(TICKER), "--stop-file", str(cluster.stop_file), *worker_args,
     ]
     return cluster.start(name, argv)
 
@@ -162,6 +164,68 @@ def test_drain_by_name(cluster, rdzv):
     for proc in agents:
         proc.wait_exit()
     cluster.assert_no_orphans()
+
+
+def test_drain_waits_until_the_drained_agent_is_done(cluster, c10d_store):
+    """The drained node's workers take 2 s to save on SIGTERM: `drain` returns after that
+    (it once returned at once, the agent exiting later); `--no-wait` only asks."""
+    rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())
+    agents = [agent(cluster, rdzv, n, i + 1, "1:3", "--save-seconds", "2") for i, n in enumerate("abc")]
+    s = wait_world(rdzv, 3)
+    newest = max(s["nodes"], key=lambda n: n["node_rank"])["node_id"]
+    done = ctl(rdzv, "drain", "--count", "1", "--timeout", "60")
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(rf"drained {newest} in \d+\.\ds \(left the job, workers stopped\)\n", done.stdout)
+    assert Path(f"{cluster.stop_file}.saved.{newest}").exists()  # its workers had saved
+    s = wait_world(rdzv, 2)
+    oldest = min(s["nodes"], key=lambda n: n["node_rank"])["node_id"]
+    asked = ctl(rdzv, "drain", "--node", oldest, "--no-wait")
+    assert (asked.returncode, asked.stdout) == (0, f"drain requested: {oldest}\n"), asked.stderr
+    wait_world(rdzv, 1)
+    drained = [p for p in agents if newest.endswith(f"_{p.pid}") or oldest.endswith(f"_{p.pid}")]
+    assert [p.wait_exit() for p in drained] == [0, 0]
+    cluster.stop_training()
+    for proc in agents:
+        assert proc.wait_exit() == 0
+    cluster.assert_no_orphans()
+
+
+def test_a_piped_status_watch_prints_a_page_only_when_it_changed(cluster, c10d_store):
+    """Workers' output moves the store many times a second; a piped watch prints a new
+    page only when the job itself changed (once, then for the drain), never a copy."""
+    rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())
+    agents = [agent(cluster, rdzv, n, i + 1, "1:2") for i, n in enumerate("ab")]
+    wait_world(rdzv, 2)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "elasticrun", "status", "--watch", f"--rdzv-endpoint={rdzv.endpoint}",
+         f"--rdzv-id={rdzv.run_id}"],
+        stdout=subprocess.PIPE, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(watch.stdout or ()), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: any(line.startswith("JOB") for line in out), what="the first page")
+
+        def ticks() -> int:
+            return len(re.findall(r"tick=", ctl(rdzv, "logs", "--tail", "1000").stdout))
+
+        seen = ticks()
+        wait_until(lambda: ticks() >= seen + 20, what="20 more ticks: the store changed many times")
+        before = [line for line in out if line.startswith("--- ")]
+        assert ctl(rdzv, "drain", "--count", "1").returncode == 0
+        wait_until(lambda: any(re.match(rf"{rdzv.run_id}\s+running\s+\d+\s+1\s", line) for line in out),
+                   what="a page at world size 1")
+    finally:
+        watch.kill()
+        watch.wait()
+        reader.join(10)
+    assert len(before) == 1, "".join(out)
+    pages = "".join(out).split("--- ")[1:]
+    unaged = [re.sub(r"\b\d+(m\d+)?s\b", "AGE", page.split("\n", 1)[1]) for page in pages]
+    assert all(a != b for a, b in zip(unaged, unaged[1:], strict=False)), "".join(out)
+    cluster.stop_training()
+    for proc in agents:
+        assert proc.wait_exit() == 0
 
 
 def test_join_is_rolled_back_when_not_admitted(cluster, rdzv):

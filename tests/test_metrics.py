@@ -5,6 +5,7 @@ gauges follow the job, and every metric documented in docs/deployment.md is expo
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sys
 import urllib.request
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import elasticrun
 from tests.agent_helpers import free_port
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id, wait_until
 
@@ -94,6 +96,13 @@ def test_metrics_move_during_a_scale_up(cluster: Cluster) -> None:
     assert value(store_after, "elasticrun_store_history_revisions") > value(store_before, "elasticrun_store_history_revisions")
     assert value(store_after, "elasticrun_store_revision") > value(store_before, "elasticrun_store_revision")
 
+    [(_, info)] = [key for key in after if key[0] == "elasticrun_info"]
+    nodes = {p.name.removeprefix(f"{rid}_") for p in (cluster.tmp / "logs").iterdir()}  # <run id>_<node id>
+    assert dict(info)["node_id"] in nodes and len(nodes) == 3
+    assert dict(info) == {"job_id": rid, "node_id": dict(info)["node_id"], "version": elasticrun.__version__}
+    assert value(store_after, "elasticrun_info", address=f"127.0.0.1:{store_port}", version=elasticrun.__version__) == 1
+    assert value(store_after, "elasticrun_store_key_bytes") > 0 and value(store_after, "elasticrun_store_value_bytes") > 0
+
     documented = set(re.findall(r"^\| `(elasticrun_\w+)`", DOCS.read_text(), flags=re.M))
     exported = {name for name, _ in [*store_after, *after]}
     families = {re.sub(r"_(total|bucket|count|sum)$", "", n) for n in exported if n.startswith("elasticrun_")}
@@ -119,6 +128,21 @@ def test_grafana_dashboard_queries_only_documented_metrics() -> None:
     assert used and used <= documented, used - documented
 
 
+def test_the_store_counts_key_and_value_bytes_apart() -> None:
+    """elasticrun_store_key_bytes counts the keys' UTF-8 bytes, _value_bytes the values':
+    an overwrite changes only the value's, a delete takes both."""
+    from elasticrun.store.memory import MemoryStore
+
+    async def run() -> list[tuple[int, int]]:
+        store, seen = MemoryStore(), []
+        for step in (store.put("ab", b"xyz"), store.put("ab", b"x"), store.put("\u00e9", b"12"), store.delete("ab")):
+            await step
+            seen.append((store.load().key_bytes, store.load().value_bytes))
+        return seen
+
+    assert asyncio.run(run()) == [(2, 3), (2, 1), (4, 3), (2, 2)]
+
+
 def test_agent_metrics_tell_causes_apart() -> None:
     """The agent's hooks, fed the rounds of a job in order: each change lands under its
     cause, a restart is never counted as a membership change, and the time from a
@@ -127,7 +151,9 @@ def test_agent_metrics_tell_causes_apart() -> None:
     from elasticrun.agent.spec import WorkerState
     from elasticrun.rendezvous.api import Assignment
 
-    m = AgentMetrics()
+    m = AgentMetrics("job42", "host_7")
+    assert m.registry.get_sample_value("elasticrun_info", {"job_id": "job42", "node_id": "host_7",
+                                                          "version": elasticrun.__version__}) == 1
 
     def start(number: int, nodes: int, restarts: int = 0) -> None:
         m.round_started(Assignment(number, 0, nodes, 0, nodes, "127.0.0.1", 1, restarts))

@@ -671,7 +671,7 @@ class Agent:
         return make_report(failures, title=self._report_title())
 
     def _report_title(self) -> str:
-        return f"job '{self.spec.run_id}' failed: {' '.join(self.spec.entrypoint)}"
+        return f"job '{self.spec.run_id}' failed: {self.spec.title or ' '.join(self.spec.entrypoint)}"
 
     async def _workers_done(self, group: WorkerGroup) -> tuple[Outcome, str]:
         exits = await group.wait()

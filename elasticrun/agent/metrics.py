@@ -13,9 +13,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.process_collector import ProcessCollector
 
+from elasticrun import __version__
 from elasticrun.agent.spec import WorkerState
 from elasticrun.rendezvous.api import Assignment
 
@@ -32,10 +33,13 @@ MEMBERSHIP_CAUSES = ("scale_up", "scale_down", "replace")
 class AgentMetrics:
     """What one agent exports; `registry` is what its HTTP server serves."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str, node_id: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        # elasticrun_info: what to join other series on (`* on(instance) group_left(job_id, node_id)`)
+        Info("elasticrun", "This agent: the id of its job (--rdzv-id), its node id, the elasticrun version",
+             registry=r).info({"job_id": run_id, "node_id": node_id, "version": __version__})
         self.rounds = Counter("elasticrun_rounds", "Rounds of the job this node took part in", registry=r)
         self.round = Gauge("elasticrun_round", "The number of the round this node is in (0: none yet)", registry=r)
         self.world_size = Gauge("elasticrun_world_size", "Workers in the job in this node's round", registry=r)

@@ -88,6 +88,9 @@ class WorkerSpec:
     cpu_affinity: Mapping[int, frozenset[int]] = field(default_factory=dict)
     #: added to every worker's environment (the torchrun variables still win)
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    #: what the workers run, as people name it in a failure report ("train:main" for a
+    #: function of `elasticrun.launch`); "": the entrypoint's argv
+    title: str = ""
     #: variables of the agent's environment that hold secrets (the store's token, etcd's
     #: password): left out of the workers', where training code could log or upload them
     withheld_env: frozenset[str] = frozenset()

@@ -11,9 +11,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from elasticrun.errors import ElasticrunError
+from elasticrun.errors import ElasticrunError, UsageError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.flags import Parser, launch_parser
+from elasticrun.launcher.flags import Parser, closest, launch_parser
 
 #: subcommand name -> the module that registers it
 SUBCOMMANDS = ("status", "list", "logs", "join", "drain", "stop", "store")
@@ -58,6 +58,19 @@ def _one_line(message: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
+def _check_not_a_misspelt_subcommand(argv: Sequence[str]) -> None:
+    """`elasticrun stauts ...`: a first word that names no file here but is close to a
+    subcommand is a misspelt subcommand, not a training script that is missing."""
+    first = argv[0] if argv else "-"
+    if first.startswith("-") or os.path.exists(first):
+        return
+    command = closest(first, SUBCOMMANDS)
+    if command is not None:
+        raise UsageError(
+            f"'{first}' is neither a subcommand nor a training script here; did you mean elasticrun {command}?"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -72,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_run_id(args.rdzv_id)
             run: Callable[[argparse.Namespace], int] = args.run
             return run(args)
+        _check_not_a_misspelt_subcommand(argv)
         args = launch_parser().parse_args(argv)
         from elasticrun.launcher.config import build_config
         from elasticrun.launcher.launch import run_launch

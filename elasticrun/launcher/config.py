@@ -572,8 +572,8 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
 
     argv = worker_argv(args, environ)
     nproc_request = str(args.nproc_per_node)
-    if not (_digits(nproc_request) and int(nproc_request) > 0) and nproc_request not in ("cpu", "gpu", "auto"):
-        raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu or auto; got {nproc_request!r}")
+    if not (_digits(nproc_request) and int(nproc_request) > 0) and nproc_request not in ("cpu", "gpu", "xpu", "auto"):
+        raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu, xpu or auto; got {nproc_request!r}")
     if _digits(nproc_request) and int(nproc_request) > MAX_NPROC_PER_NODE:
         raise UsageError(
             f"--nproc-per-node allows at most {MAX_NPROC_PER_NODE} workers per node, got {nproc_request!r}"
@@ -754,9 +754,11 @@ def route_addr(host: str) -> str:
 def resolve_workers(
     value: str, gpus_flag: str | None, environ: Mapping[str, str]
 ) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
-    """--nproc-per-node (N, `cpu`, `gpu`: every usable GPU, `auto`: GPUs, else CPUs)
-    and --gpus -> (workers, their GPUs in local-rank order, the GPUs' names)."""
+    """--nproc-per-node (N, `cpu`, `gpu`: every usable GPU, `xpu`: every Intel GPU,
+    `auto`: GPUs, else XPUs, else CPUs, as torchrun) and --gpus -> (workers, their GPUs
+    in local-rank order, the GPUs' names)."""
     from elasticrun.agent.gpu import open_gpus
+    from elasticrun.agent.xpu import intel_xpus
 
     gpus = open_gpus()
     try:
@@ -765,6 +767,13 @@ def resolve_workers(
             nproc = int(value)
         elif value == "cpu":
             nproc = os.cpu_count() or 1
+        elif value == "xpu" or (value == "auto" and not selection.devices and intel_xpus(environ)):
+            nproc = intel_xpus(environ)
+            if not nproc:
+                raise UsageError(
+                    "--nproc-per-node=xpu needs an Intel GPU (XPU), but this node shows none; "
+                    "use --nproc-per-node=auto, cpu or a number"
+                )
         else:
             nproc = selection.nproc(value, os.cpu_count() or 1)
         devices = selection.devices

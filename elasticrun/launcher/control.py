@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import math
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import BACKENDS, parse_rdzv_conf, settings_from_flags, within_max_seconds
+from elasticrun.launcher.flags import rdzv_conf_keys
 from elasticrun.rendezvous.state import (
     JOBS_PREFIX,
     Event,
@@ -31,6 +33,13 @@ from elasticrun.rendezvous.state import (
 )
 from elasticrun.store.access import StoreAccess, open_client, parse_access
 from elasticrun.store.api import EventType, Store
+from elasticrun.store.contact import first_contact
+
+#: the --rdzv-conf keys job control reads: how to reach the store
+ACCESS_KEYS = (
+    "token_file", "require_token", "tls_ca", "store_timeout", "client_cert", "client_key",
+    "ca_cert", "user", "password_file", "password_env",
+)
 
 
 def add_job_flags(parser: argparse.ArgumentParser) -> None:
@@ -52,10 +61,7 @@ def add_store_flags(parser: argparse.ArgumentParser, *, with_id: bool = False) -
         )
     parser.add_argument(
         "--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", action="append", default=[],
-        help=(
-            "store access: token_file, require_token, tls_ca, store_timeout; c10d and etcd: "
-            "client_cert, client_key; etcd: ca_cert, user, password_file, password_env"
-        ),
+        help=f"store access: {rdzv_conf_keys(ACCESS_KEYS)}",
     )
 
 
@@ -74,8 +80,25 @@ class JobTarget:
     def keys(self) -> Keys:
         return Keys(self.run_id)
 
-    def open(self) -> Store:
-        return open_client(self.access)
+    @contextlib.asynccontextmanager
+    async def open(self) -> AsyncIterator[Store]:
+        """A client of the job's store, once the store has answered: nothing listening
+        there, or a name that does not resolve, is an error at once, and a connection
+        that takes longer than a second is said on stderr (see `store.contact`)."""
+        async with open_client(self.access) as store:
+            await first_contact(
+                store,
+                self.access.endpoints,
+                self.access.timeout,
+                self.keys.prefix if self.run_id else JOBS_PREFIX,
+                patient=False,
+                say=_say,
+            )
+            yield store
+
+
+def _say(line: str) -> None:
+    print(f"elasticrun: {line}", file=sys.stderr, flush=True)
 
 
 def job_target(args: argparse.Namespace) -> JobTarget:
@@ -194,15 +217,22 @@ def timeout_seconds(value: float) -> float:
 
 async def wait_nodes_gone(store: Store, keys: Keys, node_ids: set[str], timeout: float) -> set[str]:
     """Wait until these nodes are no longer registered; return those still there."""
-    snapshot = await store.get_prefix(keys.nodes)
-    left = {nid for nid in node_ids if keys.node(nid) in {kv.key for kv in snapshot.kvs}}
+    still = await wait_keys_gone(store, keys.nodes, {keys.node(n) for n in node_ids}, timeout)
+    return {key[len(keys.nodes):] for key in still}
+
+
+async def wait_keys_gone(store: Store, prefix: str, wanted: set[str], timeout: float) -> set[str]:
+    """Wait until none of the keys `wanted` (all under `prefix`) exists; return those
+    still there after `timeout` seconds."""
+    snapshot = await store.get_prefix(prefix)
+    left = wanted & {kv.key for kv in snapshot.kvs}
     if not left:
         return left
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout):
-            async for event in store.watch(keys.nodes, start_revision=snapshot.revision + 1, prefix=True):
+            async for event in store.watch(prefix, start_revision=snapshot.revision + 1, prefix=True):
                 if event.type is EventType.DELETE:
-                    left.discard(event.key[len(keys.nodes):])
+                    left.discard(event.key)
                 if not left:
                     break
     return left

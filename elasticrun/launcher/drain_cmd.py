@@ -1,7 +1,9 @@
 """`elasticrun drain`: scale a job in gracefully, by count (newest first) or by name.
 
-Drained nodes stop their workers with the grace period, leave, and their agents exit 0;
-the others restart at the smaller size at once. The job never goes below its minimum.
+Drained nodes leave at once (the others restart at the smaller size), stop their
+workers with the grace period, and their agents exit 0. The job never goes below its
+minimum. The command waits until the drained agents are done: each deletes its drain
+request last, once its workers have stopped (`--no-wait`: only ask).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import socket
 import time
 
 from elasticrun.errors import ElasticrunError, UsageError
-from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_nodes_gone
+from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_keys_gone
 from elasticrun.rendezvous.state import DrainRequest, Event, encode
 
 
@@ -23,7 +25,8 @@ class DrainTimeoutError(ElasticrunError):
 
 
 async def drain(
-    target: JobTarget, *, count: int | None, names: list[str], timeout: float, as_data: bool = False
+    target: JobTarget, *, count: int | None, names: list[str], timeout: float, as_data: bool = False,
+    wait: bool = True,
 ) -> int:
     keys = target.keys
     async with target.open() as store:
@@ -51,15 +54,23 @@ async def drain(
             await store.put(keys.drain(node_id), encode(DrainRequest(reason=f"requested by {who}", at=now)))
         event = Event(at=now, node=who, kind="drain", detail=f"drain requested: {', '.join(chosen)}")
         await store.put(keys.event(now, who), encode(event))
-        still = await wait_nodes_gone(store, keys, set(chosen), timeout)
+        if not wait:
+            _say(f"drain requested: {', '.join(chosen)}", {"job": target.run_id, "requested": chosen}, as_data)
+            return 0
+        # a node is done when its registration and its drain request are both gone
+        done = {keys.node(n): n for n in chosen} | {keys.drain(n): n for n in chosen}
+        still = await wait_keys_gone(store, keys.prefix, set(done), timeout)
     if still:
-        raise DrainTimeoutError(f"{', '.join(sorted(still))} did not leave within {timeout:g}s")
+        late = sorted({done[key] for key in still})
+        raise DrainTimeoutError(f"{', '.join(late)} did not leave and stop within {timeout:g}s")
     took = time.time() - now
-    if as_data:
-        print(json.dumps({"job": target.run_id, "drained": chosen, "seconds": round(took, 3)}), flush=True)
-    else:
-        print(f"drained {', '.join(chosen)} in {took:.1f}s", flush=True)
+    said = f"drained {', '.join(chosen)} in {took:.1f}s (left the job, workers stopped)"
+    _say(said, {"job": target.run_id, "drained": chosen, "seconds": round(took, 3)}, as_data)
     return 0
+
+
+def _say(text: str, data: dict[str, object], as_data: bool) -> None:
+    print(json.dumps(data) if as_data else text, flush=True)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -69,7 +80,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--count must be at least 1, got {args.count}")
     timeout = timeout_seconds(args.timeout)
     return asyncio.run(
-        drain(job_target(args), count=args.count, names=args.node or [], timeout=timeout, as_data=args.json)
+        drain(
+            job_target(args), count=args.count, names=args.node or [], timeout=timeout, as_data=args.json,
+            wait=not args.no_wait,
+        )
     )
 
 
@@ -79,6 +93,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--count", type=int, default=None, help="drain the N newest nodes")
     p.add_argument("--node", action="append", default=None, help="drain this node (repeatable)")
     p.add_argument("--timeout", type=float, default=300.0,
-                   help="fail if they have not left within this many seconds (default 300)")
+                   help="fail if they have not left and stopped their workers within this many seconds (default 300)")
+    p.add_argument("--no-wait", action="store_true",
+                   help="only ask them to leave: return at once, without waiting until they are done")
     p.add_argument("--json", action="store_true", help="print the result as JSON for scripts")
     p.set_defaults(run=_run)

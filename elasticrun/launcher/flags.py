@@ -7,21 +7,81 @@ stored spec, parses it exactly as a command line is parsed, without importing th
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
+from elasticrun.launcher.config import RDZV_CONF_KEYS
+
+
+def closest(given: str, known: Iterable[str]) -> str | None:
+    """The one of `known` that `given` is most likely a misspelling of, if any."""
+    close = difflib.get_close_matches(given, list(known), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def did_you_mean(given: str, known: Iterable[str]) -> str:
+    """'; did you mean X?' for the one of `known` closest to `given`, or ''."""
+    match = closest(given, known)
+    return f"; did you mean {match}?" if match else ""
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError (one line at the edge) instead of exiting."""
+    """argparse that raises UsageError (one line at the edge) instead of exiting, and
+    names the flag or choice closest to a misspelt one."""
 
     def error(self, message: str) -> NoReturn:
         if "training_script" in message:
             message = "no training script given (elasticrun [options] train.py [script args])"
         raise UsageError(f"{message} (see --help)")
+
+    def parse_args(  # type: ignore[override]  # argparse's overloads; we always return a Namespace
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        argv = list(args) if args is not None else []
+        try:
+            parsed, extras = self.parse_known_args(argv, namespace)
+        except UsageError as e:
+            # a misspelt flag leaves a required one missing: the misspelling is the news
+            if "required" in str(e) or "no training script" in str(e):
+                self._misspelt(argv, [a for a in argv if a.startswith("--")])
+            raise
+        if extras:
+            self._misspelt(argv, extras)
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _misspelt(self, argv: list[str], candidates: list[str]) -> None:
+        """Raise the usage error for the first of `candidates` that is no flag of this
+        command (or of the subcommand `argv` names) but close to one."""
+        known = self._known_flags(argv)
+        unknown = [c for c in candidates if c.startswith("-") and c.split("=", 1)[0] not in known]
+        for flag in unknown:
+            hint = did_you_mean(flag.split("=", 1)[0], known)
+            if hint:
+                self.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+    def _known_flags(self, argv: list[str]) -> list[str]:
+        """This parser's flags and those of the subcommands named in `argv`."""
+        flags = list(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name in argv:
+                    chosen = action.choices.get(name)
+                    if isinstance(chosen, Parser):
+                        flags += chosen._known_flags(argv)
+        return flags
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        choices = action.choices
+        if choices is not None and value not in choices:
+            named = ", ".join(map(repr, choices))
+            hint = did_you_mean(str(value), map(str, choices))
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {named}){hint}")
 
     def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> object:
         # Python 3.11's argparse drops a '--' given as a flag's value (`--nnodes=--`)
@@ -31,6 +91,21 @@ class Parser(argparse.ArgumentParser):
             self._check_value(action, value)
             return value
         return super()._get_values(action, arg_strings)
+
+
+#: the backends a --rdzv-conf key's meaning may start with ("c10d: ..."), most specific first
+_KEY_SCOPES = ("c10d and etcd", "c10d", "etcd")
+
+
+def rdzv_conf_keys(keys: Iterable[str]) -> str:
+    """`keys` of --rdzv-conf for a help text, grouped by the backends that read them, as
+    the one table of keys (config.RDZV_CONF_KEYS) says: every key, and none twice."""
+    groups: dict[str, list[str]] = {"": [], "c10d": [], "c10d and etcd": [], "etcd": []}
+    for key in keys:
+        meaning = RDZV_CONF_KEYS[key]
+        groups[next((s for s in _KEY_SCOPES if meaning.startswith(f"{s}:")), "")].append(key)
+    return "; ".join(f"{scope}: {', '.join(names)}" if scope else ", ".join(names)
+                     for scope, names in groups.items() if names)
 
 
 # The actions below take argparse's keyword arguments (`**kw: Any`) and pass them on.
@@ -104,15 +179,13 @@ def launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"elasticrun {__version__}")
     _flag(p, "nnodes", default="1:1", help="number of nodes N, or MIN:MAX for an elastic job")
     _flag(p, "nproc-per-node", default="1",
-          help="workers per node: N, cpu, gpu (one per GPU) or auto (GPUs, else CPUs)")
+          help="workers per node: N, cpu, gpu (one per GPU), xpu (one per Intel GPU) or auto (GPUs, else XPUs, "
+               "else CPUs)")
     _flag(p, "rdzv-backend", default="static", help="c10d (built-in store), etcd (v3) or static")
     _flag(p, "rdzv-endpoint", default="", help="c10d: host:port (default port 29400); etcd: h1:2379,h2:2379,...")
     _flag(p, "rdzv-id", default="none", help="the job's id: nodes with the same id form one job")
     _flag(p, "rdzv-conf", action=_EnvAppend,
-          help="key=value,... (repeatable, merged): join_timeout, last_call_timeout, heartbeat_timeout, closed_ttl, "
-               "quarantine_after, quarantine_cooldown, quarantine_cooldown_max, is_host, token_file, require_token, "
-               "tls_ca, tls_cert, tls_key, client_ca, store_timeout, store_host_grace; c10d and etcd: client_cert, "
-               "client_key; etcd: ca_cert, user, password_file, password_env")
+          help=f"key=value,... (repeatable, merged): {rdzv_conf_keys(RDZV_CONF_KEYS)}")
     _flag(p, "standalone", action=_EnvFlag, help="one node, no server: an in-memory rendezvous and a free port")
     _flag(p, "node-unit", type=int, default=1,
           help="run a multiple of this many nodes (tensor/pipeline groups that span nodes): the nodes left "

@@ -31,6 +31,7 @@ from elasticrun.rendezvous.state import Keys, NodeInfo
 from elasticrun.rendezvous.static import StaticRendezvous
 from elasticrun.store.access import exposure_warning, open_client, serve_here
 from elasticrun.store.api import EventType, Store
+from elasticrun.store.contact import first_contact
 from elasticrun.store.memory import MemoryStore
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ async def run_node(config: LaunchConfig) -> AgentResult:
             from elasticrun.agent.metrics import AgentMetrics
             from elasticrun.store.metrics import StoreMetrics
 
-            metrics = AgentMetrics()
+            metrics = AgentMetrics(config.worker.run_id, config.worker.node_id)
             store_metrics = StoreMetrics(metrics.registry)
         events = None
         if config.event_log_handler != "null":
@@ -161,8 +162,9 @@ async def _open_store(
         store: Store = MemoryStore()
         stack.push_async_callback(store.close)
         return store, None
+    probe = Keys(rdzv.settings.run_id).prefix
     with settings_from_flags():
-        server = await serve_here(rdzv.store, metrics)
+        server = await serve_here(rdzv.store, probe, metrics)
     if server is not None:
         log.info("hosting the rendezvous store on %s", server.endpoint)
         warning = exposure_warning(
@@ -174,6 +176,10 @@ async def _open_store(
         return server.engine, server.engine
     store = open_client(rdzv.store)
     stack.push_async_callback(store.close)
+    # As long as ever for an answer (the store may be starting), but never in silence.
+    await first_contact(
+        store, rdzv.store.endpoints, rdzv.store.timeout, probe, patient=True, say=lambda line: log.info("%s", line)
+    )
     return store, None
 
 

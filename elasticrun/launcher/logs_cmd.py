@@ -12,7 +12,8 @@ import asyncio
 import json
 import sys
 
-from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job
+from elasticrun.errors import UsageError
+from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job
 from elasticrun.rendezvous.state import LogWindow, decode
 from elasticrun.store.api import EventType
 
@@ -29,13 +30,14 @@ def _lines(window: LogWindow, after: int, as_data: bool = False) -> list[str]:
 async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None, as_data: bool = False) -> int:
     keys = target.keys
     async with target.open() as store:
-        await read_job(store, target)  # a clear error for an unknown job
+        view = await read_job(store, target)  # a clear error for an unknown job
         snapshot = await store.get_prefix(keys.logs)
         seen: dict[int, int] = {}
-        for kv in snapshot.kvs:
-            window = decode(LogWindow, kv.value)
-            if rank is not None and window.rank != rank:
-                continue
+        windows = [decode(LogWindow, kv.value) for kv in snapshot.kvs]
+        if rank is not None:
+            windows = [w for w in windows if w.rank == rank]
+            _check_rank(view, rank, printed=any(w.lines for w in windows), follow=follow)
+        for window in windows:
             for text in _lines(window, 0, as_data)[-tail:] if tail else []:
                 print(text)
             seen[window.rank] = window.lines[-1].seq if window.lines else 0
@@ -56,6 +58,19 @@ async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None, 
                 print(text, flush=True)
             seen[window.rank] = window.lines[-1].seq if window.lines else after
     return 0
+
+
+def _check_rank(view: JobView, rank: int, *, printed: bool, follow: bool) -> None:
+    """A rank that is not in the job is a usage error; one in it that has printed
+    nothing yet is said on stderr, so that an empty answer is never a silent one."""
+    world = view.round.world_size if view.round is not None else 0
+    if not printed and not 0 <= rank < world:
+        ranks = f"its ranks are 0-{world - 1}" if world else "it has no ranks now"
+        raise UsageError(f"no rank {rank} in job '{view.run_id}': {ranks} (see elasticrun status)")
+    if not printed:
+        more = "; waiting for its first line" if follow else ""
+        print(f"elasticrun: rank {rank} of job '{view.run_id}' has printed nothing yet{more}", file=sys.stderr,
+              flush=True)
 
 
 def _run(args: argparse.Namespace) -> int:

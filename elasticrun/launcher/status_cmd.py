@@ -151,22 +151,32 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
 
 
 async def show(target: JobTarget, *, as_data: bool, watch: bool) -> int:
+    in_place = watch and sys.stdout.isatty()
+    shown = ""  # piped, the last page printed, as `_page_key` sees it
     async with target.open() as store:
         while True:
             view = await read_job(store, target)
-            if as_data:
+            key = "" if in_place else _page_key(view, as_data)
+            if as_data and key != shown:
                 print(json.dumps(as_json(view), indent=None if watch else 2), flush=True)
-            else:
-                if watch and sys.stdout.isatty():
+            elif key != shown or in_place:
+                if in_place:
                     print("\033[2J\033[H", end="")  # redraw in place; piped, one page after another
                 elif watch:
                     print(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
                 print(render(view, time.time()), flush=True)
             if not watch:
                 return 0
+            shown = key
             async for _ in store.watch(target.keys.prefix, start_revision=view.revision + 1, prefix=True):
                 break
             await asyncio.sleep(_WATCH_INTERVAL)
+
+
+def _page_key(view: JobView, as_data: bool) -> str:
+    """The page without what only the clock changes (ages, time left): a piped watch
+    prints a page when this changes, not whenever a worker's output moves the store."""
+    return json.dumps(as_json(view, now=0.0), sort_keys=True) if as_data else render(view, 0.0)
 
 
 def _run(args: argparse.Namespace) -> int:

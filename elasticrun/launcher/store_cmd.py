@@ -18,9 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher.closed_journal import journaled
 from elasticrun.launcher.config import parse_rdzv_conf, settings_from_flags
+from elasticrun.launcher.flags import Parser
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address, serving
 from elasticrun.store.access import exposure_warning, parse_access, read_file, read_token, server_tls
@@ -68,13 +70,15 @@ async def serve(config: ServeConfig) -> int:
     """Serve until SIGTERM or SIGINT, then stop gracefully."""
     metrics = None
     if config.metrics is not None:  # the library is loaded only when asked for
-        from prometheus_client import CollectorRegistry
+        from prometheus_client import CollectorRegistry, Info
         from prometheus_client.process_collector import ProcessCollector
 
         from elasticrun.store.metrics import StoreMetrics
 
         metrics = StoreMetrics(CollectorRegistry(auto_describe=True))
         ProcessCollector(registry=metrics.registry)
+        Info("elasticrun", "This store server: where it listens, the elasticrun version",
+             registry=metrics.registry).info({"address": f"{config.host}:{config.port}", "version": __version__})
     engine = MemoryStore()
     server = StoreServer(
         config.host, config.port, engine=engine, token=config.token, tls=config.tls, client_ca=config.client_ca,
@@ -178,11 +182,19 @@ def _password(setting: str, path: str) -> str:
     return password
 
 
+def _no_command(args: argparse.Namespace) -> int:
+    raise UsageError(
+        "elasticrun store takes a command: serve (run the store on its own), credential (print a worker "
+        "or reader credential) or etcd-roles (set up etcd's users); see elasticrun store serve --help"
+    )
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `store serve`, `store credential` and `store etcd-roles` to the CLI; the
     parsed args carry `run(args) -> int`."""
     store = subparsers.add_parser("store", help="the built-in key-value store")
-    commands = store.add_subparsers(dest="store_command", required=True)
+    store.set_defaults(run=_no_command)
+    commands = store.add_subparsers(dest="store_command", metavar="COMMAND", parser_class=Parser)
     serve_parser = commands.add_parser(
         "serve",
         help="run the store server alone (instead of inside the agent on the endpoint host)",

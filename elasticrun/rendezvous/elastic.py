@@ -302,17 +302,21 @@ class ElasticRendezvous(RendezvousHandler):
         self.report_event("left", reason)
         with contextlib.suppress(StoreError):
             await self._reports.flush(self._lease or 0)
-        await self.aclose()
-        if self._me.node_id in self._job.drains:
-            with contextlib.suppress(StoreError):
-                await self._store.delete(self._keys.drain(self._me.node_id))
+        # Our keys go now, so that the others re-form without us at once; a drain
+        # request stays until `aclose`, once our workers have stopped: `elasticrun
+        # drain` waits for it to go.
+        await self._end_membership()
 
     async def aclose(self) -> None:
-        """Give up the membership, then the liveness port: the node is done with the job."""
+        """Give up the membership, then the liveness port, then a drain request: the
+        node is done with the job."""
         await self._end_membership()
         liveness, self._liveness = self._liveness, None
         if liveness is not None:
             await liveness.close()
+        if self._job.drains.pop(self._me.node_id, None) is not None:
+            with contextlib.suppress(StoreError):
+                await self._store.delete(self._keys.drain(self._me.node_id))
 
     async def _end_membership(self) -> None:
         """Stop the background tasks, give up the lease (deleting our keys now) and the port."""

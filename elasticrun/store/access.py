@@ -16,6 +16,8 @@ from the user turns them into usage messages naming its flag.
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import ipaddress
 import logging
 import math
@@ -26,8 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from elasticrun.errors import StoreAddressError, StoreSettingError
+from elasticrun.errors import NotAStoreError, StoreAddressError, StoreSettingError, StoreUnavailableError
 from elasticrun.store.api import MAX_LEASE_TTL, Store
+from elasticrun.store.contact import first_contact
 from elasticrun.store.wire import (
     CLIENT_CA_NEEDS_TLS,
     DEFAULT_C10D_PORT,
@@ -389,12 +392,15 @@ def exposure_warning(
     )
 
 
-async def serve_here(access: StoreAccess, metrics: StoreMetrics | None = None) -> StoreServer | None:
+async def serve_here(access: StoreAccess, probe_key: str, metrics: StoreMetrics | None = None) -> StoreServer | None:
     """Serve the built-in store on its endpoint, started, when this agent is to host it.
 
     Without `is_host` that is when the endpoint is this host's and its port is free; with
     `is_host=true` a port that cannot be had is an error, with `is_host=false` nothing is
-    tried. The caller stops the server.
+    tried. An endpoint of this host whose port is taken must be a store (another agent of
+    the job on this host hosts it, or `store serve` does): a read of `probe_key` shows
+    it, and anything else there is an error (StoreAddressError), not a store to wait
+    for. The caller stops the server.
     """
     from elasticrun.store.server import StoreServer
 
@@ -415,6 +421,44 @@ async def serve_here(access: StoreAccess, metrics: StoreMetrics | None = None) -
     except StoreAddressError:
         if access.is_host:
             raise
-        log.debug("not hosting the store: %s is taken or not ours", access.endpoint)
+        if not await _is_own_address(host.strip("[]")):
+            log.debug("not hosting the store: %s is another host's", access.endpoint)
+            return None
+        await _check_holder(access, probe_key)
+        log.debug("not hosting the store: another store on this host serves %s", access.endpoint)
         return None
     return server
+
+
+async def _is_own_address(host: str) -> bool:
+    """Whether `host` names an address of this host (one a socket can be bound to)."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:
+                    continue
+            return True
+    return False
+
+
+async def _check_holder(access: StoreAccess, probe_key: str) -> None:
+    """Raise StoreAddressError unless a store answers on the taken port of this host."""
+    store = open_client(access)
+    try:
+        await first_contact(
+            store, access.endpoints, access.timeout, probe_key, patient=True, say=lambda line: log.info("%s", line)
+        )
+    except (NotAStoreError, StoreUnavailableError) as e:
+        what = e.what if isinstance(e, NotAStoreError) else f"it did not answer as a store within {access.timeout:g} s"
+        raise StoreAddressError(
+            f"the store's port {access.endpoint} on this host is taken by another program ({what}): stop it, "
+            "or give the job another port in --rdzv-endpoint"
+        ) from None
+    finally:
+        await store.close()

@@ -24,11 +24,15 @@ from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
 from elasticrun.store.channel import (
     CLIENT_OPTIONS,
+    ETCD_STATUS_METHOD,
     FIRST_BACKOFF,
     MAX_BACKOFF,
+    PROBE_TIMEOUT,
     call_metadata,
     credentials,
     error_from,
+    foreign,
+    foreign_error,
     grpc_target,
     hung_up,
     retryable,
@@ -88,6 +92,8 @@ class C10dClient:
                     metadata=self._metadata,
                 )
             except grpc.RpcError as e:
+                if foreign(e):
+                    raise foreign_error(e, self.endpoint, etcd=self._answers_etcd(e)) from None
                 refusal = tls_refusal(self.endpoint, self._tls, self._client_tls) if hung_up(e) else None
                 if refusal is not None:
                     raise refusal from None
@@ -95,6 +101,16 @@ class C10dClient:
                     raise error_from(e, self.endpoint) from None
             time.sleep(delay)
             delay = min(2 * delay, MAX_BACKOFF)
+
+    def _answers_etcd(self, error: grpc.RpcError) -> bool:
+        """Whether the gRPC server that lacks our service is etcd (asked without our token)."""
+        if error.code() is not grpc.StatusCode.UNIMPLEMENTED:
+            return False
+        try:
+            self._channel.unary_unary(ETCD_STATUS_METHOD)(b"", timeout=PROBE_TIMEOUT)
+        except grpc.RpcError:
+            return False
+        return True
 
     def _timed_out(self, keys: list[str], timeout: float) -> StoreTimeoutError:
         return StoreTimeoutError(

@@ -17,6 +17,7 @@ import grpc
 from elasticrun.errors import (
     ElasticrunError,
     LeaseExpiredError,
+    NotAStoreError,
     StoreAuthError,
     StoreError,
     StoreLimitError,
@@ -29,6 +30,7 @@ from elasticrun.store.wire import (
     CLIENT_PING_MS,
     DEFAULT_C10D_PORT,
     MAX_REPLY_BYTES,
+    TOKEN_ENV,
     TOKEN_METADATA_KEY,
     TlsKeyPair,
     bearer,
@@ -89,8 +91,8 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((TOKEN_METADATA_KEY, bearer(token)),) if token else ()
 
 
-#: How long a probe of `tls_refusal` may take: a TLS server answers at once.
-TLS_PROBE_TIMEOUT = 2.0
+#: How long a probe of the server may take (`tls_refusal`, etcd's status call): a server answers at once.
+PROBE_TIMEOUT = 2.0
 
 
 def hung_up(error: grpc.RpcError) -> bool:
@@ -150,7 +152,7 @@ def _speaks_tls(endpoint: str) -> bool:
     except ssl.SSLWantReadError:
         pass
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=TLS_PROBE_TIMEOUT) as sock:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT) as sock:
             sock.sendall(outgoing.read())
             reply = sock.recv(2)
     except OSError:
@@ -169,7 +171,7 @@ def _refuses_client(endpoint: str, client_tls: TlsKeyPair | None) -> bool:
     try:
         if client_tls is not None:
             client_tls.load_into(context)
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=TLS_PROBE_TIMEOUT) as sock:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT) as sock:
             with context.wrap_socket(sock) as connection:
                 try:
                     return not connection.recv(1)  # the server's HTTP/2 SETTINGS, or the end
@@ -225,13 +227,65 @@ def _is_tls_failure(details: str) -> bool:
 
 def retryable(error: grpc.RpcError) -> bool:
     """Whether the call may succeed if tried again: the server is away, not refusing."""
-    return error.code() in _RETRYABLE and not _is_tls_failure(error.details() or "")
+    details = error.details() or ""
+    return error.code() in _RETRYABLE and not _is_tls_failure(details) and not foreign(error)
+
+
+#: etcd's cheapest call, open to every client (no auth): whoever answers it is etcd
+ETCD_STATUS_METHOD = "/etcdserverpb.Maintenance/Status"
+
+#: what grpc says of a peer that does not speak HTTP/2 (an HTTP/1 server, SSH, a
+#: database): it sent bytes that are no HTTP/2 frame
+_NOT_HTTP2 = ("failed parsing http/2", "http1.x server")
+
+
+def foreign(error: grpc.RpcError) -> bool:
+    """Whether the server at the endpoint is not the built-in store: a gRPC server
+    without our service (etcd, another program's), or no gRPC server at all. A store
+    that is starting or restarting never answers so: this is final, not worth a retry."""
+    details = (error.details() or "").lower()
+    if error.code() is grpc.StatusCode.UNIMPLEMENTED:
+        return "unknown service" in details
+    return any(marker in details for marker in _NOT_HTTP2)
+
+
+def foreign_error(error: grpc.RpcError, endpoint: str, *, etcd: bool) -> NotAStoreError:
+    """What to tell a client that `foreign(error)` found at `endpoint` (`etcd`: the
+    server answered etcd's status call)."""
+    if etcd:
+        return NotAStoreError(endpoint, "an etcd server", "give --rdzv-backend=etcd, or the built-in store's endpoint")
+    if error.code() is grpc.StatusCode.UNIMPLEMENTED:
+        what = "a gRPC server of another kind"
+    else:
+        what = "a program that does not speak gRPC"
+    return NotAStoreError(
+        endpoint, what, "check --rdzv-endpoint (the host and port of the agent that hosts the store, "
+        "or of elasticrun store serve)"
+    )
+
+
+def plain_cause(details: str) -> str:
+    """grpc's words for a connection that failed, in ours (what was tried, what it
+    means); other details unchanged."""
+    lowered = details.lower()
+    if "connection refused" in lowered:
+        return "connection refused: nothing listens on that port"
+    if "errors resolving" in lowered or "dns resolution failed" in lowered:
+        return "cannot resolve the host name"
+    if "before receiving settings frame" in lowered:
+        return "connections open, but nothing answers as a gRPC server there"
+    return details
 
 
 def error_from(error: grpc.RpcError, endpoint: str, lease: int = 0) -> ElasticrunError:
     """The one translation of a gRPC status into our errors, for both clients."""
     code, details = error.code(), error.details() or ""
     if code is grpc.StatusCode.UNAUTHENTICATED:
+        if "store token" in details:  # the server names its own flag; ours is the client's
+            return StoreAuthError(
+                f"the store at {endpoint} refused us: missing or wrong store token; give the store's token "
+                f"with --rdzv-conf token_file=<file> or ${TOKEN_ENV}"
+            )
         return StoreAuthError(f"the store at {endpoint} refused us: {details}")
     if code is grpc.StatusCode.PERMISSION_DENIED:
         return StorePermissionError(f"the store at {endpoint} refused the request: {details}")
@@ -247,5 +301,5 @@ def error_from(error: grpc.RpcError, endpoint: str, lease: int = 0) -> Elasticru
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         return StoreRequestError(f"the store at {endpoint} refused the request: {details}")
     if code in (*_RETRYABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return StoreUnavailableError(endpoint, details or code.name)
+        return StoreUnavailableError(endpoint, plain_cause(details) or code.name)
     return StoreError(f"the store at {endpoint} failed: {code.name}: {details}")

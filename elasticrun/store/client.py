@@ -47,11 +47,15 @@ from elasticrun.store.api import (
 )
 from elasticrun.store.channel import (
     CLIENT_OPTIONS,
+    ETCD_STATUS_METHOD,
     FIRST_BACKOFF,
     MAX_BACKOFF,
+    PROBE_TIMEOUT,
     call_metadata,
     credentials,
     error_from,
+    foreign,
+    foreign_error,
     grpc_target,
     hung_up,
     retryable,
@@ -138,7 +142,10 @@ class GrpcStore(Store):
 
     async def _retry_or_raise(self, error: grpc.RpcError, lease: int = 0, *, out_of_time: bool = False) -> None:
         """Return if `error` is worth another try, else raise what it means (a client
-        whose TLS the server refuses is told so, not left retrying)."""
+        whose TLS the server refuses is told so, not left retrying, and so is one that
+        found something other than the store at its endpoint)."""
+        if foreign(error):
+            raise foreign_error(error, self.endpoint, etcd=await self._answers_etcd(error)) from None
         worth_it = self._worth_retrying(error)
         if worth_it and hung_up(error):
             tls = self._credentials is not None
@@ -147,6 +154,17 @@ class GrpcStore(Store):
                 raise refusal from None
         if not worth_it or out_of_time:
             raise self._final_error(error, lease) from None
+
+    async def _answers_etcd(self, error: grpc.RpcError) -> bool:
+        """Whether the gRPC server that lacks our service is etcd (asked without our token)."""
+        if error.code() is not grpc.StatusCode.UNIMPLEMENTED or self._channel is None:
+            return False
+        status = self._channel.unary_unary(ETCD_STATUS_METHOD)
+        try:
+            await status(b"", timeout=PROBE_TIMEOUT)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
 
     def _worth_retrying(self, error: grpc.RpcError) -> bool:
         return retryable(error) and not self._host_gone(error)

@@ -199,7 +199,10 @@ class StoreLoad:
     """The engine's size at one moment (see `MemoryStore.load`)."""
 
     keys: int
+    #: UTF-8 bytes of the keys held, and of their values (together, what
+    #: max_total_bytes bounds, counted there in characters of the keys)
     key_bytes: int
+    value_bytes: int
     leases: int
     history_revisions: int
     history_bytes: int
@@ -237,6 +240,8 @@ class MemoryStore(Store):
         self.max_leases = max_leases
         self._kvs: dict[str, KeyValue] = {}
         self._total_bytes = 0  # len(key) + len(value) over the keys held
+        self._key_bytes = 0  # for metrics: the keys' UTF-8 bytes
+        self._value_bytes = 0
         self._sorted_keys: list[str] = []
         self._revision = 0
         self._segments: deque[_Segment] = deque()
@@ -268,7 +273,8 @@ class MemoryStore(Store):
         thread (it reads sizes only), so a scrape never waits on the event loop."""
         return StoreLoad(
             keys=len(self._kvs),
-            key_bytes=self._total_bytes,
+            key_bytes=self._key_bytes,
+            value_bytes=self._value_bytes,
             leases=len(self._leases),
             history_revisions=len(self._ring_sizes),
             history_bytes=self._ring_bytes,
@@ -547,6 +553,9 @@ class MemoryStore(Store):
         growth = self._growth(key, value)
         self._total_bytes += growth
         self._count(key, current is None, growth)
+        self._value_bytes += len(value) - (len(current.value) if current else 0)
+        if current is None:
+            self._key_bytes += len(key.encode())
         self._revision += 1
         rev = self._revision
         if current is None:
@@ -601,6 +610,8 @@ class MemoryStore(Store):
             kv = self._kvs.pop(key)
             self._total_bytes -= len(key) + len(kv.value)
             self._count(key, -1, -(len(key) + len(kv.value)))
+            self._key_bytes -= len(key.encode())
+            self._value_bytes -= len(kv.value)
             del self._sorted_keys[bisect.bisect_left(self._sorted_keys, key)]
             if kv.lease:
                 self._unbind(key, kv.lease)

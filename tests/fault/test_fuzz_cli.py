@@ -450,7 +450,7 @@ def test_subcommands_never_crash(in_process: None, argv: list[str], env: dict[st
 #: what the fuzz found (each a traceback or a bad value let through before its fix), with
 #: the one line each now gets
 FOUND = [
-    (["--nproc-per-node=²", "SCRIPT"], {}, "--nproc-per-node must be a positive number, cpu, gpu or auto"),
+    (["--nproc-per-node=²", "SCRIPT"], {}, "--nproc-per-node must be a positive number, cpu, gpu, xpu or auto"),
     (["--redirects=²:1", "SCRIPT"], {}, "--redirects must be N or RANK:N"),
     (["--rdzv-backend=c10d", "--rdzv-endpoint=h:²", "SCRIPT"], {}, "--rdzv-endpoint has a bad port"),
     (["--rdzv-backend=c10d", "--rdzv-endpoint=a..b:29400", "SCRIPT"], {}, "--rdzv-endpoint must be host:port"),
