@@ -31,7 +31,6 @@ from pathlib import Path
 
 from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
 from elasticrun.errors import StoreSettingError, UsageError
-from elasticrun.launcher.flags import FromEnvironment
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.state import JobSpec
@@ -204,6 +203,11 @@ def parse_std(value: str, flag: str) -> Std | dict[int, Std]:
             raise UsageError(f"{flag} must be N or RANK:N,RANK:N..., got {value!r}")
         result[int(rank)] = std(streams)
     return result
+
+
+class FromEnvironment(str):
+    """A flag's value that came from its PET_<NAME> variable: a default the command
+    line may override, where a value given twice on the command line is a mistake."""
 
 
 def parse_rdzv_conf(values: list[str]) -> dict[str, str]:

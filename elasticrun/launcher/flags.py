@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.config import RDZV_CONF_KEYS
+from elasticrun.launcher.config import RDZV_CONF_KEYS, FromEnvironment
 
 
 def closest(given: str, known: Iterable[str]) -> str | None:
@@ -122,11 +122,6 @@ class _EnvDefault(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         setattr(namespace, self.dest, values)
-
-
-class FromEnvironment(str):
-    """A flag's value that came from its PET_<NAME> variable: a default the command
-    line may override, where a value given twice on the command line is a mistake."""
 
 
 class _EnvAppend(argparse.Action):
