@@ -133,9 +133,15 @@ def _count(n: int) -> str:
     return f"{n} node" if n == 1 else f"{n} nodes"
 
 
-def _lost_reason(missing: list[str], back: list[str]) -> str:
-    """Why members left the round: gone from the store, or back with a new registration."""
-    parts = [f"lost {_names(missing)}"] if missing else []
+def _lost_reason(missing: list[str], back: list[str], draining: frozenset[str]) -> str:
+    """Why members left the round: drained by an operator, gone from the store, or back
+    with a new registration. A drained node left on request: calling it lost would send
+    whoever reads the survivors' logs looking for a crash."""
+    drained = [n for n in missing if n in draining]
+    lost = [n for n in missing if n not in draining]
+    parts = [f"drained {_names(drained)}"] if drained else []
+    if lost:
+        parts.append(f"lost {_names(lost)}")
     if back:
         parts.append(f"{_names(back)} registered again")
     return "; ".join(parts)
@@ -234,7 +240,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
                 if node_id not in view.draining:
                     book.count(node_id, f"dropped out of round {current.number}")
         pick = _pick(members, survivors, newcomers, book, settings)
-        reason = _lost_reason(missing, back)
+        reason = _lost_reason(missing, back, view.draining)
         if set(dead) & view.refused:
             reason += f" (agent gone: {_names(sorted(set(dead) & view.refused))} refused the liveness check)"
         if len(pick.group) >= settings.min_nodes:

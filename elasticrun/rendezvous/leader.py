@@ -235,6 +235,7 @@ class Leader:
             log.info("round %d: %s", new_round.number, new_round.reason)
             for folder in self._records.shards.keys() - {head.ranks}:  # earlier rounds' members
                 await self._store.delete_prefix(f"{self._keys.ranks}{folder}/")
+            await self._clear_drains(new_round)
             await self._record_round(new_round)
         else:  # another leader's round stands: ours was never seen
             await self._store.delete_prefix(f"{self._keys.ranks}{head.ranks}/")
@@ -249,6 +250,17 @@ class Leader:
         if kv is not None and kv.lease:
             log.warning("node %s did not show it is alive for a lease TTL: ending its registration", node_id)
             await self._store.revoke_lease(kv.lease)
+
+    async def _clear_drains(self, new_round: Round) -> None:
+        """Delete the drain records of drained nodes that are gone and out of the round.
+
+        The leader, not the drained node, deletes them, once it has let the node go: a
+        leader that takes over meanwhile still finds the record, and says the node was
+        drained, not lost.
+        """
+        kept = set(self._nodes) | {p.node_id for p in new_round.participants}
+        for node_id in sorted(self._records.drains.keys() - kept):
+            await self._store.delete(self._keys.drain(node_id))
 
     def _forget(self, node_id: str) -> None:
         """What the leader knew of a node's liveness: it is gone, or a new registration."""

@@ -663,6 +663,9 @@ class JobRecords:
     shards: dict[str, dict[int, RankShard]] = field(default_factory=dict)
     #: the round key's mod revision: the leader writes the next round against it
     round_revision: int = 0
+    #: the leader state's: a waiting node trusts the leader's reason only when it was
+    #: published after what the node knows (the round, its own registration)
+    state_revision: int = 0
     #: the leader's node id (its key holds the bare id, which it compares and sets)
     leader: str = ""
     master: Master | None = None
@@ -727,6 +730,7 @@ class JobRecords:
             self.spec = _read(JobSpec, value)
         elif key == keys.state:
             self.state = _read(LeaderState, value)
+            self.state_revision = revision if value is not None else 0
         elif key == keys.launch:
             self.launch = _read(JobLaunch, value)
         elif key == keys.restart:
