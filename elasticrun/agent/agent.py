@@ -44,6 +44,7 @@ from elasticrun.errors import (
     WorkerStartError,
     exit_for_signal,
 )
+from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 
 if TYPE_CHECKING:  # imported by the launcher only when metrics are asked for
@@ -738,10 +739,15 @@ class Agent:
         return AgentResult(state, exit_code, message, report, ranks)
 
     def _set_state(self, state: WorkerState, reason: str) -> None:
-        """One log line, one event, one status report per state change."""
+        """One log line, one event, one status report per state change.
+
+        Shown by default (a headline): the workers started, stopped and why, ended. A
+        wait for a round is the rendezvous' to show, once it lasts.
+        """
         level = logging.WARNING if state is WorkerState.FAILED else logging.INFO
         before = self._state.value if self._state is not None else "start"
-        logger.log(level, "workers %s -> %s: %s", before, state.value, reason)
+        extra = None if state is WorkerState.INIT else HEADLINE
+        logger.log(level, "workers %s -> %s: %s", before, state.value, reason, extra=extra)
         self._state = state
         if self.metrics is not None:
             self.metrics.state(state)

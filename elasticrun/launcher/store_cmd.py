@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import signal
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elasticrun.errors import UsageError
+from elasticrun.launcher import log_format
 from elasticrun.launcher.config import settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address, serving
@@ -19,6 +20,7 @@ from elasticrun.store.access import exposure_warning, read_token, server_tls
 from elasticrun.store.server import StoreServer
 from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV, TlsKeyPair
 
+log = logging.getLogger("elasticrun.store")
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
@@ -82,16 +84,18 @@ async def _serve_until_stopped(server: StoreServer, config: ServeConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"elasticrun store serving on {server.endpoint}", flush=True)
+    # On stdout, whatever the level: a script that asked for --port 0 reads it there.
+    print(log_format.line(logging.INFO, f"store serving on {server.endpoint}", log.name), flush=True)
     warning = exposure_warning(server.endpoint, config.token, "--token-file", client_ca=config.client_ca)
     if warning is not None:
-        print(f"elasticrun store: warning: {warning}", file=sys.stderr, flush=True)
+        log.warning("%s", warning)
     await stop.wait()
     await server.stop()
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
+    log_format.use(args.log_format)
     config = serve_config(args, os.environ)
     settle_gc()
     return asyncio.run(serve(config))
@@ -129,5 +133,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--metrics-port", metavar="[HOST:]PORT", default=None,
         help="serve Prometheus metrics of the store on this port (all interfaces, or HOST only) at /metrics; "
         "off by default",
+    )
+    serve_parser.add_argument(
+        "--log-format", choices=log_format.FORMATS, default=log_format.default_format(),
+        help="its own lines: text, or json (one object a line); default: $ELASTICRUN_LOG_FORMAT, else text",
     )
     serve_parser.set_defaults(run=_run)

@@ -32,6 +32,7 @@ from elasticrun.errors import (
     StoreError,
     StoreGoneError,
 )
+from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.leader import DETAIL_LIMIT, Leader, close_job
@@ -252,9 +253,11 @@ class ElasticRendezvous(RendezvousHandler):
             status = self.waiting_status or ""  # not None: the job is open, the store there
             now = self._clock()
             if status != logged or now - said_at >= WAIT_REPORT_INTERVAL:
-                # on each change, and every few seconds while nothing changes
+                # on each change, and every few seconds while nothing changes; shown by
+                # default once the wait lasts (a round that forms at once is no news)
                 waited = f"{now - started:.0f} s of join_timeout {self._settings.join_timeout:g} s"
-                log.info("node %s waiting: %s; %s", self._me.node_id, status, waited)
+                lasts = now - started >= WAIT_REPORT_INTERVAL
+                log.info("node %s waiting: %s; %s", self._me.node_id, status, waited, extra=HEADLINE if lasts else None)
                 logged, said_at = status, now
             held = self._quarantined()
             if held is not None:  # a quarantined node waits it out, then join_timeout runs
