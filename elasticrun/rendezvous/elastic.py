@@ -40,6 +40,7 @@ from elasticrun.rendezvous.liveness import LivenessPort, Verdict, probe
 from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.state import (
+    Departure,
     JobLaunch,
     JobRecords,
     JobSpec,
@@ -327,6 +328,12 @@ class ElasticRendezvous(RendezvousHandler):
     async def leave(self, reason: str) -> None:
         log.info("node %s leaving job '%s': %s", self._me.node_id, self.run_id, reason)
         self.report_event("left", reason)
+        if self._lease is not None and not self._lost:
+            # Not bound to the lease: a leader that takes over once we (its leader) are
+            # gone still finds it; the leader deletes it once it let us go.
+            with contextlib.suppress(StoreError):
+                departure = encode(Departure(reason=reason))
+                await self._store.put(self._keys.departure(self._me.node_id), departure)
         with contextlib.suppress(StoreError):
             await self._reports.flush(self._lease or 0)
         await self.aclose()  # a drain record stays: the leader deletes it once it let us go
