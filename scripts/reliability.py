@@ -4,6 +4,7 @@
     python scripts/reliability.py            # pytest tests/fault, then RELIABILITY.md
     python scripts/reliability.py --soak     # also the long soak (marker `soak`)
     python scripts/reliability.py --rows rows.jsonl --output /tmp/R.md   # render only
+    python scripts/reliability.py --soak --save-rows rows.jsonl           # keep the rows too
     python scripts/reliability.py -- -k churn                            # pass to pytest
 
 Each test of tests/fault/ (and each test marked `security`) that takes the
@@ -11,8 +12,12 @@ Each test of tests/fault/ (and each test marked `security`) that takes the
 script points ELASTICRUN_RELIABILITY_OUT at a fresh file, runs pytest, and renders the
 rows: the faults (what was injected, what happened, the time to recover, the restarts
 used, anything lost) as one table, the attacks and mistakes (what was tried, what the
-user sees, what leaked) as another. It exits with pytest's
-status, so a failing scenario fails the command (its row is still written, marked).
+user sees, what leaked) as another, under one screen of headlines (each kind of fault:
+how many ended as designed, the time to recover, and torchrun's time for the same fault
+where BENCHMARKS.md measured one). It exits with pytest's status, so a failing scenario
+fails the command (its row is still written, marked). The rows of a run begin with one
+that says which run it was (command, time, commit, pytest's summary): rendered again
+with --rows, they still name the run that measured them.
 """
 
 from __future__ import annotations
@@ -23,16 +28,25 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-INTRO = """\
+TITLE = """\
 # Reliability
+
+What elasticrun does under injected faults, in one screen; how it is measured, and every
+scenario, below.
+"""
+
+INTRO = """\
+## How it is measured
 
 What elasticrun does under injected faults, measured by the fault-injection suite in
 [tests/fault/](tests/fault/): real agents, workers, store servers and network
@@ -52,6 +66,38 @@ size (for churn, the mean time of one membership round). "Restarts used" counts
 [Security](#security), below the faults, lists the attacks and mistakes tried against
 a job, what the user sees, and what leaked.
 """
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One line of the headlines: the rows whose scenario matches `scenarios`, their
+    `figure` (seconds), and torchrun's time for the same fault in BENCHMARKS.md."""
+
+    what: str
+    scenarios: str
+    figure: str = "recovery_s"
+    #: (torchrun's seconds, what it is: its date and the command that measured it)
+    anchor: tuple[float, str] | None = None
+
+
+_ELASTIC = "`python bench/bench_elastic.py --reps 3 --cap 90`"
+HEADLINES = (
+    Headline("a node's agent SIGKILLed: the job steps at its new size", r"agent_kill",
+             anchor=(43.37, "2026-11-24, `python bench/bench_elastic.py --reps 3 --cap 60 --only kill spare ...`")),
+    Headline("a node leaves (SIGTERM)", r"agent_term",
+             anchor=(48.30, f"without its shared store, 2026-11-21, {_ELASTIC}")),
+    Headline("a worker dies", r"worker_kill",
+             anchor=(6.15, f"a worker crash, without its shared store, 2026-11-21, {_ELASTIC}")),
+    Headline("a node joins", r": join$", anchor=(8.03, f"scale-up, without its shared store, 2026-11-21, {_ELASTIC}")),
+    Headline("a node is drained", r"nemesis.*: drain$"),
+    Headline("an agent frozen (SIGSTOP), then let go", r"agent_freeze|^frozen agent"),
+    Headline("a node cut off by the network", r"^partition"),
+    Headline("the store stalls, blips or restarts empty", r"store_(stall|blip|restart)|^store (stalls|restarts)"),
+    Headline("the agent hosting the store dies: its survivors have exited", r"store host lost \(store-hosting agent\)",
+             figure="exit_s",
+             anchor=(3.26, "2026-11-23, `python bench/bench_elastic.py --reps 3 --only host-kill --cap 60`")),
+    Headline("50 and 400 membership changes in a row: one round", r"^churn"),
+)
 
 COLUMNS = ("Scenario", "Injected", "What happened", "Time to recover", "Restarts used", "Lost", "Test")
 SECURITY_COLUMNS = ("Attack or mistake", "Tried", "What the user sees", "Leaked", "Test")
@@ -106,15 +152,66 @@ def _figures(row: dict) -> str:
     return ", ".join(parts)
 
 
-def render(rows: list[dict], *, command: str, summary: str, elapsed: float | None) -> str:
+def this_run(command: str, summary: str) -> dict:
+    """The row that says which run the rows are of: this one, now."""
     commit = _git("rev-parse", "--short", "HEAD") or "?"
     dirty = " (with uncommitted changes)" if _git("status", "--porcelain", "--untracked-files=no") else ""
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-    out = [INTRO.format(command=command)]
-    out.append(f"Run: {when}, commit `{commit}`{dirty}; {machine}.")
-    if summary:
-        out.append(f"pytest: {summary}.")
+    return {
+        "part": "run",
+        "command": command,
+        "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": f"`{commit}`{dirty}",
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}",
+        "summary": summary,
+    }
+
+
+def headlines(rows: list[dict], when: str) -> list[str]:
+    """One screen: per kind of fault, the scenarios that ended as designed, the time to
+    recover, and torchrun's time for the same fault where BENCHMARKS.md has one."""
+    faults = [row for row in rows if row.get("part") != "security"]
+    passed = sum(row.get("outcome") == "passed" for row in rows)
+    lost = [re.search(r"(\d+) of (\d+) log lines", str(row.get("lost", ""))) for row in faults]
+    lines = [(int(m[1]), int(m[2])) for m in lost if m]
+    table = [["scenarios, faults and attacks, that ended as designed", f"{passed} of {len(rows)}", "–", "–", when],
+             ["log lines lost (the runs' lines, SIGKILLed nodes' included)",
+              f"{sum(a for a, _ in lines):,} of {sum(b for _, b in lines):,}", "–", "–", when]]
+    for line in HEADLINES:
+        matched = [row for row in faults if re.search(line.scenarios, str(row.get("scenario", "")))]
+        times = [float(row[line.figure]) for row in matched if isinstance(row.get(line.figure), (int, float))]
+        if not matched or not times:
+            continue
+        ok = sum(row.get("outcome") == "passed" for row in matched)
+        faults_n = sum(int(row.get("faults", row.get("changes", 1))) for row in matched)
+        ours = (
+            f"{statistics.median(times):.1f} s (max {max(times):.1f}); {ok} of {_plural(len(matched), 'scenario')} "
+            f"as designed, {_plural(faults_n, 'fault')}"
+        )
+        anchor = ratio = "–"
+        if line.anchor is not None:
+            seconds, where = line.anchor
+            anchor, ratio = f"torchrun {seconds:.2f} s ({where})", f"{statistics.median(times) / seconds:.2f}"
+        table.append([line.what, ours, anchor, ratio, when])
+    out = ["## Headlines", ""]
+    out += _plain_table(("what", "ours: time to recover, median (max)", "anchor", "ratio", "date"), table)
+    out += [
+        "",
+        "Ours from the run below (the rows it names); torchrun's from BENCHMARKS.md's runs,",
+        "with torchrun's defaults and gloo workers, while this suite runs shorter leases",
+        "(`heartbeat_timeout=2`): a ratio is an order of magnitude, not a like-for-like figure.",
+        "",
+    ]
+    return out
+
+
+def render(rows: list[dict], *, command: str, summary: str, elapsed: float | None) -> str:
+    run = next((row for row in rows if row.get("part") == "run"), None) or this_run(command, summary)
+    rows = [row for row in rows if row.get("part") != "run"]
+    out = [TITLE, *headlines(rows, run["when"].split(" ")[0]), INTRO.format(command=run["command"])]
+    out.append(f"Run: {run['when']}, commit {run['commit']}; {run['machine']}.")
+    if run["summary"]:
+        out.append(f"pytest: {run['summary']}.")
     faults = [row for row in rows if row.get("part") != "security"]
     attacks = [row for row in rows if row.get("part") == "security"]
     out += _table(COLUMNS, [
@@ -132,6 +229,16 @@ def render(rows: list[dict], *, command: str, summary: str, elapsed: float | Non
         if figures:
             out.append(f"- **{_cell(row.get('scenario'))}**: {figures}")
     return "\n".join(out).rstrip() + "\n"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def _plain_table(columns: tuple[str, ...], rows: list[list[object]]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + [
+        "| " + " | ".join(_cell(c) for c in cells) + " |" for cells in rows
+    ]
 
 
 def _table(columns: tuple[str, ...], rows: list[list[object]]) -> list[str]:
@@ -156,6 +263,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=ROOT / "RELIABILITY.md", help="the markdown file to write")
     p.add_argument("--rows", type=Path, help="render these recorded rows (JSON lines) instead of running the suite")
+    p.add_argument("--save-rows", type=Path, help="also keep the rows of this run here (JSON lines), to render again")
     p.add_argument("--soak", action="store_true", help="include the long soak tests (marker soak)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args()
@@ -165,7 +273,7 @@ def main() -> int:
     if args.rows is not None:
         rows = load_rows(args.rows)
         code, summary, elapsed = 0, "", None
-        command += f" --rows {args.rows}"
+        command += f" --rows {args.rows}"  # unless the rows name their run
     else:
         with tempfile.TemporaryDirectory(prefix="reliability-") as tmp:
             path = Path(tmp) / "rows.jsonl"
@@ -173,6 +281,9 @@ def main() -> int:
             rows = load_rows(path)
         if args.pytest_args:
             command += " -- " + " ".join(args.pytest_args)
+        rows.insert(0, this_run(command, summary))
+        if args.save_rows is not None:
+            args.save_rows.write_text("".join(json.dumps(row) + "\n" for row in rows))
     args.output.write_text(render(rows, command=command, summary=summary, elapsed=elapsed))
     print(f"wrote {args.output} ({len(rows)} rows); pytest exit status {code}", flush=True)
     return code

@@ -164,7 +164,11 @@ class Cluster:
         self.tag = uuid.uuid4().hex
         self.procs: list[Proc] = []
         self.stop_file = tmp_path / "stop"
-        self._env = dict(os.environ, **{TAG_VAR: self.tag, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"})
+        # LOGLEVEL=INFO: the tests wait for the agents' detailed lines (who leads, what a
+        # node waits for, the leader's rounds), which a default run does not show
+        self._env = dict(
+            os.environ, **{TAG_VAR: self.tag, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO"}
+        )
 
     def start(self, name: str, argv: Sequence[str]) -> Proc:
         """Start a tagged process (it and its descendants count as the test's own)."""

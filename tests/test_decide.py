@@ -357,6 +357,10 @@ def test_dropping_out_of_rounds_counts_but_a_drain_does_not():
     drained = replace(view, nodes=nodes(node("a"), node("b")), round=running("a", "b", "c", number=5), draining=frozenset({"c"}))
     d = decide(drained, Q, now=30.0)
     assert members(d) == ["a", "b"] and d.quarantine.get("c").failures == 2
+    assert d.reason == "drained c"  # not "lost": an operator asked it to go
+    left = replace(drained, draining=frozenset(), departed=frozenset({"c"}))
+    d = decide(left, Q, now=30.0)  # preempted (SIGTERM): it said it leaves
+    assert d.reason == "c left" and d.quarantine.get("c").failures == 2
     third = replace(view, nodes=nodes(node("a"), node("b")), round=running("a", "b", "c", number=7))
     d = decide(third, Q, now=40.0)
     assert d.quarantine.get("c").active(40.0) and "quarantined c for 60s" in d.reason

@@ -4,7 +4,9 @@
   lists, in that command's section, with the parser's default; and it names no flag
   (anywhere) that does not exist. The `--rdzv-conf` key table matches the known keys.
 - docs/troubleshooting.md quotes every error message a user can see: the fixed text of
-  every error raised in elasticrun/ (found in the source), save a few internal ones.
+  every error raised in elasticrun/ (found in the source), save a few internal ones, and
+  of every warning logged; and every message it quotes (by its stated convention) is
+  text the code prints.
 - Every relative link between the docs (and from README.md) points at a file that exists
   in this repository: a clone has nothing beside it to link to.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -208,6 +211,26 @@ def raised_messages() -> list[tuple[str, list[str]]]:
     return found
 
 
+def logged_warnings() -> list[tuple[str, list[str]]]:
+    """(where, the fixed pieces of its format) for every warning or error elasticrun logs
+    (`log.warning(...)`, `logger.error(...)`, `logging.getLogger(...).warning(...)`)."""
+    found = []
+    for path in sorted((ROOT / "elasticrun").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
+                continue
+            owner = node.func.value
+            is_logger = (isinstance(owner, ast.Name) and owner.id in ("log", "logger")) or (
+                isinstance(owner, ast.Call) and getattr(owner.func, "attr", "") == "getLogger"
+            )
+            if is_logger and node.func.attr in ("warning", "error", "critical"):
+                parts = [p.strip() for text in _literal_parts(node.args[0]) for p in PERCENT.split(text)]
+                pieces = [p for p in parts if len(p) >= 6]
+                if pieces:
+                    found.append((f"{path.relative_to(ROOT)}:{node.lineno}", pieces))
+    return found
+
+
 def _normal(text: str) -> str:
     return re.sub(r"\s+", " ", text.replace("`", ""))
 
@@ -226,6 +249,179 @@ def test_troubleshooting_quotes_every_error_a_user_can_see() -> None:
     for piece in CONSTRUCTED:
         if piece not in doc:
             missing.append(f"elasticrun/errors.py: {piece!r}")
+    assert not missing, "troubleshooting.md lacks:\n" + "\n".join(missing)
+
+
+#: troubleshooting.md's quoting convention, as its opening states it: in a table whose
+#: first column is headed "message", each `code span` of that column (outside
+#: parentheses, which hold notes such as "(exit 2)" or "(likewise `--tee`)") is a message
+#: as elasticrun prints it. `<name>` (a word or words in angle brackets, with the quotes
+#: around it, if any) stands for text that varies, and so does `...`; everything else,
+#: capitals such as HOST:PORT included, is printed as written.
+PLACEHOLDER = re.compile(r"""['"]?<[^<>=\s][^<>]*>['"]?|\.\.\.""")
+#: a %-format in a log call puts a value there
+PERCENT = re.compile(r"%(?:\([^)]*\))?[-#0 +]*\d*(?:\.\d+)?[sdrfgi]")
+
+
+def quoted_messages(text: str) -> list[str]:
+    """Every message troubleshooting.md quotes, by its convention (PLACEHOLDER)."""
+    quoted, in_messages = [], False
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            in_messages = False
+            continue
+        first = line.strip().strip("|").split("|")[0].strip()
+        if first in ("message", "line"):
+            in_messages = True
+            continue
+        if not in_messages or set(first) <= set("-: "):
+            continue
+        depth = 0
+        for i, part in enumerate(first.split("`")):
+            if i % 2:  # inside a code span
+                if depth == 0:
+                    quoted.append(part)
+            else:
+                depth += part.count("(") - part.count(")")
+    return quoted
+
+
+@functools.cache
+def _module_constants(path: Path) -> dict[str, object]:
+    """A module's constants (`NAME = <literal>` at its top level) and the constants it
+    imports from elasticrun modules, by name: an f-string prints their values."""
+    tree = ast.parse(path.read_text())
+    found: dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if len(targets) == 1 and isinstance(targets[0], ast.Name):
+                try:
+                    value = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
+                if isinstance(value, (int, float, str)):
+                    found[targets[0].id] = value
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("elasticrun"):
+            source = ROOT / (node.module or "").replace(".", "/")
+            source = source / "__init__.py" if source.is_dir() else source.with_suffix(".py")
+            if source.exists() and source != path:
+                theirs = _module_constants(source)
+                found.update({a.asname or a.name: theirs[a.name] for a in node.names if a.name in theirs})
+    return found
+
+
+def _fstring_pieces(node: ast.JoinedStr, constants: dict[str, object]) -> list[str]:
+    """An f-string's text, a value of a known constant filled in, split where any other
+    value goes."""
+    pieces, current = [], ""
+    for part in node.values:
+        if isinstance(part, ast.Constant):
+            current += str(part.value)
+            continue
+        assert isinstance(part, ast.FormattedValue)
+        name = part.value.id if isinstance(part.value, ast.Name) else ""
+        spec = part.format_spec
+        spec_text = "".join(str(c.value) for c in spec.values if isinstance(c, ast.Constant)) if spec else ""
+        if name in constants and part.conversion == -1:
+            current += format(constants[name], spec_text)
+        else:
+            pieces.append(current)
+            current = ""
+    return [*pieces, current]
+
+
+@functools.cache
+def printed_texts() -> tuple[set[str], set[str], set[str], str]:
+    """The fixed pieces of text that can reach a user: elasticrun's string constants and
+    f-strings (the values of known constants filled in, split where another value goes),
+    split again where a %-format puts a value; and those of argparse, whose messages the
+    CLI prints. As (every piece whole, every prefix of one, every suffix of one, all of
+    them joined)."""
+    pieces: list[str] = []
+    for path in [*sorted((ROOT / "elasticrun").rglob("*.py")), Path(argparse.__file__)]:
+        constants = _module_constants(path) if path.is_relative_to(ROOT) else {}
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr)
+        }
+        for node in ast.walk(tree):
+            if id(node) in docstrings:
+                continue  # nobody is shown a docstring
+            if isinstance(node, ast.JoinedStr):
+                texts = _fstring_pieces(node, constants)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                texts = [node.value]
+            else:
+                continue
+            pieces += [p for text in texts for p in PERCENT.split(text) if p]
+    whole = set(pieces)
+    prefixes = {p[:k] for p in whole for k in range(1, len(p) + 1)}
+    suffixes = {p[k:] for p in whole for k in range(len(p))}
+    return whole, prefixes, suffixes, "\0".join(whole)
+
+
+def can_print(fragment: str, texts: tuple[set[str], set[str], set[str], str]) -> bool:
+    """Whether `fragment` (a message's text between placeholders) is text the code can
+    print: one piece of it, or the end of one piece, whole pieces, and the start of
+    another, as a value put between them at run time joins them."""
+    whole, prefixes, suffixes, joined = texts
+    if fragment in joined:
+        return True
+    n = len(fragment)
+    reached = {0}
+    for i in range(n):
+        if i not in reached:
+            continue
+        for j in range(i + 1, n + 1):
+            piece = fragment[i:j]
+            if (i == 0 and j < n and piece in suffixes) or (0 < i and j < n and piece in whole):
+                reached.add(j)
+            elif 0 < i and j == n and piece in prefixes:
+                return True
+    return False
+
+
+def unprintable(text: str) -> list[str]:
+    texts = printed_texts()
+    missing = []
+    for message in quoted_messages(text):
+        for fragment in PLACEHOLDER.split(message):
+            if fragment.strip() and not can_print(fragment, texts):
+                missing.append(f"{message!r}: {fragment!r}")
+    return missing
+
+
+def test_every_message_troubleshooting_quotes_is_printed_by_the_code() -> None:
+    text = (DOCS / "troubleshooting.md").read_text()
+    assert len(quoted_messages(text)) > 150, "the quote scan found too little: is it broken?"
+    missing = unprintable(text)
+    assert not missing, "troubleshooting.md quotes text the code never prints:\n" + "\n".join(missing)
+
+
+def test_the_quote_check_can_fail() -> None:
+    """A message the code does not print is found; a placeholder, a note in parentheses,
+    and a value put between two pieces of code text are not mistaken for one."""
+    table = (
+        "| message | meaning |\n|---|---|\n"
+        "| `--nnodes must be N or MIN:MAX, got '<value>'` (or `--no-such-flag`) | a |\n"
+        "| `store at <endpoint> is unreachable: connection refused: the agent that hosted it is gone` | b |\n"
+        "| `the launcher never says this` | c |\n"
+        "| `--nnodes must be N or MAX:MIN, got <value>` | d |\n"
+    )
+    assert quoted_messages(table)[0] == "--nnodes must be N or MIN:MAX, got '<value>'"
+    assert len(quoted_messages(table)) == 4
+    assert [m.split(":")[0] for m in unprintable(table)] == ["'the launcher never says this'", "'--nnodes must be N or MAX"]
+
+
+def test_troubleshooting_quotes_every_warning_the_agent_logs() -> None:
+    doc = _normal((DOCS / "troubleshooting.md").read_text())
+    warnings = logged_warnings()
+    assert len(warnings) > 20, "the warning scan found too little: is it broken?"
+    missing = [f"{where}: {piece!r}" for where, pieces in warnings for piece in pieces if _normal(piece) not in doc]
     assert not missing, "troubleshooting.md lacks:\n" + "\n".join(missing)
 
 

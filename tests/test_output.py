@@ -5,8 +5,10 @@ following a growing file on inotify."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -160,6 +162,62 @@ async def test_a_copy_that_fails_is_reported_at_once(
     assert "its stderr" not in caplog.text  # the pipe it reads works
     assert len((tmp_path / "0/stdout.log").read_text().splitlines()) == 300  # the file has it all
     assert list(outputs[0].stderr_tail) == ["err one", "err two, no newline"]
+
+
+#: a worker that writes one line to each stream and exits at once
+_QUICK = ("/bin/sh", "-c", 'echo "out $RANK"; echo "err $RANK" >&2')
+
+
+async def test_no_line_of_a_worker_that_exits_at_once_is_lost_whatever_redirects_and_tee(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], warden: Warden
+) -> None:
+    """Every --redirects x --tee (0..3 each), several times: each line in its file and
+    on the console exactly where torchrun puts it (tee wins over redirects)."""
+    for redirect, tee, attempt in itertools.product(range(4), range(4), range(3)):
+        spec = make_spec(
+            tmp_path / "unused.py", nproc_per_node=2,
+            redirects={r: Std(redirect) for r in (0, 1)}, tee={r: Std(tee) for r in (0, 1)},
+        )
+        root = tmp_path / f"{redirect}{tee}{attempt}"
+        plans = {r: plan_streams(spec, r, root / str(r)) for r in (0, 1)}
+        for r in (0, 1):
+            (root / str(r)).mkdir(parents=True)
+        with worker_stdio(plans) as stdio:
+            group = await WorkerGroup.start(_QUICK, {r: {"RANK": str(r)} for r in (0, 1)}, warden, stdio)
+        outputs = [WorkerOutput(proc, r, plans[r]) for r, proc in group.procs.items()]
+        await group.wait()
+        await group.stop(grace=5)
+        for output in outputs:
+            await output.drain(timeout=10)
+        out, err = capfd.readouterr()
+        for std, name, console in ((Std.OUT, "out", out), (Std.ERR, "err", err)):
+            shown = bool(tee & std or not redirect & std)
+            expected = [f"[{r}]<std{name}>: {name} {r}" for r in (0, 1)]
+            assert sorted(console.splitlines()) == (expected if shown else []), (redirect, tee, name)
+            for r in (0, 1):
+                file = root / str(r) / f"std{name}.log"
+                if (redirect | tee) & std:
+                    assert file.read_text() == f"{name} {r}\n", (redirect, tee, name)
+                else:
+                    assert not file.exists()
+
+
+def test_the_launcher_tees_what_it_also_redirects(tmp_path: Path) -> None:
+    """The case a user met: --redirects=3 --tee=3, a worker that exits at once."""
+    script = tmp_path / "two.sh"
+    script.write_text('#!/bin/sh\necho "out $RANK"\necho "err $RANK" >&2\n')
+    script.chmod(0o755)
+    done = subprocess.run(
+        [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=2", "--no-python",
+         "--redirects=3", "--tee=3", f"--log-dir={tmp_path / 'logs'}", str(script)],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[0]<stdout>: out 0", "[1]<stdout>: out 1"]
+    assert {"[0]<stderr>: err 0", "[1]<stderr>: err 1"} <= set(done.stderr.splitlines())
+    assert sorted(p.read_text() for p in (tmp_path / "logs").glob("*/attempt_0/*/std*.log")) == [
+        "err 0\n", "err 1\n", "out 0\n", "out 1\n"
+    ]
 
 
 _BURST = """

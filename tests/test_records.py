@@ -11,6 +11,7 @@ import pytest
 from elasticrun.errors import RendezvousError
 from elasticrun.rendezvous.state import (
     FORMAT_VERSION,
+    Departure,
     DrainRequest,
     Event,
     JobLaunch,
@@ -60,6 +61,7 @@ SAMPLES: list[tuple[str, Record]] = [
     (KEYS.state, LeaderState("a", "waiting", 2, 3.0, waiting=("c",))),
     (KEYS.launch, JobLaunch("/work", 1.0, "a")),
     (KEYS.drain("a"), DrainRequest("scale in", 2.0)),
+    (KEYS.departure("a"), Departure("the agent received SIGTERM")),
     (KEYS.quarantine, QUARANTINE),
     (KEYS.hold("b"), QUARANTINE.entries[0]),
     (KEYS.status("a"), STATUS),
@@ -82,7 +84,7 @@ def test_each_key_becomes_its_record_and_a_deleted_key_forgets_it() -> None:
     assert (records.nodes, records.acks, records.statuses) == ({"a": NODE}, {"a": Ping(4)}, {"a": STATUS})
     assert (records.round, records.round_revision, records.spec, records.leader) == (ROUND, 7, SPEC, "a")
     assert records.quarantine == QUARANTINE and records.holds == {"b": QUARANTINE.entries[0]}
-    assert list(records.drains) == ["a"] and len(records.events) == 1
+    assert list(records.drains) == ["a"] and list(records.departures) == ["a"] and len(records.events) == 1
     for key, _ in SAMPLES:
         records.apply(key, None)
     records.apply(KEYS.leader, None)

@@ -129,7 +129,7 @@ async def test_graceful_leave_restarts_the_others_at_once(store):
     await asyncio.gather(a.next_round(), b.next_round(), c.next_round())
     ended = asyncio.ensure_future(a.round_ended())
     await b.leave("SIGTERM")
-    assert "lost b" in await ended
+    assert await ended == "round 2: b left"  # not "lost": it said it leaves
     again = await asyncio.gather(a.next_round(), c.next_round())
     assert [x.node_rank for x in again] == [0, 1]
     assert all(x.world_size == 4 for x in again)
@@ -154,7 +154,7 @@ async def test_fixed_size_job_waits_for_a_replacement(store):
     a, b = make_node(store, "a", s), make_node(store, "b", s)
     await asyncio.gather(a.next_round(), b.next_round())
     await b.leave("preempted")
-    assert "lost b" in await a.round_ended()
+    assert "b left" in await a.round_ended()  # not "lost": it said it leaves
     waiting = asyncio.ensure_future(a.next_round())
     done, _ = await asyncio.wait({waiting}, timeout=0.5)
     assert not done, "a fixed-size job must not run below its size"
@@ -183,7 +183,8 @@ async def test_failure_closes_the_job_for_everyone_with_the_report(store):
     await asyncio.gather(a.next_round(), b.next_round())
     ended = asyncio.ensure_future(a.round_ended())
     await b.fail("rank 3 exited with code 1")
-    assert await ended == "job failed"
+    with pytest.raises(RendezvousClosedError, match="rank 3 exited with code 1"):
+        await ended  # the round ends with the job: no round follows
     with pytest.raises(RendezvousClosedError, match="rank 3 exited with code 1") as info:
         await a.next_round()
     assert info.value.outcome == "failed"

@@ -117,7 +117,7 @@ def test_a_store_without_a_token_warns_unless_on_loopback(cluster: Cluster, tmp_
     wildcard = _serve(cluster, "store-all", "0.0.0.0")
     warnings = [line for line in wildcard.splitlines() if re.search(NO_TOKEN, line)]
     assert len(warnings) == 1, wildcard
-    assert warnings[0].startswith("elasticrun store: warning: the store on 0.0.0.0:"), warnings[0]
+    assert re.match(r"\[elasticrun \S+ WARNING\] the store on 0\.0\.0\.0:", warnings[0]), warnings[0]
     assert "--token-file or $ELASTICRUN_STORE_TOKEN" in warnings[0], warnings[0]
     loopback = _serve(cluster, "store-lo", "127.0.0.1")
     assert "warning" not in loopback, loopback

@@ -45,6 +45,7 @@ from elasticrun.errors import (
     WorkerStartError,
     exit_for_signal,
 )
+from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.store.credentials import worker_credential
 
@@ -103,6 +104,8 @@ class Outcome(enum.Enum):
     DRAINED = "drained"
     #: in-process mode: a worker's training failed, the worker waits for a new round
     BROKEN = "broken"
+    #: the job ended elsewhere (stopped, or failed on another node): no round follows
+    CLOSED = "closed"
 
 
 class Action(enum.Enum):
@@ -113,6 +116,7 @@ class Action(enum.Enum):
     FAIL = "fail"
     NEXT_ROUND = "next round"
     LEAVE = "leave"
+    END = "end"
 
 
 def decide(outcome: Outcome, budget_spent: int, max_restarts: int, progressed: bool = False) -> Action:
@@ -121,7 +125,7 @@ def decide(outcome: Outcome, budget_spent: int, max_restarts: int, progressed: b
     Only worker failures spend the budget; a round ended by others (a node joined or
     left) never does, nor (with --forgive-progress) a failure after the workers made
     progress since the previous one. A signal or a watch makes this node leave, and
-    the others go on.
+    the others go on. A job that ended elsewhere ends here too.
     """
     match outcome:
         case Outcome.SUCCEEDED:
@@ -132,6 +136,8 @@ def decide(outcome: Outcome, budget_spent: int, max_restarts: int, progressed: b
             return Action.NEXT_ROUND
         case Outcome.SIGNALLED | Outcome.WATCH | Outcome.DRAINED:
             return Action.LEAVE
+        case Outcome.CLOSED:
+            return Action.END
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +228,8 @@ class Agent:
         self._hang: Hang | None = None
         #: this node's failure beyond the budget: (message, report)
         self._failure: tuple[str, FailureReport | None] | None = None
+        #: how the job ended elsewhere, as the round's end said
+        self._closure: RendezvousClosedError | None = None
         #: progress since this node's previous worker failure (--forgive-progress):
         #: seconds the workers ran, and whether every worker called heartbeat()
         self._ran_since_failure = 0.0
@@ -319,9 +327,9 @@ class Agent:
         if self._channel is not None:
             await self._warm_up(self._channel)
         while True:
-            self._set_state(
-                WorkerState.INIT, self.handler.waiting_status or "waiting for a round"
-            )
+            waiting = self.handler.waiting_status
+            if waiting is not None:  # else the job is over for this node: no wait to log
+                self._set_state(WorkerState.INIT, waiting)
             try:
                 assignment = await _first_of(
                     self.handler.next_round(), self._wait_signal(), self.handler.drained()
@@ -384,6 +392,9 @@ class Agent:
                     self._set_state(WorkerState.STOPPED, attempt.reason)
                 case Action.LEAVE:
                     return self._end(WorkerState.STOPPED, self._leaving_code(attempt.outcome), attempt.reason)
+                case Action.END:
+                    assert self._closure is not None  # set with Outcome.CLOSED
+                    return self._closed(self._closure)
 
     async def _run_attempt(self, assignment: Assignment) -> _Attempt:
         """Run the workers in `assignment`'s round until it ends; stop them unless kept.
@@ -680,7 +691,11 @@ class Agent:
         return Outcome.SUCCEEDED, "all workers succeeded"
 
     async def _round_ended(self) -> tuple[Outcome, str]:
-        return Outcome.ROUND_ENDED, await self.handler.round_ended()
+        try:
+            return Outcome.ROUND_ENDED, await self.handler.round_ended()
+        except RendezvousClosedError as e:
+            self._closure = e
+            return Outcome.CLOSED, str(e)
 
     async def _signalled_outcome(self) -> tuple[Outcome, str]:
         await self._signalled.wait()
@@ -740,10 +755,15 @@ class Agent:
         return AgentResult(state, exit_code, message, report, ranks)
 
     def _set_state(self, state: WorkerState, reason: str) -> None:
-        """One log line, one event, one status report per state change."""
+        """One log line, one event, one status report per state change.
+
+        Shown by default (a headline): the workers started, stopped and why, ended. A
+        wait for a round is the rendezvous' to show, once it lasts.
+        """
         level = logging.WARNING if state is WorkerState.FAILED else logging.INFO
         before = self._state.value if self._state is not None else "start"
-        logger.log(level, "workers %s -> %s: %s", before, state.value, reason)
+        extra = None if state is WorkerState.INIT else HEADLINE
+        logger.log(level, "workers %s -> %s: %s", before, state.value, reason, extra=extra)
         self._state = state
         if self.metrics is not None:
             self.metrics.state(state)

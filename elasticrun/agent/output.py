@@ -12,12 +12,12 @@ TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE makes (torchrun's `${rank}`, `${local_rank
 `${role_name}`), and are written whole, so the output of many workers never mixes
 inside a line. One exception, on a terminal only: a line that redraws itself with `\r`
 (a progress bar) is shown as it is drawn, each frame over the last under the line's
-prefix, as the worker's own terminal would show it. Log files hold the
-worker's bytes unchanged. As torchrun: `redirects` sends a stream to its file only,
-`tee` to its file and the console, `local_ranks_filter` keeps other ranks off the
-console (not out of their files). Every line, shown or not, also goes to the `publish`
-sink (the job's `elasticrun logs`), and the last lines of stderr stay in memory for the
-failure report.
+prefix, as the worker's own terminal would show it. Log files hold the worker's bytes
+unchanged. As torchrun: `redirects` sends a stream to its file only, `tee` to its file
+and the console (`tee` wins where both name a stream), `local_ranks_filter` keeps other
+ranks off the console (not out of their files). Every line, shown or not, also goes to
+the `publish` sink (the job's `elasticrun logs`), and the last lines of stderr stay in
+memory for the failure report.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def plan_streams(
     for std, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
         to_file = bool((redirect | tee) & std)
         plans[std] = StreamPlan(
-            console=shown and not redirect & std,
+            # tee wins over redirects, as in torchrun (its tee is a redirect plus a tail)
+            console=shown and bool(tee & std or not redirect & std),
             file=worker_dir / f"{name}.log" if to_file else None,
         )
     return plans

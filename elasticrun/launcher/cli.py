@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_format.use(args.log_format)
         return run_launch(build_config(args, os.environ))
     except ElasticrunError as e:
-        print(f"elasticrun: error: {_one_line(str(e))}", file=sys.stderr, flush=True)
+        print(log_format.error_line(_one_line(str(e))), file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
         print("elasticrun: interrupted", file=sys.stderr, flush=True)

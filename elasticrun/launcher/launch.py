@@ -25,6 +25,7 @@ from elasticrun.launcher import log_format
 from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import serving
+from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.state import Keys, NodeInfo
@@ -166,7 +167,7 @@ async def _open_store(
     with settings_from_flags():
         server = await serve_here(rdzv.store, probe, metrics)
     if server is not None:
-        log.info("hosting the rendezvous store on %s", server.endpoint)
+        log.info("hosting the rendezvous store on %s", server.endpoint, extra=HEADLINE)
         warning = exposure_warning(
             server.endpoint, rdzv.store.token, rdzv_flag("token_file"), client_ca=rdzv.store.client_ca
         )
@@ -189,7 +190,7 @@ async def _linger_while_nodes_remain(store: Store, keys: Keys) -> None:
     remaining = {kv.key for kv in snapshot.kvs}
     if not remaining:
         return
-    log.info("keeping the store up until %d other node(s) have left", len(remaining))
+    log.info("keeping the store up until %d other node(s) have left", len(remaining), extra=HEADLINE)
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(_HOST_LINGER):
             async for event in store.watch(keys.nodes, start_revision=snapshot.revision + 1, prefix=True):

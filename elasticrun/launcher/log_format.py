@@ -9,6 +9,7 @@ and `--log-format=json` (or ELASTICRUN_LOG_FORMAT=json) writes one object a line
 logged). A dozen lines of `logging.Formatter` rather than a JSON-logging library: the
 fields are fixed and few, and the launcher stays at its four dependencies.
 Only the agent's own lines change; the workers' output is passed on as it comes.
+Which lines show by default is elasticrun.loglines' matter (LOGLEVEL changes it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import logging
 import os
 import sys
+
+from elasticrun.loglines import is_headline
 
 FORMATS = ("text", "json")
 #: the default of --log-format (and the format of every subcommand's lines)
@@ -65,12 +68,42 @@ def default_format() -> str:
 
 
 def setup_logging() -> None:
-    """Lines to stderr at $LOGLEVEL (INFO), in the format ELASTICRUN_LOG_FORMAT names."""
-    level = os.environ.get("LOGLEVEL", "INFO").upper()
+    """Lines to stderr, in the format ELASTICRUN_LOG_FORMAT names, at $LOGLEVEL; when
+    it names no level, quiet: warnings, errors and the headlines (elasticrun.loglines).
+
+    torchrun's LOGLEVEL works the same way (INFO: every INFO line, WARNING: what
+    torchrun shows by default); only the default differs, a few lines a job.
+    """
+    level = os.environ.get("LOGLEVEL", "").strip().upper()
     handler = logging.StreamHandler(sys.stderr)
     _formatter.form = default_format()
     handler.setFormatter(_formatter)
-    logging.basicConfig(level=level if level in logging.getLevelNamesMapping() else "INFO", handlers=[handler])
+    if level not in logging.getLevelNamesMapping():
+        level = "INFO"
+        handler.addFilter(_headlines_and_worse)
+    logging.basicConfig(level=level, handlers=[handler])
+
+
+def _headlines_and_worse(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or is_headline(record)
+
+
+def line(level: int, message: str, logger: str = "elasticrun") -> str:
+    """`message` as a line in the chosen format, for a line printed rather than logged
+    (one that goes to stdout, or must show whatever the level)."""
+    record = logging.makeLogRecord(
+        {"name": logger, "levelno": level, "levelname": logging.getLevelName(level), "msg": message}
+    )
+    return _formatter.format(record)
+
+
+def error_line(message: str) -> str:
+    """The CLI's last line when a command fails, in the chosen format: text keeps the
+    `elasticrun: error: ...` that scripts and people grep for; JSON is one object like
+    every other line, so a log pipeline never meets a stray text line."""
+    if _formatter.form != "json":
+        return f"elasticrun: error: {message}"
+    return line(logging.ERROR, message)
 
 
 def use(form: str) -> None:

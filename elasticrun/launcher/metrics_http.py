@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from elasticrun.errors import UsageError
+from elasticrun.loglines import HEADLINE
 
 if TYPE_CHECKING:  # the library is imported only when metrics are served
     from prometheus_client import CollectorRegistry
@@ -56,7 +57,7 @@ def serving(address: MetricsAddress | None, registry: CollectorRegistry) -> Iter
         server, thread = start_http_server(address.port, addr=address.host, registry=registry)
     except (OSError, ValueError) as e:  # busy port, unknown address
         raise UsageError(f"metrics cannot listen on {address.host}:{address.port}: {e}") from None
-    log.info("metrics on %s", address.url)
+    log.info("metrics on %s", address.url, extra=HEADLINE)
     try:
         yield
     finally:

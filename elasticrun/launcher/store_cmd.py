@@ -11,15 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import signal
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from elasticrun import __version__
 from elasticrun.errors import UsageError
+from elasticrun.launcher import log_format
 from elasticrun.launcher.closed_journal import journaled
 from elasticrun.launcher.config import parse_rdzv_conf, settings_from_flags
 from elasticrun.launcher.flags import Parser
@@ -31,6 +32,7 @@ from elasticrun.store.memory import MemoryStore
 from elasticrun.store.server import StoreServer
 from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV, TlsKeyPair
 
+log = logging.getLogger("elasticrun.store")
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
@@ -100,16 +102,18 @@ async def _serve_until_stopped(server: StoreServer, config: ServeConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"elasticrun store serving on {server.endpoint}", flush=True)
+    # On stdout, whatever the level: a script that asked for --port 0 reads it there.
+    print(log_format.line(logging.INFO, f"store serving on {server.endpoint}", log.name), flush=True)
     warning = exposure_warning(server.endpoint, config.token, "--token-file", client_ca=config.client_ca)
     if warning is not None:
-        print(f"elasticrun store: warning: {warning}", file=sys.stderr, flush=True)
+        log.warning("%s", warning)
     await stop.wait()
     await server.stop()
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
+    log_format.use(args.log_format)
     config = serve_config(args, os.environ)
     settle_gc()
     return asyncio.run(serve(config))
@@ -228,6 +232,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--state-dir", default=None,
         help="a private folder (made 0700) where the store keeps the jobs that ended, so that a job ended "
         "before a restart of the store stays ended for its closed_ttl; off by default",
+    )
+    serve_parser.add_argument(
+        "--log-format", choices=log_format.FORMATS, default=log_format.default_format(),
+        help="its own lines: text, or json (one object a line); default: $ELASTICRUN_LOG_FORMAT, else text",
     )
     serve_parser.set_defaults(run=_run)
     credential_parser = commands.add_parser(

@@ -74,8 +74,9 @@ class RendezvousHandler(abc.ABC):
         """Return (with a reason) as soon as the current round is superseded.
 
         A node joined or left, another node's workers failed and it asked for a
-        restart, the job was stopped or failed elsewhere, or this node lost its
-        membership (its lease expired): in every case this node's workers must stop now.
+        restart, or this node lost its membership (its lease expired): in every case
+        this node's workers must stop now. Raises RendezvousClosedError when the job
+        was stopped or failed elsewhere: no round follows.
         """
 
     def peers_lost(self) -> bool:
@@ -115,9 +116,10 @@ class RendezvousHandler(abc.ABC):
         the job, however it ended. Backends without a membership have nothing to do."""
 
     @property
-    def waiting_status(self) -> str:
-        """What the handler is waiting for right now, for the agent's log."""
-        return ""
+    def waiting_status(self) -> str | None:
+        """What `next_round()` waits for right now, for the agent's log; None when it
+        would not wait (the job has ended for this node: it raises at once)."""
+        return "waiting for a round"
 
     def quarantined_nodes(self) -> int:
         """How many of the job's nodes a quarantine keeps out now, for metrics. Read

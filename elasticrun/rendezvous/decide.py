@@ -96,6 +96,8 @@ class View:
     quarantine: QuarantineTable = QuarantineTable()
     #: nodes an operator asked to leave (`elasticrun drain`): their going is no failure
     draining: frozenset[str] = frozenset()
+    #: nodes that said they leave on purpose (a signal, a drain, a sick GPU): nor is theirs
+    departed: frozenset[str] = frozenset()
     #: members whose liveness port refused the leader's connection after the current
     #: round's restart request (their port had accepted one before): their agent is gone
     refused: frozenset[str] = frozenset()
@@ -136,9 +138,19 @@ def _count(n: int) -> str:
     return f"{n} node" if n == 1 else f"{n} nodes"
 
 
-def _lost_reason(missing: list[str], back: list[str]) -> str:
-    """Why members left the round: gone from the store, or back with a new registration."""
-    parts = [f"lost {_names(missing)}"] if missing else []
+def _lost_reason(missing: list[str], back: list[str], view: View) -> str:
+    """Why members left the round: drained by an operator, left on purpose (a signal, a
+    sick GPU), gone without a word (dead, frozen, cut off), or back with a new
+    registration. Calling a node that left on purpose lost would send whoever reads the
+    survivors' logs looking for a crash."""
+    drained = [n for n in missing if n in view.draining]
+    left = [n for n in missing if n in view.departed and n not in view.draining]
+    lost = [n for n in missing if n not in view.draining and n not in view.departed]
+    parts = [f"drained {_names(drained)}"] if drained else []
+    if left:
+        parts.append(f"{_names(left)} left")
+    if lost:
+        parts.append(f"lost {_names(lost)}")
     if back:
         parts.append(f"{_names(back)} registered again")
     return "; ".join(parts)
@@ -229,15 +241,16 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
 
     if lost:
         assert current is not None
-        # A node that drops out of rounds while the others stay is flapping. When no
+        # A node that drops out of rounds while the others stay is flapping (one that
+        # said it leaves, drained or not, is not: it was preempted or asked). When no
         # member stayed, the store stalled or restarted (or the whole job went down):
         # that is nobody's fault, and counting it would quarantine every node.
         if survivors and book.counts(current.number):
             for node_id in missing:
-                if node_id not in view.draining:
+                if node_id not in view.draining and node_id not in view.departed:
                     book.count(node_id, f"dropped out of round {current.number}")
         pick = _pick(members, survivors, newcomers, book, settings)
-        reason = _lost_reason(missing, back)
+        reason = _lost_reason(missing, back, view)
         if set(dead) & view.refused:
             reason += f" (agent gone: {_names(sorted(set(dead) & view.refused))} refused the liveness check)"
         if len(pick.group) >= settings.min_nodes:

@@ -32,6 +32,7 @@ from elasticrun.errors import (
     StoreError,
     StoreGoneError,
 )
+from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.leader import DETAIL_LIMIT, Leader, close_job
@@ -39,6 +40,7 @@ from elasticrun.rendezvous.liveness import LivenessPort, Verdict, probe
 from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.state import (
+    Departure,
     JobLaunch,
     JobRecords,
     JobSpec,
@@ -112,6 +114,10 @@ class ElasticRendezvous(RendezvousHandler):
         self._pulse = _Pulse()
         self._lease: int | None = None
         self._lost: str = ""
+        #: the revision of this node's registration, and of its last request to the
+        #: leader with what it asked (restart or end): what the leader has yet to answer
+        self._registered = 0
+        self._asked: tuple[int, str] = (0, "")
         self._tasks: set[asyncio.Task[None]] = set()
         self._leader_task: asyncio.Task[None] | None = None
         self._job = JobRecords(self._keys)  # what this node knows of job/
@@ -134,7 +140,15 @@ class ElasticRendezvous(RendezvousHandler):
     # --- RendezvousHandler -----------------------------------------------------------
 
     @property
-    def waiting_status(self) -> str:
+    def waiting_status(self) -> str | None:
+        """What this node waits for now, from what it knows to be true now.
+
+        The leader's published reason is quoted only when it was published after
+        everything this node knows of (the round, its registration, its own request):
+        an older one describes a job that has moved on (a round that already ended,
+        a job without this node). A store an agent hosted that refused us means a wait
+        for a new one there (store_host_grace). None when next_round() would not wait.
+        """
         if self._refused is not None:
             error, since = self._refused
             grace = self._settings.store_host_grace
@@ -146,16 +160,49 @@ class ElasticRendezvous(RendezvousHandler):
             )
         if self._lost:  # what we knew of the job is stale until we register again
             return f"registering again (this node lost its membership: {self._lost})"
-        state = self._job.state
-        leader = state.reason if state else "waiting for the leader's first decision"
+        if self._lease is None:
+            return f"joining job '{self.run_id}'"
+        current = self._job.head
+        if current is not None and current.closed:
+            return None
+        said = self._leader_says()
+        quoted = f"; the leader: {said}" if said else ""
         held = self._quarantined()
-        if held is None:
-            current, (folder, place) = self._job.head, self._placed
-            if current and current.nodes and not current.closed and folder == current.ranks and place is None:
-                return f"spare: takes the place of a participant that goes; the leader: {leader}"
-            return leader
-        until = time.strftime("%H:%M:%S", time.localtime(held.until))
-        return f"quarantined until {until} ({held.reason}); the leader: {leader}"
+        if held is not None:
+            until = time.strftime("%H:%M:%S", time.localtime(held.until))
+            return f"quarantined until {until} ({held.reason}){quoted}"
+        revision, asked = self._asked
+        if asked and revision > self._job.round_revision:
+            return asked + quoted
+        if current is None:
+            return said or "registered; waiting for the leader's first decision"
+        if current.number == self._last_round:
+            return f"round {current.number} ended for this node; waiting for the leader's next round{quoted}"
+        folder, place = self._placed
+        if folder != current.ranks:
+            return f"round {current.number} opened: reading this node's place in it"
+        if place is not None:
+            return f"round {current.number}: node rank {place.rank}; waiting for the master address"
+        if not current.nodes:  # too few nodes: the round that stopped everyone's workers
+            return f"round {current.number} runs no node ({current.reason}){quoted}"
+        return self._outside(current) + quoted
+
+    def _leader_says(self) -> str:
+        """The leader's reason when it decided after all this node knows of, else ""."""
+        state, known = self._job.state, max(self._job.round_revision, self._registered, self._asked[0])
+        return state.reason if state and self._job.state_revision > known else ""
+
+    def _outside(self, current: RoundHead) -> str:
+        """Why this node, registered, is not in the running round `current`."""
+        s, running = self._settings, f"{current.nodes} of max {self._settings.max_nodes} nodes"
+        if current.nodes + s.node_unit > s.max_nodes:
+            return f"spare: round {current.number} runs {running}; takes the place of a participant that goes"
+        if s.node_unit > 1:
+            return (
+                f"spare: round {current.number} runs {running}; joins with a whole unit of {s.node_unit} "
+                "nodes, or takes the place of a participant that goes"
+            )
+        return f"not in round {current.number} ({running}): the leader adds it after the last call"
 
     def quarantined_nodes(self) -> int:
         state = self._job.state
@@ -219,12 +266,14 @@ class ElasticRendezvous(RendezvousHandler):
             except StoreGoneError as e:
                 self._store_refused(e)
                 continue
-            status = self.waiting_status
+            status = self.waiting_status or ""  # not None: the job is open, the store there
             now = self._clock()
             if status != logged or now - said_at >= WAIT_REPORT_INTERVAL:
-                # on each change, and every few seconds while nothing changes
+                # on each change, and every few seconds while nothing changes; shown by
+                # default once the wait lasts (a round that forms at once is no news)
                 waited = f"{now - started:.0f} s of join_timeout {self._settings.join_timeout:g} s"
-                log.info("node %s waiting: %s; %s", self._me.node_id, status, waited)
+                lasts = now - started >= WAIT_REPORT_INTERVAL
+                log.info("node %s waiting: %s; %s", self._me.node_id, status, waited, extra=HEADLINE if lasts else None)
                 logged, said_at = status, now
             held = self._quarantined()
             if held is not None:  # a quarantined node waits it out, then join_timeout runs
@@ -248,7 +297,7 @@ class ElasticRendezvous(RendezvousHandler):
             if current.number != self._last_round:
                 return f"round {current.number}: {current.reason}"
             if current.closed and current.closed != "succeeded":
-                return f"job {current.closed}"
+                raise RendezvousClosedError(self.run_id, current.closed, current.detail)
             await self._pulse.wait()
 
     def peers_lost(self) -> bool:
@@ -260,9 +309,12 @@ class ElasticRendezvous(RendezvousHandler):
         return current.kept_since > ran.number  # a round since ours went on without one of us
 
     async def request_restart(self, reason: str, *, forgiven: bool = False) -> None:
-        await self._request(
+        revision = await self._request(
             RestartRequest(round=self._last_round, node_id=self._me.node_id, reason=reason, forgiven=forgiven)
         )
+        if revision is not None:
+            asked = f"asked the leader to restart round {self._last_round} after a worker failure here"
+            self._asked = (revision, asked)
 
     async def fail(self, report: str) -> None:
         """Ask the leader to end the job with `report`.
@@ -278,20 +330,28 @@ class ElasticRendezvous(RendezvousHandler):
             final=True,
             report=report[-DETAIL_LIMIT:],
         )
-        await self._request(request)
+        revision = await self._request(request)
+        if revision is not None:
+            self._asked = (
+                revision,
+                "asked the leader to end the job (a worker failed here, no restarts left), "
+                "unless it finds a node died meanwhile",
+            )
 
-    async def _request(self, request: RestartRequest) -> None:
-        """Hand the leader a restart (or final) request, and check that it lives.
+    async def _request(self, request: RestartRequest) -> int | None:
+        """Hand the leader a restart (or final) request, and check that it lives; the
+        request's revision, None when it went nowhere.
 
         A store an agent hosted that refuses us took the round with it: the request goes
         nowhere, and the node registers again once a new store answers (next_round).
         """
         try:
-            await self._store.put(self._keys.restart, encode(request))
+            revision = await self._store.put(self._keys.restart, encode(request))
         except StoreGoneError as e:
             self._store_refused(e)
-            return
+            return None
         self._spawn(self._suspect_leader(), "leader check")
+        return revision
 
     async def finish(self) -> None:
         await self._close("succeeded", f"workers of {self._me.node_id} succeeded")
@@ -300,6 +360,12 @@ class ElasticRendezvous(RendezvousHandler):
     async def leave(self, reason: str) -> None:
         log.info("node %s leaving job '%s': %s", self._me.node_id, self.run_id, reason)
         self.report_event("left", reason)
+        if self._lease is not None and not self._lost:
+            # Not bound to the lease: a leader that takes over once we (its leader) are
+            # gone still finds it; the leader deletes it once it let us go.
+            with contextlib.suppress(StoreError):
+                departure = encode(Departure(reason=reason))
+                await self._store.put(self._keys.departure(self._me.node_id), departure)
         with contextlib.suppress(StoreError):
             await self._reports.flush(self._lease or 0)
         # Our keys go now, so that the others re-form without us at once; a drain
@@ -411,7 +477,7 @@ class ElasticRendezvous(RendezvousHandler):
             ran_restarts=ran.restart_count if ran else 0,
             ran_forgiven=ran.forgiven if ran else 0,
         )
-        await self._store.put(keys.node(self._me.node_id), encode(me), lease=self._lease)
+        self._registered = await self._store.put(keys.node(self._me.node_id), encode(me), lease=self._lease)
         self._spawn(self._watch_job(snapshot.revision + 1), "job watch")
         self._spawn(self._reports.publish(self._lease), "reporter")
         if self._job.leader:
@@ -640,6 +706,8 @@ class ElasticRendezvous(RendezvousHandler):
     async def _try_lead(self) -> None:
         if self._lease is None or self._lost or self._job.leader:
             return  # a leader's key held: its deletion (watched) brings us back here
+        if self._job.head is not None and self._job.head.closed:
+            return  # the job has ended: nothing left to lead
         me = self._me.node_id.encode()
         if await self._store.compare_and_put(self._keys.leader, me, expected_mod_revision=0, lease=self._lease):
             log.info("node %s leads job '%s'", self._me.node_id, self.run_id)

@@ -87,8 +87,10 @@ class Leader:
         self._pinged = 0
         #: failure records and quarantines, on this leader's clock (stored on the wall clock)
         self._quarantine = QuarantineTable()
-        #: nodes an operator drained (kept while they are registered or in the round)
+        #: nodes an operator drained, and nodes that said they leave on purpose (each
+        #: kept while the node is registered or in the round)
         self._draining: set[str] = set()
+        self._departed: set[str] = set()
         #: the waiting reason and number of quarantined nodes last published
         self._published: tuple[str, int] = ("", 0)
         self._published_at = -1e9
@@ -193,6 +195,7 @@ class Leader:
         acks = frozenset(n for n, ping in self._records.acks.items() if ping.round == number)
         in_round = {p.node_id for p in current.participants} if current else set()
         self._draining &= set(self._nodes) | in_round
+        self._departed &= set(self._nodes) | in_round
         return View(
             nodes=self._nodes,
             round=current,
@@ -201,6 +204,7 @@ class Leader:
             acks=acks,
             quarantine=self._quarantine,
             draining=frozenset(self._draining),
+            departed=frozenset(self._departed),
             refused=frozenset(n for n, suspect in self._refused.items() if suspect == number),
         )
 
@@ -235,6 +239,7 @@ class Leader:
             log.info("round %d: %s", new_round.number, new_round.reason)
             for folder in self._records.shards.keys() - {head.ranks}:  # earlier rounds' members
                 await self._store.delete_prefix(f"{self._keys.ranks}{folder}/")
+            await self._clear_departed(new_round)
             await self._record_round(new_round)
         else:  # another leader's round stands: ours was never seen
             await self._store.delete_prefix(f"{self._keys.ranks}{head.ranks}/")
@@ -249,6 +254,19 @@ class Leader:
         if kv is not None and kv.lease:
             log.warning("node %s did not show it is alive for a lease TTL: ending its registration", node_id)
             await self._store.revoke_lease(kv.lease)
+
+    async def _clear_departed(self, new_round: Round) -> None:
+        """Delete the departure records of nodes that are gone and out of the round.
+
+        The leader, not the node that left, deletes them, once it has let the node go: a
+        leader that takes over meanwhile (the node that left may have led) still finds
+        them, and says the node left, not lost. A drain record is the drained node's to
+        delete, once its workers have stopped (`elasticrun drain` waits for that); the
+        leader remembers the drain from the record's arrival (`_draining`).
+        """
+        kept = set(self._nodes) | {p.node_id for p in new_round.participants}
+        for node_id in sorted(self._records.departures.keys() - kept):
+            await self._store.delete(self._keys.departure(node_id))
 
     def _forget(self, node_id: str) -> None:
         """What the leader knew of a node's liveness: it is gone, or a new registration."""
@@ -407,6 +425,8 @@ class Leader:
             self._quarantine = records.quarantine.shifted(self._clock() - time.time())
         elif key.startswith(keys.drains) and value is not None:
             self._draining.add(key[len(keys.drains):])
+        elif key.startswith(keys.departures) and value is not None:
+            self._departed.add(key[len(keys.departures):])
 
 
 async def close_job(store: Store, keys: Keys, outcome: str, detail: str, closed_ttl: float) -> bool:
@@ -447,7 +467,7 @@ async def clear_job_records(store: Store, keys: Keys) -> None:
     """The part of `close_job` that clears the ended job's spec and control records."""
     for key in (keys.spec, keys.restart, keys.master, keys.state, keys.ping, keys.quarantine):
         await store.delete(key)
-    for folder in (keys.drains, keys.ranks, keys.holds):
+    for folder in (keys.drains, keys.departures, keys.ranks, keys.holds):
         await store.delete_prefix(folder)
 
 

@@ -18,6 +18,8 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives u
     r/job/state         LeaderState: what the leader waits for, for waiting nodes and status
     r/job/launch        JobLaunch: when and where the job was started (for status and join)
     r/job/drain/<node>  DrainRequest: an operator asked this node to leave
+    r/left/<node_id>    Departure: the node leaves on purpose (the leader says it left, not
+                        that it was lost), deleted by the leader once it let the node go
     r/quarantine        QuarantineTable: failures per node, and who is kept out until when
     r/holds/<node_id>   QuarantineEntry: the node's latest quarantine, for the node to read
     c/status/<node_id>  NodeStatus: the node's live state, bound to its lease
@@ -169,6 +171,13 @@ class Keys:
 
     def drain(self, node_id: str) -> str:
         return self.drains + node_id
+
+    @property
+    def departures(self) -> str:
+        return self.rdzv + "left/"
+
+    def departure(self, node_id: str) -> str:
+        return self.departures + node_id
 
     @property
     def statuses(self) -> str:
@@ -475,6 +484,13 @@ class DrainRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Departure:
+    """A node leaves the job on purpose (a signal, a drain, a sick GPU), and why."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class QuarantineEntry:
     """One node's failure record: its failures, and whether it is kept out.
 
@@ -579,7 +595,7 @@ class Event:
 #: every record kept in the store
 Record = (
     NodeInfo | Round | RoundHead | RankShard | RestartRequest | Ping | Master | LeaderState | JobSpec | JobLaunch
-    | DrainRequest | QuarantineTable | QuarantineEntry | NodeStatus | LogWindow | Event
+    | DrainRequest | Departure | QuarantineTable | QuarantineEntry | NodeStatus | LogWindow | Event
 )
 R = TypeVar("R", bound=Record)
 
@@ -665,6 +681,9 @@ class JobRecords:
     shards: dict[str, dict[int, RankShard]] = field(default_factory=dict)
     #: the round key's mod revision: the leader writes the next round against it
     round_revision: int = 0
+    #: the leader state's: a waiting node trusts the leader's reason only when it was
+    #: published after what the node knows (the round, its own registration)
+    state_revision: int = 0
     #: the leader's node id (its key holds the bare id, which it compares and sets)
     leader: str = ""
     master: Master | None = None
@@ -679,6 +698,7 @@ class JobRecords:
     holds: dict[str, QuarantineEntry] = field(default_factory=dict)
     acks: dict[str, Ping] = field(default_factory=dict)
     drains: dict[str, DrainRequest] = field(default_factory=dict)
+    departures: dict[str, Departure] = field(default_factory=dict)
     statuses: dict[str, NodeStatus] = field(default_factory=dict)
     events: dict[str, Event] = field(default_factory=dict)
     #: `round`, put together once per change of the head or a shard
@@ -709,6 +729,8 @@ class JobRecords:
             _fold(self.acks, key[len(keys.acks):], Ping, value)
         elif key.startswith(keys.drains):
             _fold(self.drains, key[len(keys.drains):], DrainRequest, value)
+        elif key.startswith(keys.departures):
+            _fold(self.departures, key[len(keys.departures):], Departure, value)
         elif key.startswith(keys.holds):
             _fold(self.holds, key[len(keys.holds):], QuarantineEntry, value)
         elif key.startswith(keys.statuses):
@@ -729,6 +751,7 @@ class JobRecords:
             self.spec = _read(JobSpec, value)
         elif key == keys.state:
             self.state = _read(LeaderState, value)
+            self.state_revision = revision if value is not None else 0
         elif key == keys.launch:
             self.launch = _read(JobLaunch, value)
         elif key == keys.restart:

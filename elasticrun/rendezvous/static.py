@@ -65,6 +65,17 @@ class StaticRendezvous(RendezvousHandler):
         self._current, self._next = self._next, None
         return self._current
 
+    @property
+    def waiting_status(self) -> str | None:
+        if self._closed is not None:
+            return None
+        place = self._next or self._current
+        assert place is not None  # one of them is set until the rendezvous closes
+        return (
+            f"static rendezvous: node rank {place.node_rank} of {place.node_count}, "
+            f"master {place.master_addr}:{place.master_port}"
+        )
+
     async def round_ended(self) -> str:
         """Never: membership is fixed, so nothing here ends a round."""
         never: asyncio.Future[str] = asyncio.get_running_loop().create_future()
