@@ -8,6 +8,7 @@ over an in-memory store (`--standalone`, the leader's round decision included).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,7 +77,8 @@ async def test_a_window_of_running_counts_as_progress(tmp_path: Path) -> None:
 def _standalone(tmp_path: Path, script: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "elasticrun", "--standalone", "--max-restarts=1", f"--log-dir={tmp_path / 'logs'}",
             *flags, str(script)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=100)
+    # LOGLEVEL=INFO: the leader's reasons (a forgiven restart) are not headlines
+    return subprocess.run(argv, capture_output=True, text=True, timeout=100, env={**os.environ, "LOGLEVEL": "INFO"})
 
 
 def test_elastic_rounds_count_forgiven_restarts_apart(tmp_path: Path) -> None:

@@ -79,7 +79,8 @@ def submit(slurm: SlurmCluster, tmp_path: Path, *args: str, tasks: int, env: dic
     """sbatch the example with small sizes, training `TRAIN`; the job id and its output."""
     job = slurm.sbatch(
         *SMALL, f"--ntasks-per-node={tasks}", f"--output={tmp_path}/%x-%j.out", f"--chdir={tmp_path}",
-        str(SCRIPT), *args, env={"NPROC_PER_NODE": "1", **env},
+        # LOGLEVEL=INFO: the agents' detailed lines (who formed round 1, who waits as the spare)
+        str(SCRIPT), *args, env={"NPROC_PER_NODE": "1", "LOGLEVEL": "INFO", **env},
     )
     return job, Output(tmp_path / f"elastic-ft-{job}.out")
 
@@ -96,7 +97,7 @@ def test_the_spare_replaces_a_killed_node_and_the_job_completes_in_sacct(slurm: 
     # The agents' own lines: who hosts the store, who trains, who waits as the spare.
     host = out.wait_for(r"INFO (\S+)\] hosting the rendezvous store").group(1)
     participants = out.wait_for(r"round 1: formed with 2 nodes: (\S+), (\S+)$", flags=re.M).groups()
-    spare = out.wait_for(r"node (\S+) waiting: spare: takes the place of a participant").group(1)
+    spare = out.wait_for(r"node (\S+) waiting: spare: .*takes the place of a participant").group(1)
     assert spare not in participants, (participants, spare)
 
     out.wait_for(r"Step #6\s")  # training, and a checkpoint saved (step 5)

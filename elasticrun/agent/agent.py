@@ -370,6 +370,10 @@ class Agent:
                     return self._end(WorkerState.SUCCEEDED, 0, "all workers succeeded")
                 case Action.RESTART:
                     count = f"forgiven: {forgiven}; {spent}/{budget} spent" if forgiven else f"{spent + 1}/{budget}"
+                    if assignment.node_count > 1 and not forgiven:
+                        # a peer that died breaks our collectives too: then the leader
+                        # opens a round without it, and no restart is spent
+                        count += ", none if a node was lost meanwhile"
                     self._set_state(WorkerState.STOPPED, f"{attempt.reason}; restarting ({count})")
                     await self.handler.request_restart(attempt.reason, forgiven=bool(forgiven))
                 case Action.FAIL:

@@ -179,7 +179,8 @@ async def _open_store(
     stack.push_async_callback(store.close)
     # As long as ever for an answer (the store may be starting), but never in silence.
     await first_contact(
-        store, rdzv.store.endpoints, rdzv.store.timeout, probe, patient=True, say=lambda line: log.info("%s", line)
+        store, rdzv.store.endpoints, rdzv.store.timeout, probe, patient=True,
+        say=lambda line: log.info("%s", line, extra=HEADLINE),  # a wait the user should see
     )
     return store, None
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elasticrun.errors import NotAStoreError, StoreAddressError, StoreSettingError, StoreUnavailableError
+from elasticrun.loglines import HEADLINE
 from elasticrun.store.api import MAX_LEASE_TTL, Store
 from elasticrun.store.contact import first_contact
 from elasticrun.store.wire import (
@@ -452,7 +453,8 @@ async def _check_holder(access: StoreAccess, probe_key: str) -> None:
     store = open_client(access)
     try:
         await first_contact(
-            store, access.endpoints, access.timeout, probe_key, patient=True, say=lambda line: log.info("%s", line)
+            store, access.endpoints, access.timeout, probe_key, patient=True,
+            say=lambda line: log.info("%s", line, extra=HEADLINE),  # a wait the user should see
         )
     except (NotAStoreError, StoreUnavailableError) as e:
         what = e.what if isinstance(e, NotAStoreError) else f"it did not answer as a store within {access.timeout:g} s"
