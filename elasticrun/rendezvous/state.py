@@ -59,6 +59,10 @@ from typing import Any, TypeVar
 
 from elasticrun.errors import RendezvousError, SpecMismatchError
 
+# the store prefix under which every job has its own (`elasticrun list` reads it): the
+# store knows it too, as it keeps each job's worker keys under it (credentials.py)
+from elasticrun.store.credentials import JOBS_PREFIX
+
 FORMAT_VERSION = 1
 
 #: members per stored round shard, on average: what one node reads of a round
@@ -67,10 +71,6 @@ SHARD_SIZE = 64
 #: the job spec's own version, bumped whenever what a spec holds changes: a node whose
 #: spec has another version is refused as a mismatch, never compared field by field
 JOB_SPEC_VERSION = 2
-
-
-#: the store prefix under which every job has its own (`elasticrun list` reads it)
-JOBS_PREFIX = "/elasticrun/"
 
 
 def job_prefix(run_id: str) -> str:
