@@ -91,6 +91,11 @@ def _plant(tmp_path: Path, kind: str) -> tuple[Path, Callable[[], object]]:
     elif kind == "folder":
         path.mkdir()
         (path / "inside").write_text("keep me too\n")
+    elif kind == "character device":  # /dev/null's own numbers, on a node of the test's
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("making a device node needs root (CAP_MKNOD)")
     else:  # a FIFO someone else made
         os.mkfifo(path, 0o600)
 
@@ -105,12 +110,13 @@ def _plant(tmp_path: Path, kind: str) -> tuple[Path, Callable[[], object]]:
 
 
 @pytest.mark.parametrize(
-    "kind", ["regular file", "symbolic link", "dangling symbolic link", "folder", "FIFO"]
+    "kind", ["regular file", "symbolic link", "dangling symbolic link", "folder", "FIFO", "character device"]
 )
 async def test_a_path_that_exists_is_refused_in_one_line_and_left_as_it_was(tmp_path: Path, kind: str) -> None:
     """torchrun's server removes whatever is at the path (TORCHELASTIC_TIMER_FILE=/dev/null
-    deletes /dev/null); ours makes its own FIFO, so any existing path is refused. (A device
-    is refused the same way, by mkfifo's EEXIST, without touching one in a test.)"""
+    deletes /dev/null); ours makes its own FIFO, so any existing path is refused. The
+    device is a node of the test's own with /dev/null's numbers: the machine's /dev/null
+    is never named (were the timer wrong, the test would delete it)."""
     path, snapshot = _plant(tmp_path, kind)
     before = snapshot()
     server = FileTimerServer(path, lambda: ())
