@@ -784,7 +784,15 @@ def test_a_store_without_a_token_warns_where_others_can_reach_it(endpoint: str, 
     if warning is not None:
         assert warning.startswith(f"the store on {endpoint} has no token: anyone who can reach"), warning
         assert "--token-file or $ELASTICRUN_STORE_TOKEN" in warning and "\n" not in warning
-    assert exposure_warning(endpoint, "t", "--token-file") is None
+    assert exposure_warning(endpoint, "t", "--token-file", tls=True) is None
+    # a token without TLS travels in plaintext: said where others can read it
+    plaintext = exposure_warning(endpoint, "t", "--token-file")
+    assert (plaintext is not None) == warns, plaintext
+    if plaintext is not None:
+        assert plaintext == (
+            f"the store on {endpoint} takes its token in plaintext: anyone on the network path can read it "
+            "and use the store as an agent; serve TLS (--tls-cert and --tls-key) and give every client tls_ca"
+        )
     # client certificates guard the store as a token does
     assert exposure_warning(endpoint, None, "--token-file", client_ca=b"PEM") is None
 

@@ -169,7 +169,8 @@ async def _open_store(
     if server is not None:
         log.info("hosting the rendezvous store on %s", server.endpoint, extra=HEADLINE)
         warning = exposure_warning(
-            server.endpoint, rdzv.store.token, rdzv_flag("token_file"), client_ca=rdzv.store.client_ca
+            server.endpoint, rdzv.store.token, rdzv_flag("token_file"), client_ca=rdzv.store.client_ca,
+            tls=rdzv.store.server_tls is not None, tls_flags=f"{rdzv_flag('tls_cert')} and {rdzv_flag('tls_key')}",
         )
         if warning is not None:
             log.warning("%s", warning)

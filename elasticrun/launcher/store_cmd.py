@@ -104,7 +104,9 @@ async def _serve_until_stopped(server: StoreServer, config: ServeConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     # On stdout, whatever the level: a script that asked for --port 0 reads it there.
     print(log_format.line(logging.INFO, f"store serving on {server.endpoint}", log.name), flush=True)
-    warning = exposure_warning(server.endpoint, config.token, "--token-file", client_ca=config.client_ca)
+    warning = exposure_warning(
+        server.endpoint, config.token, "--token-file", client_ca=config.client_ca, tls=config.tls is not None
+    )
     if warning is not None:
         log.warning("%s", warning)
     await stop.wait()

@@ -374,17 +374,31 @@ def is_loopback(host: str) -> bool:
 
 
 def exposure_warning(
-    endpoint: str, token: str | None, token_flag: str, *, client_ca: bytes | None = None
+    endpoint: str,
+    token: str | None,
+    token_flag: str,
+    *,
+    client_ca: bytes | None = None,
+    tls: bool = False,
+    tls_flags: str = "--tls-cert and --tls-key",
 ) -> str | None:
-    """What to tell whoever serves the store on `endpoint` without a token, when others
-    can reach it (None when a token or a CA for client certificates is set, or it
-    listens on loopback only).
+    """What to tell whoever serves the store on `endpoint` where others can reach it:
+    without a token (None when a token or a CA for client certificates is set), or with
+    a token but without TLS; None on loopback only.
 
     Without either the store cannot tell a node of the job from anyone else on the
     network, so the line says who can do what, and how to close it (`token_flag` is
-    the token's flag in the command at hand).
+    the token's flag in the command at hand). With a token but no TLS, every client
+    sends it in plaintext, and whoever reads it off the network holds the admin role.
     """
-    if token is not None or client_ca is not None or is_loopback(endpoint.rpartition(":")[0]):
+    if is_loopback(endpoint.rpartition(":")[0]):
+        return None
+    if token is not None and not tls:
+        return (
+            f"the store on {endpoint} takes its token in plaintext: anyone on the network path can read it "
+            f"and use the store as an agent; serve TLS ({tls_flags}) and give every client tls_ca"
+        )
+    if token is not None or client_ca is not None:
         return None
     return (
         f"the store on {endpoint} has no token: anyone who can reach that port can join the job, "
