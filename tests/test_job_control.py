@@ -196,6 +196,9 @@ def test_a_piped_status_watch_prints_a_page_only_when_it_changed(cluster, c10d_s
     rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())
     agents = [agent(cluster, rdzv, n, i + 1, "1:2") for i, n in enumerate("ab")]
     wait_world(rdzv, 2)
+    # the leader's line moves on from "formed" a moment after the round forms: a change
+    # of the job, so the watch starts once it has settled
+    wait_until(lambda: "round 1 running with 2 nodes" in ctl(rdzv, "status").stdout, what="the leader's settled line")
     watch = subprocess.Popen(
         [sys.executable, "-m", "elasticrun", "status", "--watch", f"--rdzv-endpoint={rdzv.endpoint}",
          f"--rdzv-id={rdzv.run_id}"],

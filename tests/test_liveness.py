@@ -102,5 +102,7 @@ def test_a_stopped_agent_shorter_than_its_lease_is_not_removed(cluster: Cluster,
     # b answers the ping: a worker failure with both nodes, not a loss
     for p in (a, b):
         step(p, 2, start=marks[p.name], restart=1)
-    assert "lost" not in a.text()[marks["a"]:]
+    after = a.text()[marks["a"]:]
+    assert re.search(r"round 2: restart after a worker failure", after), after
+    assert f"lost {node_id(b)}" not in after
     finish(cluster, a, b)
