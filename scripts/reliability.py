@@ -15,9 +15,10 @@ used, anything lost) as one table, the attacks and mistakes (what was tried, wha
 user sees, what leaked) as another, under one screen of headlines (each kind of fault:
 how many ended as designed, the time to recover, and torchrun's time for the same fault
 where BENCHMARKS.md measured one). It exits with pytest's status, so a failing scenario
-fails the command (its row is still written, marked). The rows of a run begin with one
-that says which run it was (command, time, commit, pytest's summary): rendered again
-with --rows, they still name the run that measured them.
+fails the command (its row is still written, marked). The workers all_reduce with gloo
+here. The rows of a run begin with one that says which run it was (command, time,
+commit, pytest's summary): rendered again with --rows, they still name the run that
+measured them.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ SHOWN = {"scenario", "injected", "happened", "recovery_s", "restarts", "lost", "
 
 
 def run_suite(pytest_args: list[str], rows: Path, soak: bool) -> tuple[int, str, float]:
-    env = dict(os.environ, ELASTICRUN_RELIABILITY_OUT=str(rows))
+    # the training workers all_reduce with gloo, as a user's job does (the test suite's
+    # default is a socket stand-in that saves the CPU of importing torch: tests/workers/collective.py)
+    env = dict(os.environ, ELASTICRUN_RELIABILITY_OUT=str(rows), ELASTICRUN_TEST_COLLECTIVE="gloo")
     if soak:
         env["ELASTICRUN_SOAK"] = "1"
     argv = [

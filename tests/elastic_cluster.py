@@ -165,10 +165,13 @@ class Cluster:
         self.procs: list[Proc] = []
         self.stop_file = tmp_path / "stop"
         # LOGLEVEL=INFO: the tests wait for the agents' detailed lines (who leads, what a
-        # node waits for, the leader's rounds), which a default run does not show
+        # node waits for, the leader's rounds), which a default run does not show.
+        # The training workers sum over plain sockets unless ELASTICRUN_TEST_COLLECTIVE=gloo
+        # says otherwise: why, in tests/workers/collective.py.
         self._env = dict(
             os.environ, **{TAG_VAR: self.tag, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO"}
         )
+        self._env.setdefault("ELASTICRUN_TEST_COLLECTIVE", "tcp")
 
     def start(self, name: str, argv: Sequence[str]) -> Proc:
         """Start a tagged process (it and its descendants count as the test's own)."""

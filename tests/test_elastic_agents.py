@@ -1,5 +1,6 @@
 """End-to-end elastic rendezvous: real agents (`python -m elasticrun`) as nodes on
-127.0.0.x, real gloo workers (tests/workers/train_worker.py), a real store: a
+127.0.0.x, real training workers (tests/workers/train_worker.py; their collective:
+tests/workers/collective.py), a real store: a
 standalone `elasticrun store serve` for c10d (so killing an agent never kills it) or
 the session's etcd server, each scenario on both backends. Issue 5's etcd cluster
 scenarios (member, leader and majority loss) run against a 3-member etcd.

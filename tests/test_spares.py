@@ -1,5 +1,5 @@
 """Issue 22 end to end: spares and node units, with real agents as nodes on 127.0.0.x,
-real gloo workers and a real store (both backends).
+real training workers (tests/workers/collective.py) and a real store (both backends).
 
 A spare is a registered agent that no round takes (the job runs at MAX, or the nodes
 are not a whole number of units): it waits, `elasticrun status` shows it as a spare,

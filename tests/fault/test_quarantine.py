@@ -6,7 +6,7 @@ Two levels:
   asking for restarts (its workers "crash"); after `quarantine_after` failures the next
   round leaves it out, its waiting status says why, `elasticrun status` (rendered from
   the store) shows it, and a new leader inherits the quarantine;
-- end to end: three real agents with gloo workers (tests/workers/train_worker.py --crash-dir),
+- end to end: three real agents with training workers (tests/workers/train_worker.py --crash-dir),
   the worker on one node crashing at every start; after two failures that node is
   quarantined, the other two train on at world 2, the restart count stops growing, and
   `elasticrun status --json` names the node, its reason and the time left.

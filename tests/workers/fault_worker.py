@@ -1,4 +1,5 @@
-"""A gloo training worker for the fault-injection tests (tests/fault/).
+"""A training worker for the fault-injection tests (tests/fault/): gloo, or its socket
+stand-in (collective.py).
 
 Like train_worker.py — one all_reduce per step, until --steps or --stop-file — plus what
 the fault tests check afterwards:
@@ -26,7 +27,6 @@ seconds for its agent to stop it, and exits 1.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from collective import CollectiveFailed, join_group
 from worker_tag import identity
 
 
@@ -87,24 +88,20 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
 
-    import torch
-    import torch.distributed as dist
-
     ckpt = Path(args.ckpt) if args.ckpt else None
     read_at = time.time()
     start = 0
     if ckpt is not None and ckpt.exists():
         start = json.loads(ckpt.read_text())["step"] + 1
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    group = join_group(rank, world)
     out.say(f"worker started {tag} resume={start} read_at={read_at:.6f}")
     stop_file = Path(args.stop_file) if args.stop_file else None
     step = start
     for _ in range(args.steps):
         stop = 1.0 if stop_file is not None and stop_file.exists() else 0.0
-        t = torch.tensor([float(step), stop])
         try:
-            dist.all_reduce(t)
-        except RuntimeError as e:
+            t = group.all_reduce([float(step), stop])
+        except CollectiveFailed as e:
             out.say(f"collective failed at step {step} {tag}: {str(e).splitlines()[0][:200]}")
             time.sleep(args.broken_wait)
             return 1
@@ -121,7 +118,7 @@ def main() -> int:
         step += 1
         time.sleep(args.sleep)
     out.say(f"worker done {tag}")
-    dist.destroy_process_group()
+    group.close()
     return 0
 
 

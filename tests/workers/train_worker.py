@@ -1,4 +1,5 @@
-"""A tiny gloo training worker for the end-to-end elastic tests.
+"""A tiny training worker for the end-to-end elastic tests (gloo, or its socket stand-in:
+collective.py).
 
 Each step does one all_reduce (the step's "gradient" and a stop flag) and prints
 
@@ -21,13 +22,13 @@ peer's disappearance is a membership change the agent handles, not a failure of 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+from collective import CollectiveFailed, join_group
 from worker_tag import identity
 
 
@@ -51,10 +52,7 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
 
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    group = join_group(rank, world)
     print(f"worker started {tag}", flush=True)
     stop_file = Path(args.stop_file) if args.stop_file else None
     node = os.environ.get("ELASTICRUN_NODE_ID", "?")
@@ -69,10 +67,9 @@ def main() -> int:
                     marker.touch()
                 raise RuntimeError(f"injected failure at step {step} {tag}")
         stop = 1.0 if stop_file is not None and stop_file.exists() else 0.0
-        t = torch.tensor([1.0, stop])
         try:
-            dist.all_reduce(t)
-        except RuntimeError as e:
+            t = group.all_reduce([1.0, stop])
+        except CollectiveFailed as e:
             print(f"collective failed at step {step} {tag}: {e}", flush=True)
             time.sleep(args.broken_wait)
             return 1
@@ -81,7 +78,7 @@ def main() -> int:
             break
         time.sleep(args.sleep)
     print(f"worker done {tag}", flush=True)
-    dist.destroy_process_group()
+    group.close()
     return 0
 
 
