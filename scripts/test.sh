@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m ruff check elasticrun
 .venv/bin/python -m mypy  # its files and settings: [tool.mypy] in pyproject.toml
-exec .venv/bin/python -m pytest -q "$@"
+# two processes, each taking whole files (module fixtures such as the Slurm cluster run
+# once): the tests wait on leases and rounds as much as they compute
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
