@@ -19,4 +19,12 @@ if [ ! -x .venv/bin/python ]; then
         exit 1
     fi
 fi
+# The pip that venv bundles with Python 3.11 (23.2) spends ~55 s choosing among the package
+# index's pages; 26.2 takes ~20 s (pinned, so the installer changes only with this line).
+.venv/bin/python -m pip install --quiet --disable-pip-version-check 'pip==26.2.1'
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+# Byte-compile the checkout's own code, which pip (editable) leaves as source: where
+# PYTHONDONTWRITEBYTECODE is set (as on these machines) every agent, CLI and test worker
+# would otherwise compile it again at each start (a quarter of tests/test_cli.py's CPU).
+# Python ignores a .pyc older than its source, so an edit never runs stale code.
+.venv/bin/python -m compileall -q elasticrun tests examples bench scripts
