@@ -63,75 +63,73 @@ def check_consistent(agents: list[Proc]) -> None:
     assert not split, f"ranks disagree on the parameters at (round, step): {split}"
 
 
-def three_training(cluster: Cluster, rdzv: Rdzv) -> tuple[list[Proc], dict[str, int], dict[str, int]]:
-    """Nodes a, b, c training at world 3: the agents, their worker PIDs, and a mark in
-    a's and b's output taken then."""
-    agents = [node(cluster, rdzv, n, i + 2) for i, n in enumerate("abc")]
-    pids = {p.name: worker_pid(p) for p in agents}
-    for p in agents:
-        world_step(p, 3)
-    return agents, pids, {p.name: p.mark() for p in agents[:2]}
-
-
-def test_scale_up_keeps_survivors_running(cluster: Cluster, rdzv: Rdzv) -> None:
-    a, b = node(cluster, rdzv, "a", 2), node(cluster, rdzv, "b", 3)
-    pids = {p.name: worker_pid(p) for p in (a, b)}
-    before = {p.name: int(world_step(p, 2)["step"]) for p in (a, b)}
-
-    c = node(cluster, rdzv, "c", 4)
-    after = {p.name: world_step(p, 3) for p in (a, b, c)}
-    for p in (a, b):
-        assert int(after[p.name]["pid"]) == pids[p.name]  # the same process
-        assert int(after[p.name]["step"]) > before[p.name]  # resumed, not restarted
-    # the newcomer started from the survivors' commit, received by broadcast
-    joined = c.wait_for(r"joined rank=\d+ world=3 round=\d+ pid=\d+ step=(\d+)")
+def joins(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, survivors: dict[Proc, int]) -> Proc:
+    """A new node joins the survivors (agent -> its worker's PID) of a world of 2: all
+    three train at world 3; each survivor in the same process, its steps resumed (never
+    restarted), and the newcomer from at least the survivors' commit (sent by broadcast)."""
+    marks = {p: p.mark() for p in survivors}
+    before = {p: int(world_step(p, 2, start=marks[p])["step"]) for p in survivors}
+    newcomer = node(cluster, rdzv, name, addr)
+    for p in survivors:
+        m = world_step(p, 3, start=marks[p])
+        assert int(m["pid"]) == survivors[p]  # the same process
+        assert int(m["step"]) > before[p]  # resumed, not restarted
+    joined = newcomer.wait_for(r"joined rank=\d+ world=3 round=\d+ pid=\d+ step=(\d+)")
     assert int(joined.group(1)) >= min(before.values())
-    for p in (a, b):
+    world_step(newcomer, 3)
+    return newcomer
+
+
+def survive(survivors: dict[Proc, int], marks: dict[Proc, int]) -> None:
+    """After a node's loss (marks: the survivors' output then), the survivors train at
+    world 2 in the same processes, with no restart spent (--max-restarts=0): a loss is a
+    membership change, not a failure."""
+    for p, pid in survivors.items():
+        m = world_step(p, 2, start=marks[p])
+        assert int(m["pid"]) == pid, p.name  # never restarted
         assert p.text().count("worker started") == 1
-    finish(cluster, a, b, c)
-    check_consistent([a, b, c])
+        assert re.search(r"ranks \d+-\d+ of 2, restart 0/0", p.text()[marks[p]:]), p.name
 
 
-@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
-def test_node_loss_keeps_survivors_running(cluster: Cluster, rdzv: Rdzv, how: str) -> None:
-    (a, b, c), pids, marks = three_training(cluster, rdzv)
+def test_survivors_keep_running_through_a_join_a_leave_a_kill_and_a_freeze(
+    cluster: Cluster, rdzv: Rdzv
+) -> None:
+    """One job through every membership change the mode handles in place, in turn (each
+    newcomer's worker start imports torch, the bulk of the test's time): a node joins;
+    it leaves on SIGTERM; another joins and is SIGKILLed with its worker; a third joins
+    and freezes mid-collective (agent and worker stopped, sockets open: gloo would wait
+    out its timeout, so the survivors' agents must see its lease expire and interrupt
+    their workers' collectives). Nodes a and b train in the same processes throughout."""
+    a, b = node(cluster, rdzv, "a", 2), node(cluster, rdzv, "b", 3)
+    survivors = {p: worker_pid(p) for p in (a, b)}
+    agents = [a, b]
 
-    if how == "sigterm":
-        c.signal(signal.SIGTERM)
-        assert c.wait_exit() != 0
-    else:
-        kill_node(c, pids["c"])
+    c = joins(cluster, rdzv, "c", 4, survivors)  # scale up
+    agents.append(c)
+    marks = {p: p.mark() for p in survivors}
+    c.signal(signal.SIGTERM)
+    assert c.wait_exit() != 0
+    survive(survivors, marks)
 
-    for p in (a, b):
-        m = world_step(p, 2, start=marks[p.name])
-        assert int(m["pid"]) == pids[p.name]  # survivors were never restarted
-        assert p.text().count("worker started") == 1
-        # a node's loss is a membership change: no restart spent (--max-restarts=0)
-        assert re.search(r"ranks \d+-\d+ of 2, restart 0/0", p.text()[marks[p.name]:])
-    finish(cluster, a, b)
-    check_consistent([a, b])
+    d = joins(cluster, rdzv, "d", 5, survivors)
+    agents.append(d)
+    marks = {p: p.mark() for p in survivors}
+    kill_node(d, worker_pid(d))
+    survive(survivors, marks)
 
-
-def test_frozen_peer_does_not_hang_the_survivors(cluster: Cluster, rdzv: Rdzv) -> None:
-    """A node frozen mid-collective (agent and worker stopped, sockets open) never
-    answers: gloo would wait out its timeout. The survivors' agents see its lease expire
-    and interrupt their workers' collectives; training goes on at world 2 in the same
-    processes."""
-    (a, b, c), pids, marks = three_training(cluster, rdzv)
-
-    frozen = (c.pid, pids["c"])
+    e = joins(cluster, rdzv, "e", 6, survivors)
+    agents.append(e)
+    marks = {p: p.mark() for p in survivors}
+    frozen = (e.pid, worker_pid(e))
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
     try:
-        for p in (a, b):
-            m = world_step(p, 2, start=marks[p.name])
-            assert int(m["pid"]) == pids[p.name]
-            assert p.text().count("worker started") == 1
+        survive(survivors, marks)
     finally:
         for pid in frozen:
             os.kill(pid, signal.SIGKILL)
     finish(cluster, a, b)
-    check_consistent([a, b])
+    check_consistent(agents)
 
 
 def test_script_without_the_api_fails_at_start_with_a_clear_error(tmp_path: Path) -> None:
