@@ -9,8 +9,15 @@
 # Idempotent: a second run changes nothing. PYTHON=... picks the interpreter (3.11+).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install_etcd.sh
-bash scripts/install_slurm.sh || echo "setup.sh: Slurm is not installed; tests/test_slurm.py will be skipped" >&2
+# The system packages (apt: downloads and dpkg) install while pip installs the Python ones
+# (one core's CPU, mostly): on a fresh machine the two overlap instead of adding up. Either
+# failing fails the set-up, and neither is left cut off halfway (the EXIT trap waits).
+(
+    bash scripts/install_etcd.sh
+    bash scripts/install_slurm.sh || echo "setup.sh: Slurm is not installed; tests/test_slurm.py will be skipped" >&2
+) &
+system=$!
+trap wait EXIT
 if [ ! -x .venv/bin/python ]; then
     if ! "${PYTHON:-python3}" -m venv .venv; then
         rm -rf .venv
@@ -28,3 +35,4 @@ fi
 # would otherwise compile it again at each start (a quarter of tests/test_cli.py's CPU).
 # Python ignores a .pyc older than its source, so an edit never runs stale code.
 .venv/bin/python -m compileall -q elasticrun tests examples bench scripts
+wait "$system"
