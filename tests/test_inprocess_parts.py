@@ -201,19 +201,17 @@ def test_interrupt_shuts_connected_sockets_and_spares_listeners() -> None:
 
 
 def _sync(tmp_path: Path, commits: dict[int, int], *extra: str) -> dict[int, dict]:
-    """Run sync_worker.py on every rank; each rank's state after sync()."""
-    port = free_port()
-    world = str(len(commits))
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKERS / "sync_worker.py"), str(r), world, str(port), str(c), str(tmp_path), *extra])
-        for r, c in commits.items()
-    ]
+    """Run sync_worker.py's ranks (0, 1, ... with these commit counts); each rank's state after sync()."""
+    assert list(commits) == list(range(len(commits)))
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKERS / "sync_worker.py"), str(free_port()),
+         ",".join(str(c) for c in commits.values()), str(tmp_path), *extra]
+    )
     try:
-        assert [p.wait(timeout=80) for p in procs] == [0] * len(procs)
+        assert proc.wait(timeout=80) == 0
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        proc.kill()
+        proc.wait()
     return {r: torch.load(tmp_path / f"{r}.after.pt", weights_only=False) for r in commits}
 
 
@@ -230,7 +228,7 @@ def _assert_same_training_state(got: dict, want: dict) -> None:
             assert have.device == v.device and torch.equal(have, v), (i, k)
 
 
-@pytest.mark.timeout(90)  # three or four processes importing torch on two cores
+@pytest.mark.timeout(90)  # three or four gloo processes on two cores
 def test_sync_gives_every_rank_the_newest_commit(tmp_path: Path) -> None:
     # A job's first round, no one synced before: rank 1 holds the most commits, rank 0
     # is fresh (no optimizer state at all), rank 2 is behind. After sync() all three
