@@ -173,9 +173,10 @@ class Cluster:
         )
         self._env.setdefault("ELASTICRUN_TEST_COLLECTIVE", "tcp")
 
-    def start(self, name: str, argv: Sequence[str]) -> Proc:
-        """Start a tagged process (it and its descendants count as the test's own)."""
-        proc = Proc(name, argv, self.tmp / f"{name}.log", self._env)
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
+        """Start a tagged process (it and its descendants count as the test's own), with
+        `env` added to the cluster's environment."""
+        proc = Proc(name, argv, self.tmp / f"{name}.log", {**self._env, **(env or {})})
         self.procs.append(proc)
         return proc
 

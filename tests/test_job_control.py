@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -188,6 +189,59 @@ def test_drain_waits_until_the_drained_agent_is_done(cluster, c10d_store):
     for proc in agents:
         assert proc.wait_exit() == 0
     cluster.assert_no_orphans()
+
+
+def test_drain_of_an_agent_killed_while_it_stops_its_workers_ends_and_says_so(cluster, c10d_store):
+    """A drained agent killed after it left the job, while its worker saves (60 s), never
+    deletes its drain request: `drain` sees its liveness port refuse, says so for that
+    node, deletes the request, and exits 0 instead of waiting out --timeout; the agent's
+    warden stops the worker."""
+    import asyncio
+
+    from elasticrun.rendezvous.state import Keys
+    from elasticrun.store.client import GrpcStore
+
+    rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())
+
+    def start(name: str, addr: int, env: dict[str, str] | None = None) -> Proc:
+        return cluster.start(name, [
+            sys.executable, "-m", "elasticrun", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--rdzv-conf={rdzv.conf}",
+            f"--local-addr=127.0.0.{addr}", "--shutdown-timeout=120", f"--log-dir={cluster.tmp / 'logs'}",
+            str(TICKER), "--stop-file", str(cluster.stop_file),
+        ], env)
+
+    a, b = start("a", 1), start("b", 2, {"TICK_SAVE_SECONDS": "60"})
+    wait_world(rdzv, 2)
+    b_id = f"{socket.gethostname()}_{b.pid}"
+    command = subprocess.Popen(
+        [sys.executable, "-m", "elasticrun", "drain", "--node", b_id, "--timeout", "100", "--json",
+         f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", "--rdzv-conf=store_timeout=3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_world(rdzv, 1)  # b left; its worker saves for 60 s
+        b.signal(signal.SIGKILL)
+        out, err = command.communicate(timeout=90)
+    finally:
+        command.kill()
+        command.wait()
+    assert command.returncode == 0, err
+    result = json.loads(out)
+    assert (result["drained"], result["agent_ended"]) == ([], [b_id]), out
+
+    async def drain_request() -> object:
+        store = GrpcStore(rdzv.endpoint, timeout=10)
+        try:
+            return await store.get(Keys(rdzv.run_id).drain(b_id))
+        finally:
+            await store.close()
+
+    assert asyncio.run(drain_request()) is None  # deleted for it: nothing left behind
+    assert not Path(f"{cluster.stop_file}.saved.{b_id}").exists()  # its worker never finished saving
+    cluster.stop_training()
+    assert a.wait_exit() == 0
+    cluster.assert_no_orphans()  # b's worker too: its warden stopped it
 
 
 def test_a_piped_status_watch_prints_a_page_only_when_it_changed(cluster, c10d_store):

@@ -3,7 +3,9 @@
 Drained nodes leave at once (the others restart at the smaller size), stop their
 workers with the grace period, and their agents exit 0. The job never goes below its
 minimum. The command waits until the drained agents are done: each deletes its drain
-request last, once its workers have stopped (`--no-wait`: only ask).
+request last, once its workers have stopped (`--no-wait`: only ask). An agent killed
+while it stopped its workers never does; `drain` sees that by its liveness port (as the
+leader sees a dead agent), says so, and deletes the request for it.
 """
 
 from __future__ import annotations
@@ -14,10 +16,16 @@ import getpass
 import json
 import socket
 import time
+from collections.abc import Mapping
 
 from elasticrun.errors import ElasticrunError, UsageError
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_keys_gone
-from elasticrun.rendezvous.state import DrainRequest, Event, encode
+from elasticrun.rendezvous.liveness import Verdict, probe
+from elasticrun.rendezvous.state import DrainRequest, Event, Keys, NodeInfo, encode
+from elasticrun.store.api import Store
+
+#: how often `drain` looks at a drained node that left the job but has not said it is done
+LOOK_EVERY = 1.0
 
 
 class DrainTimeoutError(ElasticrunError):
@@ -59,14 +67,57 @@ async def drain(
             return 0
         # a node is done when its registration and its drain request are both gone
         done = {keys.node(n): n for n in chosen} | {keys.drain(n): n for n in chosen}
-        still = await wait_keys_gone(store, keys.prefix, set(done), timeout)
+        ended: list[str] = []
+        watch = asyncio.ensure_future(wait_keys_gone(store, keys.prefix, set(done), timeout))
+        reap = asyncio.ensure_future(_reap_ended(store, keys, {n: view.nodes[n] for n in chosen if n in view.nodes}, ended))
+        try:
+            await asyncio.wait((watch, reap), return_when=asyncio.FIRST_COMPLETED)
+            if reap.done():
+                reap.result()  # it only ends by failing: raise that
+            still = watch.result()
+        finally:
+            for task in (watch, reap):
+                task.cancel()
+            await asyncio.gather(watch, reap, return_exceptions=True)
     if still:
         late = sorted({done[key] for key in still})
         raise DrainTimeoutError(f"{', '.join(late)} did not leave and stop within {timeout:g}s")
     took = time.time() - now
-    said = f"drained {', '.join(chosen)} in {took:.1f}s (left the job, workers stopped)"
-    _say(said, {"job": target.run_id, "drained": chosen, "seconds": round(took, 3)}, as_data)
+    stopped = [n for n in chosen if n not in ended]
+    said = [f"drained {', '.join(stopped)} in {took:.1f}s (left the job, workers stopped)"] if stopped else []
+    said += [
+        f"{n} left the job, but its agent ended before it said its workers had stopped (killed?); "
+        "its warden stops any that are left" for n in ended
+    ]
+    data = {"job": target.run_id, "drained": stopped, "agent_ended": ended, "seconds": round(took, 3)}
+    _say("\n".join(said), data, as_data)
     return 0
+
+
+async def _reap_ended(store: Store, keys: Keys, nodes: Mapping[str, NodeInfo], ended: list[str]) -> None:
+    """Delete the drain request of each drained node whose agent ended before it was done
+    (it left the job, so its registration is gone, yet it never deleted the request), and
+    note it in `ended`. Runs until cancelled.
+
+    Ended means its liveness port refused a connection twice, LOOK_EVERY apart: a live
+    agent closes that port just before it deletes its request, and a port that cannot be
+    reached (another network) proves nothing, so such a node is waited for."""
+    refused: set[str] = set()
+    while True:
+        await asyncio.sleep(LOOK_EVERY)
+        for node_id, info in nodes.items():
+            if node_id in ended or not info.liveness_port:
+                continue
+            if await store.get(keys.drain(node_id)) is None or await store.get(keys.node(node_id)) is not None:
+                refused.discard(node_id)
+                continue
+            if await probe(info.addr, info.liveness_port) is not Verdict.GONE:
+                refused.discard(node_id)
+            elif node_id not in refused:
+                refused.add(node_id)
+            else:
+                ended.append(node_id)
+                await store.delete(keys.drain(node_id))
 
 
 def _say(text: str, data: dict[str, object], as_data: bool) -> None:

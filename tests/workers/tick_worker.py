@@ -4,7 +4,8 @@
 
 every --every seconds; exits 0 once the file --stop-file exists. With --save-seconds S
 it takes S seconds to "save" on SIGTERM, then writes <stop-file>.saved.<node id> and
-exits 0 (a checkpoint written in the grace period).
+exits 0 (a checkpoint written in the grace period). TICK_SAVE_SECONDS in the environment
+sets it for one node only (a job's command is the same on every node).
 """
 
 import argparse
@@ -17,7 +18,7 @@ from pathlib import Path
 p = argparse.ArgumentParser()
 p.add_argument("--stop-file", required=True)
 p.add_argument("--every", type=float, default=0.2)
-p.add_argument("--save-seconds", type=float, default=None)
+p.add_argument("--save-seconds", type=float, default=os.environ.get("TICK_SAVE_SECONDS"))
 args = p.parse_args()
 rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
 
