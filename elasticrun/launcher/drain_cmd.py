@@ -69,7 +69,8 @@ async def drain(
         done = {keys.node(n): n for n in chosen} | {keys.drain(n): n for n in chosen}
         ended: list[str] = []
         watch = asyncio.ensure_future(wait_keys_gone(store, keys.prefix, set(done), timeout))
-        reap = asyncio.ensure_future(_reap_ended(store, keys, {n: view.nodes[n] for n in chosen if n in view.nodes}, ended))
+        infos = {n: view.nodes[n] for n in chosen if n in view.nodes}
+        reap = asyncio.ensure_future(_reap_ended(store, keys, infos, ended))
         try:
             await asyncio.wait((watch, reap), return_when=asyncio.FIRST_COMPLETED)
             if reap.done():
