@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from elasticrun.agent.channel import WorkerChannel
 from elasticrun.agent.env import round_env, worker_env
@@ -45,6 +45,7 @@ from elasticrun.errors import (
     WorkerStartError,
     exit_for_signal,
 )
+from elasticrun.first_of import first_of
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.store.credentials import worker_credential
@@ -89,8 +90,6 @@ EventSink = Callable[[StatusEvent], None]
 #: environments (each may be updated, with TORCHELASTIC_ERROR_FILE), each local rank's
 #: stream plans and error file, in place of the agent's own layout
 LogLayout = Callable[[dict[int, dict[str, str]]], dict[int, tuple[dict[Std, StreamPlan], Path]]]
-
-T = TypeVar("T")
 
 
 class Outcome(enum.Enum):
@@ -331,7 +330,7 @@ class Agent:
             if waiting is not None:  # else the job is over for this node: no wait to log
                 self._set_state(WorkerState.INIT, waiting)
             try:
-                assignment = await _first_of(
+                assignment = await first_of(
                     self.handler.next_round(), self._wait_signal(), self.handler.drained()
                 )
             except RendezvousClosedError as e:
@@ -440,7 +439,7 @@ class Agent:
         try:
             # The round's end goes first: workers that failed because the round ended
             # elsewhere (peers gone, this node's lease lost) are no failure of theirs.
-            outcome, reason = await _first_of(
+            outcome, reason = await first_of(
                 self._round_ended(),
                 self._workers_done(group.workers),
                 *hung,
@@ -517,7 +516,7 @@ class Agent:
         ranks = list(range(self.spec.nproc_per_node))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_CONNECT_LIMIT):
-                await _first_of(
+                await first_of(
                     channel.wait_connected(ranks), group.workers.wait(), self._wait_signal()
                 )
         if self._signal is not None:
@@ -527,7 +526,7 @@ class Agent:
             # training meanwhile instead of waiting in the new round for this node's
             # model building and data loading. A worker that fails first is judged
             # in the round, like any worker failure.
-            await _first_of(channel.wait_ready(ranks), group.workers.wait(), self._wait_signal())
+            await first_of(channel.wait_ready(ranks), group.workers.wait(), self._wait_signal())
             return
         exits = sorted(group.workers.exits.values(), key=lambda e: (not e.failed, e.time))
         local_rank = exits[0].local_rank if exits else next(r for r in ranks if not channel.connected([r]))
@@ -789,18 +788,3 @@ class Agent:
         except OSError as e:
             logger.warning("cannot write the event log in %s: %s", self.run_dir, e.strerror)
 
-
-async def _first_of(*awaitables: Awaitable[T]) -> T:
-    """The result of whichever awaitable finishes first; the others are cancelled.
-
-    When several finish together, the earliest in argument order wins.
-    """
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    winner = next(t for t in tasks if t.done() and not t.cancelled())
-    return winner.result()

@@ -17,8 +17,10 @@ import json
 import socket
 import time
 from collections.abc import Mapping
+from typing import NoReturn
 
 from elasticrun.errors import ElasticrunError, UsageError
+from elasticrun.first_of import first_of
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_keys_gone
 from elasticrun.rendezvous.liveness import Verdict, probe
 from elasticrun.rendezvous.state import DrainRequest, Event, Keys, NodeInfo, encode
@@ -68,18 +70,10 @@ async def drain(
         # a node is done when its registration and its drain request are both gone
         done = {keys.node(n): n for n in chosen} | {keys.drain(n): n for n in chosen}
         ended: list[str] = []
-        watch = asyncio.ensure_future(wait_keys_gone(store, keys.prefix, set(done), timeout))
         infos = {n: view.nodes[n] for n in chosen if n in view.nodes}
-        reap = asyncio.ensure_future(_reap_ended(store, keys, infos, ended))
-        try:
-            await asyncio.wait((watch, reap), return_when=asyncio.FIRST_COMPLETED)
-            if reap.done():
-                reap.result()  # it only ends by failing: raise that
-            still = watch.result()
-        finally:
-            for task in (watch, reap):
-                task.cancel()
-            await asyncio.gather(watch, reap, return_exceptions=True)
+        still = await first_of(
+            wait_keys_gone(store, keys.prefix, set(done), timeout), _reap_ended(store, keys, infos, ended)
+        )
     if still:
         late = sorted({done[key] for key in still})
         raise DrainTimeoutError(f"{', '.join(late)} did not leave and stop within {timeout:g}s")
@@ -95,10 +89,10 @@ async def drain(
     return 0
 
 
-async def _reap_ended(store: Store, keys: Keys, nodes: Mapping[str, NodeInfo], ended: list[str]) -> None:
+async def _reap_ended(store: Store, keys: Keys, nodes: Mapping[str, NodeInfo], ended: list[str]) -> NoReturn:
     """Delete the drain request of each drained node whose agent ended before it was done
     (it left the job, so its registration is gone, yet it never deleted the request), and
-    note it in `ended`. Runs until cancelled.
+    note it in `ended`. Runs until cancelled (or a store error ends it, and the wait).
 
     Ended means its liveness port refused a connection twice, LOOK_EVERY apart: a live
     agent closes that port just before it deletes its request, and a port that cannot be
