@@ -27,14 +27,17 @@ pytestmark = pytest.mark.timeout(120)
 TICKER = Path(__file__).resolve().parent / "workers" / "tick_worker.py"
 
 
-def agent(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str = "1:3", *worker_args: str) -> Proc:
+def agent(
+    cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str = "1:3", *worker_args: str,
+    shutdown_timeout: float = 5, env: dict[str, str] | None = None,
+) -> Proc:
     argv = [
         sys.executable, "-m", "elasticrun", f"--nnodes={nnodes}", "--nproc-per-node=1",
         f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
-        f"--rdzv-conf={rdzv.conf}", f"--local-addr=127.0.0.{addr}", "--shutdown-timeout=5",
+        f"--rdzv-conf={rdzv.conf}", f"--local-addr=127.0.0.{addr}", f"--shutdown-timeout={shutdown_timeout:g}",
         f"--log-dir={cluster.tmp / 'logs'}", str(TICKER), "--stop-file", str(cluster.stop_file), *worker_args,
     ]
-    return cluster.start(name, argv)
+    return cluster.start(name, argv, env)
 
 
 def ctl(
@@ -203,15 +206,8 @@ def test_drain_of_an_agent_killed_while_it_stops_its_workers_ends_and_says_so(cl
 
     rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())
 
-    def start(name: str, addr: int, env: dict[str, str] | None = None) -> Proc:
-        return cluster.start(name, [
-            sys.executable, "-m", "elasticrun", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--rdzv-conf={rdzv.conf}",
-            f"--local-addr=127.0.0.{addr}", "--shutdown-timeout=120", f"--log-dir={cluster.tmp / 'logs'}",
-            str(TICKER), "--stop-file", str(cluster.stop_file),
-        ], env)
-
-    a, b = start("a", 1), start("b", 2, {"TICK_SAVE_SECONDS": "60"})
+    a = agent(cluster, rdzv, "a", 1, "1:2", shutdown_timeout=120)
+    b = agent(cluster, rdzv, "b", 2, "1:2", shutdown_timeout=120, env={"TICK_SAVE_SECONDS": "60"})
     wait_world(rdzv, 2)
     b_id = f"{socket.gethostname()}_{b.pid}"
     command = subprocess.Popen(
