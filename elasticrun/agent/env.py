@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from elasticrun.agent.boot import boot_env
 from elasticrun.agent.channel import SOCKET_VAR
 from elasticrun.agent.gpu import worker_gpu_env
 from elasticrun.agent.spec import WorkerSpec
@@ -58,6 +59,7 @@ def worker_env(
         env["OMP_NUM_THREADS"] = "1"
     if spec.isolate_gpus:
         env.update(_virtual_local_rank_env(spec, local_rank, base_env))
+    env.update(boot_env(env))  # the worker boot (elasticrun.agent.boot) runs before the script
     env.update(
         {
             "LOCAL_RANK": "0" if spec.isolate_gpus else str(local_rank),
