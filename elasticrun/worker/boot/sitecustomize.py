@@ -21,6 +21,7 @@ own children inherit: a data loader's or a compiler's Python processes are not w
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -65,7 +66,7 @@ def _chain(here: str) -> None:
     ours = sys.modules.pop("sitecustomize", None)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     try:
-        import sitecustomize  # noqa: F401 - the next one on the path, run for its effects
+        importlib.import_module("sitecustomize")  # the next one on the path, run for its effects
     except ImportError as e:
         if e.name != "sitecustomize":
             raise
