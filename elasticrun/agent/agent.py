@@ -40,6 +40,7 @@ from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import (
     EXIT_INFRASTRUCTURE,
     EXIT_TRAINING_FAILED,
+    JobEndedError,
     RendezvousClosedError,
     UsageError,
     WorkerStartError,
@@ -735,11 +736,14 @@ class Agent:
             if report is not None:
                 logger.error("%s", report.text)
             return self._end(WorkerState.FAILED, EXIT_TRAINING_FAILED, message, report)
+        code = _CLOSED_EXIT_CODES.get(e.outcome, EXIT_TRAINING_FAILED)
+        if isinstance(e, JobEndedError):  # nothing of this node took part: no outcome of its own
+            return self._end(WorkerState.STOPPED, code, str(e), level=logging.WARNING)
         state = {
             "succeeded": WorkerState.SUCCEEDED,
             "failed": WorkerState.FAILED,
         }.get(e.outcome, WorkerState.STOPPED)
-        return self._end(state, _CLOSED_EXIT_CODES.get(e.outcome, EXIT_TRAINING_FAILED), str(e))
+        return self._end(state, code, str(e))
 
     def _end(
         self,
@@ -747,8 +751,9 @@ class Agent:
         exit_code: int,
         message: str,
         report: FailureReport | None = None,
+        level: int | None = None,
     ) -> AgentResult:
-        self._set_state(state, message)
+        self._set_state(state, message, level)
         if self._events is not None and state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
             self._events(self._status_event(state.name, None, self._assignment))
         ranks: tuple[int, ...] = ()
@@ -757,13 +762,14 @@ class Agent:
             ranks = tuple(range(first, first + self.spec.nproc_per_node))
         return AgentResult(state, exit_code, message, report, ranks)
 
-    def _set_state(self, state: WorkerState, reason: str) -> None:
+    def _set_state(self, state: WorkerState, reason: str, level: int | None = None) -> None:
         """One log line, one event, one status report per state change.
 
         Shown by default (a headline): the workers started, stopped and why, ended. A
         wait for a round is the rendezvous' to show, once it lasts.
         """
-        level = logging.WARNING if state is WorkerState.FAILED else logging.INFO
+        if level is None:
+            level = logging.WARNING if state is WorkerState.FAILED else logging.INFO
         before = self._state.value if self._state is not None else "start"
         extra = None if state is WorkerState.INIT else HEADLINE
         logger.log(level, "workers %s -> %s: %s", before, state.value, reason, extra=extra)

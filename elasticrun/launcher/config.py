@@ -38,6 +38,9 @@ from elasticrun.store.access import SECRET_ENV, StoreAccess, parse_access
 from elasticrun.store.api import MAX_LEASE_TTL
 from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TOKEN_ENV
 
+#: the job id without --rdzv-id, torchrun's: every job on a store without one shares it
+DEFAULT_RUN_ID = "none"
+
 #: backend names as torchrun spells them -> ours
 BACKENDS = {"c10d": "c10d", "etcd": "etcd", "etcd-v2": "etcd", "static": "static"}
 

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.config import RDZV_CONF_KEYS, FromEnvironment
+from elasticrun.launcher.config import DEFAULT_RUN_ID, RDZV_CONF_KEYS, FromEnvironment
 
 
 def closest(given: str, known: Iterable[str]) -> str | None:
@@ -178,7 +178,7 @@ def launch_parser() -> argparse.ArgumentParser:
                "else CPUs)")
     _flag(p, "rdzv-backend", default="static", help="c10d (built-in store), etcd (v3) or static")
     _flag(p, "rdzv-endpoint", default="", help="c10d: host:port (default port 29400); etcd: h1:2379,h2:2379,...")
-    _flag(p, "rdzv-id", default="none", help="the job's id: nodes with the same id form one job")
+    _flag(p, "rdzv-id", default=DEFAULT_RUN_ID, help="the job's id: nodes with the same id form one job")
     _flag(p, "rdzv-conf", action=_EnvAppend,
           help=f"key=value,... (repeatable, merged): {rdzv_conf_keys(RDZV_CONF_KEYS)}")
     _flag(p, "standalone", action=_EnvFlag, help="one node, no server: an in-memory rendezvous and a free port")

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from elasticrun.errors import (
     ElasticrunError,
+    JobEndedError,
     LeaseExpiredError,
     RendezvousClosedError,
     RendezvousTimeoutError,
@@ -452,6 +453,20 @@ class ElasticRendezvous(RendezvousHandler):
         if self._refused is None:
             self._refused = (error, self._clock())
 
+    def _ended_before_start(self, head: RoundHead) -> JobEndedError:
+        """The one line for a node that came to an ended job: when it ended, how, and
+        what to do (the closed record keeps the id taken for closed_ttl)."""
+        now = time.time()
+        ttl = self._settings.closed_ttl
+        free_at = time.strftime("%H:%M:%S", time.localtime(head.closed_at + ttl))
+        how = f"{head.closed}: {head.detail}" if head.detail else head.closed
+        return JobEndedError(
+            self.run_id, head.closed, head.detail,
+            f"job '{self.run_id}' ended {max(now - head.closed_at, 0.0):.0f}s ago ({how}), before this node "
+            f"started: this node ran nothing. The id stays taken for closed_ttl={ttl:g}s after a job ends "
+            f"(until {free_at}): give a new --rdzv-id to start another job"
+        )
+
     async def _register(self) -> None:
         """Take a lease, check the job spec, register, and start watching."""
         await self._end_membership()
@@ -460,6 +475,8 @@ class ElasticRendezvous(RendezvousHandler):
         snapshot = await self._reread_job()
         current = self._job.head
         if current is not None and current.closed:
+            if 0 < current.closed_at <= self._me.started_at:
+                raise self._ended_before_start(current)
             raise RendezvousClosedError(self.run_id, current.closed, current.detail)
         await self._check_spec()
         if self._liveness is None:

@@ -452,6 +452,7 @@ async def close_round(store: Store, keys: Keys, outcome: str, detail: str, close
             current or RoundHead(0, 0, "", 0.0),
             closed=outcome,
             detail=detail[-DETAIL_LIMIT:],
+            closed_at=time.time(),
         )
         lease = await store.grant_lease(closed_ttl)
         if await store.compare_and_put(

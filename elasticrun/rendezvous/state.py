@@ -290,6 +290,8 @@ class RoundHead:
     #: wrote them, so that a stale leader's shards never mix with the round's
     ranks: str = ""
     kept_since: int = 0
+    #: when the job was closed (wall clock; 0 while open)
+    closed_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
