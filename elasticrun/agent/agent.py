@@ -379,9 +379,12 @@ class Agent:
                 case Action.FAIL:
                     report = attempt.report
                     text = report.text if report is not None else attempt.text or attempt.reason
-                    logger.warning(
-                        "%s; no restarts left: the job ends, unless a node died meanwhile",
-                        attempt.reason,
+                    # Not a warning yet: if a node died meanwhile, its death broke our
+                    # workers, and the leader's verdict (a new round) is what to show.
+                    logger.info(
+                        "%s; no restarts left (--max-restarts=%d): asking the leader to end the job, "
+                        "unless it finds a node was lost",
+                        attempt.reason, self.spec.max_restarts,
                     )
                     self._failure = (
                         f"{attempt.reason}; no restarts left "

@@ -252,7 +252,10 @@ class Leader:
         registers again as a newcomer (with its workers stopped)."""
         kv = await self._store.get(self._keys.node(node_id))
         if kv is not None and kv.lease:
-            log.warning("node %s did not show it is alive for a lease TTL: ending its registration", node_id)
+            if node_id in self._refused:  # said once already, when its port refused
+                log.info("node %s: ending its registration", node_id)
+            else:
+                log.warning("node %s did not show it is alive for a lease TTL: ending its registration", node_id)
             await self._store.revoke_lease(kv.lease)
 
     async def _clear_departed(self, new_round: Round) -> None:
