@@ -160,6 +160,8 @@ class _Attempt:
     report: FailureReport | None
     #: what the rendezvous is told when this failure ends the job
     text: str = ""
+    #: in-process mode: the workers go on into the next round (nothing stopped)
+    kept: bool = False
 
 
 #: why a worker in in-process mode may never have connected to its agent
@@ -184,6 +186,8 @@ class _Group:
     outputs: dict[int, WorkerOutput]
     error_files: dict[int, Path]
     duplicates: Duplicates | None = None
+    #: it has run a round (in-process mode starts it before the first)
+    ran: bool = False
 
 
 class Agent:
@@ -226,8 +230,9 @@ class Agent:
         self._broken_text = ""
         #: the hang the progress watchdog found in the current attempt
         self._hang: Hang | None = None
-        #: this node's failure beyond the budget: (message, report)
-        self._failure: tuple[str, FailureReport | None] | None = None
+        #: this node's failure beyond the budget: (message, report, the report's or the
+        #: in-process worker's traceback text, "" without one)
+        self._failure: tuple[str, FailureReport | None, str] | None = None
         #: how the job ended elsewhere, as the round's end said
         self._closure: RendezvousClosedError | None = None
         #: progress since this node's previous worker failure (--forgive-progress):
@@ -375,6 +380,8 @@ class Agent:
                         # opens a round without it, and no restart is spent
                         count += ", none if a node was lost meanwhile"
                     self._set_state(WorkerState.STOPPED, f"{attempt.reason}; restarting ({count})")
+                    if attempt.text:  # in-process: the worker said one line; the rest is here
+                        logger.info("worker traceback:\n%s", attempt.text)
                     await self.handler.request_restart(attempt.reason, forgiven=bool(forgiven))
                 case Action.FAIL:
                     report = attempt.report
@@ -390,11 +397,15 @@ class Agent:
                         f"{attempt.reason}; no restarts left "
                         f"(--max-restarts={self.spec.max_restarts})",
                         report,
+                        report.text if report is not None else attempt.text,
                     )
                     # The job ends for every node (next_round says so), unless the
                     # rendezvous finds a node died meanwhile and breaking the workers'
                     # collectives is its doing: then a new round follows, for free.
                     await self.handler.fail(text)
+                case Action.NEXT_ROUND if attempt.kept:
+                    # the same workers go on: no stop to report, only why the group re-forms
+                    logger.info("%s: re-forming in place, the workers kept", attempt.reason, extra=HEADLINE)
                 case Action.NEXT_ROUND:
                     self._set_state(WorkerState.STOPPED, attempt.reason)
                 case Action.LEAVE:
@@ -415,9 +426,11 @@ class Agent:
         self._hang = None
         dog = self._watchdog()
         started = time.monotonic()
+        in_place = self._group is not None and self._group.ran  # in-process: kept from a round
         if self._group is None:
             self._group = await self._start_group(assignment, dog)
         group = self._group
+        group.ran = True
         if self._channel is not None:
             self._channel.assign(
                 assignment.round,
@@ -429,7 +442,7 @@ class Agent:
         last_rank = assignment.rank_offset + spec.nproc_per_node - 1
         self._set_state(
             WorkerState.HEALTHY,
-            f"round {assignment.round}: node rank {assignment.node_rank}/"
+            f"round {assignment.round}{', re-formed in place' if in_place else ''}: node rank {assignment.node_rank}/"
             f"{assignment.node_count}, ranks {assignment.rank_offset}-{last_rank} of "
             f"{assignment.world_size}, restart {assignment.budget_spent}/"
             f"{spec.max_restarts}{f' (+{assignment.forgiven} forgiven)' if assignment.forgiven else ''}, "
@@ -462,7 +475,7 @@ class Agent:
         if outcome is Outcome.ROUND_ENDED and self._keeps_workers():
             assert self._channel is not None
             self._channel.change(assignment.round, interrupt=self.handler.peers_lost())
-            return _Attempt(outcome, reason, None)
+            return _Attempt(outcome, reason, None, kept=True)
         if outcome in _LEAVING:
             await self.handler.leave(reason)
         await self._stop_group()
@@ -735,9 +748,9 @@ class Agent:
 
     def _closed(self, e: RendezvousClosedError) -> AgentResult:
         if e.outcome == "failed" and self._failure is not None:
-            message, report = self._failure
-            if report is not None:
-                logger.error("%s", report.text)
+            message, report, text = self._failure
+            if text:
+                logger.error("%s", text)
             return self._end(WorkerState.FAILED, EXIT_TRAINING_FAILED, message, report)
         code = _CLOSED_EXIT_CODES.get(e.outcome, EXIT_TRAINING_FAILED)
         if isinstance(e, JobEndedError):  # nothing of this node took part: no outcome of its own
