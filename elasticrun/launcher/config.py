@@ -32,6 +32,7 @@ from pathlib import Path
 from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
 from elasticrun.errors import StoreSettingError, UsageError
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address
+from elasticrun.launcher.spelling import closest
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.state import JobSpec
 from elasticrun.store.access import SECRET_ENV, StoreAccess, parse_access
@@ -255,8 +256,10 @@ def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
             keep_alive = keep_alive or key == "keep_alive_interval"
             key = RDZV_CONF_ALIASES.get(key, key)
             if key not in RDZV_CONF_KEYS:
-                known = ", ".join(RDZV_CONF_KEYS)
-                raise UsageError(f"--rdzv-conf: unknown key {key!r} (known: {known})")
+                meant = closest(key, [*RDZV_CONF_KEYS, *RDZV_CONF_ALIASES])
+                if meant is not None:
+                    raise UsageError(f"--rdzv-conf: unknown key {key!r}; did you mean {meant}?")
+                raise UsageError(f"--rdzv-conf: unknown key {key!r} (known: {', '.join(RDZV_CONF_KEYS)})")
             if key in TIMING_RDZV_CONF:
                 _positive(val, f"--rdzv-conf {key}", 0.0)
             conf[key] = val

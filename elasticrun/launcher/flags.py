@@ -7,7 +7,6 @@ stored spec, parses it exactly as a command line is parsed, without importing th
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
@@ -16,18 +15,7 @@ from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
 from elasticrun.launcher.config import DEFAULT_RUN_ID, RDZV_CONF_KEYS, FromEnvironment
-
-
-def closest(given: str, known: Iterable[str]) -> str | None:
-    """The one of `known` that `given` is most likely a misspelling of, if any."""
-    close = difflib.get_close_matches(given, list(known), n=1, cutoff=0.75)
-    return close[0] if close else None
-
-
-def did_you_mean(given: str, known: Iterable[str]) -> str:
-    """'; did you mean X?' for the one of `known` closest to `given`, or ''."""
-    match = closest(given, known)
-    return f"; did you mean {match}?" if match else ""
+from elasticrun.launcher.spelling import did_you_mean
 
 
 class Parser(argparse.ArgumentParser):
