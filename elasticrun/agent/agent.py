@@ -218,6 +218,8 @@ class Agent:
         self._log_layout = log_layout
         self._signal: signal.Signals | None = None
         self._signalled = asyncio.Event()
+        #: a second signal: the workers' grace period is cut short
+        self._hurry = asyncio.Event()
         self._attempts = 0
         self._state: WorkerState | None = None  # None: before the first round
         self._assignment: Assignment | None = None
@@ -320,9 +322,15 @@ class Agent:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self._signal is None:
-            logger.warning("agent received %s: stopping workers, leaving the job", sig.name)
+            logger.warning(
+                "agent received %s: stopping workers (they have %gs to exit, --shutdown-timeout; a second "
+                "signal kills them at once), leaving the job", sig.name, self.spec.stop_grace,
+            )
             self._signal = sig
             self._signalled.set()
+        elif not self._hurry.is_set():
+            logger.warning("agent received %s again: killing the workers now", sig.name)
+            self._hurry.set()
 
     async def _wait_signal(self) -> None:
         await self._signalled.wait()
@@ -663,7 +671,7 @@ class Agent:
             return
         if self._channel is not None:
             self._channel.disconnect()
-        await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.stop_grace)
+        await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.stop_grace, hurry=self._hurry)
         await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in group.outputs.values()))
         if group.duplicates is not None:
             group.duplicates.close()
