@@ -193,6 +193,20 @@ def test_a_survivor_of_a_lost_node_says_so_once_and_not_that_the_job_ends(cluste
     cluster.assert_no_orphans()
 
 
+def test_a_lone_agent_at_the_store_it_hosts_says_the_endpoint_may_be_wrong(cluster: Cluster) -> None:
+    """Agents given different ports on the endpoint's host each host a store and would
+    wait out join_timeout alone, in silence."""
+    job, endpoint = run_id(), f"127.0.0.1:{free_port()}"
+    conf = WALK_CONF.replace("join_timeout=60", "join_timeout=4") + ",is_host=true"
+    lone = walker(cluster, "lone", 1, endpoint, job, "2", conf=conf)
+    assert lone.wait_exit() == 200, lone.text()[-3000:]  # join_timeout: the infrastructure's
+    warned = [m for level, m in own_lines(lone) if level == "WARNING" and "nobody else registered" in m]
+    assert warned == [
+        f"node {node_id(lone)}: nobody else registered in 2s at the store this agent hosts on {endpoint}; if the "
+        "other nodes were given another --rdzv-endpoint (a mistyped port), each hosts a store of its own and waits alone"
+    ], lone.text()[-3000:]
+
+
 def test_survivors_of_a_lost_store_host_claim_no_round(cluster: Cluster) -> None:
     job, endpoint = run_id(), f"127.0.0.1:{free_port()}"
     host = walker(cluster, "host", 1, endpoint, job, "2", conf=WALK_CONF + ",is_host=true")

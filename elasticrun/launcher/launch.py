@@ -150,7 +150,10 @@ async def _open_handler(
     settings = rdzv.settings
     if rdzv.backend == "standalone":
         settings = replace(settings, last_call=0.0)
-    handler = ElasticRendezvous(store, settings, me, spec=config.job_spec, launch_flags=config.carried_flags)
+    handler = ElasticRendezvous(
+        store, settings, me, spec=config.job_spec, launch_flags=config.carried_flags,
+        hosting=rdzv.endpoint if hosted is not None else "",
+    )
     stack.push_async_callback(handler.aclose)
     return handler, hosted
 

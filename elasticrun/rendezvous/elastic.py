@@ -65,6 +65,8 @@ log = logging.getLogger("elasticrun.rendezvous")
 
 #: seconds between the lines that say what a waiting node waits for, while nothing changes
 WAIT_REPORT_INTERVAL = 5.0
+#: a node waiting this long alone at the store its agent hosts says the endpoint may be wrong
+LONE_HOST_AFTER = 30.0
 #: seconds between tries to register while the store an agent hosted refuses us. A try
 #: on a refused connection fails at once, without a packet: the client's channel dials
 #: again on its own backoff (at most a second), so a short pause adds little to that.
@@ -101,8 +103,13 @@ class ElasticRendezvous(RendezvousHandler):
         launch_flags: tuple[str, ...] = (),
         clock: Callable[[], float] = time.monotonic,
         reserve_port: Callable[[], PortReservation] = PortReservation,
+        hosting: str = "",
     ) -> None:
         self.run_id = settings.run_id
+        #: the endpoint of the store this node's agent hosts ("": none), for the lone
+        #: host's warning (`_alone_at_own_store`)
+        self._hosting = hosting
+        self._said_alone = False
         self._store = store
         self._settings = settings
         self._me = me
@@ -276,6 +283,12 @@ class ElasticRendezvous(RendezvousHandler):
                 lasts = now - started >= WAIT_REPORT_INTERVAL
                 log.info("node %s waiting: %s; %s", self._me.node_id, status, waited, extra=HEADLINE if lasts else None)
                 logged, said_at = status, now
+            wake = said_at + WAIT_REPORT_INTERVAL
+            if self._hosting and not self._said_alone:
+                if now - started >= self._lone_after():
+                    await self._alone_at_own_store()
+                else:
+                    wake = min(wake, started + self._lone_after())
             held = self._quarantined()
             if held is not None:  # a quarantined node waits it out, then join_timeout runs
                 deadline = max(deadline, self._clock() + held.until - time.time() + self._settings.join_timeout)
@@ -286,7 +299,23 @@ class ElasticRendezvous(RendezvousHandler):
                     f"join_timeout={self._settings.join_timeout:g}s; last state: {status} "
                     "(start more nodes, or raise join_timeout with --rdzv-conf)"
                 )
-            await self._pulse.wait(min(remaining, said_at + WAIT_REPORT_INTERVAL - self._clock()))
+            await self._pulse.wait(min(remaining, wake - self._clock()))
+
+    def _lone_after(self) -> float:
+        """How long a lone host waits before it says so: before join_timeout ends it."""
+        return min(LONE_HOST_AFTER, self._settings.join_timeout / 2)
+
+    async def _alone_at_own_store(self) -> None:
+        """Say once when nobody else registered at the store this agent hosts: agents
+        given another endpoint (a mistyped port) each host a store and wait alone."""
+        nodes = await self._store.get_prefix(self._keys.nodes)
+        self._said_alone = True
+        if all(kv.key == self._keys.node(self._me.node_id) for kv in nodes.kvs):
+            log.warning(
+                "node %s: nobody else registered in %.0fs at the store this agent hosts on %s; if the other nodes "
+                "were given another --rdzv-endpoint (a mistyped port), each hosts a store of its own and waits alone",
+                self._me.node_id, self._lone_after(), self._hosting,
+            )
 
     async def round_ended(self) -> str:
         while True:
