@@ -485,7 +485,9 @@ class Agent:
             self._channel.change(assignment.round, interrupt=self.handler.peers_lost())
             return _Attempt(outcome, reason, None, kept=True)
         if outcome in _LEAVING:
-            await self.handler.leave(reason)
+            # a watch that fired found this node unfit (a sick GPU, a failed health
+            # check): the job keeps it out (quarantined), whatever comes of its agent
+            await self.handler.leave(reason, keep_out=outcome is Outcome.WATCH)
         await self._stop_group()
         self._worker_events(group, assignment, outcome)
         if outcome is not Outcome.FAILED:

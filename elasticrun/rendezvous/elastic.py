@@ -387,14 +387,14 @@ class ElasticRendezvous(RendezvousHandler):
         await self._close("succeeded", f"workers of {self._me.node_id} succeeded")
         await self.aclose()
 
-    async def leave(self, reason: str) -> None:
+    async def leave(self, reason: str, *, keep_out: bool = False) -> None:
         log.info("node %s leaving job '%s': %s", self._me.node_id, self.run_id, reason)
         self.report_event("left", reason)
         if self._lease is not None and not self._lost:
             # Not bound to the lease: a leader that takes over once we (its leader) are
             # gone still finds it; the leader deletes it once it let us go.
             with contextlib.suppress(StoreError):
-                departure = encode(Departure(reason=reason))
+                departure = encode(Departure(reason=reason, keep_out=keep_out))
                 await self._store.put(self._keys.departure(self._me.node_id), departure)
         with contextlib.suppress(StoreError):
             await self._reports.flush(self._lease or 0)

@@ -205,6 +205,7 @@ class Leader:
             quarantine=self._quarantine,
             draining=frozenset(self._draining),
             departed=frozenset(self._departed),
+            keep_out={n: d.reason for n, d in self._records.departures.items() if d.keep_out},
             refused=frozenset(n for n, suspect in self._refused.items() if suspect == number),
         )
 
@@ -218,6 +219,7 @@ class Leader:
             # Before the round: a new leader that finds a quarantined member still in the
             # round takes it out; one that found the round without the record would not.
             await self._store_quarantine(decision.quarantine)
+        await self._clear_settled(decision.settled)
         if decision.fail:
             await close_job(self._store, self._keys, "failed", decision.fail, self._settings.closed_ttl)
             return True
@@ -270,6 +272,18 @@ class Leader:
         kept = set(self._nodes) | {p.node_id for p in new_round.participants}
         for node_id in sorted(self._records.departures.keys() - kept):
             await self._store.delete(self._keys.departure(node_id))
+
+    async def _clear_settled(self, settled: tuple[str, ...]) -> None:
+        """Delete the departure records that asked to keep their node out, once the
+        node is held (`Decision.settled`), unless it is in the round: a member's goes
+        with the round that lets it go (`_clear_departed`), so a leader taking over
+        before that round still says the node left. Kept, a record would hold its node
+        again each time its quarantine ended."""
+        current = self._records.round
+        members = {p.node_id for p in current.participants} if current else set()
+        for node_id in settled:
+            if node_id not in members and node_id in self._records.departures:
+                await self._store.delete(self._keys.departure(node_id))
 
     def _forget(self, node_id: str) -> None:
         """What the leader knew of a node's liveness: it is gone, or a new registration."""

@@ -117,5 +117,5 @@ class StaticRendezvous(RendezvousHandler):
     async def finish(self) -> None:
         self._closed = RendezvousClosedError(self.run_id, "succeeded")
 
-    async def leave(self, reason: str) -> None:
+    async def leave(self, reason: str, *, keep_out: bool = False) -> None:
         self._closed = RendezvousClosedError(self.run_id, "stopped", reason)
