@@ -109,6 +109,9 @@ def test_status_table_and_json_before_and_after_scale_out(cluster, rdzv, job):
     ranks = {n["node_id"]: n["node_rank"] for n in after["nodes"]}
     assert sorted(ranks.values()) == [0, 1, 2]
     assert after["job"]["round"] >= 2 and after["job"]["restarts"] == 0
+    # the causes stay in sight: each node's waits for a round are no job event
+    kinds = [e["kind"] for e in after["events"]]
+    assert "init" not in kinds and {"healthy", "stopped"} <= set(kinds), after["events"]
     assert joined.wait_for(r"tick=\d+ rank=2 world=3")
     cluster.stop_training()
     for proc in [*job, joined]:

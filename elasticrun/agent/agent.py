@@ -805,7 +805,10 @@ class Agent:
         if state is not WorkerState.HEALTHY:
             self._pids = ()
         self._write_event(state.value, reason)
-        self.handler.report_event(state.value, reason)
+        if state is not WorkerState.INIT:
+            # A wait ("round 3 opened: reading this node's place in it") is every node's
+            # at every round: in the job's events it would push the causes out of sight.
+            self.handler.report_event(state.value, reason)
         self.handler.report_status(
             AgentStatus(state.value, reason, self._assignment, self._pids, self._attempts)
         )
