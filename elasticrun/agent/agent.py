@@ -379,8 +379,9 @@ class Agent:
                 self.metrics.round_over(failure=cause if action is Action.RESTART else "")
             match action:
                 case Action.FINISH:
-                    await self.handler.finish()
-                    return self._end(WorkerState.SUCCEEDED, 0, "all workers succeeded")
+                    result = self._end(WorkerState.SUCCEEDED, 0, "all workers succeeded")
+                    await self.handler.finish()  # after the state: the job's end keeps the last report
+                    return result
                 case Action.RESTART:
                     count = f"forgiven: {forgiven}; {spent}/{budget} spent" if forgiven else f"{spent + 1}/{budget}"
                     if assignment.node_count > 1 and not forgiven:

@@ -110,6 +110,8 @@ class ElasticRendezvous(RendezvousHandler):
         #: host's warning (`_alone_at_own_store`)
         self._hosting = hosting
         self._said_alone = False
+        #: the job ended while this node took part (its last reports outlive it)
+        self._ended = False
         self._store = store
         self._settings = settings
         self._me = me
@@ -258,6 +260,7 @@ class ElasticRendezvous(RendezvousHandler):
                 await self._register_or_wait()
             current = self._job.head
             if current is not None and current.closed:
+                self._ended = True
                 raise RendezvousClosedError(self.run_id, current.closed, current.detail)
             try:
                 place = await self._place(current) if current and current.number > self._last_round else None
@@ -327,6 +330,7 @@ class ElasticRendezvous(RendezvousHandler):
             if current.number != self._last_round:
                 return f"round {current.number}: {current.reason}"
             if current.closed and current.closed != "succeeded":
+                self._ended = True
                 raise RendezvousClosedError(self.run_id, current.closed, current.detail)
             await self._pulse.wait()
 
@@ -385,6 +389,7 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def finish(self) -> None:
         await self._close("succeeded", f"workers of {self._me.node_id} succeeded")
+        self._ended = True
         await self.aclose()
 
     async def leave(self, reason: str, *, keep_out: bool = False) -> None:
@@ -405,7 +410,11 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def aclose(self) -> None:
         """Give up the membership, then the liveness port, then a drain request: the
-        node is done with the job."""
+        node is done with the job. Its last status and output outlive it by closed_ttl
+        when the job has ended (`Reporter.keep`)."""
+        if self._ended and self._lease is not None and not self._lost:
+            with contextlib.suppress(StoreError):
+                await self._reports.keep(self._settings.closed_ttl)
         await self._end_membership()
         liveness, self._liveness = self._liveness, None
         if liveness is not None:
