@@ -192,7 +192,8 @@ class Leader:
     def _view(self) -> View:
         current = self._records.round
         number = current.number if current else 0
-        acks = frozenset(n for n, ping in self._records.acks.items() if ping.round == number)
+        # the leader deciding is alive: it is never among the nodes that have not answered yet
+        acks = frozenset(n for n, ping in self._records.acks.items() if ping.round == number) | {self._node_id}
         in_round = {p.node_id for p in current.participants} if current else set()
         self._draining &= set(self._nodes) | in_round
         self._departed &= set(self._nodes) | in_round
