@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from elasticrun.agent.agent import Agent, AgentResult, Watch
 from elasticrun.agent.gpu import Gpus, open_gpus
-from elasticrun.errors import GpuUnhealthyError
+from elasticrun.agent.health_check import CheckResult, HealthCheck
+from elasticrun.errors import GpuUnhealthyError, HealthCheckError
 from elasticrun.launcher import log_format
 from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
@@ -35,7 +36,8 @@ from elasticrun.store.api import EventType, Store
 from elasticrun.store.contact import first_contact
 from elasticrun.store.memory import MemoryStore
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # loaded only when metrics are asked for
+    from elasticrun.agent.metrics import AgentMetrics
     from elasticrun.store.metrics import StoreMetrics
 
 log = logging.getLogger("elasticrun")
@@ -67,8 +69,12 @@ async def run_node(config: LaunchConfig) -> AgentResult:
             from elasticrun.agent.metrics import AgentMetrics
             from elasticrun.store.metrics import StoreMetrics
 
-            metrics = AgentMetrics(config.worker.run_id, config.worker.node_id)
+            metrics = AgentMetrics(config.worker.run_id, config.worker.node_id, health_check=bool(config.health_check))
             store_metrics = StoreMetrics(metrics.registry)
+        if config.health_check is not None:
+            env = {k: v for k, v in os.environ.items() if k not in config.worker.withheld_env}
+            check = HealthCheck(config.health_check, config.health_check_timeout, env)
+            watches += await health_check_watches(check, config.health_interval, metrics)
         events = None
         if config.event_log_handler != "null":
             from elasticrun.launcher.event_log import torch_event_sink
@@ -116,6 +122,29 @@ def gpu_watches(gpus: Gpus, devices: tuple[int, ...], interval: float) -> list[W
     async def watch() -> str:
         problem = await gpus.watch_health(devices, interval)
         return f"GPU problem, leaving the job: {problem.reason}"
+
+    return [watch]
+
+
+async def health_check_watches(check: HealthCheck, interval: float, metrics: AgentMetrics | None) -> list[Watch]:
+    """Run the operator's check before this node joins; again every `interval` while it trains.
+
+    A node whose check fails does not join at all; one whose check fails later leaves
+    the job gracefully, asking to be kept out (the others go on), with the check's last
+    line as the reason in its log, events and status, and in the job's quarantine.
+    """
+    def seen(result: CheckResult) -> None:
+        if metrics is not None:
+            metrics.health_checked(result)
+
+    result = await check.run()
+    seen(result)
+    if not result.ok:
+        raise HealthCheckError(f"this node does not join: {result.reason}")
+    log.info("health check passed in %.1fs: %s", result.seconds, result.reason or "no output")
+
+    async def watch() -> str:
+        return (await check.watch(interval, seen)).reason
 
     return [watch]
 
