@@ -15,11 +15,12 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Set
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from elasticrun.agent.agent import Agent, AgentResult, Watch
-from elasticrun.agent.gpu import Gpus, open_gpus
+from elasticrun.agent.agent import Agent, AgentResult, Reclaim, Watch
+from elasticrun.agent.gpu import RECLAIM_LIMIT, Gpus, open_gpus
 from elasticrun.agent.health_check import CheckResult, HealthCheck
 from elasticrun.errors import GpuUnhealthyError, HealthCheckError
 from elasticrun.launcher import log_format
@@ -59,11 +60,12 @@ async def run_node(config: LaunchConfig) -> AgentResult:
     store's) there."""
     metrics_at = config.metrics
     async with contextlib.AsyncExitStack() as stack:
-        watches = []
+        watches, reclaim = [], None
         if config.worker.gpu_devices:
             gpus = open_gpus()
             stack.callback(gpus.close)
             watches = gpu_watches(gpus, config.worker.gpu_devices, config.health_interval)
+            reclaim = gpu_reclaim(gpus, config.worker.gpu_devices, RECLAIM_LIMIT)
         metrics = store_metrics = None
         if metrics_at is not None:  # the library is loaded only when asked for
             from elasticrun.agent.metrics import AgentMetrics
@@ -98,7 +100,8 @@ async def run_node(config: LaunchConfig) -> AgentResult:
             metrics.quarantine_from(handler.quarantined_nodes)
             stack.enter_context(serving(metrics_at, metrics.registry))
         result = await Agent(
-            config.worker, handler, watches=watches, metrics=metrics, events=events, log_layout=layout
+            config.worker, handler, watches=watches, reclaim=reclaim, metrics=metrics, events=events,
+            log_layout=layout,
         ).run()
         # Out of the job first (our lease and keys go, a leader of ours stops): the
         # host waits for the others only, never for itself.
@@ -124,6 +127,16 @@ def gpu_watches(gpus: Gpus, devices: tuple[int, ...], interval: float) -> list[W
         return f"GPU problem, leaving the job: {problem.reason}"
 
     return [watch]
+
+
+def gpu_reclaim(gpus: Gpus, devices: tuple[int, ...], limit: float) -> Reclaim:
+    """Before workers start again: wait (at most `limit` s) until the stopped workers'
+    memory on these GPUs is free; past that, the GPU counts as sick and the node leaves."""
+    async def reclaim(pids: Set[int]) -> str:
+        problem = await gpus.wait_released(devices, pids, limit, lambda line: log.info("%s", line, extra=HEADLINE))
+        return "" if problem is None else f"GPU problem, leaving the job: {problem.reason}"
+
+    return reclaim
 
 
 async def health_check_watches(check: HealthCheck, interval: float, metrics: AgentMetrics | None) -> list[Watch]:
