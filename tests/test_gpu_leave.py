@@ -36,8 +36,10 @@ pytestmark = pytest.mark.timeout(60)
 TICKER = Path(__file__).resolve().parent / "workers" / "tick_worker.py"
 
 
-def node(store: MemoryStore, name: str, stop_file: Path, tmp: Path) -> tuple[WorkerSpec, ElasticRendezvous]:
-    settings = RendezvousSettings(run_id="gpu", min_nodes=1, max_nodes=2, last_call=0.2, heartbeat_ttl=2.0)
+def node(
+    store: MemoryStore, name: str, stop_file: Path, tmp: Path, max_nodes: int = 2
+) -> tuple[WorkerSpec, ElasticRendezvous]:
+    settings = RendezvousSettings(run_id="gpu", min_nodes=1, max_nodes=max_nodes, last_call=0.2, heartbeat_ttl=2.0)
     spec = WorkerSpec(
         run_id="gpu",
         entrypoint=(sys.executable, "-u", str(TICKER), "--stop-file", str(stop_file), "--every", "0.05"),
@@ -101,6 +103,41 @@ async def test_gpu_failing_during_training_makes_the_node_leave(tmp_path):
         await asyncio.gather(agent_a, agent_b, return_exceptions=True)
         await store.close()
 
+
+
+async def test_a_spare_whose_gpu_fails_leaves_before_it_steps_in(tmp_path):
+    store = MemoryStore()
+    stop = tmp_path / "stop"
+    spare_gpu = FakeGpu(uuid="GPU-bb")
+    spec_a, rdzv_a = node(store, "node-a", stop, tmp_path, max_nodes=1)
+    spec_b, rdzv_b = node(store, "node-b", stop, tmp_path, max_nodes=1)
+    agent_a = asyncio.ensure_future(Agent(spec_a, rdzv_a).run())
+    try:
+        await wait_for(lambda: rdzv_a._last_round >= 1, "node-a running")
+        watches_b = gpu_watches(open_gpus(FakeNvml([spare_gpu])), (0,), 0.05)
+        agent_b = asyncio.ensure_future(Agent(spec_b, rdzv_b, watches=watches_b).run())
+        await wait_for(lambda: rdzv_b._lease is not None, "node-b registered, a spare")
+        spare_gpu.ecc = [1]  # its GPU fails while it waits
+        result_b = await asyncio.wait_for(agent_b, 30)
+        assert result_b.exit_code == EXIT_INFRASTRUCTURE and "uncorrect" in result_b.message
+        assert rdzv_a._last_round == 1  # the running round was never disturbed
+
+        async def held() -> bool:
+            kv = await store.get(Keys("gpu").quarantine)
+            entry = decode(QuarantineTable, kv.value).get("node-b") if kv is not None else None
+            return entry is not None and "uncorrect" in entry.reason
+
+        async with asyncio.timeout(30):
+            while not await held():
+                await asyncio.sleep(0.05)
+        stop.touch()
+        assert (await asyncio.wait_for(agent_a, 30)).exit_code == 0
+    finally:
+        stop.touch()
+        if not agent_a.done():
+            agent_a.cancel()
+        await asyncio.gather(agent_a, return_exceptions=True)
+        await store.close()
 
 # --- memory of stopped workers, reclaimed before a restart -----------------------------------
 

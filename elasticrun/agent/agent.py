@@ -61,7 +61,8 @@ _CLOSED_EXIT_CODES = {"succeeded": 0, "failed": EXIT_TRAINING_FAILED, "stopped":
 _DRAIN_TIMEOUT = 5.0
 
 #: An extra reason to stop: a coroutine that returns (with the reason) when this node
-#: must stop its workers and leave the job, e.g. a GPU health watch. Called once per round.
+#: must stop its workers and leave the job, e.g. a GPU health watch. Called once per
+#: round, and once per wait for a round.
 Watch = Callable[[], Awaitable[str]]
 
 #: Before workers start again on this node's GPUs: wait, bounded, until the processes of
@@ -339,11 +340,17 @@ class Agent:
             if waiting is not None:  # else the job is over for this node: no wait to log
                 self._set_state(WorkerState.INIT, waiting)
             try:
+                # the watches too: a spare that turns unfit must not step in
                 assignment = await first_of(
-                    self.handler.next_round(), self._wait_signal(), self.handler.drained()
+                    self.handler.next_round(), self._wait_signal(), self.handler.drained(),
+                    *(self._watched(watch) for watch in self.watches),
                 )
             except RendezvousClosedError as e:
                 return self._closed(e)
+            if isinstance(assignment, tuple):  # a watch fired: leave, kept out
+                _, reason = assignment
+                await self.handler.leave(reason, keep_out=True)
+                return self._end(WorkerState.STOPPED, self._leaving_code(Outcome.WATCH), reason)
             if not isinstance(assignment, Assignment):
                 reason = assignment or f"the agent received {self._signal_name()}"
                 await self.handler.leave(reason)

@@ -112,7 +112,7 @@ async def run_node(config: LaunchConfig) -> AgentResult:
 
 
 def gpu_watches(gpus: Gpus, devices: tuple[int, ...], interval: float) -> list[Watch]:
-    """Check this node's GPUs before it joins; watch them while it trains.
+    """Check this node's GPUs before it joins; watch them while it is in the job.
 
     A node with a sick GPU does not join at all; one whose GPU fails later leaves the
     job gracefully (the others go on), with the reason in its events and status.
@@ -140,7 +140,7 @@ def gpu_reclaim(gpus: Gpus, devices: tuple[int, ...], limit: float) -> Reclaim:
 
 
 async def health_check_watches(check: HealthCheck, interval: float, metrics: AgentMetrics | None) -> list[Watch]:
-    """Run the operator's check before this node joins; again every `interval` while it trains.
+    """Run the operator's check before this node joins; again every `interval` while it is in the job.
 
     A node whose check fails does not join at all; one whose check fails later leaves
     the job gracefully, asking to be kept out (the others go on), with the check's last
