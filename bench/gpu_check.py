@@ -15,24 +15,28 @@ launcher (`python -m elasticrun --standalone`) on the GPU:
   reclaim      a CUDA worker holding several GiB is SIGKILLed: how long until NVML no
                longer lists it, and until the next worker runs (the agent waits for the
                memory; `waiting up to 60s ...` in its log when it had to)
-  inprocess    a world-size-1 nccl group aborted (ncclCommAbort) and re-formed in the
-               same process by the in-process wrapper: the time from the abort to the
-               first step in the new group
+  inprocess    a world-size-1 nccl group aborted (ProcessGroup.abort, ncclCommAbort, as
+               the wrapper does when a peer is lost; here the rank calls it, a job of one
+               rank having no peer to lose) and re-formed in the same process by the
+               in-process wrapper: the time from the abort to the first step in the new group
   lightning    examples/lightning on the GPU: its worker SIGKILLed mid-run, restarted,
                resumed from its checkpoint, to the end
 
-Each row is bounded (BOUNDS, 7.5 minutes in all), runs whatever it started in the
+Each row is bounded (BOUNDS, under 7 minutes in all), runs whatever it started in the
 driver's own process tree and kills it all at its end (bench.common.ProcessTracker),
 and its failure (or an exception) does not stop the rows after it. A row prints its
 line as it ends; the table comes last, then where the logs are. Exit status 0 when no
 row failed. Without a GPU (no NVML, no driver) a row that needs one is skipped; the
 others run their CPU variant (gloo, memory in RAM): that is what tests/test_gpu_check.py
-runs in the suite.
+runs in the suite. The rows whose workers use torch on the GPU need a CUDA build of
+torch: with a CPU build they fail at once, saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -45,13 +49,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import PYTHON, REPO, WORKERS, ProcessTracker, base_env, become_subreaper, descendants  # noqa: E402
 
-#: each row's bound in seconds: 450 in all, so the table is out within 8 minutes
-BOUNDS = {"nproc-gpu": 40.0, "health": 50.0, "reclaim": 110.0, "inprocess": 100.0, "lightning": 150.0}
+#: each row's bound in seconds: 410 in all, so the table is out within 8 minutes
+#: (plus at most 20 s to ask torch what it is, and a few to kill what a row left)
+BOUNDS = {"nproc-gpu": 35.0, "health": 45.0, "reclaim": 100.0, "inprocess": 90.0, "lightning": 140.0}
 #: what the reclaim row's worker holds: this much, or half the GPU's free memory if less
 HOLD_GIB = 8.0
 LIGHTNING = REPO / "examples" / "lightning" / "train.py"
@@ -77,11 +83,15 @@ class Skipped(Exception):
 
 @dataclass(frozen=True)
 class Gpu:
-    """The machine's first GPU, as NVML shows it (count 0: none)."""
+    """The machine's GPUs as NVML shows them (count 0: none), and the torch the rows use."""
 
     count: int
     name: str = ""
     note: str = ""  # why there is none
+    #: python, torch, CUDA and driver versions, as the table's first line shows them
+    software: str = ""
+    #: whether that torch can use the GPU (a CPU build of torch cannot)
+    torch_cuda: bool = False
 
 
 class Context:
@@ -96,6 +106,12 @@ class Context:
     @property
     def cuda(self) -> bool:
         return self.gpu.count > 0
+
+    def need_torch_cuda(self) -> None:
+        """A row whose worker uses torch on the GPU: torch must be a CUDA build."""
+        if self.cuda and not self.gpu.torch_cuda:
+            raise RowFailed(f"NVML sees {self.gpu.name}, but this torch cannot use it ({self.gpu.software}): "
+                            "install a CUDA build of torch")
 
     def left(self) -> float:
         left = self.deadline - time.monotonic()
@@ -213,10 +229,17 @@ def row_health(ctx: Context) -> str:
     return "; ".join(parts)
 
 
-def nvml_holding(pid: int) -> int | None:
-    """Bytes NVML says `pid` holds on GPU 0 (0: unknown amount), None when not listed."""
+def nvml() -> Any:
+    """pynvml, initialised (NVML counts its inits: one more is harmless)."""
     import pynvml
 
+    pynvml.nvmlInit()
+    return pynvml
+
+
+def nvml_holding(pid: int) -> int | None:
+    """Bytes NVML says `pid` holds on GPU 0 (0: unknown amount), None when not listed."""
+    pynvml = nvml()
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
         if p.pid == pid:
@@ -226,10 +249,10 @@ def nvml_holding(pid: int) -> int | None:
 
 def row_reclaim(ctx: Context) -> str:
     """A worker holding GPU memory SIGKILLed: memory freed, then the next worker runs."""
+    ctx.need_torch_cuda()
     gib = 0.5
     if ctx.cuda:
-        import pynvml
-
+        pynvml = nvml()
         free = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free
         gib = min(HOLD_GIB, free / 2**30 / 2)
     proc, log = ctx.launch("reclaim", ["--nproc-per-node=1", "--max-restarts=1"],
@@ -266,6 +289,7 @@ def row_reclaim(ctx: Context) -> str:
 
 def row_inprocess(ctx: Context) -> str:
     """A world-size-1 group aborted and re-formed in place by the in-process wrapper."""
+    ctx.need_torch_cuda()
     proc, log = ctx.launch("inprocess", ["--elastic-mode=in-process", "--nproc-per-node=1", "--max-restarts=1"],
                            [str(WORKERS / "gpu_inprocess.py"), "--steps", "30", "--abort-at", "10"])
     code = ctx.wait_exit(proc, log)
@@ -291,6 +315,9 @@ def row_inprocess(ctx: Context) -> str:
 
 def row_lightning(ctx: Context) -> str:
     """examples/lightning on the GPU: killed mid-run, resumed from its checkpoint."""
+    ctx.need_torch_cuda()
+    if importlib.util.find_spec("pytorch_lightning") is None:
+        raise Skipped("pytorch-lightning is not installed (pip install -e '.[test]')")
     nproc = "gpu" if ctx.cuda else "1"
     started = time.monotonic()
     proc, log = ctx.launch(
@@ -339,36 +366,30 @@ def cmdline(pid: int) -> str:
 
 
 def find_gpu() -> Gpu:
-    """The GPUs NVML sees, without touching CUDA (the driver holds no GPU memory)."""
+    """The GPUs NVML sees and the torch the rows use; this process itself never touches
+    CUDA (it holds no GPU memory): torch is asked in a child."""
     from elasticrun.agent.gpu import open_gpus
 
     gpus = open_gpus()
     try:
-        if not gpus.count:
-            return Gpu(0, note=gpus.check(()).reason)
-        facts = gpus.facts(range(1))
-        return Gpu(gpus.count, name=(facts[0].name if facts else None) or "GPU")
+        facts = gpus.facts(range(1)) if gpus.count else ()
+        count, note = gpus.count, "" if gpus.count else gpus.check(()).reason
     finally:
         gpus.close()
-
-
-def versions() -> str:
-    """torch, CUDA and the driver, from a child (this process stays off the GPU)."""
     code = ("import torch, platform; print(f'python {platform.python_version()}, torch {torch.__version__}, "
-            "CUDA {torch.version.cuda}')")
+            "CUDA {torch.version.cuda}'); print(torch.cuda.is_available())")
     try:
-        done = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60)
-        found = done.stdout.strip() or done.stderr.strip().splitlines()[-1]
-    except (subprocess.TimeoutExpired, IndexError) as e:
-        found = f"torch: {e}"
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        found += f", driver {pynvml.nvmlSystemGetDriverVersion()}"
-    except Exception:  # noqa: BLE001 - no driver: nothing to add
-        pass
-    return found
+        done = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=20)
+        lines = done.stdout.split("\n")
+        software, torch_cuda = (lines[0], lines[1] == "True") if done.returncode == 0 else (
+            f"torch: {(done.stderr.strip().splitlines() or ['?'])[-1]}", False)
+    except subprocess.TimeoutExpired:
+        software, torch_cuda = "torch: no answer within 20 s", False
+    if count:
+        with contextlib.suppress(Exception):  # the driver's version is only shown
+            software += f", driver {nvml().nvmlSystemGetDriverVersion()}"
+    name = (facts[0].name if facts else None) or "GPU"
+    return Gpu(count, name=name if count else "", note=note, software=software, torch_cuda=torch_cuda)
 
 
 def run_row(name: str, gpu: Gpu, folder: Path) -> Row:
@@ -422,7 +443,7 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix="elasticrun_gpu_check_"))
     gpu = find_gpu()
     print(f"gpu: {f'{gpu.count} x {gpu.name}' if gpu.count else f'none ({gpu.note}): CPU variants'}; "
-          f"{versions()}", flush=True)
+          f"{gpu.software}", flush=True)
     rows = []
     for name in names:
         row = run_row(name, gpu, folder)

@@ -4,11 +4,13 @@ that need a GPU skipped, so that the GPU session finds a script that works."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,21 @@ def test_every_row_runs_here(tmp_path: Path) -> None:
         assert "the next worker ran" in rows["reclaim"]["figure"]
         assert rows["inprocess"]["figure"].startswith("gloo group broken")
         assert "resumed from step 20" in rows["lightning"]["figure"]
+
+
+def test_a_gpu_with_a_cpu_build_of_torch_fails_the_torch_rows_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a GPU session would meet with the wrong torch: one line, no time lost."""
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)  # its dataclasses look their module up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts bench/ first, for bench/common.py
+    spec.loader.exec_module(module)
+    gpu = module.Gpu(1, "NVIDIA H100 80GB HBM3", software="python 3.11.7, torch 2.13.0+cpu, CUDA None")
+    ctx = module.Context(gpu, tmp_path, time.monotonic() + 60)
+    for row in (module.row_reclaim, module.row_inprocess, module.row_lightning):
+        with pytest.raises(module.RowFailed, match=r"this torch cannot use it .*: install a CUDA build of torch"):
+            row(ctx)
+    assert ctx.tracker.procs == []  # nothing was started
