@@ -17,7 +17,7 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,8 +62,14 @@ _CLOSED_EXIT_CODES = {"succeeded": 0, "failed": EXIT_TRAINING_FAILED, "stopped":
 _DRAIN_TIMEOUT = 5.0
 
 #: An extra reason to stop: a coroutine that returns (with the reason) when this node
-#: must stop its workers and leave the job, e.g. a GPU health watch. Called once per round.
+#: must stop its workers and leave the job, e.g. a GPU health watch. Called once per
+#: round, and once per wait for a round.
 Watch = Callable[[], Awaitable[str]]
+
+#: Before workers start again on this node's GPUs: wait, bounded, until the processes of
+#: the stopped workers (these pids) hold no GPU memory; returns "" once free, else why
+#: the GPU counts as sick (the node leaves, as when a watch fires).
+Reclaim = Callable[[Set[int]], Awaitable[str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +212,7 @@ class Agent:
         handler: RendezvousHandler,
         *,
         watches: Sequence[Watch] = (),
+        reclaim: Reclaim | None = None,
         metrics: AgentMetrics | None = None,
         events: EventSink | None = None,
         log_layout: LogLayout | None = None,
@@ -213,6 +220,9 @@ class Agent:
         self.spec = spec
         self.handler = handler
         self.watches = tuple(watches)
+        self._reclaim = reclaim
+        #: the processes of the last workers stopped, until the next start (with `reclaim`)
+        self._stopped: set[int] = set()
         self.metrics = metrics
         self._events = events
         self._log_layout = log_layout
@@ -344,11 +354,17 @@ class Agent:
             if waiting is not None:  # else the job is over for this node: no wait to log
                 self._set_state(WorkerState.INIT, waiting)
             try:
+                # the watches too: a spare that turns unfit must not step in
                 assignment = await first_of(
-                    self.handler.next_round(), self._wait_signal(), self.handler.drained()
+                    self.handler.next_round(), self._wait_signal(), self.handler.drained(),
+                    *(self._watched(watch) for watch in self.watches),
                 )
             except RendezvousClosedError as e:
                 return self._closed(e)
+            if isinstance(assignment, tuple):  # a watch fired: leave, kept out
+                _, reason = assignment
+                await self.handler.leave(reason, keep_out=True)
+                return self._end(WorkerState.STOPPED, self._leaving_code(Outcome.WATCH), reason)
             if not isinstance(assignment, Assignment):
                 reason = assignment or f"the agent received {self._signal_name()}"
                 await self.handler.leave(reason)
@@ -437,6 +453,10 @@ class Agent:
         started = time.monotonic()
         in_place = self._group is not None and self._group.ran  # in-process: kept from a round
         if self._group is None:
+            sick = await self._reclaimed()
+            if sick:  # as a watch that fired: the node leaves, kept out
+                await self.handler.leave(sick, keep_out=True)
+                return _Attempt(Outcome.WATCH, sick, None)
             self._group = await self._start_group(assignment, dog)
         group = self._group
         group.ran = True
@@ -505,6 +525,13 @@ class Agent:
         else:
             reason = f"worker rank {root.global_rank} failed with {describe_exit(root.returncode)}"
         return _Attempt(outcome, reason, report)
+
+    async def _reclaimed(self) -> str:
+        """Wait until the last workers' GPU memory is free ("": it is, or no wait)."""
+        stopped, self._stopped = self._stopped, set()
+        if self._reclaim is None or not stopped:
+            return ""
+        return await self._reclaim(stopped)
 
     def _forgiveness(self) -> str:
         """Why this worker failure spends no restart ("": it does), by the progress
@@ -674,6 +701,10 @@ class Agent:
             return
         if self._channel is not None:
             self._channel.disconnect()
+        if self._reclaim is not None:
+            # who may hold GPU memory, found while they live; on the loop (as the stop's
+            # own first scan), since an await here could lose the stop to a cancellation
+            self._stopped = group.workers.tree()
         await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.stop_grace, hurry=self._hurry)
         await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in group.outputs.values()))
         if group.duplicates is not None:

@@ -194,6 +194,11 @@ def _signal_members(sessions: Iterable[Session], mark: Mark | None, sig: signal.
     return pidfds
 
 
+def member_pids(sessions: Iterable[Session], mark: Mark | None = None) -> set[int]:
+    """The pids of every live process of `sessions` and `mark` (a scan of /proc)."""
+    return {member.pid for member in _members(sessions, mark)}
+
+
 def signal_sessions(sessions: Iterable[Session], sig: signal.Signals, mark: Mark | None = None) -> None:
     """Send `sig` to every live process of `sessions` and `mark` (no wait)."""
     for pidfd in _signal_members(sessions, mark, sig):
