@@ -49,7 +49,7 @@ from elasticrun.errors import (
 from elasticrun.first_of import first_of
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
-from elasticrun.rendezvous.stack_summary import one_line, render_rank, summarise
+from elasticrun.rendezvous.stack_summary import one_line, render_ranks, summarise
 from elasticrun.rendezvous.state import NodeStacks
 from elasticrun.store.credentials import worker_credential
 
@@ -562,7 +562,7 @@ class Agent:
         while True:
             request = await self.handler.stacks_asked()
             mine = await self._capture(group, assignment, f"asked by {request.by}: {request.reason}", CAPTURE_LIMIT)
-            self._keep_stacks(group, mine.reason, [line for r in mine.ranks for line in render_rank(r)])
+            self._keep_stacks(group, mine.reason, render_ranks(mine.ranks))
             await self.handler.answer_stacks(replace(mine, request=request.id))
 
     async def _stacks_of_hang(
@@ -581,7 +581,7 @@ class Agent:
             lines, scope = summarise(mine.ranks), "this node's workers only"
         answers = [n for n in job.answers if n.node_id != mine.node_id] if job is not None else []
         text = [f"where the ranks were ({scope}):", *(f"  {line}" for line in lines), ""]
-        text += [line for node in (mine, *answers) for r in node.ranks for line in render_rank(r)]
+        text += render_ranks(r for node in (mine, *answers) for r in node.ranks)
         path = self._keep_stacks(group, reason, text)
         logger.warning(
             "where the ranks were when the hang was found (%s): %s%s",
@@ -597,7 +597,7 @@ class Agent:
         the next round waits for it); kept in the attempt's folder and logged."""
         mine = await self._capture(group, assignment, reason, LOST_PEER_CAPTURE_LIMIT)
         lines = summarise(mine.ranks)
-        path = self._keep_stacks(group, reason, [line for r in mine.ranks for line in render_rank(r)])
+        path = self._keep_stacks(group, reason, render_ranks(mine.ranks))
         logger.info(
             "where this node's workers were when round %d ended (%s): %s%s",
             assignment.round,

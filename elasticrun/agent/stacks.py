@@ -55,10 +55,10 @@ STACKS_SIGNAL = signal.SIGRTMIN + 7
 #: the line the boot writes first, before its pid
 MARKER = "elasticrun-stacks pid "
 
-#: why a worker that never marked its file has no stack
+#: why a worker that has not marked its file has no stack
 NO_BOOT = (
-    "the worker never loaded elasticrun's boot (Python started with -I, -E or -S, or not Python): "
-    "no stack can be had from it"
+    "its Python has not started yet, or it never loads elasticrun's boot "
+    "(Python started with -I, -E or -S, or not Python): no stack can be had from it"
 )
 
 #: how long a signal may look taken with nothing written before the handler counts

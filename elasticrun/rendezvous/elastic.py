@@ -246,7 +246,8 @@ class ElasticRendezvous(RendezvousHandler):
             request, revision = self._job.stacks, self._job.stacks_revision
             if request is not None and not request.done and revision > self._stacks_answered:
                 self._stacks_answered = revision
-                return request
+                if request.round == self._last_round:  # else: about workers this node no longer runs
+                    return request
             await self._pulse.wait()
 
     async def answer_stacks(self, stacks: NodeStacks) -> None:
@@ -259,31 +260,32 @@ class ElasticRendezvous(RendezvousHandler):
             log.debug("could not publish this node's stacks: %s", e)
 
     async def job_stacks(self, mine: NodeStacks, reason: str) -> JobStacks | None:
-        """The first request stands: a node that finds one made moments ago (all the
-        watchdogs of a hung job fire at once) or loses the race to write its own joins
-        it, answers, and waits for the summary; only whoever asked reads the answers."""
+        """The first request stands: a node that finds one of its round made moments
+        ago (all the watchdogs of a hung job fire at once), done or not, or that loses
+        the race to write its own, takes part in it, and only whoever asked reads the
+        answers."""
         lease, ran = self._lease, self._ran
         if lease is None or self._lost or ran is None:
             return None
         store, keys = self._store, self._keys
         try:
             current, at = self._job.stacks, self._job.stacks_revision
-            fresh = self._clock() - self._stacks_seen_at < ANSWER_WAIT
-            if current is None or current.done or not fresh:
-                request = new_request(self._me.node_id, reason, ran.nodes)
-                revision = await ask(store, keys, request, self._job.stacks_revision)
+            recent = self._clock() - self._stacks_seen_at < ANSWER_WAIT
+            if current is None or current.round != ran.number or not recent:
+                request = new_request(self._me.node_id, reason, ran.number, ran.nodes)
+                revision = await ask(store, keys, request, at)
                 if revision is not None:
                     self._stacks_answered = max(self._stacks_answered, revision)
                     await answer(store, keys, replace(mine, request=request.id), lease)
                     answers = await gather(store, keys, request.id, revision, ran.nodes, ANSWER_WAIT)
                     done = await conclude(store, keys, request, revision, list(answers.values()))
                     return JobStacks(done, tuple(answers.values()))
-                kv = await store.get(keys.stacks)  # another request came first: join it
+                kv = await store.get(keys.stacks)  # another request came first: take part in it
                 if kv is None:
                     return None
                 current, at = decode(StacksRequest, kv.value), kv.mod_revision
-                if current.done:
-                    return JobStacks(current)
+            if current.done:
+                return JobStacks(current)
             await answer(store, keys, replace(mine, request=current.id), lease)
             return await self._summary_of(current.id, at)
         except StoreError as e:

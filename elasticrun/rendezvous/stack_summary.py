@@ -46,8 +46,8 @@ def is_installed(file: str) -> bool:
 
 def is_library(file: str) -> bool:
     """A frame that is not user code: the standard library, an installed package, or
-    Python's own (`<frozen runpy>`)."""
-    return is_installed(file) or bool(_STDLIB.search(file)) or file.startswith("<frozen ")
+    code with no file (`<frozen runpy>`, `<string>`: a dataclass's generated methods)."""
+    return is_installed(file) or bool(_STDLIB.search(file)) or file.startswith("<")
 
 
 def main_thread(stacks: RankStacks) -> ThreadStack | None:
@@ -66,7 +66,7 @@ def where(stacks: RankStacks) -> str:
         return f"no stack: {stacks.missing}"
     thread = main_thread(stacks)
     if thread is None or not thread.frames:
-        return "no Python frame (in native code, outside any Python call)"
+        return "no Python frame (in native code outside any Python call, or exiting)"
     frames = thread.frames
     user = next((i for i, f in enumerate(frames) if not is_library(f.file)), None)
     if user is None:
@@ -158,6 +158,11 @@ def render_rank(stacks: RankStacks, *, all_threads: bool = True) -> list[str]:
     if left:
         lines.append(f"  ... {left} more threads{'' if all_threads else ' (--rank shows them)'}")
     return lines
+
+
+def render_ranks(ranks: Iterable[RankStacks]) -> list[str]:
+    """Every rank's stacks, every thread, a blank line after each rank."""
+    return [line for r in ranks for line in (*render_rank(r), "")]
 
 
 @dataclass(frozen=True, slots=True)

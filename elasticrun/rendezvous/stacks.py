@@ -49,8 +49,10 @@ class JobStacks:
     answers: tuple[NodeStacks, ...] = ()
 
 
-def new_request(by: str, reason: str, nodes: int) -> StacksRequest:
-    return StacksRequest(id=secrets.token_hex(6), by=by, reason=reason, at=time.time(), nodes=nodes)
+def new_request(by: str, reason: str, round_number: int, nodes: int) -> StacksRequest:
+    return StacksRequest(
+        id=secrets.token_hex(6), by=by, reason=reason, at=time.time(), round=round_number, nodes=nodes
+    )
 
 
 async def ask(store: Store, keys: Keys, request: StacksRequest, expected_revision: int) -> int | None:

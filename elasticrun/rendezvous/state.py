@@ -666,6 +666,9 @@ class StacksRequest:
     by: str
     reason: str
     at: float
+    #: the round whose nodes are asked (a node running another round does not answer:
+    #: its workers are not the ones asked about)
+    round: int = 0
     #: the round's nodes, asked to answer
     nodes: int = 0
     #: how many answered in time (once done)
