@@ -23,7 +23,7 @@ from dataclasses import asdict
 from elasticrun.errors import ElasticrunError, StorePermissionError, UsageError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job, timeout_seconds
 from elasticrun.rendezvous.stack_summary import render_groups, render_rank, summarise
-from elasticrun.rendezvous.stacks import ask, conclude, gather, latest, new_request
+from elasticrun.rendezvous.stacks import ask, conclude, gather, latest, left_out, new_request
 from elasticrun.rendezvous.state import NodeStacks, RankStacks
 from elasticrun.store.api import Store
 
@@ -95,7 +95,7 @@ async def show(target: JobTarget, *, rank: int | None, as_data: bool, timeout: f
         ranks = [r for r in ranks if r.rank == rank]
         if not ranks:
             raise UsageError(f"no rank {rank} among the stacks of job '{target.run_id}' (see elasticrun status)")
-    lines = summarise(ranks)
+    lines = summarise(ranks) + (left_out(answers) if rank is None else [])
     if as_data:
         data = {
             "job": target.run_id,

@@ -99,7 +99,8 @@ async def conclude(
     """The request, done, with the summary of `answers`; written back unless a newer
     request replaced it meanwhile."""
     ranks = [r for node in answers for r in node.ranks]
-    done = replace(request, answered=len(answers), summary=tuple(summarise(ranks)), done=True)
+    summary = (*summarise(ranks), *left_out(answers))
+    done = replace(request, answered=len(answers), summary=summary, done=True)
     await store.compare_and_put(keys.stacks, encode(done), expected_mod_revision=revision)
     return done
 
@@ -134,8 +135,7 @@ def bounded(
     stacks: NodeStacks, frames: int = FRAMES, threads: int = THREADS, limit: int = NODE_BYTES
 ) -> NodeStacks:
     """`stacks` within the bounds: fewer threads and frames until the record fits in
-    `limit` bytes; past one thread of one frame, the ranks that do not fit are left
-    out with a word why."""
+    `limit` bytes; past one thread of one frame, the last ranks are left out (counted)."""
     while True:
         cut = replace(stacks, ranks=tuple(_cut_rank(r, frames, threads) for r in stacks.ranks))
         if len(encode(cut)) <= limit:
@@ -143,9 +143,16 @@ def bounded(
         if frames == 1 and threads == 1:
             break
         frames, threads = max(frames // 2, 1), max(threads // 2, 1)
-    kept: list[RankStacks] = []
-    why = f"left out of the store (this node's stacks exceed {limit} bytes; all are in its run folder)"
-    for r in cut.ranks:
-        trial = replace(cut, ranks=(*kept, r))
-        kept.append(r if len(encode(trial)) <= limit else replace(r, threads=(), missing=why, more_threads=0))
-    return replace(cut, ranks=tuple(kept))
+    kept = len(cut.ranks)
+    while kept and len(encode(replace(cut, ranks=cut.ranks[:kept], left_out=len(cut.ranks) - kept))) > limit:
+        kept = kept * 3 // 4 if kept > 8 else kept - 1
+    return replace(cut, ranks=cut.ranks[:kept], left_out=stacks.left_out + len(cut.ranks) - kept)
+
+
+def left_out(answers: Sequence[NodeStacks]) -> list[str]:
+    """A line for each node that left ranks out of its answer."""
+    return [
+        f"{n.left_out} ranks of node {n.node_id} left out (too large for the store; its run folder has them)"
+        for n in answers
+        if n.left_out
+    ]

@@ -654,6 +654,9 @@ class NodeStacks:
     at: float
     round: int
     ranks: tuple[RankStacks, ...]
+    #: its last ranks left out of the record, which they did not fit (its run folder
+    #: has them)
+    left_out: int = 0
 
 
 @dataclass(frozen=True, slots=True)
