@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -20,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from elasticrun.store.credentials import reader_credential
 from tests.agent_helpers import wait_until
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id
+from tests.elastic_cluster import RDZV_CONF, TAG_VAR, Cluster, Proc, run_id
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 STUCK = WORKERS / "stuck_rank_worker.py"
@@ -97,4 +99,105 @@ def test_a_rank_stuck_in_a_function_is_named_with_its_node_function_and_line(
     assert re.search(want, report[0]) and re.search(others, report[0]), report[0]
     for a in agents:
         assert a.wait_exit(60) != 0
+    cluster.assert_no_orphans()
+
+
+@pytest.mark.timeout(180)
+def test_stacks_returns_every_rank_of_a_healthy_job_and_a_reader_sees_the_latest(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    token, reader = tmp_path / "token", tmp_path / "reader"
+    token.write_text("stacks-admin-token")
+    reader.write_text(reader_credential("stacks-admin-token"))
+    store = Proc("store", [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1",
+                           "--port", "0", "--token-file", str(token)],
+                 tmp_path / "store.log", {k: v for k, v in os.environ.items() if k != TAG_VAR})
+    store.tagged = False
+    try:
+        endpoint = store.wait_for(r"serving on (\S+)")[1]
+        job = run_id()
+        conf = f"{RDZV_CONF},is_host=false,token_file={token}"
+        agents = [
+            cluster.agent(name, backend="c10d", endpoint=endpoint, run_id=job, local_addr="127.0.0.1",
+                          nnodes="2", conf=conf, extra=["--nproc-per-node=2"])
+            for name in ("a", "b")
+        ]
+        ids = sorted(node_id(a) for a in agents)
+        for a in agents:
+            a.wait_for(r"step=3 rank=\d+ world=4 ", count=2)
+        flags = [f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}"]
+        fresh = control(cluster, "stacks", *flags, f"--rdzv-conf=token_file={token}")
+        assert fresh.returncode == 0, fresh.stderr
+        assert re.match(rf"job '{job}', round \d+: 2 of 2 nodes answered in [\d.]+s\n", fresh.stdout), fresh.stdout
+        shown = set()
+        for m in re.finditer(r"^--- ranks? ([\d,-]+) \(\d+ on nodes? ([^)]*)\): (.*)$", fresh.stdout, re.M):
+            shown |= set(expand(m[1]))
+            assert "no stack" not in m[3] and "train_worker.py" in fresh.stdout[m.end():].split("---")[0]
+        assert shown == {0, 1, 2, 3}, fresh.stdout
+        data = json.loads(control(cluster, "stacks", *flags, f"--rdzv-conf=token_file={token}", "--json").stdout)
+        assert data["fresh"] and [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
+        assert sorted(n["node_id"] for n in data["nodes"]) == ids
+        for r in data["ranks"]:
+            main = r["threads"][0]
+            assert main["main"] and any(f["file"].endswith("train_worker.py") for f in main["frames"]), r
+        one = control(cluster, "stacks", *flags, f"--rdzv-conf=token_file={token}", "--rank", "2")
+        assert one.returncode == 0 and re.search(r"^rank 2 \(node \S+, local rank 0, pid \d+\):$", one.stdout, re.M)
+        # a reader cannot ask: it gets the latest stacks, and is told why
+        latest = control(cluster, "stacks", *flags, f"--rdzv-conf=token_file={reader}")
+        assert latest.returncode == 0, latest.stderr
+        assert "a fresh capture needs the admin token" in latest.stderr
+        assert re.match(rf"job '{job}': the latest stacks of 2 nodes, captured ", latest.stdout), latest.stdout
+        assert "train_worker.py" in latest.stdout
+        status = control(cluster, "status", *flags, f"--rdzv-conf=token_file={reader}")
+        assert re.search(r"^stacks \d\d:\d\d:\d\d \(on demand \(elasticrun stacks\); 2 of 2 nodes\): ",
+                         status.stdout, re.M), status.stdout
+        # the workers ran on: nothing was killed or restarted
+        for a in agents:
+            assert "restart=1" not in a.text() and "hung" not in a.text()
+        cluster.stop_training()
+        for a in agents:
+            assert a.wait_exit(60) == 0, a.text()[-3000:]
+        cluster.assert_no_orphans()
+    finally:
+        store.kill()
+
+
+def expand(ranges: str) -> list[int]:
+    """`0-2,4` -> [0, 1, 2, 4]."""
+    out: list[int] = []
+    for part in ranges.split(","):
+        low, _, high = part.partition("-")
+        out += range(int(low), int(high or low) + 1)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_without_the_boot_is_reported_and_not_killed(
+    cluster: Cluster, c10d_store: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import itertools, os, time\n"
+        "for step in itertools.count():\n"
+        "    print(f'step={step} pid={os.getpid()}', flush=True)\n"
+        "    if os.path.exists(os.environ['STOP_FILE']):\n"
+        "        break\n"
+        "    time.sleep(0.1)\n"
+    )
+    job = run_id()
+    argv = [sys.executable, "-m", "elasticrun", "--nnodes=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={job}", f"--rdzv-conf={RDZV_CONF},is_host=false",
+            "--local-addr=127.0.0.1", f"--log-dir={tmp_path / 'logs'}", "--no-python", sys.executable, "-I",
+            str(script)]
+    agent = cluster.start("agent", argv, {"STOP_FILE": str(cluster.stop_file)})
+    first = agent.wait_for(r"step=2 pid=(\d+)")
+    out = control(cluster, "stacks", f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={job}")
+    assert out.returncode == 0, out.stderr
+    said = (r"^  rank 0 on node \S+: no stack: its Python has not started yet, or it never loads "
+            r"elasticrun's boot \(Python started with -I, -E or -S, or not Python\)")
+    assert re.search(said, out.stdout, re.M), out.stdout
+    mark = agent.mark()
+    agent.wait_for(rf"step=\d+ pid={first[1]}", start=mark)  # the same process runs on
+    cluster.stop_training()
+    assert agent.wait_exit(60) == 0, agent.text()[-3000:]
     cluster.assert_no_orphans()

@@ -113,9 +113,10 @@ async def show(target: JobTarget, *, rank: int | None, as_data: bool, timeout: f
 
 def _page(header: str, lines: Sequence[str], ranks: Sequence[RankStacks], one: bool) -> list[str]:
     page = [header, *(f"  {line}" for line in lines), ""]
-    if one:
-        return page + render_rank(ranks[0])
-    return page + render_groups(ranks)
+    body = render_rank(ranks[0]) if one else render_groups(ranks)
+    while body and not body[-1]:
+        body.pop()
+    return page + body
 
 
 def _run(args: argparse.Namespace) -> int:
