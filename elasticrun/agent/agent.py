@@ -572,13 +572,15 @@ class Agent:
         summarised, and kept with this node's (and, when this node asked, every
         node's) stacks in the attempt's folder; logged."""
         reason = hang.reason(assignment.rank_offset + hang.local_rank)
+        started = time.monotonic()
         mine = await self._capture(group, assignment, reason, CAPTURE_LIMIT)
         job = await self.handler.job_stacks(mine, f"{self.spec.node_id}: {reason}")
+        took = f"{time.monotonic() - started:.2f}s"
         if job is not None:
             lines = list(job.request.summary)
-            scope = f"job-wide: {job.request.answered} of {job.request.nodes} nodes answered"
+            scope = f"job-wide: {job.request.answered} of {job.request.nodes} nodes answered, {took}"
         else:
-            lines, scope = summarise(mine.ranks), "this node's workers only"
+            lines, scope = summarise(mine.ranks), f"this node's workers only, {took}"
         answers = [n for n in job.answers if n.node_id != mine.node_id] if job is not None else []
         text = [f"where the ranks were ({scope}):", *(f"  {line}" for line in lines), ""]
         text += render_ranks(r for node in (mine, *answers) for r in node.ranks)
@@ -595,13 +597,16 @@ class Agent:
     async def _stacks_at_round_end(self, group: _Group, assignment: Assignment, reason: str) -> None:
         """Where this node's workers were when a peer was lost (this node only: cheap,
         the next round waits for it); kept in the attempt's folder and logged."""
+        started = time.monotonic()
         mine = await self._capture(group, assignment, reason, LOST_PEER_CAPTURE_LIMIT)
+        took = time.monotonic() - started
         lines = summarise(mine.ranks)
         path = self._keep_stacks(group, reason, render_ranks(mine.ranks))
         logger.info(
-            "where this node's workers were when round %d ended (%s): %s%s",
+            "where this node's workers were when round %d ended (%s; captured in %.3fs): %s%s",
             assignment.round,
             reason,
+            took,
             one_line(lines),
             f"; all stacks in {path}" if path else "",
             extra=HEADLINE,

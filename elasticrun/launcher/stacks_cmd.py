@@ -54,7 +54,7 @@ async def _capture(store: Store, target: JobTarget, view: JobView, timeout: floa
     answers = await gather(store, keys, request.id, revision, len(members), timeout)
     done = await conclude(store, keys, request, revision, list(answers.values()))
     took = time.monotonic() - started
-    header = f"job '{target.run_id}', round {r.number}: {done.answered} of {len(members)} nodes answered in {took:.1f}s"
+    header = f"job '{target.run_id}', round {r.number}: {done.answered} of {len(members)} nodes answered in {took:.2f}s"
     silent = [m for m in members if m not in answers]
     if silent:
         shown = ", ".join(silent[:10]) + (f" and {len(silent) - 10} more" if len(silent) > 10 else "")
