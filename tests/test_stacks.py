@@ -343,3 +343,20 @@ def test_an_exited_worker_and_a_missing_file_are_said_in_one_line(workers: Worke
     assert stacks.missing == "the worker has exited (exit code 1)"
     nowhere = Target(2, 2, target.session, tmp_path / "none")
     assert capture(nowhere)[0].missing.startswith(f"its stack file {tmp_path / 'none'} cannot be read")
+
+
+def test_the_boot_marks_the_file_and_leaves_the_worker_s_children_alone(tmp_path: Path) -> None:
+    """The worker's own Python children (a data loader's, a compiler's) are no workers:
+    they neither mark the file nor inherit the boot."""
+    file = tmp_path / "w.stacks"
+    prepare_file(file)
+    env = dict(os.environ, PYTHONPATH="/elsewhere")
+    env.update(boot_env(env))
+    env.update(stacks_env(file))
+    child = "import os; print(os.environ.get('ELASTICRUN_STACKS_FILE'), os.environ.get('PYTHONPATH'))"
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}], check=True)"
+    out = subprocess.run([sys.executable, "-c", parent], env=env, capture_output=True, text=True, timeout=30,
+                         check=True)
+    assert out.stdout == "None /elsewhere\n"
+    lines = file.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(MARKER)
