@@ -18,7 +18,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,11 +32,12 @@ from elasticrun.agent.failures import (
     read_error_file,
 )
 from elasticrun.agent.filetimer import TIMER_FILE_ENV, FileTimerServer
+from elasticrun.agent.group_stacks import GroupStacks
 from elasticrun.agent.output import Duplicates, StreamPlan, WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.runfolder import create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
-from elasticrun.agent.stacks import StackCapture, Target, keep, prepare_file, stacks_env
+from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import (
     EXIT_INFRASTRUCTURE,
@@ -49,8 +50,6 @@ from elasticrun.errors import (
 from elasticrun.first_of import first_of
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
-from elasticrun.rendezvous.stack_summary import one_line, render_ranks, summarise
-from elasticrun.rendezvous.state import NodeStacks
 from elasticrun.store.credentials import worker_credential
 
 if TYPE_CHECKING:  # imported by the launcher only when metrics are asked for
@@ -174,12 +173,6 @@ _NOT_CONNECTED = (
 #: so connect to its agent) before its node gives up without joining
 _CONNECT_LIMIT = 60.0
 
-#: how long a capture waits for the workers' stacks (a process stopped or stuck in the
-#: kernel never writes them): when asked, and when a hang was found
-CAPTURE_LIMIT = 2.0
-#: the same when a round ends because a peer was lost: the next round waits for it
-LOST_PEER_CAPTURE_LIMIT = 0.5
-
 #: outcomes after which this node leaves the job while the others go on
 _LEAVING = (Outcome.SIGNALLED, Outcome.WATCH, Outcome.DRAINED)
 
@@ -191,12 +184,9 @@ class _Group:
     workers: WorkerGroup
     outputs: dict[int, WorkerOutput]
     error_files: dict[int, Path]
-    #: the attempt's folder, and each worker's stack file (elasticrun.agent.stacks)
-    attempt_dir: Path
-    stack_files: dict[int, Path]
+    #: its workers' stacks (elasticrun.agent.group_stacks)
+    stacks: GroupStacks
     duplicates: Duplicates | None = None
-    #: the captures of its stacks kept in the attempt's folder so far
-    captures: int = field(default=0)
 
 
 class Agent:
@@ -464,7 +454,7 @@ class Agent:
                 self._drained_outcome(),
                 *(self._watched(watch) for watch in self.watches),
                 *broken,
-                self._answer_stacks(group, assignment),
+                group.stacks.answer(assignment),
             )
         except BaseException:
             await self._stop_group()
@@ -478,9 +468,9 @@ class Agent:
             self._channel.change(assignment.round, interrupt=self.handler.peers_lost())
             return _Attempt(outcome, reason, None)
         if self._hang is not None:  # before the workers stop: where are they stuck?
-            self._hang_stacks = await self._stacks_of_hang(group, assignment, self._hang)
+            self._hang_stacks = await group.stacks.of_hang(assignment, self._hang, spec.node_id)
         elif outcome is Outcome.ROUND_ENDED and self.handler.peers_lost():
-            await self._stacks_at_round_end(group, assignment, reason)
+            await group.stacks.at_round_end(assignment, reason)
         if outcome in _LEAVING:
             await self.handler.leave(reason)
         await self._stop_group()
@@ -524,93 +514,6 @@ class Agent:
     async def _hung(self, dog: ProgressWatchdog) -> tuple[Outcome, str]:
         self._hang = await dog.hang()
         return Outcome.FAILED, "a worker hung"
-
-    # --- stacks (elasticrun.agent.stacks) ----------------------------------------------
-
-    async def _capture(self, group: _Group, assignment: Assignment, reason: str, limit: float) -> NodeStacks:
-        """This node's workers' stacks now, or why a worker has none."""
-        targets = [
-            Target(
-                local_rank=local_rank,
-                rank=assignment.rank_offset + local_rank,
-                session=group.workers.sessions[local_rank],
-                file=group.stack_files[local_rank],
-                exited=describe_exit(group.workers.exits[local_rank].returncode)
-                if local_rank in group.workers.exits
-                else "",
-            )
-            for local_rank in sorted(group.workers.procs)
-        ]
-        ranks = await asyncio.to_thread(self._stacks.capture, targets, limit)
-        return NodeStacks(
-            node_id=self.spec.node_id, request="", reason=reason, at=time.time(), round=assignment.round, ranks=ranks
-        )
-
-    def _keep_stacks(self, group: _Group, reason: str, lines: list[str]) -> Path | None:
-        """Keep a capture in the attempt's folder; its file (None: it could not be written)."""
-        group.captures += 1
-        path = group.attempt_dir / f"stacks_{group.captures}.txt"
-        try:
-            keep(path, reason, lines)
-        except (OSError, UsageError) as e:
-            logger.warning("cannot keep the workers' stacks in %s: %s", path, e)
-            return None
-        return path
-
-    async def _answer_stacks(self, group: _Group, assignment: Assignment) -> tuple[Outcome, str]:
-        """Answer every request for the job's stacks while the workers run (never returns)."""
-        while True:
-            request = await self.handler.stacks_asked()
-            mine = await self._capture(group, assignment, f"asked by {request.by}: {request.reason}", CAPTURE_LIMIT)
-            self._keep_stacks(group, mine.reason, render_ranks(mine.ranks))
-            await self.handler.answer_stacks(replace(mine, request=request.id))
-
-    async def _stacks_of_hang(
-        self, group: _Group, assignment: Assignment, hang: Hang
-    ) -> tuple[list[str], Path | None]:
-        """Where every rank of the job was when this node's watchdog found the hang,
-        summarised, and kept with this node's (and, when this node asked, every
-        node's) stacks in the attempt's folder; logged."""
-        reason = hang.reason(assignment.rank_offset + hang.local_rank)
-        started = time.monotonic()
-        mine = await self._capture(group, assignment, reason, CAPTURE_LIMIT)
-        job = await self.handler.job_stacks(mine, f"{self.spec.node_id}: {reason}")
-        took = f"{time.monotonic() - started:.2f}s"
-        if job is not None:
-            lines = list(job.request.summary)
-            scope = f"job-wide: {job.request.answered} of {job.request.nodes} nodes answered, {took}"
-        else:
-            lines, scope = summarise(mine.ranks), f"this node's workers only, {took}"
-        answers = [n for n in job.answers if n.node_id != mine.node_id] if job is not None else []
-        text = [f"where the ranks were ({scope}):", *(f"  {line}" for line in lines), ""]
-        text += render_ranks(r for node in (mine, *answers) for r in node.ranks)
-        path = self._keep_stacks(group, reason, text)
-        logger.warning(
-            "where the ranks were when the hang was found (%s): %s%s",
-            scope,
-            one_line(lines),
-            f"; all stacks in {path}" if path else "",
-            extra=HEADLINE,
-        )
-        return lines, path
-
-    async def _stacks_at_round_end(self, group: _Group, assignment: Assignment, reason: str) -> None:
-        """Where this node's workers were when a peer was lost (this node only: cheap,
-        the next round waits for it); kept in the attempt's folder and logged."""
-        started = time.monotonic()
-        mine = await self._capture(group, assignment, reason, LOST_PEER_CAPTURE_LIMIT)
-        took = time.monotonic() - started
-        lines = summarise(mine.ranks)
-        path = self._keep_stacks(group, reason, render_ranks(mine.ranks))
-        logger.info(
-            "where this node's workers were when round %d ended (%s; captured in %.3fs): %s%s",
-            assignment.round,
-            reason,
-            took,
-            one_line(lines),
-            f"; all stacks in {path}" if path else "",
-            extra=HEADLINE,
-        )
 
     async def _warm_up(self, channel: WorkerChannel) -> None:
         """In-process mode: start the workers before joining, so the job does not wait
@@ -696,7 +599,8 @@ class Agent:
             assert self._warden is not None  # run() started it
             workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)
         duplicates = Duplicates(attempt_dir, spec.duplicate_filters) if spec.duplicate_filters else None
-        group = _Group(workers, {}, error_files, attempt_dir, stack_files, duplicates)
+        stacks = GroupStacks(self._stacks, self.handler, workers, stack_files, attempt_dir)
+        group = _Group(workers, {}, error_files, stacks, duplicates)
         try:
             for local_rank, proc in workers.procs.items():
                 group.outputs[local_rank] = WorkerOutput(
