@@ -90,7 +90,9 @@ def agents(tracker: ProcessTracker, folder: Path, env: dict[str, str], endpoint:
         argv = [PYTHON, "-m", "elasticrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                 f"--rdzv-id={job}", f"--rdzv-conf={CONF}", "--local-addr=127.0.0.1", f"--log-dir={folder / 'logs'}",
                 *extra, str(WORKERS / worker)]
-        started.append((tracker.start(argv, env={**env, "BENCH_NODE": f"n{n + 1}"}, log=log), log))
+        # run from the trial's folder: from the checkout, `python -m` would import its
+        # elasticrun before the one PYTHONPATH names (lost-peer's base)
+        started.append((tracker.start(argv, env={**env, "BENCH_NODE": f"n{n + 1}"}, log=log, cwd=folder), log))
     return started
 
 
