@@ -8,6 +8,8 @@
   token.
 - A worker that does not load the boot (`python -I`) is reported as having no stack,
   and is not killed by the signal.
+- A round that ends because a peer froze: the survivor's log says where its worker
+  waited (in the all-reduce) before it was stopped.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -200,4 +203,31 @@ def test_a_worker_without_the_boot_is_reported_and_not_killed(
     agent.wait_for(rf"step=\d+ pid={first[1]}", start=mark)  # the same process runs on
     cluster.stop_training()
     assert agent.wait_exit(60) == 0, agent.text()[-3000:]
+    cluster.assert_no_orphans()
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_peer_s_round_end_shows_where_this_node_s_workers_waited(cluster: Cluster, c10d_store: str) -> None:
+    """A peer frozen mid-training (SIGSTOP: its agent and its worker) is dropped when its
+    lease expires; the survivor captures its worker before stopping it: waiting in the
+    all-reduce for the frozen peer."""
+    job = run_id()
+    common = dict(backend="c10d", endpoint=c10d_store, run_id=job, local_addr="127.0.0.1", nnodes="1:2",
+                  conf=RDZV_CONF + ",is_host=false")
+    a = cluster.agent("a", **common)  # type: ignore[arg-type]
+    a.wait_for(r"step=2 rank=0 world=1 ")
+    b = cluster.agent("b", **common)  # type: ignore[arg-type]
+    worker = b.wait_for(r"step=3 rank=\d+ world=2 .* pid=(\d+)")
+    a.wait_for(r"step=3 rank=\d+ world=2 ")
+    mark = a.mark()
+    os.kill(b.pid, signal.SIGSTOP)
+    os.kill(int(worker[1]), signal.SIGSTOP)
+    line = a.wait_for(r"where this node's workers were when round \d+ ended \(round \d+: [^;]*; captured in "
+                      r"[\d.]+s\): (.*)$", start=mark)
+    waited = r"rank \d on node \S+: in \w+ \(collective\.py:\d+\); all stacks in \S+/stacks_1\.txt$"
+    assert re.match(waited, line[1]), line[0]
+    a.wait_for(r"step=\d+ rank=0 world=1 ", start=a.mark())
+    b.kill()  # its frozen worker dies with it (PR_SET_PDEATHSIG)
+    cluster.stop_training()
+    assert a.wait_exit(60) == 0, a.text()[-3000:]
     cluster.assert_no_orphans()
