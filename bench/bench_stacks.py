@@ -87,9 +87,9 @@ def agents(tracker: ProcessTracker, folder: Path, env: dict[str, str], endpoint:
     started = []
     for n in range(nodes):
         log = folder / f"n{n + 1}.log"
-        argv = [PYTHON, "-m", "elasticrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                f"--rdzv-id={job}", f"--rdzv-conf={CONF}", "--local-addr=127.0.0.1", f"--log-dir={folder / 'logs'}",
-                *extra, str(WORKERS / worker)]
+        argv = [PYTHON, "-m", "elasticrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", f"--rdzv-conf={CONF}",
+                "--local-addr=127.0.0.1", f"--log-dir={folder / 'logs'}", *extra, str(WORKERS / worker)]
         # run from the trial's folder: from the checkout, `python -m` would import its
         # elasticrun before the one PYTHONPATH names (lost-peer's base)
         started.append((tracker.start(argv, env={**env, "BENCH_NODE": f"n{n + 1}"}, log=log, cwd=folder), log))
@@ -252,7 +252,8 @@ def main() -> None:
         results["hang"] = rows
         for n in args.nodes:
             mine = [r for r in rows if r["nodes"] == n]
-            print(f"hang, {n} nodes x 2 workers: verdict -> summary median {fmt(median(r['s'] for r in mine if r['s']))}s"
+            took = median(r["s"] for r in mine if r["s"])
+            print(f"hang, {n} nodes x 2 workers: verdict -> summary median {fmt(took)}s"
                   f" over {[fmt(r['s']) for r in mine]}, all named: {all(r.get('named') for r in mine)}; "
                   f"answered {[r.get('answered') for r in mine]}", flush=True)
     if "ondemand" in only:
@@ -260,9 +261,9 @@ def main() -> None:
         results["ondemand"] = rows
         for n in args.nodes:
             mine = [r for r in rows if r["nodes"] == n and r.get("wall_s")]
+            answers = median(r["answers_s"] for r in mine if r["answers_s"] is not None)
             print(f"elasticrun stacks, {n} nodes x 2 workers: wall median {fmt(median(r['wall_s'] for r in mine))}s, "
-                  f"request -> last answer median {fmt(median(r['answers_s'] for r in mine if r['answers_s'] is not None))}s",
-                  flush=True)
+                  f"request -> last answer median {fmt(answers)}s", flush=True)
     if "lost-peer" in only:
         base = Path(tempfile.mkdtemp(prefix="stacks-base-"))
         subprocess.run(f"git -C {REPO} archive {args.base} elasticrun | tar -x -C {base}", shell=True, check=True)
@@ -273,7 +274,8 @@ def main() -> None:
         results["lost_peer"] = rows
         for label in ("base", "stacks"):
             mine = [r for r in rows if r["build"] == label]
-            print(f"lost peer, {label}: kill -> first step at world 2 median {fmt(median(r['s'] for r in mine if r['s']))}s"
+            took = median(r["s"] for r in mine if r["s"])
+            print(f"lost peer, {label}: kill -> first step at world 2 median {fmt(took)}s"
                   f" over {[fmt(r['s']) for r in mine]}; round-end captures {[r.get('captures_s') for r in mine]}",
                   flush=True)
     write_json(args.json, results)
