@@ -11,6 +11,7 @@ main thread blocks the signal, one with a thread that blocks it.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import signal
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.agent.boot import boot_env
+from elasticrun.agent.boot import BOOT_DIR, boot_env
 from elasticrun.agent.sessions import Session
 from elasticrun.agent.stacks import (
     MARKER,
@@ -46,7 +47,6 @@ from elasticrun.rendezvous.stack_summary import (
 )
 from elasticrun.rendezvous.stacks import bounded, left_out
 from elasticrun.rendezvous.state import Frame, NodeStacks, RankStacks, ThreadStack, decode, encode
-from elasticrun.worker.boot import sitecustomize
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,8 +128,15 @@ def test_the_latest_mark_names_the_process_to_signal() -> None:
 
 
 def test_the_boot_and_the_agent_agree_on_the_signal_and_the_variable() -> None:
-    assert STACKS_SIGNAL == signal.SIGRTMIN + sitecustomize.STACKS_SIGNAL_OFFSET
-    assert stacks_env(Path("/x")) == {sitecustomize.STACKS_FILE_ENV: "/x"}
+    """Read from the boot's source: importing it would run it in this process."""
+    tree = ast.parse((BOOT_DIR / "sitecustomize.py").read_text())
+    constants = {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id.isupper()
+    }
+    assert STACKS_SIGNAL == signal.SIGRTMIN + constants["STACKS_SIGNAL_OFFSET"]
+    assert stacks_env(Path("/x")) == {constants["STACKS_FILE_ENV"]: "/x"}
 
 
 # --- the summary ----------------------------------------------------------------------------
