@@ -32,10 +32,12 @@ from elasticrun.agent.failures import (
     read_error_file,
 )
 from elasticrun.agent.filetimer import TIMER_FILE_ENV, FileTimerServer
+from elasticrun.agent.group_stacks import GroupStacks
 from elasticrun.agent.output import Duplicates, StreamPlan, WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.runfolder import create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
+from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import (
     EXIT_INFRASTRUCTURE,
@@ -191,6 +193,8 @@ class _Group:
     workers: WorkerGroup
     outputs: dict[int, WorkerOutput]
     error_files: dict[int, Path]
+    #: its workers' stacks (elasticrun.agent.group_stacks)
+    stacks: GroupStacks
     duplicates: Duplicates | None = None
     #: it has run a round (in-process mode starts it before the first)
     ran: bool = False
@@ -242,6 +246,9 @@ class Agent:
         self._broken_text = ""
         #: the hang the progress watchdog found in the current attempt
         self._hang: Hang | None = None
+        #: where the ranks were when it was found: the summary, and the file with it all
+        self._hang_stacks: tuple[list[str], Path | None] = ([], None)
+        self._stacks = StackCapture(spec.node_id)
         #: this node's failure beyond the budget: (message, report, the report's or the
         #: in-process worker's traceback text, "" without one)
         self._failure: tuple[str, FailureReport | None, str] | None = None
@@ -448,7 +455,7 @@ class Agent:
         """
         spec = self.spec
         # A fresh watchdog each round: its clock starts now (kept workers waited idle).
-        self._hang = None
+        self._hang, self._hang_stacks = None, ([], None)
         dog = self._watchdog()
         started = time.monotonic()
         in_place = self._group is not None and self._group.ran  # in-process: kept from a round
@@ -493,6 +500,7 @@ class Agent:
                 self._drained_outcome(),
                 *(self._watched(watch) for watch in self.watches),
                 *broken,
+                group.stacks.answer(assignment),
             )
         except BaseException:
             await self._stop_group()
@@ -505,6 +513,10 @@ class Agent:
             assert self._channel is not None
             self._channel.change(assignment.round, interrupt=self.handler.peers_lost())
             return _Attempt(outcome, reason, None, kept=True)
+        if self._hang is not None:  # before the workers stop: where are they stuck?
+            self._hang_stacks = await group.stacks.of_hang(assignment, self._hang, spec.node_id)
+        elif outcome is Outcome.ROUND_ENDED and self.handler.peers_lost():
+            await group.stacks.at_round_end(assignment, reason)
         if outcome in _LEAVING:
             # a watch that fired found this node unfit (a sick GPU, a failed health
             # check): the job keeps it out (quarantined), whatever comes of its agent
@@ -617,7 +629,7 @@ class Agent:
         attempt_dir = self.run_dir / f"attempt_{self._attempts}"
         self._attempts += 1
         socket_path = self._channel.path if self._channel is not None else None
-        envs, error_files, plans = {}, {}, {}
+        envs, error_files, plans, stack_files = {}, {}, {}, {}
         make_private_folder(attempt_dir)
         for local_rank in range(spec.nproc_per_node):
             worker_dir = attempt_dir / str(local_rank)
@@ -629,6 +641,9 @@ class Agent:
             )
             if dog is not None:
                 envs[local_rank].update(dog.env(local_rank))
+            stack_files[local_rank] = worker_dir / "stacks"
+            prepare_file(stack_files[local_rank])
+            envs[local_rank].update(stacks_env(stack_files[local_rank]))
             if self._timers is not None:
                 envs[local_rank][TIMER_FILE_ENV] = str(self._timers.path)
             plans[local_rank] = plan_streams(spec, local_rank, worker_dir)
@@ -639,7 +654,8 @@ class Agent:
             assert self._warden is not None  # run() started it
             workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)
         duplicates = Duplicates(attempt_dir, spec.duplicate_filters) if spec.duplicate_filters else None
-        group = _Group(workers, {}, error_files, duplicates)
+        stacks = GroupStacks(self._stacks, self.handler, workers, stack_files, attempt_dir)
+        group = _Group(workers, {}, error_files, stacks, duplicates)
         try:
             for local_rank, proc in workers.procs.items():
                 group.outputs[local_rank] = WorkerOutput(
@@ -727,7 +743,10 @@ class Agent:
                     stderr_tail=list(group.outputs[hang.local_rank].stderr_tail),
                 )
             ]
-            return make_report(failures, title=self._report_title())
+            lines, path = self._hang_stacks
+            return make_report(
+                failures, title=self._report_title(), stacks=lines, stacks_file=str(path) if path else ""
+            )
         failures = [
             make_failure(
                 e,

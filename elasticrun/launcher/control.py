@@ -30,6 +30,7 @@ from elasticrun.rendezvous.state import (
     NodeStatus,
     QuarantineTable,
     Round,
+    StacksRequest,
 )
 from elasticrun.store.access import StoreAccess, open_client, parse_access
 from elasticrun.store.api import EventType, Store
@@ -135,6 +136,8 @@ class JobView:
     events: tuple[Event, ...] = ()
     #: the leader's failure records and quarantines (wall-clock times)
     quarantine: QuarantineTable = field(default_factory=QuarantineTable)
+    #: the latest request for every node's stacks (done: with the summary)
+    stacks: StacksRequest | None = None
 
     @property
     def exists(self) -> bool:
@@ -210,6 +213,7 @@ def job_view(records: JobRecords, revision: int) -> JobView:
         drains=frozenset(records.drains),
         events=tuple(records.events.values()),
         quarantine=records.quarantine,
+        stacks=records.stacks,
     )
 
 
