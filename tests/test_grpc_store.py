@@ -13,6 +13,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from elasticrun.errors import (
@@ -28,6 +29,7 @@ from elasticrun.errors import (
     UsageError,
 )
 from elasticrun.launcher import store_cmd
+from elasticrun.store import server as server_module
 from elasticrun.store.access import exposure_warning, parse_access
 from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
 from elasticrun.store.c10d_client import C10dClient
@@ -380,6 +382,63 @@ async def test_one_identity_cannot_take_the_calls_of_others(reliability: Reliabi
         scenario="one identity holds every call slot",
         injected="a reader holds its identity's maximum of calls in progress and makes more, over a second connection too",
         happened="refused (RESOURCE_EXHAUSTED: its fair share) on both connections; an admin client's call served",
+        lost="nothing",
+    )
+
+
+async def headers_only(endpoint: str, method: str, token: str | None) -> grpc.aio.Call:
+    """A call of `method` that sends its headers and never its message."""
+    channel = grpc.aio.insecure_channel(endpoint)
+    call = channel.stream_stream(method)(
+        _never(), metadata=(("authorization", f"Bearer {token}"),) if token else None
+    )
+    call.channel = channel  # type: ignore[attr-defined]  # kept open as long as the call
+    return call
+
+
+async def _never() -> AsyncIterator[bytes]:
+    await asyncio.Event().wait()
+    yield b""
+
+
+async def status_of(call: grpc.aio.Call) -> grpc.StatusCode:
+    async with asyncio.timeout(EVENT_WAIT):
+        return await call.code()
+
+
+@pytest.mark.security
+async def test_a_call_is_refused_from_its_headers(
+    monkeypatch: pytest.MonkeyPatch, reliability: Reliability
+) -> None:
+    """No message is read, no slot spent, before the caller is known (issue 36): a call
+    with no token is refused at once; an identity's calls count against its share from
+    their headers; a call whose message does not come is ended after the deadline."""
+    monkeypatch.setattr(server_module, "MESSAGE_DEADLINE", 0.5)
+    server = StoreServer("127.0.0.1", 0, token=TOKEN, fair_share=FairShare(calls=2))
+    await server.start()
+    anonymous = await headers_only(server.endpoint, "/elasticrun.store.v1.C10dStore/Set", None)
+    assert await status_of(anonymous) is grpc.StatusCode.UNAUTHENTICATED
+    reader = reader_credential(TOKEN)
+    held = [await headers_only(server.endpoint, "/elasticrun.store.v1.Store/Range", reader) for _ in range(2)]
+    await eventually(lambda: server.shares.calls.total == 2, EVENT_WAIT)
+    client = GrpcStore(server.endpoint, token=reader)
+    with pytest.raises(StoreLimitError, match="maximum of 2 calls in progress"):
+        await client.get("k")
+    for call in held:
+        assert await status_of(call) is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert server.shares.calls.total == 0 and await client.get("k") is None  # given back
+    for call in (anonymous, *held):
+        await call.channel.close()  # type: ignore[attr-defined]
+    await client.close()
+    await server.stop()
+    reliability.record(
+        part="security",
+        scenario="calls that never send their message",
+        injected="a call with no token and calls with the reader credential (its share: 2) that send headers "
+        "and no message",
+        happened="the anonymous call refused at once (UNAUTHENTICATED); the reader's counted against its share "
+        "from their headers (its next call RESOURCE_EXHAUSTED), then ended after the message deadline "
+        "(DEADLINE_EXCEEDED) and their slots given back",
         lost="nothing",
     )
 

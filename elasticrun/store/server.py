@@ -11,7 +11,9 @@ server speaks TLS only; with a CA for clients (`client_ca`) as well, it takes on
 connections whose client certificate chains to that CA (mutual TLS), and the
 certificate may name a role too. Each call is attributed to its caller once, before its
 handler runs (`store/callers.py`): a call its role may not make gets PERMISSION_DENIED,
-one past its identity's fair share RESOURCE_EXHAUSTED. A worker's c10d keys live in its
+one past its identity's fair share RESOURCE_EXHAUSTED; all of that from the call's headers,
+before its message is read (`_guarded`), and the message must come within
+`MESSAGE_DEADLINE`. A worker's c10d keys live in its
 job's own namespace (`/elasticrun/<job>/w/`), so a torch process group runs unchanged
 and sees nothing else. State lives in memory and is never pickled.
 
@@ -92,8 +94,15 @@ PAGE_KEYS = 256
 #: The most a c10d multi_get may answer at once: unlike a prefix read it cannot be
 #: paged, and encoding a reply costs about 4 ms per MiB of the server's loop.
 MAX_MULTI_GET_BYTES = 4 << 20
+#: How long a call may take to deliver its request message once its headers arrived:
+#: a 1 MiB value over a slow link takes well under a second; a caller that sends headers
+#: and nothing more holds its call (and its share) no longer than this.
+MESSAGE_DEADLINE = 10.0
 #: How long in-flight calls may finish when the server stops.
 DEFAULT_STOP_GRACE = 2.0
+
+#: Calls open at once on one connection.
+MAX_STREAMS_PER_CONNECTION = 256
 
 #: Pings keep idle connections (a quiet watch) alive through NATs and reveal dead
 #: peers; the server must accept the client's pace.
@@ -106,6 +115,12 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", CLIENT_PING_MS // 2),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_send_message_length", MAX_REPLY_BYTES),
+    # Calls open at once on one connection (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS):
+    # a client queues past it, one that does not is refused the stream (REFUSED_STREAM)
+    # by gRPC's transport, before any call exists. An agent holds a few, a worker one.
+    ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    # a connection that has not finished its TLS handshake by then is closed
+    ("grpc.server_handshake_timeout_ms", 10_000),
 ]
 
 _T = TypeVar("_T")
@@ -749,52 +764,73 @@ async def _refuse_malformed(request: _Malformed, context: grpc.aio.ServicerConte
 
 
 def _guarded(handler: grpc.RpcMethodHandler, count: _Counter) -> grpc.RpcMethodHandler:
-    """The same handler, but the call is first attributed to its caller and counted
-    against its share while it runs (`count`, which refuses a caller that may not make
-    it), and a request that does not decode gets INVALID_ARGUMENT (grpc itself would
-    answer UNKNOWN and log a traceback for each: a log flood on demand)."""
+    """The same method, served so that nothing is spent on a call before its caller is
+    known: the call is attributed to its caller from its headers (`count`, which
+    refuses a caller that may not make it and counts the call against its share while
+    it runs), and only then is its request message read, within `MESSAGE_DEADLINE`.
+
+    gRPC reads a unary call's message before it runs the handler, and counts the call
+    against the server's limit from its headers: a client that opens calls and never
+    sends their message held a slot each, with no token (issue 36). So every method is
+    registered as a bidirectional stream, which gRPC hands to its handler at once with
+    the messages still unread; on the wire a unary call and a stream that carries one
+    message each way are the same, so clients see no difference. A request that does
+    not decode gets INVALID_ARGUMENT (grpc itself would answer UNKNOWN and log a
+    traceback for each: a log flood on demand)."""
     parse = _tolerant(handler.request_deserializer)
-    serialize = handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
+    if handler.request_streaming:
+        if not handler.response_streaming:
+            raise TypeError("no client-streaming method is served")
         inner_ss = handler.stream_stream
 
-        async def stream_stream(
-            requests: AsyncIterator[object], context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[object]:
-            async def checked() -> AsyncIterator[object]:
-                async for request in requests:
-                    if isinstance(request, _Malformed):
-                        await _refuse_malformed(request, context)
-                    yield request
-
-            async with count(context):
-                async for reply in inner_ss(checked(), context):
-                    yield reply
-
-        return grpc.stream_stream_rpc_method_handler(stream_stream, parse, serialize)
-    if handler.request_streaming:
-        raise TypeError("no client-streaming method is served")
-    inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
-    if inspect.isasyncgenfunction(inner):
-
-        async def unary_gen(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
-            async with count(context):
+        async def checked(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+            async for request in requests:
                 if isinstance(request, _Malformed):
                     await _refuse_malformed(request, context)
-                async for reply in inner(request, context):
-                    yield reply
+                yield request
 
-        return grpc.unary_stream_rpc_method_handler(unary_gen, parse, serialize)
+        async def streams(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> None:
+            async with count(context):
+                async for reply in inner_ss(checked(requests, context), context):
+                    await context.write(reply)
 
-    async def unary(request: object, context: grpc.aio.ServicerContext) -> object:
+        return grpc.stream_stream_rpc_method_handler(streams, parse, handler.response_serializer)
+    inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+    writes_itself = handler.response_streaming and not inspect.isasyncgenfunction(inner)
+
+    async def one(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> None:
         async with count(context):
-            if isinstance(request, _Malformed):
-                await _refuse_malformed(request, context)
-            return await inner(request, context)
+            request = await _message(context)
+            if writes_itself:  # a stream whose handler writes its replies (context.write)
+                await inner(request, context)
+            elif handler.response_streaming:
+                async for reply in inner(request, context):
+                    await context.write(reply)
+            else:
+                await context.write(await inner(request, context))
 
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(unary, parse, serialize)
-    return grpc.unary_unary_rpc_method_handler(unary, parse, serialize)
+    return grpc.stream_stream_rpc_method_handler(one, parse, handler.response_serializer)
+
+
+async def _message(context: grpc.aio.ServicerContext) -> object:
+    """The call's one request message, once its caller is known; a call whose message
+    does not come within `MESSAGE_DEADLINE` of its headers is ended (DEADLINE_EXCEEDED),
+    so that a caller cannot hold its calls open without sending anything."""
+    try:
+        async with asyncio.timeout(MESSAGE_DEADLINE):
+            # read, not the request iterator: its generator would keep the message
+            # (up to a MiB) alive for as long as the call's state lives
+            request = await context.read()
+    except TimeoutError:
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the call's request did not arrive within {MESSAGE_DEADLINE:g} s of its headers",
+        )
+    if request is grpc.aio.EOF:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
+    if isinstance(request, _Malformed):
+        await _refuse_malformed(request, context)
+    return request
 
 
 # --- the c10d operations -------------------------------------------------------------

@@ -24,15 +24,19 @@ import asyncio
 import json
 import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from elasticrun.launcher.control import JobTarget, JobView, read_job
 from elasticrun.store.access import parse_access
+from elasticrun.store.client import GrpcStore
+from elasticrun.store.server import MAX_STREAMS_PER_CONNECTION
 from tests.agent_helpers import free_port
 from tests.certs import TestCa, write_pair
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
@@ -290,4 +294,60 @@ def test_mutual_tls_on_the_store_an_agent_hosts(cluster: Cluster, tmp_path: Path
         happened="the certified client read the job; the others were refused at once (exit 2, one line naming "
         "the client certificate); the job ran on undisturbed",
         restarts=0, lost="nothing",
+    )
+
+
+FLOOD = Path(__file__).resolve().parents[1] / "workers" / "headers_flood.py"
+
+
+async def victim_puts(endpoint: str, token: str, seconds: float) -> list[float]:
+    """An admin client's put latencies, one put every 10 ms for `seconds`, sorted."""
+    victim = GrpcStore(endpoint, token=token)
+    latencies = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.perf_counter()
+        await victim.put("/elasticrun/victim/r/job/state", b"x" * 100)
+        latencies.append(time.perf_counter() - t)
+        await asyncio.sleep(0.01)
+    await victim.close()
+    return sorted(latencies)
+
+
+def test_an_anonymous_headers_flood_stalls_no_one(job: Job, reliability) -> None:
+    """Issue 36: calls opened with no token and no message, as fast as the store takes
+    them over 8 connections, while a 2-node job runs and a third node joins."""
+    a, b = job.agent("a", nnodes="2:3"), job.agent("b", nnodes="2:3")
+    for agent in (a, b):
+        agent.wait_for(r"^\[\d\]<stdout>: tick 3$")
+    flood = job.cluster.start("flood", [sys.executable, str(FLOOD), job.endpoint, "8", "5000000", "10"])
+    flood.wait_for(r"^flooding$")
+    c = job.agent("c", nnodes="2:3")
+    latencies = asyncio.run(victim_puts(job.endpoint, job.token, 3.0))
+    p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
+    assert p99 <= 0.100, f"victim put p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms under the flood"
+    for agent in (a, b, c):  # the newcomer joined: a new round, every node's worker up in it
+        agent.wait_for(r"worker up round=2 ")
+        agent.wait_for(r"^\[\d\]<stdout>: tick 3$", start=agent.text().index("worker up round=2 "))
+    joined_during_flood = "flood-sent" not in flood.text()
+    flood.signal(signal.SIGTERM)
+    counts = dict(item.split("=") for item in flood.wait_for(r"^sent=.*$")[0].split())
+    assert joined_during_flood, f"the flood ended before the newcomer's round: the test showed nothing ({counts})"
+    for agent in (a, b):  # rounds 1 and 2, no membership lost to the flood
+        assert len(re.findall(r"worker up", agent.text())) == 2, agent.text()[-3000:]
+    job.stop_file.touch()
+    for agent in (a, b, c):
+        assert agent.wait_exit() == 0, agent.text()[-3000:]
+    job.store.kill()
+    job.cluster.assert_no_orphans()
+    reliability.record(
+        part="security",
+        scenario="anonymous calls that never send their message (headers-only flood)",
+        injected=f"8 TCP connections sent {int(counts['sent']):,} raw HTTP/2 HEADERS frames (no token, no "
+        "message) in 10 s while a 2-node job ran, a third node joined, and an admin client put a key every 10 ms",
+        happened=f"every call refused from its headers ({counts['answered']} answered UNAUTHENTICATED, the rest "
+        f"REFUSED_STREAM past {MAX_STREAMS_PER_CONNECTION} streams per connection); the newcomer joined in round "
+        f"2 and every worker stepped on; victim put p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms (bound: 100 ms)",
+        restarts=0, lost="nothing",
+        victim_put_p50_ms=round(p50 * 1000, 1), victim_put_p99_ms=round(p99 * 1000, 1),
     )
