@@ -35,7 +35,7 @@ from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.callers import FairShare
 from elasticrun.store.client import GrpcStore
-from elasticrun.store.credentials import reader_credential
+from elasticrun.store.credentials import reader_credential, worker_credential
 from elasticrun.store.memory import MemoryStore
 from elasticrun.store.server import StoreServer
 from elasticrun.store.wire import TlsKeyPair
@@ -439,6 +439,47 @@ async def test_a_call_is_refused_from_its_headers(
         happened="the anonymous call refused at once (UNAUTHENTICATED); the reader's counted against its share "
         "from their headers (its next call RESOURCE_EXHAUSTED), then ended after the message deadline "
         "(DEADLINE_EXCEEDED) and their slots given back",
+        lost="nothing",
+    )
+
+
+@pytest.mark.security
+async def test_c10d_key_lists_are_bounded(reliability: Reliability) -> None:
+    """Issue 36: a key list is refused past its bounds (a long one unparsed), a key
+    named twice is looked up once and answered twice, a multi_set has a most."""
+    server = StoreServer("127.0.0.1", 0, token=TOKEN)
+    await server.start()
+
+    def c10d() -> None:
+        client = C10dClient(server.endpoint, token=worker_credential(TOKEN, "job-a"), timeout=10)
+        client.multi_set(["a", "b"], [b"1", b"2"])
+        assert client.multi_get(["b", "a", "b", "b"], 5) == [b"2", b"1", b"2", b"2"]
+        assert client.check(["a"] * server_module.MAX_KEYS_PER_CALL) and not client.check(["a", "c"])
+        client.wait(["a", "b", "a"], 5)
+        too_many = [f"k{i}" for i in range(server_module.MAX_KEYS_PER_CALL + 1)]
+        for call in (lambda: client.check(too_many), lambda: client.wait(too_many, 5),
+                     lambda: client.multi_get(too_many, 5)):
+            with pytest.raises(StoreLimitError, match=f"at most {server_module.MAX_KEYS_PER_CALL} keys"):
+                call()
+        with pytest.raises(StoreLimitError, match="over the store's limit of 262144 bytes"):
+            client.check(["a"] * 340_000)  # issue 36's list: 1 MiB, refused before it is parsed
+        with pytest.raises(StoreLimitError, match=f"at most {server_module.MAX_MULTI_SET_KEYS} keys"):
+            client.multi_set(too_many[:2000], [b"x"] * 2000)
+        with pytest.raises(StoreRequestError, match="must not be empty"):
+            client.check(["a", ""])
+        assert client.num_keys() == 2  # nothing of the refused multi_set written
+        client.close()
+
+    await asyncio.to_thread(c10d)
+    await server.stop()
+    reliability.record(
+        part="security",
+        scenario="c10d key lists past their bounds",
+        injected=f"check, wait and multi_get naming {server_module.MAX_KEYS_PER_CALL + 1} keys, a check of one key "
+        "340,000 times (1 MiB), a multi_set of 2,000 keys, duplicates and an empty key",
+        happened=f"refused (RESOURCE_EXHAUSTED naming the most: {server_module.MAX_KEYS_PER_CALL} keys, 256 KiB, "
+        f"{server_module.MAX_MULTI_SET_KEYS} keys for a multi_set; INVALID_ARGUMENT for the empty key), the 1 MiB "
+        "list before it was parsed; duplicates looked up once and answered in place",
         lost="nothing",
     )
 

@@ -34,7 +34,9 @@ import contextvars
 import functools
 import inspect
 import logging
+import operator
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar, cast
@@ -94,6 +96,19 @@ PAGE_KEYS = 256
 #: The most a c10d multi_get may answer at once: unlike a prefix read it cannot be
 #: paged, and encoding a reply costs about 4 ms per MiB of the server's loop.
 MAX_MULTI_GET_BYTES = 4 << 20
+#: The most keys one c10d check, wait or multi_get may name (as many as a job's workers
+#: may hold; duplicates count once in the work, every time in the reply), and the most
+#: bytes its request may take, refused
+#: before it is parsed; a multi_set writes at most MAX_MULTI_SET_KEYS keys (each write
+#: keeps history and wakes watchers: ~10 µs a key). Their requests are parsed, bounded
+#: and looked up by the handler, in the caller's turn (`Shares.turn`): one such call of
+#: a worker's at a time, each a few milliseconds of the loop at most. Unbounded, a 1 MiB
+#: list of one key 340,000 times held the loop 150 ms a call (issue 36).
+MAX_KEYS_PER_CALL = 10_000
+MAX_KEY_LIST_BYTES = 256 << 10
+MAX_MULTI_SET_KEYS = 1_024
+#: The most of the loop's time one identity other than admin spends on those steps.
+KEY_LIST_LOOP_SHARE = 0.25
 #: How long a call may take to deliver its request message once its headers arrived:
 #: a 1 MiB value over a slow link takes well under a second; a caller that sends headers
 #: and nothing more holds its call (and its share) no longer than this.
@@ -697,6 +712,16 @@ _ENCODED_BY_HANDLER: dict[str, dict[str, Callable[[bytes], object]]] = {
 }
 
 
+#: The methods whose handlers parse their requests themselves (they take bytes), and
+#: the most bytes such a request may take (None: the server's limit for any message).
+_PARSED_BY_HANDLER: dict[str, dict[str, int | None]] = {
+    "Store": {},
+    "C10dStore": {
+        "Check": MAX_KEY_LIST_BYTES, "Wait": MAX_KEY_LIST_BYTES, "MultiGet": MAX_KEY_LIST_BYTES, "MultiSet": None,
+    },
+}
+
+
 def _add_store_service(servicer: _StoreService, server: grpc.aio.Server, count: _CallCounter) -> None:
     capture = _Capture()
     pb_grpc.add_StoreServicer_to_server(servicer, capture)
@@ -711,7 +736,8 @@ def _add_c10d_service(servicer: _C10dService, server: grpc.aio.Server, count: _C
 
 def _encoded_by_handler(handlers: dict[str, grpc.RpcMethodHandler], service: str) -> dict[str, grpc.RpcMethodHandler]:
     """The generated handlers, but those of `_ENCODED_BY_HANDLER` with no response
-    serializer: their replies go out as the bytes the handler made."""
+    serializer (their replies go out as the bytes the handler made), and those of
+    `_PARSED_BY_HANDLER` with a request deserializer that only bounds the bytes."""
     handlers = dict(handlers)
     for method, parse in _ENCODED_BY_HANDLER[service].items():
         handler = handlers[method]
@@ -722,7 +748,29 @@ def _encoded_by_handler(handlers: dict[str, grpc.RpcMethodHandler], service: str
             handler.unary_stream if handler.response_streaming else handler.unary_unary,
             request_deserializer=parse,
         )
+    for method, limit in _PARSED_BY_HANDLER[service].items():
+        handler = handlers[method]
+        handlers[method] = grpc.unary_unary_rpc_method_handler(
+            handler.unary_unary, request_deserializer=_bytes_within(method, limit),
+            response_serializer=handler.response_serializer,
+        )
     return handlers
+
+
+def _bytes_within(method: str, limit: int | None) -> Callable[[bytes], object]:
+    """A request deserializer that keeps the bytes (the handler parses them), refusing
+    more than `limit` of them unparsed."""
+
+    def take(data: bytes) -> object:
+        if limit is not None and len(data) > limit:
+            return _Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"a c10d {method} request of {len(data)} bytes is over the store's limit of {limit} bytes "
+                f"(at most {MAX_KEYS_PER_CALL} keys a call): name fewer keys, or shorter ones",
+            )
+        return data
+
+    return take
 
 
 def _register(
@@ -740,13 +788,14 @@ def _register(
 # --- requests that do not decode -----------------------------------------------------
 
 
-class _Malformed:
-    """A request whose bytes did not decode; its handler answers INVALID_ARGUMENT."""
+class _Refused:
+    """A request refused as it was read (its bytes did not decode: INVALID_ARGUMENT, or
+    there were too many of them); its handler answers `code` with `why`."""
 
-    __slots__ = ("why",)
+    __slots__ = ("code", "why")
 
-    def __init__(self, why: str) -> None:
-        self.why = why
+    def __init__(self, code: grpc.StatusCode, why: str) -> None:
+        self.code, self.why = code, why
 
 
 def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], object]:
@@ -754,13 +803,13 @@ def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], objec
         try:
             return deserialize(data)
         except Exception as e:  # DecodeError: corrupt wire format, a string not UTF-8
-            return _Malformed(str(e) or type(e).__name__)
+            return _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {str(e) or type(e).__name__}")
 
     return parse
 
 
-async def _refuse_malformed(request: _Malformed, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.why}")
+async def _refuse(request: _Refused, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(request.code, request.why)
 
 
 def _guarded(handler: grpc.RpcMethodHandler, count: _Counter) -> grpc.RpcMethodHandler:
@@ -785,8 +834,8 @@ def _guarded(handler: grpc.RpcMethodHandler, count: _Counter) -> grpc.RpcMethodH
 
         async def checked(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
             async for request in requests:
-                if isinstance(request, _Malformed):
-                    await _refuse_malformed(request, context)
+                if isinstance(request, _Refused):
+                    await _refuse(request, context)
                 yield request
 
         async def streams(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> None:
@@ -828,8 +877,8 @@ async def _message(context: grpc.aio.ServicerContext) -> object:
         )
     if request is grpc.aio.EOF:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
-    if isinstance(request, _Malformed):
-        await _refuse_malformed(request, context)
+    if isinstance(request, _Refused):
+        await _refuse(request, context)
     return request
 
 
@@ -867,20 +916,52 @@ class _C10dService(pb_grpc.C10dStoreServicer):
                 if event.type is EventType.PUT:
                     return
 
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """The caller's turn (`Shares.turn`; admin: at once) for a step whose work grows
+        with a key list: one such step of an identity's at a time, and after each, a
+        pause in its turn so that its steps take at most KEY_LIST_LOOP_SHARE of the
+        loop's time, however many of its calls wait. (A step is a few milliseconds; a
+        put takes a few passes of the loop, so steps back to back would delay each of
+        them by one.)"""
+        caller = _CALLER.get()
+        async with self._server.shares.turn(caller):
+            start = time.perf_counter()
+            yield
+            if caller.limited:
+                await asyncio.sleep((time.perf_counter() - start) * (1 / KEY_LIST_LOOP_SHARE - 1))
+
+    def _key_list(self, names: list[str], what: str) -> list[str]:
+        """The engine's keys for the c10d keys `names`, each once, in first-named order;
+        a list longer than MAX_KEYS_PER_CALL is refused. (C loops only: a list of
+        10,000 keys takes about a millisecond.)"""
+        if len(names) > MAX_KEYS_PER_CALL:
+            raise StoreLimitError(
+                f"a c10d {what} may name at most {MAX_KEYS_PER_CALL} keys, this one names {len(names)}: "
+                "ask for them in smaller batches"
+            )
+        unique = list(dict.fromkeys(names))
+        if "" in unique:
+            raise StoreRequestError("a key must not be empty")
+        return self._keys().all_of(unique)
+
     async def _await_keys(
-        self, keys: list[str], timeout: float, context: grpc.aio.ServicerContext
-    ) -> list[bytes] | None:
-        """The keys' values once they all exist, None past `timeout` (0: no limit)."""
+        self, keys: list[str], timeout: float, context: grpc.aio.ServicerContext, *, in_turn: bool = True
+    ) -> list[KeyValue] | None:
+        """The keys' entries once they all exist, None past `timeout` (0: no limit).
+        Each look at them all is one pass with no suspension (a consistent snapshot),
+        in the caller's turn when `in_turn`."""
         async with self._server._long_call(context):
             try:
                 async with asyncio.timeout(timeout if timeout > 0 else None):
                     while True:
-                        for key in keys:
-                            await self._await_key(key)
-                        # One pass with no suspension: a consistent snapshot.
-                        kvs = [await self._engine.get(key) for key in keys]
-                        if all(kv is not None for kv in kvs):
-                            return [kv.value for kv in kvs if kv is not None]
+                        async with self._turn() if in_turn else contextlib.nullcontext():
+                            kvs = self._engine.entries(keys)
+                        if all(kvs):  # no None
+                            return cast("list[KeyValue]", kvs)
+                        for key, kv in zip(keys, kvs, strict=True):
+                            if kv is None:
+                                await self._await_key(key)
             except TimeoutError:
                 return None
 
@@ -895,10 +976,10 @@ class _C10dService(pb_grpc.C10dStoreServicer):
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetReply:
         key = self._keys().of(request.key)
-        values = await self._await_keys([key], request.timeout_seconds, context)
-        if values is None:
+        kvs = await self._await_keys([key], request.timeout_seconds, context, in_turn=False)
+        if kvs is None:
             return pb.GetReply(timed_out=True)
-        return pb.GetReply(value=values[0])
+        return pb.GetReply(value=kvs[0].value)
 
     @_unary
     async def Add(self, request: pb.AddRequest, context: object) -> pb.AddReply:
@@ -936,19 +1017,18 @@ class _C10dService(pb_grpc.C10dStoreServicer):
         return pb.CompareSetReply(value=kv.value)
 
     @_unary
-    async def Wait(
-        self, request: pb.WaitRequest, context: grpc.aio.ServicerContext
-    ) -> pb.WaitReply:
-        keys = self._keys()
-        values = await self._await_keys([keys.of(k) for k in request.keys], request.timeout_seconds, context)
-        return pb.WaitReply(timed_out=values is None)
+    async def Wait(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.WaitReply:
+        async with self._turn():
+            request = _parse(pb.WaitRequest, data)
+            keys = self._key_list(list(request.keys), "wait")
+        kvs = await self._await_keys(keys, request.timeout_seconds, context)
+        return pb.WaitReply(timed_out=kvs is None)
 
     @_unary
-    async def Check(self, request: pb.CheckRequest, context: object) -> pb.CheckReply:
-        keys = self._keys()
-        return pb.CheckReply(
-            ready=all([await self._engine.get(keys.of(key)) is not None for key in request.keys])
-        )
+    async def Check(self, data: bytes, context: object) -> pb.CheckReply:
+        async with self._turn():
+            keys = self._key_list(list(_parse(pb.CheckRequest, data).keys), "check")
+            return pb.CheckReply(ready=all(self._engine.entries(keys)))
 
     @_unary
     async def NumKeys(self, request: pb.NumKeysRequest, context: object) -> pb.NumKeysReply:
@@ -962,14 +1042,18 @@ class _C10dService(pb_grpc.C10dStoreServicer):
         return pb.DeleteKeyReply(deleted=await self._engine.delete(self._keys().of(request.key)))
 
     @_unary
-    async def MultiGet(
-        self, request: pb.MultiGetRequest, context: grpc.aio.ServicerContext
-    ) -> bytes:
-        keys = self._keys()
-        values = await self._await_keys([keys.of(k) for k in request.keys], request.timeout_seconds, context)
-        if values is None:
+    async def MultiGet(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async with self._turn():
+            request = _parse(pb.MultiGetRequest, data)
+            names = list(request.keys)
+            keys = self._key_list(names, "multi_get")
+        found = await self._await_keys(keys, request.timeout_seconds, context)
+        if found is None:
             return _encode(pb.MultiGetReply(timed_out=True))
-        size = sum(map(len, values))
+        async with self._turn():
+            by_name = dict(zip(dict.fromkeys(names), map(_value_of, found), strict=True))
+            values = list(map(by_name.__getitem__, names))
+            size = sum(map(len, values))
         if size > MAX_MULTI_GET_BYTES:
             raise StoreLimitError(
                 f"multi_get of {len(values)} keys would reply {size} bytes, over the store's "
@@ -978,15 +1062,36 @@ class _C10dService(pb_grpc.C10dStoreServicer):
         return await self._server.encoded(lambda: pb.MultiGetReply(values=values))
 
     @_unary
-    async def MultiSet(self, request: pb.MultiSetRequest, context: object) -> pb.MultiSetReply:
-        if len(request.keys) != len(request.values):
-            raise StoreRequestError(
-                f"multi_set got {len(request.keys)} keys but {len(request.values)} values"
-            )
-        keys = self._keys()
-        items = [(keys.of(k), v) for k, v in zip(request.keys, request.values, strict=True)]
-        await self._engine.put_all(items, quota=keys.quota)
+    async def MultiSet(self, data: bytes, context: object) -> pb.MultiSetReply:
+        async with self._turn():
+            request = _parse(pb.MultiSetRequest, data)
+            if len(request.keys) != len(request.values):
+                raise StoreRequestError(
+                    f"multi_set got {len(request.keys)} keys but {len(request.values)} values"
+                )
+            if len(request.keys) > MAX_MULTI_SET_KEYS:
+                raise StoreLimitError(
+                    f"a c10d multi_set may write at most {MAX_MULTI_SET_KEYS} keys, this one "
+                    f"{len(request.keys)}: set them in smaller batches"
+                )
+            keys = self._keys()
+            items = [(keys.of(k), v) for k, v in zip(request.keys, request.values, strict=True)]
+            await self._engine.put_all(items, quota=keys.quota)
         return pb.MultiSetReply()
+
+
+_value_of = operator.attrgetter("value")
+
+_M = TypeVar("_M", pb.CheckRequest, pb.WaitRequest, pb.MultiGetRequest, pb.MultiSetRequest)
+
+
+def _parse(kind: type[_M], data: bytes) -> _M:
+    """A request its handler parses itself (`_PARSED_BY_HANDLER`)."""
+    try:
+        request: _M = kind.FromString(data)
+    except Exception as e:  # DecodeError: corrupt wire format, a string not UTF-8
+        raise StoreRequestError(f"malformed request: {str(e) or type(e).__name__}") from None
+    return request
 
 
 @dataclass(frozen=True, slots=True)
@@ -1002,3 +1107,7 @@ class _Keys:
     def of(self, key: str) -> str:
         # An empty key stays empty, for the engine to refuse as it refuses any.
         return self.prefix + key if key else key
+
+    def all_of(self, keys: list[str]) -> list[str]:
+        """`of` for each of `keys`, which are not empty."""
+        return list(map(self.prefix.__add__, keys)) if self.prefix else keys

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -423,4 +424,92 @@ async def test_etcd_roles_split_admin_and_reader(
         happened="roles and users created, then passwords set again; the admin's rendezvous calls and the reader's "
         "reads served; every other call refused (PERMISSION_DENIED, StorePermissionError); no password printed",
         lost="nothing",
+    )
+
+
+KEY_LIST_ABUSER = REPO / "tests" / "workers" / "key_list_abuser.py"
+
+
+class LoopHolds:
+    """The longest any one callback of this thread's event loop ran, in CPU time of this
+    thread less the garbage collector's (what a request's handler step costs the loop,
+    however the machine's other processes delay it), and what ran."""
+
+    def __init__(self) -> None:
+        self.longest, self.what = 0.0, ""
+        self._gc_start = self._gc_spent = 0.0
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.thread_time()
+        else:
+            self._gc_spent += time.thread_time() - self._gc_start
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        run = asyncio.events.Handle._run
+        holds = self
+
+        def timed(handle: asyncio.events.Handle) -> None:
+            gc_before, start = holds._gc_spent, time.thread_time()
+            run(handle)
+            spent = time.thread_time() - start - (holds._gc_spent - gc_before)
+            if spent > holds.longest:
+                holds.longest, holds.what = spent, repr(handle)[:200]
+
+        gc.callbacks.append(self._gc)
+        asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            asyncio.events.Handle._run = run  # type: ignore[method-assign]
+            gc.callbacks.remove(self._gc)
+
+
+@pytest.mark.security
+@pytest.mark.timeout(180)
+async def test_a_workers_key_list_abuse_stalls_no_one(reliability: Reliability) -> None:
+    """Issue 36: c10d check, wait and multi_get with a 1 MiB list of one key (and with
+    the longest list still taken), 16 in flight from another process: no call holds the
+    store's loop over 20 ms, and a victim's put p99 stays within 50 ms."""
+    server = StoreServer("127.0.0.1", 0, token=TOKEN)
+    await server.start()
+    abuser = None
+    holds = LoopHolds()
+    try:
+        abuser = await start(sys.executable, str(KEY_LIST_ABUSER), server.endpoint, worker_credential(TOKEN, "job-a"))
+        await line_with(abuser, "abusing")
+        victim = GrpcStore(server.endpoint, token=TOKEN)
+        latencies = []
+        with holds.measuring():
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                t = time.perf_counter()
+                await victim.put("/elasticrun/victim/r/job/state", b"x" * 100)
+                latencies.append(time.perf_counter() - t)
+                await asyncio.sleep(0.01)
+        await victim.close()
+        report = await stopped(abuser)
+        figures = dict(item.split("=") for item in report.strip().splitlines()[-1].split())
+    finally:
+        if abuser is not None:
+            await stopped(abuser)
+        await server.stop()
+    latencies.sort()
+    p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
+    assert figures["errors"] == "0" and int(figures["calls"]) > 0, report
+    assert holds.longest <= 0.020, f"one callback held the loop {holds.longest * 1000:.1f} ms: {holds.what}"
+    assert p99 <= 0.050, f"victim put p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms under abuse ({figures})"
+    reliability.record(
+        part="security",
+        scenario="one worker holds the loop (c10d key lists)",
+        injected="with its worker credential, from its own process, 16 c10d check, wait and multi_get calls at a "
+        "time naming the key 'r' 340,000 times (1 MiB) or 16,384 distinct keys, while a victim put a key every 10 ms",
+        happened=f"the 1 MiB lists refused unparsed (RESOURCE_EXHAUSTED: {figures['refused']} calls), the longest "
+        f"served ({figures['calls']} calls) one at a time; the longest callback held the store's loop "
+        f"{holds.longest * 1000:.1f} ms of CPU (bound: 20 ms); victim put p50 {p50 * 1000:.1f} ms, "
+        f"p99 {p99 * 1000:.1f} ms (bound: 50 ms)",
+        lost="nothing",
+        loop_hold_max_ms=round(holds.longest * 1000, 1),
+        victim_put_p50_ms=round(p50 * 1000, 1), victim_put_p99_ms=round(p99 * 1000, 1),
     )
