@@ -66,7 +66,7 @@ from elasticrun.store.callers import (
     permits,
     refusal,
 )
-from elasticrun.store.credentials import Role, worker_prefix
+from elasticrun.store.credentials import JOBS_PREFIX, RUN_RECORD, Grant, Role, run_of_launch, worker_prefix
 from elasticrun.store.memory import MemoryStore, SpaceQuota
 from elasticrun.store.wire import (
     BEARER_PREFIX,
@@ -201,6 +201,10 @@ class StoreServer:
         self._client_ca = client_ca
         self._server: grpc.aio.Server | None = None
         self._streams: set[asyncio.Task[object]] = set()
+        #: each job's launch record as last read (mod revision, run), and the run whose
+        #: worker keys its worker folder holds (`_check_run`)
+        self._launches: dict[str, tuple[int, str]] = {}
+        self._runs: dict[str, str] = {}
         self._stopping = False
         self.port = 0
 
@@ -347,9 +351,33 @@ class StoreServer:
                 f"missing or wrong store token (set it with --token-file or {TOKEN_ENV})",
             )
             raise AssertionError("unreachable: abort raises")
+        if caller.grant.run:
+            why = await self._check_run(caller.grant)
+            if why is not None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
         if not permits(caller.grant, service, method):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal(caller.grant, service, method))
         return caller
+
+    async def _check_run(self, grant: Grant) -> str | None:
+        """Why a worker credential of one run of a job is refused (that run is not the
+        job's current one), or None. The first call of a run that this server sees
+        deletes the job's worker keys that earlier runs left (a job that ended without
+        closing, agents killed, keys written after the close)."""
+        kv = await self.engine.get(f"{JOBS_PREFIX}{grant.job}/{RUN_RECORD}")
+        revision = kv.mod_revision if kv is not None else 0
+        cached = self._launches.get(grant.job)
+        if cached is None or cached[0] != revision:
+            cached = self._launches[grant.job] = (revision, run_of_launch(kv.value if kv is not None else None))
+        if cached[1] != grant.run:
+            return (
+                f"this worker credential is of another run of job {grant.job!r} than the one running now "
+                "(a job's workers get a credential of their run each time it starts)"
+            )
+        if self._runs.get(grant.job) != grant.run:
+            await self.engine.delete_prefix(worker_prefix(grant.job))
+            self._runs[grant.job] = grant.run
+        return None
 
     @contextlib.asynccontextmanager
     async def counted_watch(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:

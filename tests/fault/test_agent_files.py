@@ -28,7 +28,7 @@ import pytest
 from elasticrun.agent.agent import Agent
 from elasticrun.agent.spec import Std, WorkerState
 from elasticrun.errors import UsageError
-from elasticrun.store.credentials import worker_credential
+from elasticrun.store.credentials import Role, grant_of_token, worker_credential
 from tests.agent_helpers import free_port, make_spec, static_for, wait_until, write_script
 from tests.elastic_cluster import RDZV_CONF, Cluster
 from tests.reliability_rows import Reliability
@@ -191,7 +191,8 @@ def test_the_warden_holds_no_secret_and_removes_the_token_file_when_the_agent_is
         ],
     )
     token_file = Path(agent.wait_for(r"<stdout>: token file (\S+)$").group(1))
-    assert token_file.read_text() == worker_credential(token, run_id)
+    grant = grant_of_token(token_file.read_text(), token)  # a worker's of this job's run
+    assert grant is not None and grant.role is Role.WORKER and grant.job == run_id and grant.run, grant
     warden = _warden_of(agent.pid)
     environ = Path(f"/proc/{warden}/environ").read_bytes()
     assert token.encode() not in environ and password.encode() not in environ

@@ -21,6 +21,7 @@ whole module takes seconds.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import secrets
@@ -34,8 +35,12 @@ from pathlib import Path
 import pytest
 
 from elasticrun.launcher.control import JobTarget, JobView, read_job
+from elasticrun.rendezvous.state import Keys
 from elasticrun.store.access import parse_access
+from elasticrun.errors import StoreAuthError
+from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.client import GrpcStore
+from elasticrun.store.credentials import worker_prefix
 from elasticrun.store.server import MAX_STREAMS_PER_CONNECTION
 from tests.agent_helpers import free_port
 from tests.certs import TestCa, write_pair
@@ -82,9 +87,9 @@ class Job:
         self.store.wait_for(r"serving on")
 
     def agent(self, name: str, *, script: Path | None = None, nnodes: str = "1:3", nproc: int = 1,
-              max_restarts: int = 0, token_file: Path | None | str = "default") -> Proc:
+              max_restarts: int = 0, token_file: Path | None | str = "default", conf: str = "") -> Proc:
         token_file = self.token_file if token_file == "default" else token_file
-        conf = f"{RDZV_CONF},is_host=false" + (f",token_file={token_file}" if token_file else "")
+        conf = f"{RDZV_CONF},is_host=false{conf}" + (f",token_file={token_file}" if token_file else "")
         argv = [
             sys.executable, "-m", "elasticrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
@@ -350,4 +355,90 @@ def test_an_anonymous_headers_flood_stalls_no_one(job: Job, reliability) -> None
         f"2 and every worker stepped on; victim put p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms (bound: 100 ms)",
         restarts=0, lost="nothing",
         victim_put_p50_ms=round(p50 * 1000, 1), victim_put_p99_ms=round(p99 * 1000, 1),
+    )
+
+
+#: sets 5 c10d keys of 1 KiB with its agent's worker credential, says so, and runs on
+KEY_WRITER = """\
+import os, sys, time
+from pathlib import Path
+from elasticrun.store.c10d_client import C10dClient
+
+stop, endpoint = Path(sys.argv[1]), os.environ["KEY_WRITER_STORE"]
+credential = Path(os.environ["ELASTICRUN_STORE_TOKEN_FILE"]).read_text().strip()
+client = C10dClient(endpoint, token=credential, timeout=10)
+for i in range(5):
+    client.set(f"key{i}", b"x" * 1024)
+print(f"keys set round={os.environ.get('ELASTICRUN_ROUND')}", flush=True)
+while not stop.exists():
+    time.sleep(0.1)
+"""
+
+
+def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Path, reliability) -> None:
+    """Issue 36: after `stop`, the job's worker keys are gone; the credential a worker
+    of that run held is refused once the job runs again under the same id."""
+    writer = tmp_path / "writer.py"
+    writer.write_text(KEY_WRITER)
+    job.cluster._env["KEY_WRITER_STORE"] = job.endpoint
+    admin = functools.partial(GrpcStore, job.endpoint, token=job.token)
+    keys = worker_prefix(job.run_id)
+
+    async def worker_keys() -> list[str]:
+        store = admin()
+        try:
+            return [kv.key for kv in (await store.get_prefix(keys)).kvs]
+        finally:
+            await store.close()
+
+    first = job.agent("first", script=writer, conf=",closed_ttl=0.5")
+    first.wait_for(r"keys set round=1")
+    assert len(asyncio.run(worker_keys())) == 5
+    leaked = next((tmp_path / "logs").glob("*/store_token")).read_text().strip()  # a worker's, copied out
+    stop = subprocess.run(
+        [sys.executable, "-m", "elasticrun", "stop", "--rdzv-id", job.run_id, "--rdzv-backend=c10d",
+         f"--rdzv-endpoint={job.endpoint}", f"--rdzv-conf=token_file={job.token_file}"],
+        capture_output=True, text=True, timeout=60, env=job.cluster._env,
+    )
+    assert stop.returncode == 0, stop.stderr
+    first.wait_exit()
+    assert asyncio.run(worker_keys()) == [], "the stopped job's worker keys outlived it"
+
+    async def closed_record_gone() -> None:  # it lives closed_ttl: until then the id starts no job
+        store = admin()
+        try:
+            async with asyncio.timeout(30):
+                while await store.get(Keys(job.run_id).round) is not None:
+                    await asyncio.sleep(0.05)
+        finally:
+            await store.close()
+
+    asyncio.run(closed_record_gone())
+    second = job.agent("second", script=writer, conf=",closed_ttl=0.5")
+    second.wait_for(r"keys set round=1")
+
+    def with_leaked() -> str:
+        client = C10dClient(job.endpoint, token=leaked, timeout=10)
+        try:
+            client.set("key0", b"evil")
+        except StoreAuthError as e:
+            return str(e)
+        finally:
+            client.close()
+        return "accepted"
+
+    refusal = with_leaked()
+    assert "another run of job" in refusal, refusal
+    assert len(asyncio.run(worker_keys())) == 5  # the new run's, untouched
+    finish(job, second)
+    job.store.kill()
+    job.cluster.assert_no_orphans()
+    reliability.record(
+        part="security",
+        scenario="worker keys and credentials outlive their job",
+        injected="a job's worker set 5 c10d keys; its credential copied out; `elasticrun stop`; the job started "
+        "again under the same id; the copied credential used against it",
+        happened="the keys were deleted with the job's close; the old run's credential was refused "
+        "(UNAUTHENTICATED: another run of the job); the new run's workers set their keys",
+        restarts=0, lost="nothing",
     )

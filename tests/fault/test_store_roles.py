@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 
 from elasticrun.errors import StoreAuthError, StoreLimitError, StorePermissionError
-from elasticrun.rendezvous.state import JobSpec, encode
+from elasticrun.launcher.gc_settings import settle_gc
+from elasticrun.rendezvous.state import JobLaunch, JobSpec, Keys, encode
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.callers import FairShare
 from elasticrun.store.client import GrpcStore
@@ -123,6 +124,47 @@ async def test_a_worker_credential_reaches_only_its_jobs_worker_keys(
         happened="every Store call refused (PERMISSION_DENIED naming the worker's role, exit 2 at a CLI); the "
         "c10d writes landed in the job's own worker namespace; both jobs' specs unchanged; forged credentials "
         "UNAUTHENTICATED",
+        lost="nothing",
+    )
+
+
+@pytest.mark.security
+async def test_a_new_run_refuses_the_old_runs_credential_and_sweeps_its_keys(
+    server: StoreServer, reliability: Reliability
+) -> None:
+    """A job that starts again without having closed (its agents killed, its store
+    restarted under them) gets a new run: the old run's worker credential is refused,
+    and the old run's keys are found and deleted at the new run's first call."""
+    admin = GrpcStore(server.endpoint, token=TOKEN)
+    launch = Keys("job-a").launch
+    await admin.put(launch, encode(JobLaunch(cwd="/", created_at=0.0, created_by="n1", run="run-1")))
+
+    def set_key(run: str, key: str) -> str:
+        client = C10dClient(server.endpoint, token=worker_credential(TOKEN, "job-a", run), timeout=10)
+        try:
+            client.set(key, b"x")
+            return "set"
+        except StoreAuthError as e:
+            return str(e)
+        finally:
+            client.close()
+
+    assert [await asyncio.to_thread(set_key, "run-1", key) for key in ("a", "b")] == ["set", "set"]
+    await admin.put(launch, encode(JobLaunch(cwd="/", created_at=1.0, created_by="n2", run="run-2")))
+    refused = await asyncio.to_thread(set_key, "run-1", "c")
+    assert "another run of job 'job-a'" in refused, refused
+    assert await asyncio.to_thread(set_key, "run-2", "z") == "set"
+    held = [kv.key for kv in (await admin.get_prefix(worker_prefix("job-a"))).kvs]
+    assert held == [worker_prefix("job-a") + "z"], held  # run-1's keys found and deleted
+    assert await asyncio.to_thread(set_key, "", "s") == "set"  # a standing credential (store credential)
+    await admin.close()
+    reliability.record(
+        part="security",
+        scenario="a worker credential of an earlier run",
+        injected="job-a's launch record named run-1, whose workers set 2 keys; then run-2 (the job started again "
+        "without closing); run-1's credential used again",
+        happened="run-1's credential refused (UNAUTHENTICATED: another run of the job); at run-2's first call its "
+        "keys were found and deleted; a standing credential (`store credential`, no run) still served",
         lost="nothing",
     )
 
@@ -476,6 +518,8 @@ async def test_a_workers_key_list_abuse_stalls_no_one(reliability: Reliability) 
     await server.start()
     abuser = None
     holds = LoopHolds()
+    thresholds = gc.get_threshold()
+    settle_gc()  # the collector's settings of `store serve` and the agents, for this process's server
     try:
         abuser = await start(sys.executable, str(KEY_LIST_ABUSER), server.endpoint, worker_credential(TOKEN, "job-a"))
         await line_with(abuser, "abusing")
@@ -492,6 +536,8 @@ async def test_a_workers_key_list_abuse_stalls_no_one(reliability: Reliability) 
         report = await stopped(abuser)
         figures = dict(item.split("=") for item in report.strip().splitlines()[-1].split())
     finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
         if abuser is not None:
             await stopped(abuser)
         await server.stop()
