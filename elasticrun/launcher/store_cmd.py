@@ -147,7 +147,7 @@ def _etcd_roles(args: argparse.Namespace) -> int:
     from elasticrun.store.etcd import EtcdStore
     from elasticrun.store.etcd_roles import ADMIN, READER, set_up
 
-    conf = parse_rdzv_conf(args.rdzv_conf)
+    conf = parse_rdzv_conf(args.rdzv_conf, "etcd")
     with settings_from_flags():
         access = parse_access("etcd", args.rdzv_endpoint, conf, os.environ)
     with settings_from_flags(_flag_of):
