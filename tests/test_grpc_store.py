@@ -29,6 +29,7 @@ from elasticrun.errors import (
     UsageError,
 )
 from elasticrun.launcher import store_cmd
+from elasticrun.launcher.metrics_http import MetricsAddress
 from elasticrun.store import server as server_module
 from elasticrun.store.access import exposure_warning, parse_access
 from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
@@ -832,6 +833,11 @@ def test_serve_config_checks_flags(tmp_path: Path) -> None:
     args = parser.parse_args(["store", "serve"])
     assert store_cmd.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "env"}).token == "env"
     assert store_cmd.serve_config(args, {}).token is None
+    # issue 36: metrics by port alone listen where the store does, not on every address
+    local = parser.parse_args(["store", "serve", "--host", "127.0.0.1", "--metrics-port", "9464"])
+    assert store_cmd.serve_config(local, {}).metrics == MetricsAddress("127.0.0.1", 9464)
+    elsewhere = parser.parse_args(["store", "serve", "--host", "127.0.0.1", "--metrics-port", "0.0.0.0:9464"])
+    assert store_cmd.serve_config(elsewhere, {}).metrics == MetricsAddress("0.0.0.0", 9464)  # asked for
     for bad in (
         ["--tls-cert", "c.pem"],
         ["--token-file", str(tmp_path / "missing")],

@@ -76,6 +76,11 @@ def test_who_a_caller_is() -> None:
     assert identify(bearer=None, token=TOKEN, certificate=None, uris=[], host="h") is None
     by_token = identify(bearer=worker, token=TOKEN, certificate=None, uris=[], host="h")
     assert by_token is not None and by_token.limited and by_token.identity == "worker credential of job 'j'"
+    # every reader holds the one reader credential: each host's readers have a share of their own
+    readers = [identify(bearer=reader_credential(TOKEN), token=TOKEN, certificate=None, uris=[], host=h)
+               for h in ("10.0.0.5", "10.0.0.6", "10.0.0.5")]
+    assert [r.identity if r else None for r in readers] == [
+        "reader credential on host 10.0.0.5", "reader credential on host 10.0.0.6", "reader credential on host 10.0.0.5"]
     # the certificate decides: a reader, counted as its certificate
     both = identify(bearer=TOKEN, token=TOKEN, certificate=cert, uris=uris, host="h")
     assert both is not None and both.grant == READER and both.identity.startswith("certificate ")

@@ -234,8 +234,9 @@ class Agent:
         self._ran_since_failure = 0.0
         self._heartbeat_since_failure = False
         root = spec.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
-        #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/
-        self.run_dir = root / f"{spec.run_id}_{spec.node_id}"
+        #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/; absolute,
+        #: since the paths in it reach the workers (the token file), which may chdir
+        self.run_dir = root.absolute() / f"{spec.run_id}_{spec.node_id}"
         #: the store's token for the workers, while the agent runs (see `_write_token_file`),
         #: and the run of the job it names
         self._token_file: Path | None = None

@@ -149,6 +149,29 @@ with open({str(report)!r}, "w") as f:
     assert not stale.exists() and not stale.is_symlink()  # removed when the agent ended
 
 
+async def test_a_relative_log_dir_gives_workers_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: with a relative --log-dir the token file's path was relative too, wrong
+    for a worker that changes its directory."""
+    report = tmp_path / "report"
+    code = f"""
+import os
+os.chdir("/")
+with open({str(report)!r}, "w") as f:
+    f.write(os.environ["ELASTICRUN_STORE_TOKEN_FILE"] + " " + open(os.environ["ELASTICRUN_STORE_TOKEN_FILE"]).read())
+"""
+    monkeypatch.chdir(tmp_path)
+    spec = make_spec(write_script(tmp_path, "worker.py", code), log_dir=Path("logs"),
+                     store_token="store-token-" + secrets.token_hex(8))
+    agent = Agent(spec, static_for(spec, master_port=free_port()))
+    result = await agent.run()
+    assert result.state is WorkerState.SUCCEEDED, result
+    path, credential = report.read_text().split(" ")
+    assert Path(path).is_absolute() and Path(path).is_relative_to(tmp_path / "logs"), path
+    assert credential.startswith("erw2."), credential  # read from there, after the chdir
+
+
 def _warden_of(agent_pid: int) -> int:
     """The pid of the agent's warden (its child running elasticrun.agent.warden)."""
     for entry in os.listdir("/proc"):
