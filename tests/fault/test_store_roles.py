@@ -550,7 +550,7 @@ async def test_a_workers_key_list_abuse_stalls_no_one(reliability: Reliability) 
         part="security",
         scenario="one worker holds the loop (c10d key lists)",
         injected="with its worker credential, from its own process, 16 c10d check, wait and multi_get calls at a "
-        "time naming the key 'r' 340,000 times (1 MiB) or 16,384 distinct keys, while a victim put a key every 10 ms",
+        "time naming the key 'r' 340,000 times (1 MiB) or 10,000 distinct keys, while a victim put a key every 10 ms",
         happened=f"the 1 MiB lists refused unparsed (RESOURCE_EXHAUSTED: {figures['refused']} calls), the longest "
         f"served ({figures['calls']} calls) one at a time; the longest callback held the store's loop "
         f"{holds.longest * 1000:.1f} ms of CPU (bound: 20 ms); victim put p50 {p50 * 1000:.1f} ms, "
