@@ -79,12 +79,17 @@ class Job:
             path.write_text(TICKER)
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        self.store = cluster.start(
-            "store",
+        self.store = self.serve()
+
+    def serve(self, name: str = "store") -> Proc:
+        """`elasticrun store serve` on the job's port, once it serves."""
+        store = self.cluster.start(
+            name,
             [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1",
              "--port", str(self.port), "--token-file", str(self.token_file)],
         )
-        self.store.wait_for(r"serving on")
+        store.wait_for(r"serving on")
+        return store
 
     def agent(self, name: str, *, script: Path | None = None, nnodes: str = "1:3", nproc: int = 1,
               max_restarts: int = 0, token_file: Path | None | str = "default", conf: str = "") -> Proc:
@@ -440,5 +445,55 @@ def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Pat
         "again under the same id; the copied credential used against it",
         happened="the keys were deleted with the job's close; the old run's credential was refused "
         "(UNAUTHENTICATED: another run of the job); the new run's workers set their keys",
+        restarts=0, lost="nothing",
+    )
+
+
+def test_a_store_restart_starts_a_new_run_of_worker_keys_and_credentials(
+    job: Job, tmp_path: Path, reliability
+) -> None:
+    """Issue 36: the store restarted empty under a running job; its agents form it
+    anew, a new run: the old run's worker credential is refused, and the worker keys
+    are the new run's only."""
+    writer = tmp_path / "writer.py"
+    writer.write_text(KEY_WRITER)
+    job.cluster._env["KEY_WRITER_STORE"] = job.endpoint
+    a = job.agent("a", script=writer, conf=",store_host_grace=60")
+    a.wait_for(r"keys set round=1")
+    token_file = next((tmp_path / "logs").glob("*/store_token"))
+    leaked = token_file.read_text().strip()
+    job.store.kill()
+    job.store = job.serve("store-again")
+    a.wait_for(r"keys set round=\d+", start=a.text().index("keys set round=1") + 1)
+
+    async def after() -> tuple[list[str], str]:
+        store = GrpcStore(job.endpoint, token=job.token)
+        try:
+            keys = [kv.key for kv in (await store.get_prefix(worker_prefix(job.run_id))).kvs]
+        finally:
+            await store.close()
+        client = C10dClient(job.endpoint, token=leaked, timeout=10)
+        try:
+            await asyncio.to_thread(client.set, "key9", b"evil")
+            return keys, "accepted"
+        except StoreAuthError as e:
+            return keys, str(e)
+        finally:
+            client.close()
+
+    keys, refusal = asyncio.run(after())
+    assert "another run of job" in refusal, refusal
+    assert sorted(keys) == [worker_prefix(job.run_id) + f"key{i}" for i in range(5)], keys
+    assert token_file.read_text().strip() != leaked  # the agent wrote its workers the new run's
+    finish(job, a)
+    job.store.kill()
+    job.cluster.assert_no_orphans()
+    reliability.record(
+        part="security",
+        scenario="worker credentials across a store restart",
+        injected="a job's worker set 5 c10d keys; its credential copied out; `store serve` killed and started "
+        "again empty on its port; the job formed anew; the copied credential used against it",
+        happened="the job's first node drew a new run: the agent wrote its workers a credential of it; the old "
+        "one was refused (UNAUTHENTICATED: another run of the job); the worker keys were the new run's only",
         restarts=0, lost="nothing",
     )
