@@ -102,7 +102,7 @@ def _run_elastic(
             session.interrupt()  # said before the callback was in place: join() refuses
         try:
             session.join()
-            state._attach(functools.partial(_check_membership, link, assignment.round))
+            state._attach(functools.partial(_check_membership, link, assignment.round), assignment.round)
             state.sync()
             return call()
         except MembershipChanged:
