@@ -205,6 +205,29 @@ async def test_a_client_that_only_read_knows_the_store_was_an_agents(read: str) 
     await client.close()
 
 
+@pytest.mark.parametrize(("store_token", "client_token", "warned"),
+                         [(None, "t0ken-of-the-job", True), (None, None, False), ("t0ken-of-the-job", "t0ken-of-the-job", False)])
+async def test_a_token_sent_to_a_store_without_one_is_said_once(
+    caplog: pytest.LogCaptureFixture, store_token: str | None, client_token: str | None, warned: bool
+) -> None:
+    """A token given only to the joining agent, against a store with none, joined in
+    silence: the operator believed the job was protected."""
+    server = StoreServer("127.0.0.1", 0, token=store_token)
+    await server.start()
+    try:
+        with caplog.at_level("WARNING", logger="elasticrun.store"):
+            for _ in range(2):  # two clients of one process (an agent opens more than one): said once
+                async with GrpcStore(server.endpoint, token=client_token, timeout=5) as client:
+                    await client.get("k")
+                    await client.get_prefix("k")
+        said = [r.getMessage() for r in caplog.records if "has no token" in r.getMessage()]
+        assert said == ([f"the store at {server.endpoint} has no token: the one this client presents protects "
+                         "nothing; give the store the same token (store serve --token-file, or the token_file "
+                         "of the agent that hosts it)"] if warned else [])
+    finally:
+        await server.stop()
+
+
 async def test_a_stopped_store_serve_is_waited_for() -> None:
     """`store serve` may come back (restarted by its supervisor): calls retry until their
     timeout, unlike those to a store hosted by an agent."""

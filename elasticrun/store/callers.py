@@ -48,6 +48,8 @@ class Caller:
 
     grant: Grant
     identity: str
+    #: it presented a token to a store that has none (it is told: the token protects nothing)
+    needless_token: bool = False
 
     @property
     def limited(self) -> bool:
@@ -72,7 +74,7 @@ def identify(
         if token is None or by_certificate.role is not Role.ADMIN or grant.role is Role.ADMIN:
             identity = "certificate " + hashlib.sha256(certificate).hexdigest()[:16]
         grant &= by_certificate
-    return Caller(grant, identity)
+    return Caller(grant, identity, needless_token=token is None and bool(bearer))
 
 
 def _token_identity(grant: Grant, host: str) -> str:

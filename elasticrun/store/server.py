@@ -544,7 +544,10 @@ def _one_page(kvs: Sequence[KeyValue]) -> bool:
 
 
 def _range_reply(kvs: Sequence[KeyValue], revision: int, hosted_by_agent: bool) -> pb.RangeReply:
-    return pb.RangeReply(kvs=[_kv_message(kv) for kv in kvs], revision=revision, hosted_by_agent=hosted_by_agent)
+    return pb.RangeReply(
+        kvs=[_kv_message(kv) for kv in kvs], revision=revision, hosted_by_agent=hosted_by_agent,
+        token_unused=_CALLER.get().needless_token,
+    )
 
 
 class _StoreService(pb_grpc.StoreServicer):
