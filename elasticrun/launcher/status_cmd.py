@@ -70,6 +70,7 @@ def render(view: JobView, now: float) -> str:
     if view.stacks is not None and view.stacks.done:
         lines.append(_stacks_line(view))
     ranked = r.node_ranks() if r else {}
+    ranks = _global_ranks(r)
     held = view.quarantine.active(now)
     order = sorted(view.nodes, key=lambda n: (ranked.get(n, len(ranked)), n))
     if r is not None and r.closed:  # the nodes are gone; their last reports stay for closed_ttl
@@ -79,6 +80,8 @@ def render(view: JobView, now: float) -> str:
         for node_id in order:
             info, status = view.nodes[node_id], view.statuses.get(node_id)
             state = status.state if status else "registering"
+            if status is not None and r is not None and node_id in ranked and status.round != r.number:
+                state += f" (round {status.round})"  # it has not taken its place in this one yet
             if node_id in view.drains:
                 state += " (draining)"
             rank = ranked.get(node_id)
@@ -89,7 +92,7 @@ def render(view: JobView, now: float) -> str:
                 state if rank is not None or state != "init" else "spare" if view.running else "waiting",
                 age(now - info.started_at),
                 str(rank) if rank is not None else "-",
-                status.ranks if status and status.ranks and rank is not None else "-",
+                ranks.get(node_id, "-"),  # from the round, as the node rank: one round per row
                 str(status.restarts) if status else "0",
                 info.addr if info.addr == info.host else f"{info.host} ({info.addr})",
                 f"{len(info.gpus)}x {info.gpus[0]}" if info.gpus else "-",
@@ -108,6 +111,16 @@ def render(view: JobView, now: float) -> str:
             at = time.strftime("%H:%M:%S", time.localtime(event.at))
             lines.append(f"{at}  {event.kind:<10} {event.node}  {event.detail}")
     return "\n".join(lines)
+
+
+def _global_ranks(r: Round | None) -> dict[str, str]:
+    """Each member's global ranks (`4-7`) as the round places them: first the ranks of
+    the members before it, in node-rank order."""
+    ranks, first = {}, 0
+    for p in r.participants if r else ():
+        ranks[p.node_id] = f"{first}-{first + p.nproc - 1}"
+        first += p.nproc
+    return ranks
 
 
 def _ended_nodes(view: JobView, now: float) -> list[str]:
