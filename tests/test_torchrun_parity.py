@@ -368,6 +368,11 @@ class FlatLogs(DefaultLogsSpecs):
 '''
 
 
+#: the agent's own files in its run folder, which torchrun has no counterpart of: its
+#: event log, and each worker's stack file (the stacks a hang or `elasticrun stacks` captured)
+AGENT_FILES = ("events.jsonl", "stacks")
+
+
 @pytest.mark.parametrize("name", ["default", "flat"])
 def test_logs_specs_lays_out_the_logs_as_under_torchrun(tmp_path: Path, name: str) -> None:
     """torch's own `default` entry point, and one of a package's (a dist-info on the path)."""
@@ -387,7 +392,7 @@ def test_logs_specs_lays_out_the_logs_as_under_torchrun(tmp_path: Path, name: st
     def files(root: Path) -> dict[str, str]:
         found = {}
         for path in sorted(root.rglob("*")):
-            if path.is_file() and path.name != "events.jsonl":
+            if path.is_file() and path.name not in AGENT_FILES:
                 # the run's own folder name differs by nature (a fresh run id)
                 found[str(path.relative_to(root)).split("/", 1)[-1] if name == "default" else
                       str(path.relative_to(root))] = path.read_text()

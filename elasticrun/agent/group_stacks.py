@@ -137,5 +137,4 @@ class GroupStacks:
             took,
             one_line(summarise(mine.ranks)),
             f"; all stacks in {path}" if path else "",
-            extra=HEADLINE,
-        )
+        )  # not by default: a planned change (a drain, a join) is no news, and the file stays

@@ -230,12 +230,6 @@ async def _open_store(
             log.warning("%s", warning)
         stack.push_async_callback(server.stop)
         return server.engine, server.engine
-    if rdzv.settings.run_id == DEFAULT_RUN_ID:
-        log.warning(
-            "the job id is '%s', the default: every job on this store without --rdzv-id shares it, and an "
-            "ended job keeps it for closed_ttl=%gs; give each job its own --rdzv-id",
-            DEFAULT_RUN_ID, rdzv.settings.closed_ttl,
-        )
     store = open_client(rdzv.store)
     stack.push_async_callback(store.close)
     # As long as ever for an answer (the store may be starting), but never in silence.
@@ -243,6 +237,12 @@ async def _open_store(
         store, rdzv.store.endpoints, rdzv.store.timeout, probe, patient=True,
         say=lambda line: log.info("%s", line, extra=HEADLINE),  # a wait the user should see
     )
+    if rdzv.settings.run_id == DEFAULT_RUN_ID:
+        log.warning(
+            "the job id is '%s', the default: every job on this store without --rdzv-id shares it, and an "
+            "ended job keeps it for closed_ttl=%gs; give each job its own --rdzv-id",
+            DEFAULT_RUN_ID, rdzv.settings.closed_ttl,
+        )
     return store, None
 
 

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 from elasticrun.errors import NotAStoreError, StoreAddressError, StoreSettingError, StoreUnavailableError
 from elasticrun.loglines import HEADLINE
 from elasticrun.store.api import MAX_LEASE_TTL, Store
-from elasticrun.store.channel import is_loopback
 from elasticrun.store.contact import first_contact
 from elasticrun.store.wire import (
     CLIENT_CA_NEEDS_TLS,
@@ -40,6 +39,7 @@ from elasticrun.store.wire import (
     DEFAULT_TIMEOUT,
     TOKEN_ENV,
     TlsKeyPair,
+    is_loopback,
 )
 
 if TYPE_CHECKING:

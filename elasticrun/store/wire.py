@@ -13,7 +13,9 @@ nothing of elasticrun.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
+import socket
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,3 +93,17 @@ def _memory_file(name: str, data: bytes) -> Iterator[str]:
         yield f"/proc/self/fd/{fd}"
     finally:
         os.close(fd)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this host can reach `host`: a loopback address, or a name that
+    resolves to loopback addresses only. A wildcard (0.0.0.0, ::) is every interface."""
+    try:
+        addresses = {ipaddress.ip_address(host.strip("[]"))}
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return False
+        addresses = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
+    return bool(addresses) and all(address.is_loopback for address in addresses)

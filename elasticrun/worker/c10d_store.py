@@ -28,8 +28,7 @@ import torch.distributed as dist
 
 from elasticrun.errors import StoreSettingError
 from elasticrun.store.c10d_client import C10dClient
-from elasticrun.store.channel import is_loopback
-from elasticrun.store.wire import DEFAULT_TIMEOUT, TOKEN_FILE_ENV, TlsKeyPair
+from elasticrun.store.wire import DEFAULT_TIMEOUT, TOKEN_FILE_ENV, TlsKeyPair, is_loopback
 
 logger = logging.getLogger("elasticrun")
 
