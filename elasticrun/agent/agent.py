@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import json
 import logging
@@ -36,6 +37,7 @@ from elasticrun.agent.output import Duplicates, StreamPlan, WorkerOutput, plan_s
 from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.runfolder import create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
+from elasticrun.agent.steptimes import READ_INTERVAL, StepTimes
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import (
     EXIT_INFRASTRUCTURE,
@@ -183,6 +185,8 @@ class _Group:
     outputs: dict[int, WorkerOutput]
     error_files: dict[int, Path]
     duplicates: Duplicates | None = None
+    #: the workers' step timing files (spec.step_timing)
+    steps: StepTimes | None = None
 
 
 class Agent:
@@ -435,7 +439,8 @@ class Agent:
         if self.metrics is not None:
             self.metrics.running()
         broken = () if self._channel is None else (self._broken(assignment.round),)
-        hung = () if dog is None or spec.progress_timeout is None else (self._hung(dog),)
+        hung = () if dog is None or spec.progress_timeout is None else (self._hung(dog, group.steps),)
+        timed = () if group.steps is None else (self._time_steps(group.steps, assignment),)
         try:
             # The round's end goes first: workers that failed because the round ended
             # elsewhere (peers gone, this node's lease lost) are no failure of theirs.
@@ -447,6 +452,7 @@ class Agent:
                 self._drained_outcome(),
                 *(self._watched(watch) for watch in self.watches),
                 *broken,
+                *timed,
             )
         except BaseException:
             await self._stop_group()
@@ -499,9 +505,24 @@ class Agent:
             self.spec.progress_timeout, self.run_dir / "progress", range(self.spec.nproc_per_node)
         )
 
-    async def _hung(self, dog: ProgressWatchdog) -> tuple[Outcome, str]:
-        self._hang = await dog.hang()
+    async def _hung(self, dog: ProgressWatchdog, steps: StepTimes | None) -> tuple[Outcome, str]:
+        hang = await dog.hang()
+        if steps is not None:  # where it waits, if in a collective
+            hang = dataclasses.replace(hang, waiting=steps.waiting_in(hang.local_rank))
+        self._hang = hang
         return Outcome.FAILED, "a worker hung"
+
+    async def _time_steps(self, steps: StepTimes, assignment: Assignment) -> tuple[Outcome, str]:
+        """Report this node's step timing while the round runs (it never ends an attempt)."""
+        last = None
+        while True:
+            await asyncio.sleep(READ_INTERVAL)
+            report = steps.report(self.spec.node_id, assignment)
+            if report is not None and dataclasses.replace(report, at=0.0) != last:
+                last = dataclasses.replace(report, at=0.0)
+                self.handler.report_steps(report)
+                if self.metrics is not None:
+                    self.metrics.steps(report)
 
     async def _warm_up(self, channel: WorkerChannel) -> None:
         """In-process mode: start the workers before joining, so the job does not wait
@@ -564,6 +585,10 @@ class Agent:
         socket_path = self._channel.path if self._channel is not None else None
         envs, error_files, plans = {}, {}, {}
         make_private_folder(attempt_dir)
+        steps = None
+        if spec.step_timing:
+            make_private_folder(self.run_dir / "steps")
+            steps = StepTimes(self.run_dir / "steps", range(spec.nproc_per_node))
         for local_rank in range(spec.nproc_per_node):
             worker_dir = attempt_dir / str(local_rank)
             make_private_folder(worker_dir)
@@ -574,6 +599,8 @@ class Agent:
             )
             if dog is not None:
                 envs[local_rank].update(dog.env(local_rank))
+            if steps is not None:
+                envs[local_rank].update(steps.env(local_rank))
             if self._timers is not None:
                 envs[local_rank][TIMER_FILE_ENV] = str(self._timers.path)
             plans[local_rank] = plan_streams(spec, local_rank, worker_dir)
@@ -584,7 +611,7 @@ class Agent:
             assert self._warden is not None  # run() started it
             workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)
         duplicates = Duplicates(attempt_dir, spec.duplicate_filters) if spec.duplicate_filters else None
-        group = _Group(workers, {}, error_files, duplicates)
+        group = _Group(workers, {}, error_files, duplicates, steps)
         try:
             for local_rank, proc in workers.procs.items():
                 group.outputs[local_rank] = WorkerOutput(

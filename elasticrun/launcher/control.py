@@ -30,6 +30,8 @@ from elasticrun.rendezvous.state import (
     NodeStatus,
     QuarantineTable,
     Round,
+    StepReport,
+    StragglerReport,
 )
 from elasticrun.store.access import StoreAccess, open_client, parse_access
 from elasticrun.store.api import EventType, Store
@@ -135,6 +137,9 @@ class JobView:
     events: tuple[Event, ...] = ()
     #: the leader's failure records and quarantines (wall-clock times)
     quarantine: QuarantineTable = field(default_factory=QuarantineTable)
+    #: each node's step timing, and the stragglers the leader named
+    steps: Mapping[str, StepReport] = field(default_factory=dict)
+    stragglers: StragglerReport | None = None
 
     @property
     def exists(self) -> bool:
@@ -205,6 +210,8 @@ def job_view(records: JobRecords, revision: int) -> JobView:
         drains=frozenset(records.drains),
         events=tuple(records.events.values()),
         quarantine=records.quarantine,
+        steps=records.steps,
+        stragglers=records.stragglers,
     )
 
 
