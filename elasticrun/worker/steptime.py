@@ -34,6 +34,7 @@ every worker, and installs the torch part only when the script imports torch its
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib
@@ -156,11 +157,19 @@ def install(path: str) -> None:
         return
     _recorder = Recorder(path)
     os.register_at_fork(after_in_child=_forget)
+    atexit.register(_write_last)
     threading.Thread(target=_write_loop, args=(_recorder,), name="elasticrun step timing", daemon=True).start()
     if "torch" in sys.modules and hasattr(sys.modules["torch"], "optim"):
         install_torch(sys.modules["torch"])
     else:
         sys.meta_path.insert(0, _AfterTorch())
+
+
+def _write_last() -> None:
+    """The summary as the script ends (the writer thread, a daemon, is stopped unasked)."""
+    recorder = _recorder
+    if recorder is not None:
+        _write(recorder.path, {**recorder.summary(time.time()), "at": time.time()})
 
 
 def _forget() -> None:
