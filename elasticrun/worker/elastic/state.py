@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.errors import StateTransferError
-from elasticrun.worker import steptime
+from elasticrun.worker.steptime import mark as mark_step
 from elasticrun.worker.elastic.session import flag_device
 from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
 
@@ -147,7 +147,7 @@ class State:
         wrapper so that every rank notices a change at the same commit). Each commit
         ends a step for the step timing (`elasticrun.worker.steptime`).
         """
-        steptime.mark("commit")
+        mark_step("commit")
         for slot in self._slots.values():
             slot.snapshot()
         object.__setattr__(self, "commits", self.commits + 1)
