@@ -12,6 +12,10 @@ stop flag, an optimizer step, and a line
 It ends (exit 0, every rank at the same step) after --steps steps or once a rank sees
 --stop-file; SIGTERM ends it at once (143). A collective that breaks (a peer's agent
 stopped it) waits to be stopped by its own agent.
+
+A hang on demand: a worker whose node id names a file in --hang-dir removes the file and
+then sleeps without end after its step --hang-step, in Python, outside any collective
+(its peers wait for it in the next all_reduce); started again, it trains on.
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ def main() -> int:
     p.add_argument("--slow-dir", default="")
     p.add_argument("--slow-factor", type=float, default=3.0)
     p.add_argument("--stop-file", default="")
+    p.add_argument("--hang-dir", default="")
+    p.add_argument("--hang-step", type=int, default=3)
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
 
     node = os.environ.get("ELASTICRUN_NODE_ID", "?")
     slow = Path(args.slow_dir) / node if args.slow_dir else None
+    hang = Path(args.hang_dir) / node if args.hang_dir else None
     stop = Path(args.stop_file) if args.stop_file else None
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -60,6 +67,11 @@ def main() -> int:
             return 1
         optimizer.step()
         print(f"step={step} {tag}", flush=True)
+        if step == args.hang_step and hang is not None and hang.exists():
+            hang.unlink()
+            print(f"hanging after step={step} {tag}", flush=True)
+            while True:
+                time.sleep(1)
         if flags.item() > 0:
             break
     print(f"worker done {tag}", flush=True)
