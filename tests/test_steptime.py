@@ -203,3 +203,22 @@ def test_the_agent_takes_the_slowest_worker_and_reads_nothing_that_is_not_a_summ
     assert files.waiting_in(1, now=now) == "waiting in all_reduce for 61s"
     write(2, waiting="barrier", waiting_since=now - 60.0)
     assert files.report("n", at).waiting == ""  # type: ignore[union-attr] # every worker has a file
+
+
+def test_the_framework_callbacks_are_the_frameworks_own_and_call_heartbeat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning and the Hugging Face Trainer take only callbacks of their own classes."""
+    import pytorch_lightning as pl
+    import transformers
+
+    from elasticrun.worker import callbacks
+
+    lightning, huggingface = callbacks.lightning(), callbacks.huggingface()
+    assert isinstance(lightning, pl.Callback) and isinstance(huggingface, transformers.TrainerCallback)
+    for name, call in (("lightning", lambda: lightning.on_train_batch_end(None, None, {}, None, 0)),
+                       ("huggingface", lambda: huggingface.on_step_end(None, None, None))):
+        progress = tmp_path / f"progress_{name}"
+        monkeypatch.setenv("ELASTICRUN_PROGRESS_FILE", str(progress))
+        call()
+        assert progress.exists(), name  # heartbeat() touched it
