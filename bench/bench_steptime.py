@@ -99,6 +99,8 @@ def overhead(rounds: int, steps: int) -> None:
     print(f"hot path per {STEP * 1000:.0f} ms step with {COLLECTIVES} collectives: {added * 1e6:.1f} us = "
           f"{added / STEP * 100:.4f}% of the step")
 
+    leader_cost(1000)
+
     weight = torch.nn.Parameter(torch.zeros(256))
     optimizer = torch.optim.SGD([weight], lr=0.01)
     weight.grad = torch.zeros(256)
@@ -127,6 +129,31 @@ def overhead(rounds: int, steps: int) -> None:
         print(f"A/B, {rounds} alternating rounds of {steps} steps: {what} step {a * 1000:.3f} ms untimed, "
               f"{b * 1000:.3f} ms timed: ratio {b / a:.4f}")
     dist.destroy_process_group()
+
+
+def leader_cost(nodes: int) -> None:
+    """What one evaluation costs the leader at `nodes` nodes: decoding their reports (one
+    read of c/steps/) and judging them."""
+    from elasticrun.rendezvous.decide import RendezvousSettings
+    from elasticrun.rendezvous.state import Participant, Round, StepReport, decode, encode
+    from elasticrun.rendezvous.stragglers import Judgement, judge
+
+    names = [f"host{i:05d}_1234" for i in range(nodes)]
+    current = Round(number=1, participants=tuple(Participant(n, "10.0.0.1", 8) for n in names), restart_count=0,
+                    reason="", opened_at=0.0)
+    settings = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=nodes)
+    judged, times, size = Judgement(), [], 0
+    for evaluation in range(10):
+        raw = [encode(StepReport(node_id=n, round=1, steps=10 + 10 * evaluation, compute=0.2 + i % 13 * 0.001,
+                                 wall=0.3, rank=8 * i, source="optimizer", at=time.time()))
+               for i, n in enumerate(names)]
+        size = sum(map(len, raw))
+        start = time.perf_counter()
+        reports = {r.node_id: r for r in (decode(StepReport, b) for b in raw)}
+        judged = judge(judged, current, reports, settings, time.time())
+        times.append(time.perf_counter() - start)
+    print(f"leader: one evaluation of {nodes} nodes' reports ({size / 1000:.0f} kB read): decode and judge "
+          f"{statistics.median(times) * 1000:.1f} ms (median of 10)")
 
 
 def detect(factor: float, conf: str, step_time: float, nodes: int, log_dir: Path) -> tuple[int, float]:
