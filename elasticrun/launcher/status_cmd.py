@@ -223,7 +223,7 @@ def _page_key(view: JobView, as_data: bool) -> str:
     if not as_data:
         return render(view, 0.0, timing=False)
     data = as_json(view, now=0.0)
-    for node in data["nodes"]:  # type: ignore[attr-defined]
+    for node in data["nodes"]:  # type: ignore[attr-defined] # as_json's values are typed `object`
         node.pop("steps")
     return json.dumps(data, sort_keys=True)
 

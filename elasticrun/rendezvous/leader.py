@@ -68,6 +68,11 @@ class _Judged:
     """The straggler verdict changed (--straggler=replace): decide again."""
 
 
+#: what the leader's loop wakes for: a change under r/, how the watch ended, a liveness
+#: probe's verdict, a new straggler verdict
+_Wake = WatchEvent | Exception | _Probed | _Judged
+
+
 class Leader:
     """The leader's loop: keep a `View` up to date from one watch, decide, write rounds."""
 
@@ -110,7 +115,7 @@ class Leader:
         #: newcomers' checks under way at once: 10,000 nodes registering meant 10,000
         #: connections opened together, and checks that timed out behind the others
         self._checks = asyncio.Semaphore(_CHECKS_AT_ONCE)
-        self._events: asyncio.Queue[WatchEvent | Exception | _Probed | _Judged] = asyncio.Queue()
+        self._events: asyncio.Queue[_Wake] = asyncio.Queue()
         #: the latest straggler verdict (elasticrun.rendezvous.stragglers), also read by
         #: the metrics thread: replaced whole, never changed in place
         self.judgement = Judgement()
@@ -179,7 +184,7 @@ class Leader:
             await asyncio.gather(pump, *([judging] if judging else []), *self._probes, return_exceptions=True)
             self._probes.clear()
 
-    async def _pump(self, start: int, events: asyncio.Queue[WatchEvent | Exception | _Probed | _Judged]) -> None:
+    async def _pump(self, start: int, events: asyncio.Queue[_Wake]) -> None:
         """Feed the job's changes to the leader's loop; how the watch ended goes there too
         (a store error: the loop re-reads; anything else: the leader fails, and its node's
         supervisor notices), so the loop never waits on a pump that is gone."""
@@ -231,7 +236,7 @@ class Leader:
 
     # --- stragglers: the nodes' step times judged every straggler_interval ------------------
 
-    async def _judge(self, events: asyncio.Queue[WatchEvent | Exception | _Probed | _Judged]) -> None:
+    async def _judge(self, events: asyncio.Queue[_Wake]) -> None:
         """Read the nodes' step reports (c/, which the leader does not watch), judge,
         and say what changed; the loop decides again when a straggler is to go. A store
         error waits for the next evaluation; anything else ends the leadership, through
@@ -246,7 +251,9 @@ class Leader:
         except Exception as e:
             events.put_nowait(e)
 
-    async def _evaluate(self, events: asyncio.Queue[WatchEvent | Exception | _Probed | _Judged]) -> None:
+    async def _evaluate(self, events: asyncio.Queue[_Wake]) -> None:
+        """One evaluation: the reports read and judged; the stragglers written (when
+        any is or was named), logged and recorded as events once per change."""
         listed = await self._store.get_prefix(self._keys.steps)
         reports = {}
         for kv in listed.kvs:
@@ -453,9 +460,7 @@ class Leader:
             log.warning("node %s: its liveness port refused a connection: its agent is gone", node_id)
             self._refused[node_id] = probed.suspect
 
-    def _apply_event(
-        self, event: WatchEvent | Exception | _Probed | _Judged, awaiting_write: bool
-    ) -> tuple[bool, bool]:
+    def _apply_event(self, event: _Wake, awaiting_write: bool) -> tuple[bool, bool]:
         """Fold one event in; whether the leader still awaits its write, and whether
         the event may change a decision (a newcomer's liveness check cannot: it only
         marks the node as one whose port may later count as refused)."""

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.errors import StateTransferError
-from elasticrun.worker.steptime import mark as mark_step
 from elasticrun.worker.elastic.session import flag_device
 from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
+from elasticrun.worker.steptime import mark as mark_step
 
 
 class MembershipChanged(BaseException):
