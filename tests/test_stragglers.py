@@ -130,3 +130,54 @@ def test_a_thousand_nodes_are_judged_with_the_others_median_by_index():
     *_, last = run([times] * 3, a_round(*names))
     assert list(last.named) == ["n0500"]
     assert abs(last.named["n0500"].relative - 0.6 / 0.203) < 1e-9
+
+
+async def test_a_nodes_step_report_is_published_at_most_once_per_interval_the_latest_winning() -> None:
+    import asyncio
+    import time
+
+    from elasticrun.rendezvous.reports import Reporter
+    from elasticrun.rendezvous.state import Keys, NodeInfo, decode
+    from elasticrun.store.memory import MemoryStore
+
+    keys = Keys("job")
+
+    class Counting(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.step_puts: list[bytes] = []
+            self.put_at: list[float] = []
+            self.put_seen = asyncio.Event()
+
+        async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+            if key == keys.step_report("n"):
+                self.step_puts.append(value)
+                self.put_at.append(time.monotonic())
+                self.put_seen.set()
+            return await super().put(key, value, lease=lease)
+
+    async def next_put() -> None:
+        async with asyncio.timeout(10):
+            await store.put_seen.wait()
+        store.put_seen.clear()
+
+    store = Counting()
+    me = NodeInfo(node_id="n", host="h", addr="a", nproc=1, pid=1, started_at=0.0)
+    reporter = Reporter(store, keys, me, steps_interval=0.3)
+    lease = await store.grant_lease(10)
+    publishing = asyncio.ensure_future(reporter.publish(lease))
+    try:
+        first = reports({"n": 0.2}, steps=10)["n"]
+        reporter.steps(first)
+        await next_put()
+        reporter.steps(replace(first, steps=20))
+        reporter.steps(replace(first, steps=30))  # before the interval: only the latest goes
+        await next_put()
+        assert [decode(StepReport, v).steps for v in store.step_puts] == [10, 30]
+        assert store.put_at[1] - store.put_at[0] >= 0.25  # not before the interval (a bound, not a timing)
+        kv = await store.get(keys.step_report("n"))
+        assert kv is not None and kv.lease == lease  # it goes with the node
+    finally:
+        publishing.cancel()
+        await asyncio.gather(publishing, return_exceptions=True)
+        await store.close()
