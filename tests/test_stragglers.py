@@ -3,11 +3,15 @@ it is: step reports in, scores and names out, no store and no sleeping."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import replace
 
 from elasticrun.rendezvous.decide import RendezvousSettings
-from elasticrun.rendezvous.state import Participant, Round, StepReport
+from elasticrun.rendezvous.reports import Reporter
+from elasticrun.rendezvous.state import Keys, NodeInfo, Participant, Round, StepReport, decode
 from elasticrun.rendezvous.stragglers import MIN_STEPS, Judgement, judge
+from elasticrun.store.memory import MemoryStore
 
 SETTINGS = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=8, straggler_relative=1.25, straggler_after=3)
 
@@ -133,13 +137,6 @@ def test_a_thousand_nodes_are_judged_with_the_others_median_by_index():
 
 
 async def test_a_nodes_step_report_is_published_at_most_once_per_interval_the_latest_winning() -> None:
-    import asyncio
-    import time
-
-    from elasticrun.rendezvous.reports import Reporter
-    from elasticrun.rendezvous.state import Keys, NodeInfo, decode
-    from elasticrun.store.memory import MemoryStore
-
     keys = Keys("job")
 
     class Counting(MemoryStore):
