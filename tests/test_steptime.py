@@ -86,6 +86,22 @@ def test_the_best_source_of_steps_wins() -> None:
     assert r.steps == 1 and r.summary(0.0)["source"] == "commit" and list(r.wall) == [pytest.approx(1.0)]
 
 
+def test_a_new_round_counts_its_steps_afresh_from_the_next_mark() -> None:
+    """In-process mode: the join and the state's sync between two rounds are no step."""
+    clock = Clock()
+    r = Recorder("unused", clock)
+    for _ in range(3):
+        r.mark("commit")
+        clock.now += 1.0
+    assert r.steps == 2
+    r.restart()
+    clock.now += 30.0  # the new group forms, the state is synced
+    r.mark("commit")
+    clock.now += 0.5
+    r.mark("commit")
+    assert r.steps == 1 and list(r.wall) == [pytest.approx(0.5)] and r.summary(0.0)["source"] == "commit"
+
+
 def test_a_wait_on_another_thread_does_not_hold_up_the_step() -> None:
     r = Recorder("unused")
     entered: list[bool] = []

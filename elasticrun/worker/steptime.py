@@ -89,7 +89,7 @@ class Recorder:
         #: the source whose marks count (its index in SOURCES; -1: none seen yet)
         self.level = -1
         self.steps = 0
-        self._started = 0.0  # the current step's start (0: before the first mark)
+        self._started: float | None = None  # the current step's start (None: before a first mark)
         self._blocked = 0.0  # seconds blocked in the current step so far
         self._depth = 0  # nested wrapped calls (all_gather_object calls all_gather)
         self._entered = 0.0  # when the outermost blocked call began
@@ -104,15 +104,24 @@ class Recorder:
             return
         now = self._clock()
         if level > self.level:  # a better source: count its steps from here
-            self.level, self.steps, self._started, self._blocked = level, 0, now, 0.0
-            self.compute.clear()
-            self.wall.clear()
+            self.level = level
+            self.restart()
+        started = self._started
+        if started is None:  # the first mark starts the first step
+            self._started, self._blocked = now, 0.0
             return
-        wall = now - self._started
+        wall = now - started
         self.wall.append(wall)
         self.compute.append(max(wall - self._blocked, 0.0))
         self.steps += 1
         self._started, self._blocked = now, 0.0
+
+    def restart(self) -> None:
+        """Count steps afresh from the next mark (a better source, or a new round of an
+        in-process worker: its join and state sync are no step)."""
+        self.steps, self._started, self._blocked = 0, None, 0.0
+        self.compute.clear()
+        self.wall.clear()
 
     def enter(self, name: str) -> bool:
         """The main thread starts waiting for its peers in `name`; False (ignored) on
@@ -176,6 +185,14 @@ def _forget() -> None:
     """A forked child (a data loader's worker) is no worker: it records nothing."""
     global _recorder
     _recorder = None
+
+
+def new_round() -> None:
+    """This process's training goes on in a new round (in-process mode): its steps are
+    counted afresh, as the agent's report is the round's."""
+    recorder = _recorder
+    if recorder is not None:
+        recorder.restart()
 
 
 def mark(source: str) -> None:
