@@ -172,6 +172,21 @@ class RendezvousClosedError(RendezvousError):
         self.detail = detail
 
 
+class JobEndedError(RendezvousClosedError):
+    """The job had ended before this node started: the node ran nothing.
+
+    A re-run with the id of an ended job (torchrun's habit, or no --rdzv-id at all:
+    'none') finds the job's closed record, which stays for `closed_ttl`. The agent exits
+    as the job ended all the same (0 if it succeeded): a scheduler that requeues a node
+    of a finished job (Slurm's --requeue, a restarted pod) must not see a failure. What
+    tells the user is the message, at warning level.
+    """
+
+    def __init__(self, run_id: str, outcome: str, detail: str, message: str) -> None:
+        super().__init__(run_id, outcome, detail)
+        self.args = (message,)
+
+
 class RendezvousTimeoutError(RendezvousError):
     """No round this node could join formed within the join timeout."""
 

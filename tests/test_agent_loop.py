@@ -249,6 +249,31 @@ async def test_a_signal_to_the_agent_reaches_workers_and_exits_128_plus_n(
         assert (tmp_path / f"saved-{rank}").read_text() == sig.name
 
 
+_DEAF = """
+import os, signal, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # like a worker blocked in C code
+print(f"ready pid {os.getpid()}", flush=True)
+time.sleep(600)
+"""
+
+
+async def test_a_second_ctrl_c_kills_the_workers_at_once(tmp_path: Path) -> None:
+    """The first says how long the workers have; the second cuts the grace short (it
+    was ignored, and Ctrl-C took --shutdown-timeout: here 600 s, past the test's bound)."""
+    script = write_script(tmp_path, "deaf.py", _DEAF)
+    agent = await start_agent_process(script, tmp_path / "logs", stop_grace=600)
+    try:
+        assert agent.stdout is not None and agent.stderr is not None
+        await read_lines_until(agent.stdout, 1, "<stdout>: ready")
+        agent.send_signal(signal.SIGINT)
+        await read_lines_until(agent.stderr, 1, "agent received SIGINT: stopping workers (they have 600s to exit")
+        agent.send_signal(signal.SIGINT)
+        await read_lines_until(agent.stderr, 1, "agent received SIGINT again: killing the workers now")
+        assert await asyncio.wait_for(agent.wait(), 60) == 128 + signal.SIGINT
+    finally:
+        await kill_and_reap(agent)
+
+
 async def test_workers_die_with_a_sigkilled_agent(tmp_path: Path) -> None:
     script = write_script(tmp_path, "saver.py", _SAVER.format(folder=str(tmp_path)))
     agent = await start_agent_process(script, tmp_path / "logs", nproc=2)

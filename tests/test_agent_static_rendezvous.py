@@ -52,3 +52,24 @@ async def test_closing_ends_the_rounds(close: str, outcome: str) -> None:
 def test_bad_input_names_the_flag(node_rank: int, nnodes: int, port: int, flag: str) -> None:
     with pytest.raises(UsageError, match=flag):
         _static(node_rank, nnodes, port)
+
+
+@pytest.mark.parametrize(
+    ("node_rank", "nnodes", "said"),
+    [
+        (0, 3, "static rendezvous: node rank 0 of 3: its rank-0 worker hosts the job's store at 10.0.0.1:29500; "
+               "the workers wait there for node ranks 1-2 (each started with its own --node-rank)"),
+        (1, 2, "static rendezvous: node rank 1 of 2: the workers wait for node rank 0, whose rank-0 worker hosts "
+               "the job's store at 10.0.0.1:29500, and for every other node rank"),
+    ],
+)
+async def test_a_static_node_says_once_what_its_workers_wait_for(
+    caplog: pytest.LogCaptureFixture, node_rank: int, nnodes: int, said: str
+) -> None:
+    """Nothing is negotiated, so nothing else tells a user why a node waits in silence."""
+    rdzv = _static(node_rank, nnodes)
+    with caplog.at_level("INFO", logger="elasticrun.rendezvous"):
+        await rdzv.next_round()
+        await rdzv.request_restart("rank 5 failed")
+        await rdzv.next_round()
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("static rendezvous: node")] == [said]

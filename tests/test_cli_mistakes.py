@@ -1,5 +1,5 @@
 """Every mistake answered in a line: misspelt subcommands, flags and choices get a
-"did you mean", `elasticrun store` alone says what it takes, `logs --rank` names a rank
+"did you mean" (an `--rdzv-conf` key too), `elasticrun store` alone says what it takes, `logs --rank` names a rank
 that is not there (or says it has printed nothing yet), `--nproc-per-node=xpu` works as
 under torchrun, and `--help` lists every `--rdzv-conf` key. Run as real processes, with
 their exact output checked."""
@@ -41,6 +41,10 @@ MISTAKES = [
     (["store"],
      "elasticrun store takes a command: serve (run the store on its own), credential (print a worker "
      "or reader credential) or etcd-roles (set up etcd's users); see elasticrun store serve --help"),
+    (["--standalone", "--rdzv-conf=join_timout=5", "train.py"],
+     "--rdzv-conf: unknown key 'join_timout'; did you mean join_timeout?"),
+    (["--standalone", "--rdzv-conf=read_timeot=5", "train.py"],  # torchrun's spelling counts too
+     "--rdzv-conf: unknown key 'read_timeot'; did you mean read_timeout?"),
     (["--foo", "train.py"], "unrecognized arguments: --foo (see --help)"),
     (["trian.py"], "training script not found: trian.py"),  # close to no subcommand: a missing script
 ]

@@ -152,6 +152,16 @@ def test_a_slow_answer_is_announced_after_a_second(silent_port: int) -> None:
     ]
 
 
+def test_a_silent_program_at_an_etcd_endpoint_is_named_in_the_same_words(silent_port: int) -> None:
+    endpoint = f"127.0.0.1:{silent_port}"
+    done = run_cli(["list", "--rdzv-backend=etcd", f"--rdzv-endpoint={endpoint}", "--rdzv-conf=store_timeout=2"])
+    assert done.returncode == 200
+    assert done.stderr.splitlines()[-1] == (
+        f"elasticrun: error: store at {endpoint} is unreachable: {endpoint}: connections open, but nothing "
+        "answers as a gRPC server there"
+    )
+
+
 def test_a_program_that_does_not_speak_grpc(http_port: int) -> None:
     done = run_cli(["status", f"--rdzv-endpoint=127.0.0.1:{http_port}", "--rdzv-id=job"])
     assert (done.returncode, done.stdout) == (2, "")

@@ -369,6 +369,59 @@ def test_dropping_out_of_rounds_counts_but_a_drain_does_not():
     assert decide(back, Q, now=50.0).reason == "round 8 running with 2 nodes; quarantined: c"
 
 
+SICK = "health check failed (exit 1): eth0 is down"
+
+
+def test_a_member_that_leaves_asking_to_be_kept_out_is_quarantined_with_its_reason():
+    view = three_nodes()
+    # it wrote its departure and still holds its registration: nothing to do yet
+    leaving = replace(view, departed=frozenset({"c"}), keep_out={"c": SICK})
+    d = decide(leaving, Q, now=10.0)
+    assert d.round is None and d.quarantine is None and d.settled == ()
+    # its registration is gone: the round that lets it go holds it, at once (no count)
+    gone = replace(leaving, nodes=nodes(node("a"), node("b")))
+    d = decide(gone, Q, now=11.0)
+    assert members(d) == ["a", "b"] and d.round.restart_count == 0  # free: it left
+    assert d.reason == f"c left; quarantined c for 60s ({SICK})"
+    entry = d.quarantine.get("c")
+    assert (entry.times, entry.failures, entry.until, entry.reason) == (1, 0, 71.0, SICK)
+    assert d.settled == ("c",)
+    # a new leader finds the record again before the round is seen: no second hold
+    again = decide(replace(apply(gone, d), round=gone.round), Q, now=12.0)
+    assert again.quarantine is None and again.settled == ("c",)
+    # it comes back (a new agent of the same id) while held: kept out, then admitted
+    back = replace(apply(gone, d), nodes=nodes(node("a"), node("b"), node("c", 20.0)), keep_out={})
+    assert decide(back, Q, now=30.0).reason == "round 2 running with 2 nodes; quarantined: c"
+    assert members(decide(back, Q, now=71.0)) == ["a", "b", "c"]
+
+
+def test_a_spare_that_leaves_asking_to_be_kept_out_is_held_and_its_record_settled():
+    view = replace(three_nodes(), round=running("a", "b"), keep_out={"c": SICK}, departed=frozenset({"c"}))
+    gone = replace(view, nodes=nodes(node("a"), node("b")))
+    d = decide(gone, Q, now=10.0)
+    assert d.round is None and d.settled == ("c",)
+    assert d.quarantine.get("c").active(10.0) and d.quarantine.get("c").reason == SICK
+    # held again only after another departure that asks for it, for twice as long
+    later = replace(apply(gone, d), keep_out={"c": "health check timed out after 30s"})
+    d = decide(later, Q, now=100.0)
+    entry = d.quarantine.get("c")
+    assert (entry.times, entry.until - 100.0) == (2, 120.0)
+
+
+def test_keep_out_holds_even_where_failures_are_not_counted():
+    off = replace(Q, quarantine_after=0)
+    view = View(nodes=nodes(node("a"), node("b")), round=running("a", "b", "c"), keep_out={"c": SICK},
+                departed=frozenset({"c"}))
+    d = decide(view, off, now=10.0)
+    assert members(d) == ["a", "b"] and d.quarantine.get("c").active(10.0)
+
+
+def test_a_departure_without_keep_out_holds_nobody():
+    view = View(nodes=nodes(node("a"), node("b")), round=running("a", "b", "c"), departed=frozenset({"c"}))
+    d = decide(view, Q, now=10.0)
+    assert d.reason == "c left" and not d.quarantine.entries and d.settled == ()
+
+
 def test_every_member_going_at_once_counts_against_nobody():
     # A store stall lets every lease lapse together: the new leader finds each member
     # gone or registered again. That is the store's fault, not a flapping node's.

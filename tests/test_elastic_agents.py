@@ -263,8 +263,11 @@ def test_closed_rendezvous_then_fresh_job_and_two_jobs_on_one_store(cluster: Clu
     first.wait_for(r"closed \(succeeded\)")
 
     late = start(cluster, rdzv, "late", 3, "1", conf=conf)
-    assert late.wait_exit() == 0, late.text()
-    late.wait_for(r"rendezvous '" + re.escape(rdzv.run_id) + r"' is closed \(succeeded\)")
+    assert late.wait_exit() == 0, late.text()  # as the job ended: a requeued node of it is no failure
+    late.wait_for(
+        r"WARNING .*workers init -> stopped: job '" + re.escape(rdzv.run_id) + r"' ended \d+s ago \(succeeded: .*\), "
+        r"before this node started: this node ran nothing\. The id stays taken for closed_ttl=600s"
+    )
     assert "worker started" not in late.text()
 
     asyncio.run(_end_closed_window(rdzv, rdzv.run_id))
@@ -274,6 +277,19 @@ def test_closed_rendezvous_then_fresh_job_and_two_jobs_on_one_store(cluster: Clu
         m = step(p, 1, count=2)
         assert m["round"] == "1" and m["restart"] == "0"  # a clean start
     finish(cluster, again, other)
+
+
+def test_a_rerun_of_the_default_id_says_the_job_ended_and_this_node_ran_nothing(cluster: Cluster, c10d_store: str) -> None:
+    """torchrun users run one command twice; without --rdzv-id both runs are job 'none'."""
+    kw = dict(backend="c10d", endpoint=c10d_store, run_id="none", nnodes="1", conf=RDZV_CONF + ",is_host=false")
+    default_id = "the job id is 'none', the default: every job on this store without --rdzv-id shares it"
+    first = cluster.agent("first", local_addr="127.0.0.2", worker_args=["--steps", "1"], **kw)
+    assert first.wait_exit() == 0, first.text()
+    assert first.text().count(default_id) == 1, first.text()
+    again = cluster.agent("again", local_addr="127.0.0.3", **kw)
+    assert again.wait_exit() == 0, again.text()  # the exit code of the ended job, which succeeded
+    again.wait_for(r"job 'none' ended \d+s ago \(succeeded: .*\), before this node started: this node ran nothing")
+    assert default_id in again.text() and "worker started" not in again.text()
 
 
 # --- scenario 8: what a lone node waits for ---------------------------------------------

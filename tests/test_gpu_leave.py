@@ -2,7 +2,7 @@
 
 Two agents share an in-memory store in this process and run real worker processes.
 One node's GPU reports an uncorrectable ECC error while training: that node leaves
-gracefully and the other goes on alone. A node whose GPU is already sick never joins.
+gracefully, quarantined, and the other goes on alone. A node whose GPU is already sick never joins.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from elasticrun.errors import EXIT_INFRASTRUCTURE, GpuUnhealthyError
 from elasticrun.launcher.launch import gpu_watches
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import Event, JobSpec, Keys, NodeInfo, decode
+from elasticrun.rendezvous.state import Event, JobSpec, Keys, NodeInfo, QuarantineTable, decode
 from elasticrun.store.memory import MemoryStore
 from tests.agent_helpers import eventually
 from tests.test_gpu import FakeGpu, FakeNvml
@@ -80,6 +81,11 @@ async def test_gpu_failing_during_training_makes_the_node_leave(tmp_path):
         await wait_for(lambda: rdzv_a._last_round == rdzv_a._job.head.number, "node-a running the new round")
         events = [decode(Event, kv.value) for kv in (await store.get_prefix(Keys("gpu").events)).kvs]
         assert any(e.node == "node-b" and "GPU problem" in e.detail for e in events)
+        # it asked to be kept out: the round that let it go quarantined it, with the reason
+        quarantine = await store.get(Keys("gpu").quarantine)
+        assert quarantine is not None
+        held = decode(QuarantineTable, quarantine.value).get("node-b")
+        assert held is not None and held.active(time.time()) and "uncorrect" in held.reason
         stop.touch()
         result_a = await asyncio.wait_for(agent_a, 30)
         assert result_a.exit_code == 0

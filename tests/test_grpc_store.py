@@ -186,6 +186,22 @@ async def test_every_call_fails_at_once_when_the_agent_hosting_the_store_is_gone
     await client.close()
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("read", ["get", "get_prefix"])
+async def test_a_client_that_only_read_knows_the_store_was_an_agents(read: str) -> None:
+    """Job control reads, then waits: `elasticrun stop` read the job, closed it, and
+    found the store gone (the hosting agent exited with the job) before any watch reply
+    had said whose it was, so it retried for store_timeout."""
+    server = StoreServer("127.0.0.1", 0, hosted_by_agent=True)
+    await server.start()
+    client = GrpcStore(server.endpoint, timeout=60)
+    await getattr(client, read)("k")
+    await server.stop()
+    with pytest.raises(StoreUnavailableError, match="connection refused: the agent that hosted it is gone"):
+        await client.get_prefix("k")
+    await client.close()
+
+
 async def test_a_stopped_store_serve_is_waited_for() -> None:
     """`store serve` may come back (restarted by its supervisor): calls retry until their
     timeout, unlike those to a store hosted by an agent."""

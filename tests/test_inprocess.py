@@ -74,6 +74,9 @@ def joins(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, survivors: dict[Pr
         m = world_step(p, 3, start=marks[p])
         assert int(m["pid"]) == survivors[p]  # the same process
         assert int(m["step"]) > before[p]  # resumed, not restarted
+        said_in_place(p, marks[p])
+        assert re.search(r"\] round \d+: scale up .*: re-forming in place, the workers kept$",
+                         p.text()[marks[p]:], re.M), p.text()[-3000:]
     joined = newcomer.wait_for(r"joined rank=\d+ world=3 round=\d+ pid=\d+ step=(\d+)")
     assert int(joined.group(1)) >= min(before.values())
     world_step(newcomer, 3)
@@ -88,7 +91,17 @@ def survive(survivors: dict[Proc, int], marks: dict[Proc, int]) -> None:
         m = world_step(p, 2, start=marks[p])
         assert int(m["pid"]) == pid, p.name  # never restarted
         assert p.text().count("worker started") == 1
+        said_in_place(p, marks[p])
         assert re.search(r"ranks \d+-\d+ of 2, restart 0/0", p.text()[marks[p]:]), p.name
+
+
+def said_in_place(agent: Proc, mark: int) -> None:
+    """The agent's lines since `mark` say the group re-formed in place; none says its
+    workers stopped (they did not)."""
+    since = agent.text()[mark:]
+    assert re.search(r"workers init -> healthy: round \d+, re-formed in place: node rank", since), since[-3000:]
+    assert "workers healthy -> stopped" not in since, since[-3000:]
+    assert "Traceback" not in since, since[-3000:]  # a lost peer's broken collective: one line
 
 
 def test_survivors_keep_running_through_a_join_a_leave_a_kill_and_a_freeze(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.agent_helpers import free_port
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,6 +110,9 @@ def test_status_table_and_json_before_and_after_scale_out(cluster, rdzv, job):
     ranks = {n["node_id"]: n["node_rank"] for n in after["nodes"]}
     assert sorted(ranks.values()) == [0, 1, 2]
     assert after["job"]["round"] >= 2 and after["job"]["restarts"] == 0
+    # the causes stay in sight: each node's waits for a round are no job event
+    kinds = [e["kind"] for e in after["events"]]
+    assert "init" not in kinds and {"healthy", "stopped"} <= set(kinds), after["events"]
     assert joined.wait_for(r"tick=\d+ rank=2 world=3")
     cluster.stop_training()
     for proc in [*job, joined]:
@@ -434,3 +438,43 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     assert joined.rdzv.local_addr == "127.0.0.5" and joined.rdzv.settings.join_timeout == 60.0
     assert (w.log_dir, joined.event_log_handler) == (None, "null")
     assert not any(a.startswith(("--log-dir", "--event-log-handler")) for a in argv), argv
+
+
+def test_an_ended_job_keeps_its_nodes_and_last_lines_for_closed_ttl(cluster, rdzv, job):
+    """A post-mortem: `status` and `logs` of a job that just ended tell what happened
+    (the nodes' last reports outlive their membership by closed_ttl)."""
+    wait_until(lambda: all(f"[{r}]<stdout>: tick=" in ctl(rdzv, "logs").stdout for r in (0, 1)),
+               what="both ranks' lines in the store", interval=0.3)
+    cluster.stop_training()
+    for proc in job:
+        assert proc.wait_exit() == 0, proc.text()[-3000:]
+    ended = status(rdzv)
+    assert ended["job"]["state"] == "succeeded" and ended["nodes"] == []
+    assert sorted((n["node_rank"], n["state"]) for n in ended["ended_nodes"]) == [(0, "succeeded"), (1, "succeeded")]
+    table = ctl(rdzv, "status").stdout.splitlines()
+    rows = [line.split() for line in table if line.startswith(socket.gethostname() + "_")]
+    assert sorted((row[3], row[1]) for row in rows) == [("0", "succeeded"), ("1", "succeeded")], table
+    last = ctl(rdzv, "logs", "--rank", "1", "--tail", "1")
+    assert last.returncode == 0 and re.fullmatch(r"\[1\]<stdout>: tick=\d+ rank=1 world=2\n", last.stdout), last
+
+
+def test_a_watch_draws_the_last_page_when_the_store_goes_with_the_job(cluster):
+    """The agent hosting the store exits once the others have left, and its store with
+    it: the watch shows the job's end before it says so, and exits 0."""
+    rdzv = Rdzv("c10d", f"127.0.0.1:{free_port()}", RDZV_CONF + ",is_host=false", run_id())
+    host = Rdzv(rdzv.backend, rdzv.endpoint, RDZV_CONF + ",is_host=true", rdzv.run_id)
+    agents = [agent(cluster, host, "a", 1, "2"), agent(cluster, rdzv, "b", 2, "2")]
+    for proc in agents:
+        proc.wait_for(r"tick=\d+ rank=\d world=2")
+    watch = cluster.start("watch", [
+        sys.executable, "-m", "elasticrun", "status", "--watch", f"--rdzv-endpoint={rdzv.endpoint}",
+        f"--rdzv-id={rdzv.run_id}", "--rdzv-conf=store_timeout=3"])
+    watch.wait_for(r"JOB\s+STATE")
+    cluster.stop_training()
+    for proc in agents:
+        assert proc.wait_exit() == 0, proc.text()[-3000:]
+    assert watch.wait_exit() == 0, watch.text()[-3000:]
+    last = watch.text().rsplit("--- ", 1)[1]
+    assert re.search(rf"^{rdzv.run_id}\s+succeeded\s", last, re.M), watch.text()[-3000:]
+    assert len(re.findall(rf"^{socket.gethostname()}_\d+\s+succeeded\s+\S+\s+[01]\s", last, re.M)) == 2, last
+    assert watch.text().rstrip().endswith(f"elasticrun: the store went away with the job ({rdzv.endpoint})")

@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import socket
+import time
 
 import pytest
 
@@ -21,9 +22,19 @@ from elasticrun.errors import LeaseExpiredError, RendezvousClosedError, Rendezvo
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.ports import PortReservation
-from elasticrun.rendezvous.state import FORMAT_VERSION, JOB_SPEC_VERSION, JobSpec, Keys, NodeInfo
+from elasticrun.rendezvous.state import (
+    FORMAT_VERSION,
+    JOB_SPEC_VERSION,
+    JobSpec,
+    Keys,
+    NodeInfo,
+    QuarantineEntry,
+    QuarantineTable,
+    decode,
+)
 from elasticrun.store.api import Store
 from elasticrun.store.memory import MemoryStore
+from tests.agent_helpers import eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -134,6 +145,48 @@ async def test_graceful_leave_restarts_the_others_at_once(store):
     assert [x.node_rank for x in again] == [0, 1]
     assert all(x.world_size == 4 for x in again)
     await asyncio.gather(a.aclose(), c.aclose())
+
+
+async def test_a_node_that_leaves_asking_to_be_kept_out_is_quarantined(store):
+    s = settings(1, 2, heartbeat_ttl=30.0)
+    keys = Keys("job")
+    a, b, c = (make_node(store, n, s) for n in "abc")
+    await asyncio.gather(a.next_round(), b.next_round())
+    spare = asyncio.ensure_future(c.next_round())  # max 2: c waits as a spare
+    await eventually(lambda: c._lease is not None, 10)
+    ended = asyncio.ensure_future(a.round_ended())
+    sick = "health check failed (exit 1): eth0 is down"
+    await b.leave(sick, keep_out=True)
+    # the round that lets it go holds it, with its reason; the spare takes its place
+    assert await ended == f"round 2: b left; joined: c; quarantined b for 60s ({sick})"
+    await asyncio.gather(a.next_round(), spare)
+
+    async def record(key: str) -> bytes:
+        kv = await store.get(key)
+        assert kv is not None, key
+        return kv.value
+
+    async def gone(key: str) -> None:
+        async with asyncio.timeout(10):
+            while await store.get(key) is not None:
+                await asyncio.sleep(0.01)
+
+    table = decode(QuarantineTable, await record(keys.quarantine))
+    assert table.get("b").reason == sick and table.get("b").active(time.time())
+    assert decode(QuarantineEntry, await record(keys.hold("b"))).reason == sick
+    await gone(keys.departure("b"))
+    # a node outside the round that leaves so is held too, and its record cleared
+    # (kept, it would hold the node again each time its quarantine ended)
+    d = make_node(store, "d", s)
+    waiting = asyncio.ensure_future(d.next_round())
+    await eventually(lambda: d._lease is not None, 10)
+    await d.leave("too slow", keep_out=True)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await gone(keys.departure("d"))
+    table = decode(QuarantineTable, await record(keys.quarantine))
+    assert table.get("d").reason == "too slow" and table.get("d").active(time.time())
+    await asyncio.gather(a.aclose(), c.aclose(), d.aclose())
 
 
 async def test_dead_node_is_dropped_when_its_lease_expires(store):

@@ -42,6 +42,7 @@ from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import (
     EXIT_INFRASTRUCTURE,
     EXIT_TRAINING_FAILED,
+    JobEndedError,
     RendezvousClosedError,
     UsageError,
     WorkerStartError,
@@ -161,6 +162,8 @@ class _Attempt:
     report: FailureReport | None
     #: what the rendezvous is told when this failure ends the job
     text: str = ""
+    #: in-process mode: the workers go on into the next round (nothing stopped)
+    kept: bool = False
 
 
 #: why a worker in in-process mode may never have connected to its agent
@@ -187,6 +190,8 @@ class _Group:
     duplicates: Duplicates | None = None
     #: the workers' step timing files (spec.step_timing)
     steps: StepTimes | None = None
+    #: it has run a round (in-process mode starts it before the first)
+    ran: bool = False
 
 
 class Agent:
@@ -217,6 +222,8 @@ class Agent:
         self._log_layout = log_layout
         self._signal: signal.Signals | None = None
         self._signalled = asyncio.Event()
+        #: a second signal: the workers' grace period is cut short
+        self._hurry = asyncio.Event()
         self._attempts = 0
         self._state: WorkerState | None = None  # None: before the first round
         self._assignment: Assignment | None = None
@@ -229,8 +236,9 @@ class Agent:
         self._broken_text = ""
         #: the hang the progress watchdog found in the current attempt
         self._hang: Hang | None = None
-        #: this node's failure beyond the budget: (message, report)
-        self._failure: tuple[str, FailureReport | None] | None = None
+        #: this node's failure beyond the budget: (message, report, the report's or the
+        #: in-process worker's traceback text, "" without one)
+        self._failure: tuple[str, FailureReport | None, str] | None = None
         #: how the job ended elsewhere, as the round's end said
         self._closure: RendezvousClosedError | None = None
         #: progress since this node's previous worker failure (--forgive-progress):
@@ -318,9 +326,15 @@ class Agent:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self._signal is None:
-            logger.warning("agent received %s: stopping workers, leaving the job", sig.name)
+            logger.warning(
+                "agent received %s: stopping workers (they have %gs to exit, --shutdown-timeout; a second "
+                "signal kills them at once), leaving the job", sig.name, self.spec.stop_grace,
+            )
             self._signal = sig
             self._signalled.set()
+        elif not self._hurry.is_set():
+            logger.warning("agent received %s again: killing the workers now", sig.name)
+            self._hurry.set()
 
     async def _wait_signal(self) -> None:
         await self._signalled.wait()
@@ -369,8 +383,9 @@ class Agent:
                 self.metrics.round_over(failure=cause if action is Action.RESTART else "")
             match action:
                 case Action.FINISH:
-                    await self.handler.finish()
-                    return self._end(WorkerState.SUCCEEDED, 0, "all workers succeeded")
+                    result = self._end(WorkerState.SUCCEEDED, 0, "all workers succeeded")
+                    await self.handler.finish()  # after the state: the job's end keeps the last report
+                    return result
                 case Action.RESTART:
                     count = f"forgiven: {forgiven}; {spent}/{budget} spent" if forgiven else f"{spent + 1}/{budget}"
                     if assignment.node_count > 1 and not forgiven:
@@ -378,23 +393,32 @@ class Agent:
                         # opens a round without it, and no restart is spent
                         count += ", none if a node was lost meanwhile"
                     self._set_state(WorkerState.STOPPED, f"{attempt.reason}; restarting ({count})")
+                    if attempt.text:  # in-process: the worker said one line; the rest is here
+                        logger.info("worker traceback:\n%s", attempt.text)
                     await self.handler.request_restart(attempt.reason, forgiven=bool(forgiven))
                 case Action.FAIL:
                     report = attempt.report
                     text = report.text if report is not None else attempt.text or attempt.reason
-                    logger.warning(
-                        "%s; no restarts left: the job ends, unless a node died meanwhile",
-                        attempt.reason,
+                    # Not a warning yet: if a node died meanwhile, its death broke our
+                    # workers, and the leader's verdict (a new round) is what to show.
+                    logger.info(
+                        "%s; no restarts left (--max-restarts=%d): asking the leader to end the job, "
+                        "unless it finds a node was lost",
+                        attempt.reason, self.spec.max_restarts,
                     )
                     self._failure = (
                         f"{attempt.reason}; no restarts left "
                         f"(--max-restarts={self.spec.max_restarts})",
                         report,
+                        report.text if report is not None else attempt.text,
                     )
                     # The job ends for every node (next_round says so), unless the
                     # rendezvous finds a node died meanwhile and breaking the workers'
                     # collectives is its doing: then a new round follows, for free.
                     await self.handler.fail(text)
+                case Action.NEXT_ROUND if attempt.kept:
+                    # the same workers go on: no stop to report, only why the group re-forms
+                    logger.info("%s: re-forming in place, the workers kept", attempt.reason, extra=HEADLINE)
                 case Action.NEXT_ROUND:
                     self._set_state(WorkerState.STOPPED, attempt.reason)
                 case Action.LEAVE:
@@ -415,9 +439,11 @@ class Agent:
         self._hang = None
         dog = self._watchdog()
         started = time.monotonic()
+        in_place = self._group is not None and self._group.ran  # in-process: kept from a round
         if self._group is None:
             self._group = await self._start_group(assignment, dog)
         group = self._group
+        group.ran = True
         if self._channel is not None:
             self._channel.assign(
                 assignment.round,
@@ -429,7 +455,7 @@ class Agent:
         last_rank = assignment.rank_offset + spec.nproc_per_node - 1
         self._set_state(
             WorkerState.HEALTHY,
-            f"round {assignment.round}: node rank {assignment.node_rank}/"
+            f"round {assignment.round}{', re-formed in place' if in_place else ''}: node rank {assignment.node_rank}/"
             f"{assignment.node_count}, ranks {assignment.rank_offset}-{last_rank} of "
             f"{assignment.world_size}, restart {assignment.budget_spent}/"
             f"{spec.max_restarts}{f' (+{assignment.forgiven} forgiven)' if assignment.forgiven else ''}, "
@@ -464,9 +490,11 @@ class Agent:
         if outcome is Outcome.ROUND_ENDED and self._keeps_workers():
             assert self._channel is not None
             self._channel.change(assignment.round, interrupt=self.handler.peers_lost())
-            return _Attempt(outcome, reason, None)
+            return _Attempt(outcome, reason, None, kept=True)
         if outcome in _LEAVING:
-            await self.handler.leave(reason)
+            # a watch that fired found this node unfit (a sick GPU, a failed health
+            # check): the job keeps it out (quarantined), whatever comes of its agent
+            await self.handler.leave(reason, keep_out=outcome is Outcome.WATCH)
         await self._stop_group()
         self._worker_events(group, assignment, outcome)
         if outcome is not Outcome.FAILED:
@@ -673,7 +701,7 @@ class Agent:
             return
         if self._channel is not None:
             self._channel.disconnect()
-        await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.stop_grace)
+        await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.stop_grace, hurry=self._hurry)
         await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in group.outputs.values()))
         if group.duplicates is not None:
             group.duplicates.close()
@@ -758,15 +786,18 @@ class Agent:
 
     def _closed(self, e: RendezvousClosedError) -> AgentResult:
         if e.outcome == "failed" and self._failure is not None:
-            message, report = self._failure
-            if report is not None:
-                logger.error("%s", report.text)
+            message, report, text = self._failure
+            if text:
+                logger.error("%s", text)
             return self._end(WorkerState.FAILED, EXIT_TRAINING_FAILED, message, report)
+        code = _CLOSED_EXIT_CODES.get(e.outcome, EXIT_TRAINING_FAILED)
+        if isinstance(e, JobEndedError):  # nothing of this node took part: no outcome of its own
+            return self._end(WorkerState.STOPPED, code, str(e), level=logging.WARNING)
         state = {
             "succeeded": WorkerState.SUCCEEDED,
             "failed": WorkerState.FAILED,
         }.get(e.outcome, WorkerState.STOPPED)
-        return self._end(state, _CLOSED_EXIT_CODES.get(e.outcome, EXIT_TRAINING_FAILED), str(e))
+        return self._end(state, code, str(e))
 
     def _end(
         self,
@@ -774,8 +805,9 @@ class Agent:
         exit_code: int,
         message: str,
         report: FailureReport | None = None,
+        level: int | None = None,
     ) -> AgentResult:
-        self._set_state(state, message)
+        self._set_state(state, message, level)
         if self._events is not None and state in (WorkerState.SUCCEEDED, WorkerState.FAILED):
             self._events(self._status_event(state.name, None, self._assignment))
         ranks: tuple[int, ...] = ()
@@ -784,13 +816,14 @@ class Agent:
             ranks = tuple(range(first, first + self.spec.nproc_per_node))
         return AgentResult(state, exit_code, message, report, ranks)
 
-    def _set_state(self, state: WorkerState, reason: str) -> None:
+    def _set_state(self, state: WorkerState, reason: str, level: int | None = None) -> None:
         """One log line, one event, one status report per state change.
 
         Shown by default (a headline): the workers started, stopped and why, ended. A
         wait for a round is the rendezvous' to show, once it lasts.
         """
-        level = logging.WARNING if state is WorkerState.FAILED else logging.INFO
+        if level is None:
+            level = logging.WARNING if state is WorkerState.FAILED else logging.INFO
         before = self._state.value if self._state is not None else "start"
         extra = None if state is WorkerState.INIT else HEADLINE
         logger.log(level, "workers %s -> %s: %s", before, state.value, reason, extra=extra)
@@ -800,7 +833,10 @@ class Agent:
         if state is not WorkerState.HEALTHY:
             self._pids = ()
         self._write_event(state.value, reason)
-        self.handler.report_event(state.value, reason)
+        if state is not WorkerState.INIT:
+            # A wait ("round 3 opened: reading this node's place in it") is every node's
+            # at every round: in the job's events it would push the causes out of sight.
+            self.handler.report_event(state.value, reason)
         self.handler.report_status(
             AgentStatus(state.value, reason, self._assignment, self._pids, self._attempts)
         )

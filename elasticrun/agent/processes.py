@@ -46,6 +46,7 @@ from elasticrun.agent.sessions import (
     signal_sessions,
 )
 from elasticrun.errors import WorkerStartError
+from elasticrun.first_of import first_of
 
 logger = logging.getLogger("elasticrun.agent")
 
@@ -267,8 +268,11 @@ class WorkerGroup:
                 break
         return sorted(self.exits.values(), key=lambda e: (not e.failed, e.time))
 
-    async def stop(self, sig: signal.Signals = signal.SIGTERM, *, grace: float) -> None:
-        """Send `sig` to every worker's session, SIGKILL them after `grace` s, reap.
+    async def stop(
+        self, sig: signal.Signals = signal.SIGTERM, *, grace: float, hurry: asyncio.Event | None = None
+    ) -> None:
+        """Send `sig` to every worker's session, SIGKILL them after `grace` s (or as soon
+        as `hurry` is set: a second Ctrl-C), reap.
 
         What exited workers left behind in their sessions is killed too: stop() returns
         once every worker is reaped and nothing of their sessions is left. Runs to the
@@ -277,10 +281,12 @@ class WorkerGroup:
         self._stopping = True
         watchers = list(self._watchers.values())
         cancelled = False
+        started = time.monotonic()
         if any(not w.done() for w in watchers):
             signal_sessions(self.sessions.values(), sig, self._warden.mark)
             try:
-                await asyncio.wait(watchers, timeout=grace)
+                # asyncio.wait never cancels the watchers it waits on; first_of cancels the wait
+                await first_of(asyncio.wait(watchers, timeout=grace), *([hurry.wait()] if hurry else []))
             except asyncio.CancelledError:
                 cancelled = True
         left = [r for r, w in self._watchers.items() if not w.done()]
@@ -288,7 +294,7 @@ class WorkerGroup:
             logger.warning(
                 "workers (local ranks %s) still running %.0f s after %s: sending SIGKILL",
                 left,
-                grace,
+                time.monotonic() - started,
                 sig.name,
             )
         ending = asyncio.ensure_future(self._end(watchers))

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 
 from elasticrun.errors import ElasticrunError, UsageError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.flags import Parser, closest, launch_parser
+from elasticrun.launcher.flags import Parser, launch_parser
+from elasticrun.launcher.spelling import closest
 
 #: subcommand name -> the module that registers it
 SUBCOMMANDS = ("status", "list", "logs", "join", "drain", "stop", "store")

@@ -32,11 +32,15 @@ from pathlib import Path
 from elasticrun.agent.spec import Std, WorkerSpec, default_node_id
 from elasticrun.errors import StoreSettingError, UsageError
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address
+from elasticrun.launcher.spelling import closest
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.state import JobSpec
 from elasticrun.store.access import SECRET_ENV, StoreAccess, parse_access
 from elasticrun.store.api import MAX_LEASE_TTL
 from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TOKEN_ENV
+
+#: the job id without --rdzv-id, torchrun's: every job on a store without one shares it
+DEFAULT_RUN_ID = "none"
 
 #: backend names as torchrun spells them -> ours
 BACKENDS = {"c10d": "c10d", "etcd": "etcd", "etcd-v2": "etcd", "static": "static"}
@@ -258,8 +262,10 @@ def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
             keep_alive = keep_alive or key == "keep_alive_interval"
             key = RDZV_CONF_ALIASES.get(key, key)
             if key not in RDZV_CONF_KEYS:
-                known = ", ".join(RDZV_CONF_KEYS)
-                raise UsageError(f"--rdzv-conf: unknown key {key!r} (known: {known})")
+                meant = closest(key, [*RDZV_CONF_KEYS, *RDZV_CONF_ALIASES])
+                if meant is not None:
+                    raise UsageError(f"--rdzv-conf: unknown key {key!r}; did you mean {meant}?")
+                raise UsageError(f"--rdzv-conf: unknown key {key!r} (known: {', '.join(RDZV_CONF_KEYS)})")
             if key in TIMING_RDZV_CONF:
                 _positive(val, f"--rdzv-conf {key}", 0.0)
             conf[key] = val

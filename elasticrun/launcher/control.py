@@ -171,17 +171,22 @@ class JobView:
 
 async def read_job(store: Store, target: JobTarget) -> JobView:
     """The job as the store holds it now; a job that is not there is a usage error."""
+    return job_view(*await read_records(store, target))
+
+
+async def read_records(store: Store, target: JobTarget) -> tuple[JobRecords, int]:
+    """The job's records as the store holds them now, and the revision they were read
+    at (for a watch that keeps them current); a job that is not there is a usage error."""
     snapshot = await store.get_prefix(target.keys.prefix)
     records = JobRecords(target.keys)
     for kv in snapshot.kvs:
         records.apply(kv.key, kv.value, kv.mod_revision)
-    view = job_view(records, snapshot.revision)
-    if not view.exists:
+    if not job_view(records, snapshot.revision).exists:
         raise UsageError(
             f"no job '{target.run_id}' at {target.endpoint} ({target.backend}): "
             "check --rdzv-id and --rdzv-endpoint"
         )
-    return view
+    return records, snapshot.revision
 
 
 async def read_jobs(store: Store) -> list[JobView]:

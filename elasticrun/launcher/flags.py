@@ -7,7 +7,6 @@ stored spec, parses it exactly as a command line is parsed, without importing th
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
@@ -15,19 +14,8 @@ from typing import Any, NoReturn
 from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.config import RDZV_CONF_KEYS, FromEnvironment
-
-
-def closest(given: str, known: Iterable[str]) -> str | None:
-    """The one of `known` that `given` is most likely a misspelling of, if any."""
-    close = difflib.get_close_matches(given, list(known), n=1, cutoff=0.75)
-    return close[0] if close else None
-
-
-def did_you_mean(given: str, known: Iterable[str]) -> str:
-    """'; did you mean X?' for the one of `known` closest to `given`, or ''."""
-    match = closest(given, known)
-    return f"; did you mean {match}?" if match else ""
+from elasticrun.launcher.config import DEFAULT_RUN_ID, RDZV_CONF_KEYS, FromEnvironment
+from elasticrun.launcher.spelling import did_you_mean
 
 
 class Parser(argparse.ArgumentParser):
@@ -178,7 +166,7 @@ def launch_parser() -> argparse.ArgumentParser:
                "else CPUs)")
     _flag(p, "rdzv-backend", default="static", help="c10d (built-in store), etcd (v3) or static")
     _flag(p, "rdzv-endpoint", default="", help="c10d: host:port (default port 29400); etcd: h1:2379,h2:2379,...")
-    _flag(p, "rdzv-id", default="none", help="the job's id: nodes with the same id form one job")
+    _flag(p, "rdzv-id", default=DEFAULT_RUN_ID, help="the job's id: nodes with the same id form one job")
     _flag(p, "rdzv-conf", action=_EnvAppend,
           help=f"key=value,... (repeatable, merged): {rdzv_conf_keys(RDZV_CONF_KEYS)}")
     _flag(p, "standalone", action=_EnvFlag, help="one node, no server: an in-memory rendezvous and a free port")

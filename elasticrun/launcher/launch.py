@@ -22,7 +22,7 @@ from elasticrun.agent.agent import Agent, AgentResult, Watch
 from elasticrun.agent.gpu import Gpus, open_gpus
 from elasticrun.errors import GpuUnhealthyError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.config import LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
+from elasticrun.launcher.config import DEFAULT_RUN_ID, LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import serving
 from elasticrun.loglines import HEADLINE
@@ -151,7 +151,10 @@ async def _open_handler(
     settings = rdzv.settings
     if rdzv.backend == "standalone":
         settings = replace(settings, last_call=0.0)
-    handler = ElasticRendezvous(store, settings, me, spec=config.job_spec, launch_flags=config.carried_flags)
+    handler = ElasticRendezvous(
+        store, settings, me, spec=config.job_spec, launch_flags=config.carried_flags,
+        hosting=rdzv.endpoint if hosted is not None else "",
+    )
     stack.push_async_callback(handler.aclose)
     return handler, hosted
 
@@ -177,6 +180,12 @@ async def _open_store(
             log.warning("%s", warning)
         stack.push_async_callback(server.stop)
         return server.engine, server.engine
+    if rdzv.settings.run_id == DEFAULT_RUN_ID:
+        log.warning(
+            "the job id is '%s', the default: every job on this store without --rdzv-id shares it, and an "
+            "ended job keeps it for closed_ttl=%gs; give each job its own --rdzv-id",
+            DEFAULT_RUN_ID, rdzv.settings.closed_ttl,
+        )
     store = open_client(rdzv.store)
     stack.push_async_callback(store.close)
     # As long as ever for an answer (the store may be starting), but never in silence.

@@ -7,10 +7,13 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
 
-from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job
-from elasticrun.rendezvous.state import Round, StepReport, Straggler
+from elasticrun.errors import StoreUnavailableError
+from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, job_view, read_records
+from elasticrun.rendezvous.state import JobRecords, Round, StepReport, Straggler
+from elasticrun.store.api import EventType, WatchEvent
 
 #: a live view redraws at most this often
 _WATCH_INTERVAL = 0.5
@@ -93,7 +96,9 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
     held = view.quarantine.active(now)
     steps, slow = _steps(view), _stragglers(view)
     order = sorted(view.nodes, key=lambda n: (ranked.get(n, len(ranked)), n))
-    if order:
+    if r is not None and r.closed:  # the nodes are gone; their last reports stay for closed_ttl
+        lines += _ended_nodes(view, now)
+    elif order:
         rows = [["NODE", "STATE", "AGE", "NODE RANK", "RANKS", "RESTARTS", "STEP COMPUTE", "HOST", "GPUS"]]
         for node_id in order:
             info, status = view.nodes[node_id], view.statuses.get(node_id)
@@ -137,6 +142,20 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
             at = time.strftime("%H:%M:%S", time.localtime(event.at))
             lines.append(f"{at}  {event.kind:<10} {event.node}  {event.detail}")
     return "\n".join(lines)
+
+
+def _ended_nodes(view: JobView, now: float) -> list[str]:
+    """The rows of an ended job: each node's last report (`Reporter.keep`)."""
+    if not view.statuses:
+        return []
+    rows = [["NODE", "STATE", "AGE", "NODE RANK", "RANKS", "RESTARTS", "HOST", "GPUS"]]
+    for s in sorted(view.statuses.values(), key=lambda s: (s.node_rank < 0, s.node_rank, s.node_id)):
+        rows.append([
+            s.node_id, s.state, age(now - s.started_at), str(s.node_rank) if s.node_rank >= 0 else "-",
+            s.ranks or "-", str(s.restarts), s.addr if s.addr == s.host else f"{s.host} ({s.addr})",
+            f"{len(s.gpus)}x {s.gpus[0]}" if s.gpus else "-",
+        ])
+    return ["", table(rows)]
 
 
 def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
@@ -190,30 +209,89 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
             for e in view.quarantine.entries
         ],
         "events": [asdict(e) for e in view.events],
+        # an ended job's nodes are gone: their last reports stay for closed_ttl
+        "ended_nodes": [asdict(s) for s in view.statuses.values()] if r is not None and r.closed else [],
     }
 
 
 async def show(target: JobTarget, *, as_data: bool, watch: bool) -> int:
-    in_place = watch and sys.stdout.isatty()
-    shown = ""  # piped, the last page printed, as `_page_key` sees it
+    """Print the status once, or (`watch`) on every change, folding the job's watch
+    into the records read first: the last page is drawn even when the store goes away
+    with the job (an agent that hosted it exits once every node has left)."""
     async with target.open() as store:
-        while True:
-            view = await read_job(store, target)
-            key = "" if in_place else _page_key(view, as_data)
-            if as_data and key != shown:
-                print(json.dumps(as_json(view), indent=None if watch else 2), flush=True)
-            elif key != shown or in_place:
-                if in_place:
-                    print("\033[2J\033[H", end="")  # redraw in place; piped, one page after another
-                elif watch:
-                    print(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
-                print(render(view, time.time()), flush=True)
-            if not watch:
-                return 0
-            shown = key
-            async for _ in store.watch(target.keys.prefix, start_revision=view.revision + 1, prefix=True):
-                break
-            await asyncio.sleep(_WATCH_INTERVAL)
+        records, revision = await read_records(store, target)
+        page = _Page(as_data, in_place=watch and sys.stdout.isatty(), watching=watch)
+        page.draw(job_view(records, revision))
+        if not watch:
+            return 0
+        changes: asyncio.Queue[WatchEvent | StoreUnavailableError] = asyncio.Queue()
+        pump = asyncio.ensure_future(_pump(store.watch(target.keys.prefix, start_revision=revision + 1, prefix=True),
+                                           changes))
+        try:
+            while True:
+                gone = await _fold(changes, records)
+                page.draw(job_view(records, revision))
+                if gone is not None:
+                    head = records.head
+                    if head is None or not head.closed:
+                        raise gone
+                    print(f"elasticrun: the store went away with the job ({gone.endpoint})", file=sys.stderr,
+                          flush=True)
+                    return 0
+        finally:
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+
+
+async def _pump(events: AsyncIterator[WatchEvent], into: asyncio.Queue[WatchEvent | StoreUnavailableError]) -> None:
+    """The job's watch, event by event, into a queue; its end (a store gone) last."""
+    try:
+        async for event in events:
+            into.put_nowait(event)
+    except StoreUnavailableError as e:
+        into.put_nowait(e)
+
+
+async def _fold(changes: asyncio.Queue[WatchEvent | StoreUnavailableError], records: JobRecords) -> (
+    StoreUnavailableError | None
+):
+    """Wait for a change, then take in what comes within _WATCH_INTERVAL (a live page
+    redraws at most that often); the store's going away, if it did."""
+    deadline: float | None = None
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                change = await changes.get()
+        except TimeoutError:
+            return None
+        if isinstance(change, StoreUnavailableError):
+            return change
+        records.apply(change.key, change.value if change.type is EventType.PUT else None, change.revision)
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + _WATCH_INTERVAL
+
+
+@dataclass
+class _Page:
+    """What has been printed: a page is printed again only when it changed (piped, a
+    `--- time` line before each), or redrawn in place on a terminal."""
+
+    as_data: bool
+    in_place: bool
+    watching: bool
+    shown: str = ""
+
+    def draw(self, view: JobView) -> None:
+        key = "" if self.in_place else _page_key(view, self.as_data)
+        if self.as_data and key != self.shown:
+            print(json.dumps(as_json(view), indent=None if self.watching else 2), flush=True)
+        elif key != self.shown or self.in_place:
+            if self.in_place:
+                print("\033[2J\033[H", end="")  # redraw in place; piped, one page after another
+            elif self.watching:
+                print(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
+            print(render(view, time.time()), flush=True)
+        self.shown = key
 
 
 def _page_key(view: JobView, as_data: bool) -> str:

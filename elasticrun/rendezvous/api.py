@@ -111,8 +111,12 @@ class RendezvousHandler(abc.ABC):
         """This node's workers all succeeded: close the job and leave."""
 
     @abc.abstractmethod
-    async def leave(self, reason: str) -> None:
-        """Leave the job on purpose (SIGTERM, drain): the others continue without us."""
+    async def leave(self, reason: str, *, keep_out: bool = False) -> None:
+        """Leave the job on purpose (SIGTERM, drain): the others continue without us.
+
+        `keep_out`: this node is unfit (a sick GPU, a failed health check): the job
+        quarantines it, with `reason` (`Departure.keep_out`).
+        """
 
     async def aclose(self) -> None:
         """Give up this node's membership now (idempotent): the agent is done with

@@ -8,7 +8,7 @@ membership policy in one readable place, tested without sleeping.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from elasticrun.rendezvous.state import (
     NodeInfo,
@@ -107,6 +107,9 @@ class View:
     draining: frozenset[str] = frozenset()
     #: nodes that said they leave on purpose (a signal, a drain, a sick GPU): nor is theirs
     departed: frozenset[str] = frozenset()
+    #: of those, the nodes that asked to be kept out (`Departure.keep_out`), with their
+    #: reason: each is quarantined with it once its registration is gone
+    keep_out: Mapping[str, str] = field(default_factory=dict)
     #: members whose liveness port refused the leader's connection after the current
     #: round's restart request (their port had accepted one before): their agent is gone
     refused: frozenset[str] = frozenset()
@@ -139,6 +142,11 @@ class Decision:
     #: the job has ended: there is nothing left to lead (a round after it would
     #: re-form a job that every agent already took for finished)
     ended: bool = False
+    #: nodes of `View.keep_out` that are gone and held by the quarantine: their
+    #: departure has done its work, and the leader deletes the records of those outside
+    #: the round (a member's goes with the round that lets it go, as any departure's),
+    #: so that each departure holds its node once
+    settled: tuple[str, ...] = ()
 
 
 def _names(nodes: list[str], limit: int = 8) -> str:
@@ -183,20 +191,37 @@ def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
     counted; after `quarantine_after` of them the node is kept out of rounds for a
     cooldown that doubles with each repeat. A quarantined node is still taken when the
     job could not run without it (fewer than `min_nodes` otherwise): a flapping node
-    costs restarts, a job that stops costs more. Changes to the table come back in
-    `Decision.quarantine`, for the leader to store.
+    costs restarts, a job that stops costs more. A node that left asking to be kept
+    out (sick, or too slow) is quarantined at once, with the reason it gave. Changes to
+    the table come back in `Decision.quarantine`, for the leader to store.
     """
     current = view.round
     if current is not None and current.closed:
         return Decision(reason=f"job {current.closed}", ended=True)
     book = _Book(view.quarantine, settings, now)
+    settled = _hold_kept_out(view, book)
     decision = _decide(view, settings, now, book)
+    if settled:
+        decision = replace(decision, settled=settled)
     if decision.round is None:
         decision = replace(decision, recheck_at=_earliest(decision.recheck_at, book.release_at(view.nodes)))
     table = book.table()
     if table != view.quarantine:
         decision = replace(decision, quarantine=table)
     return decision
+
+
+def _hold_kept_out(view: View, book: _Book) -> tuple[str, ...]:
+    """Quarantine the nodes that left asking to be kept out, once their registration is
+    gone (a node writes its departure, then gives up its lease); the ones that are.
+
+    A node held already is not held again: a new leader finds the records its
+    predecessor acted on, and a member's record stays until the round without it."""
+    gone = tuple(sorted(n for n in view.keep_out if n not in view.nodes))
+    for node_id in gone:
+        if not book.blocked(node_id):
+            book.hold(node_id, view.keep_out[node_id])
+    return gone
 
 
 def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -> Decision:
@@ -368,11 +393,11 @@ def _keep_out_slow(
         if node_id not in running:
             continue
         before = book.entries.get(node_id)
-        book.keep_out(node_id, f"straggler: {why}")
+        book.hold(node_id, f"straggler: {why}")
         trial = _pick(members, survivors, newcomers, book, settings)
         if node_id not in {p.node_id for p in trial.group} and len(trial.group) >= settings.min_nodes:
             return ""
-        book.undo_keep_out(node_id, before)
+        book.undo_hold(node_id, before)
     names = [n for n, _ in slow if n in running]
     if not names:
         return ""
@@ -438,19 +463,15 @@ class _Book:
         if failures < threshold:
             self.entries[node_id] = replace(entry, failures=failures, reason=failure, last_failure_at=self.now)
             return
-        times = entry.times + 1
         why = (
             f"{_plural(failures, 'failure')}, the latest: {failure}" if threshold > 1
             else f"again after its release: {failure}"
         )
-        self.entries[node_id] = replace(
-            entry, failures=0, times=times, until=self.now + s.cooldown(times), reason=why, last_failure_at=self.now
-        )
-        self.new.append(node_id)
+        self.hold(node_id, why)
 
-    def keep_out(self, node_id: str, reason: str) -> None:
-        """Quarantine `node_id` now, whatever its failure count (a straggler taken out
-        on purpose), for as long as its next quarantine lasts."""
+    def hold(self, node_id: str, reason: str) -> None:
+        """Quarantine `node_id` now, for a cooldown that doubles with each time: after
+        enough failures (`count`), or at once when the node asked to be kept out."""
         entry = self.entries.get(node_id) or QuarantineEntry(node_id=node_id)
         times = entry.times + 1
         self.entries[node_id] = replace(
@@ -459,8 +480,8 @@ class _Book:
         )
         self.new.append(node_id)
 
-    def undo_keep_out(self, node_id: str, before: QuarantineEntry | None) -> None:
-        """Take back the latest `keep_out(node_id)`: the node's record is `before` again."""
+    def undo_hold(self, node_id: str, before: QuarantineEntry | None) -> None:
+        """Take back the latest `hold(node_id)`: the node's record is `before` again."""
         self.new.remove(node_id)
         if before is None:
             del self.entries[node_id]

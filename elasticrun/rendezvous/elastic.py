@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from elasticrun.errors import (
     ElasticrunError,
+    JobEndedError,
     LeaseExpiredError,
     RendezvousClosedError,
     RendezvousTimeoutError,
@@ -65,6 +66,8 @@ log = logging.getLogger("elasticrun.rendezvous")
 
 #: seconds between the lines that say what a waiting node waits for, while nothing changes
 WAIT_REPORT_INTERVAL = 5.0
+#: a node waiting this long alone at the store its agent hosts says the endpoint may be wrong
+LONE_HOST_AFTER = 30.0
 #: seconds between tries to register while the store an agent hosted refuses us. A try
 #: on a refused connection fails at once, without a packet: the client's channel dials
 #: again on its own backoff (at most a second), so a short pause adds little to that.
@@ -101,8 +104,15 @@ class ElasticRendezvous(RendezvousHandler):
         launch_flags: tuple[str, ...] = (),
         clock: Callable[[], float] = time.monotonic,
         reserve_port: Callable[[], PortReservation] = PortReservation,
+        hosting: str = "",
     ) -> None:
         self.run_id = settings.run_id
+        #: the endpoint of the store this node's agent hosts ("": none), for the lone
+        #: host's warning (`_alone_at_own_store`)
+        self._hosting = hosting
+        self._said_alone = False
+        #: the job ended while this node took part (its last reports outlive it)
+        self._ended = False
         self._store = store
         self._settings = settings
         self._me = me
@@ -263,6 +273,7 @@ class ElasticRendezvous(RendezvousHandler):
                 await self._register_or_wait()
             current = self._job.head
             if current is not None and current.closed:
+                self._ended = True
                 raise RendezvousClosedError(self.run_id, current.closed, current.detail)
             try:
                 place = await self._place(current) if current and current.number > self._last_round else None
@@ -288,6 +299,12 @@ class ElasticRendezvous(RendezvousHandler):
                 lasts = now - started >= WAIT_REPORT_INTERVAL
                 log.info("node %s waiting: %s; %s", self._me.node_id, status, waited, extra=HEADLINE if lasts else None)
                 logged, said_at = status, now
+            wake = said_at + WAIT_REPORT_INTERVAL
+            if self._hosting and not self._said_alone:
+                if now - started >= self._lone_after():
+                    await self._alone_at_own_store()
+                else:
+                    wake = min(wake, started + self._lone_after())
             held = self._quarantined()
             if held is not None:  # a quarantined node waits it out, then join_timeout runs
                 deadline = max(deadline, self._clock() + held.until - time.time() + self._settings.join_timeout)
@@ -298,7 +315,23 @@ class ElasticRendezvous(RendezvousHandler):
                     f"join_timeout={self._settings.join_timeout:g}s; last state: {status} "
                     "(start more nodes, or raise join_timeout with --rdzv-conf)"
                 )
-            await self._pulse.wait(min(remaining, said_at + WAIT_REPORT_INTERVAL - self._clock()))
+            await self._pulse.wait(min(remaining, wake - self._clock()))
+
+    def _lone_after(self) -> float:
+        """How long a lone host waits before it says so: before join_timeout ends it."""
+        return min(LONE_HOST_AFTER, self._settings.join_timeout / 2)
+
+    async def _alone_at_own_store(self) -> None:
+        """Say once when nobody else registered at the store this agent hosts: agents
+        given another endpoint (a mistyped port) each host a store and wait alone."""
+        nodes = await self._store.get_prefix(self._keys.nodes)
+        self._said_alone = True
+        if all(kv.key == self._keys.node(self._me.node_id) for kv in nodes.kvs):
+            log.warning(
+                "node %s: nobody else registered in %.0fs at the store this agent hosts on %s; if the other nodes "
+                "were given another --rdzv-endpoint (a mistyped port), each hosts a store of its own and waits alone",
+                self._me.node_id, self._lone_after(), self._hosting,
+            )
 
     async def round_ended(self) -> str:
         while True:
@@ -310,6 +343,7 @@ class ElasticRendezvous(RendezvousHandler):
             if current.number != self._last_round:
                 return f"round {current.number}: {current.reason}"
             if current.closed and current.closed != "succeeded":
+                self._ended = True
                 raise RendezvousClosedError(self.run_id, current.closed, current.detail)
             await self._pulse.wait()
 
@@ -368,16 +402,17 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def finish(self) -> None:
         await self._close("succeeded", f"workers of {self._me.node_id} succeeded")
+        self._ended = True
         await self.aclose()
 
-    async def leave(self, reason: str) -> None:
+    async def leave(self, reason: str, *, keep_out: bool = False) -> None:
         log.info("node %s leaving job '%s': %s", self._me.node_id, self.run_id, reason)
         self.report_event("left", reason)
         if self._lease is not None and not self._lost:
             # Not bound to the lease: a leader that takes over once we (its leader) are
             # gone still finds it; the leader deletes it once it let us go.
             with contextlib.suppress(StoreError):
-                departure = encode(Departure(reason=reason))
+                departure = encode(Departure(reason=reason, keep_out=keep_out))
                 await self._store.put(self._keys.departure(self._me.node_id), departure)
         with contextlib.suppress(StoreError):
             await self._reports.flush(self._lease or 0)
@@ -388,7 +423,11 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def aclose(self) -> None:
         """Give up the membership, then the liveness port, then a drain request: the
-        node is done with the job."""
+        node is done with the job. Its last status and output outlive it by closed_ttl
+        when the job has ended (`Reporter.keep`)."""
+        if self._ended and self._lease is not None and not self._lost:
+            with contextlib.suppress(StoreError):
+                await self._reports.keep(self._settings.closed_ttl)
         await self._end_membership()
         liveness, self._liveness = self._liveness, None
         if liveness is not None:
@@ -465,6 +504,20 @@ class ElasticRendezvous(RendezvousHandler):
         if self._refused is None:
             self._refused = (error, self._clock())
 
+    def _ended_before_start(self, head: RoundHead) -> JobEndedError:
+        """The one line for a node that came to an ended job: when it ended, how, and
+        what to do (the closed record keeps the id taken for closed_ttl)."""
+        now = time.time()
+        ttl = self._settings.closed_ttl
+        free_at = time.strftime("%H:%M:%S", time.localtime(head.closed_at + ttl))
+        how = f"{head.closed}: {head.detail}" if head.detail else head.closed
+        return JobEndedError(
+            self.run_id, head.closed, head.detail,
+            f"job '{self.run_id}' ended {max(now - head.closed_at, 0.0):.0f}s ago ({how}), before this node "
+            f"started: this node ran nothing. The id stays taken for closed_ttl={ttl:g}s after a job ends "
+            f"(until {free_at}): give a new --rdzv-id to start another job"
+        )
+
     async def _register(self) -> None:
         """Take a lease, check the job spec, register, and start watching."""
         await self._end_membership()
@@ -473,6 +526,8 @@ class ElasticRendezvous(RendezvousHandler):
         snapshot = await self._reread_job()
         current = self._job.head
         if current is not None and current.closed:
+            if 0 < current.closed_at <= self._me.started_at:
+                raise self._ended_before_start(current)
             raise RendezvousClosedError(self.run_id, current.closed, current.detail)
         await self._check_spec()
         if self._liveness is None:

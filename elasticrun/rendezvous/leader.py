@@ -210,7 +210,8 @@ class Leader:
     def _view(self) -> View:
         current = self._records.round
         number = current.number if current else 0
-        acks = frozenset(n for n, ping in self._records.acks.items() if ping.round == number)
+        # the leader deciding is alive: it is never among the nodes that have not answered yet
+        acks = frozenset(n for n, ping in self._records.acks.items() if ping.round == number) | {self._node_id}
         in_round = {p.node_id for p in current.participants} if current else set()
         self._draining &= set(self._nodes) | in_round
         self._departed &= set(self._nodes) | in_round
@@ -223,6 +224,7 @@ class Leader:
             quarantine=self._quarantine,
             draining=frozenset(self._draining),
             departed=frozenset(self._departed),
+            keep_out={n: d.reason for n, d in self._records.departures.items() if d.keep_out},
             refused=frozenset(n for n, suspect in self._refused.items() if suspect == number),
             slow=self._slow(number),
         )
@@ -294,6 +296,7 @@ class Leader:
             # Before the round: a new leader that finds a quarantined member still in the
             # round takes it out; one that found the round without the record would not.
             await self._store_quarantine(decision.quarantine)
+        await self._clear_settled(decision.settled)
         if decision.fail:
             await close_job(self._store, self._keys, "failed", decision.fail, self._settings.closed_ttl)
             return True
@@ -328,7 +331,10 @@ class Leader:
         registers again as a newcomer (with its workers stopped)."""
         kv = await self._store.get(self._keys.node(node_id))
         if kv is not None and kv.lease:
-            log.warning("node %s did not show it is alive for a lease TTL: ending its registration", node_id)
+            if node_id in self._refused:  # said once already, when its port refused
+                log.info("node %s: ending its registration", node_id)
+            else:
+                log.warning("node %s did not show it is alive for a lease TTL: ending its registration", node_id)
             await self._store.revoke_lease(kv.lease)
 
     async def _clear_departed(self, new_round: Round) -> None:
@@ -343,6 +349,18 @@ class Leader:
         kept = set(self._nodes) | {p.node_id for p in new_round.participants}
         for node_id in sorted(self._records.departures.keys() - kept):
             await self._store.delete(self._keys.departure(node_id))
+
+    async def _clear_settled(self, settled: tuple[str, ...]) -> None:
+        """Delete the departure records that asked to keep their node out, once the
+        node is held (`Decision.settled`), unless it is in the round: a member's goes
+        with the round that lets it go (`_clear_departed`), so a leader taking over
+        before that round still says the node left. Kept, a record would hold its node
+        again each time its quarantine ended."""
+        current = self._records.round
+        members = {p.node_id for p in current.participants} if current else set()
+        for node_id in settled:
+            if node_id not in members and node_id in self._records.departures:
+                await self._store.delete(self._keys.departure(node_id))
 
     def _forget(self, node_id: str) -> None:
         """What the leader knew of a node's liveness: it is gone, or a new registration."""
@@ -530,6 +548,7 @@ async def close_round(store: Store, keys: Keys, outcome: str, detail: str, close
             current or RoundHead(0, 0, "", 0.0),
             closed=outcome,
             detail=detail[-DETAIL_LIMIT:],
+            closed_at=time.time(),
         )
         lease = await store.grant_lease(closed_ttl)
         if await store.compare_and_put(

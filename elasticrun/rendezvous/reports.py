@@ -108,6 +108,18 @@ class Reporter:
             self._steps_published_at = time.monotonic()
             await store.put(keys.step_report(self._me.node_id), encode(report), lease=lease)
 
+    async def keep(self, ttl: float) -> None:
+        """Publish this node's last status and output windows again, bound to a lease of
+        their own that lives `ttl` (the job's closed_ttl): the node is done with an ended
+        job, and `status` and `logs` should still tell what happened, not go blank with
+        its membership."""
+        if self._status is None and not self._windows:
+            return
+        lease = await self._store.grant_lease(ttl)
+        self._dirty_logs.update(self._windows)
+        self._status_dirty = self._status is not None
+        await self.flush(lease)
+
     def _node_status(self, status: AgentStatus) -> NodeStatus:
         a, me = status.assignment, self._me
         return NodeStatus(

@@ -19,7 +19,8 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives u
     r/job/launch        JobLaunch: when and where the job was started (for status and join)
     r/job/drain/<node>  DrainRequest: an operator asked this node to leave
     r/left/<node_id>    Departure: the node leaves on purpose (the leader says it left, not
-                        that it was lost), deleted by the leader once it let the node go
+                        that it was lost; one with keep_out is quarantined), deleted by
+                        the leader once it let the node go
     r/quarantine        QuarantineTable: failures per node, and who is kept out until when
     r/holds/<node_id>   QuarantineEntry: the node's latest quarantine, for the node to read
     c/status/<node_id>  NodeStatus: the node's live state, bound to its lease
@@ -303,6 +304,8 @@ class RoundHead:
     #: wrote them, so that a stale leader's shards never mix with the round's
     ranks: str = ""
     kept_since: int = 0
+    #: when the job was closed (wall clock; 0 while open)
+    closed_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,9 +504,16 @@ class DrainRequest:
 
 @dataclass(frozen=True, slots=True)
 class Departure:
-    """A node leaves the job on purpose (a signal, a drain, a sick GPU), and why."""
+    """A node leaves the job on purpose (a signal, a drain, a sick GPU), and why.
+
+    `keep_out`: the node asks to be kept out, as sick (a GPU, a failed health check)
+    or too slow to keep: the leader quarantines it with `reason`, the way it does a
+    flapping node, so `status` shows it held out after its agent is gone and a node of
+    the same id is admitted again only after the cooldown.
+    """
 
     reason: str
+    keep_out: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,26 @@ import dataclasses
 import logging
 
 from elasticrun.errors import RendezvousClosedError, RendezvousError, UsageError
+from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import Assignment, RendezvousHandler
 
 logger = logging.getLogger("elasticrun.rendezvous")
+
+
+def _waits_for(place: Assignment) -> str:
+    """What a static node's workers wait for: nothing is negotiated, so nobody else can
+    tell that a node is missing (the workers block in init_process_group, silent)."""
+    at = f"{place.master_addr}:{place.master_port}"
+    if place.node_rank == 0:
+        others = "node rank 1" if place.node_count == 2 else f"node ranks 1-{place.node_count - 1}"
+        return (
+            f"static rendezvous: node rank 0 of {place.node_count}: its rank-0 worker hosts the job's store at "
+            f"{at}; the workers wait there for {others} (each started with its own --node-rank)"
+        )
+    return (
+        f"static rendezvous: node rank {place.node_rank} of {place.node_count}: the workers wait for node rank 0, "
+        f"whose rank-0 worker hosts the job's store at {at}, and for every other node rank"
+    )
 
 
 class StaticRendezvous(RendezvousHandler):
@@ -62,6 +79,8 @@ class StaticRendezvous(RendezvousHandler):
                 f"static rendezvous '{self.run_id}': no new round without a restart "
                 "request"
             )
+        if self._current is None and self._next.node_count > 1:  # once: nothing else will say it
+            logger.info("%s", _waits_for(self._next), extra=HEADLINE)
         self._current, self._next = self._next, None
         return self._current
 
@@ -98,5 +117,5 @@ class StaticRendezvous(RendezvousHandler):
     async def finish(self) -> None:
         self._closed = RendezvousClosedError(self.run_id, "succeeded")
 
-    async def leave(self, reason: str) -> None:
+    async def leave(self, reason: str, *, keep_out: bool = False) -> None:
         self._closed = RendezvousClosedError(self.run_id, "stopped", reason)

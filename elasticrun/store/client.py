@@ -100,7 +100,7 @@ class GrpcStore(Store):
         self._channel: grpc.aio.Channel | None = None
         self._stub_cache: pb_grpc.StoreStub | None = None
         self._keepalive: _KeepAliveStream | None = None
-        #: The server said it lives inside an agent (learned from its watch replies).
+        #: The server said it lives inside an agent (learned from its reads and watches).
         self._hosted_by_agent = False
 
     # --- plumbing ------------------------------------------------------------------
@@ -190,6 +190,7 @@ class GrpcStore(Store):
 
     async def get(self, key: str) -> KeyValue | None:
         reply = await self._call(self._stub.Range, pb.RangeRequest(key=key))
+        self._hosted_by_agent = reply.hosted_by_agent
         return _key_value(reply.kvs[0]) if reply.kvs else None
 
     async def get_prefix(self, prefix: str) -> RangeResult:
@@ -205,6 +206,7 @@ class GrpcStore(Store):
                 async for page in call:
                     kvs.extend(map(_key_value, page.kvs))
                     revision = page.revision
+                    self._hosted_by_agent = page.hosted_by_agent
             finally:
                 call.cancel()
             return RangeResult(tuple(kvs), revision)

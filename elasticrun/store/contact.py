@@ -112,7 +112,8 @@ async def _reach_any(endpoints: Sequence[str], timeout: float) -> str | None:
                     return None
                 causes[endpoint] = cause
     except TimeoutError:
-        causes = {e: causes.get(e, f"no answer within {timeout:g} s (a host that is down, or a firewall)")
+        causes = {e: causes.get(e, f"no connection within {timeout:g} s (a host that is down, a firewall that drops "
+                                            "the packets, or a program that takes no more connections)")
                   for e in endpoints}
     finally:
         for each in tries:

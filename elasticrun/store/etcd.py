@@ -70,6 +70,7 @@ from elasticrun.store.api import (
     WatchEvent,
     check_lease_ttl,
 )
+from elasticrun.store.channel import plain_cause
 from elasticrun.store.wire import DEFAULT_ETCD_PORT, DEFAULT_TIMEOUT, TlsKeyPair
 
 _T = TypeVar("_T")
@@ -288,7 +289,7 @@ class _Attempts:
     def failed(self, endpoint: str, details: str, *, timed_out: bool) -> float:
         """Note the failure; the pause before the next try: once every endpoint failed
         in a row (bounded, growing), else none."""
-        self.causes[endpoint] = details
+        self.causes[endpoint] = plain_cause(details)
         if timed_out:
             self.attempt_timeout *= 2
         self.in_a_row += 1

@@ -485,8 +485,8 @@ def _one_page(kvs: Sequence[KeyValue]) -> bool:
     return len(kvs) <= PAGE_KEYS and len(next(_pages(kvs))) == len(kvs)
 
 
-def _range_reply(kvs: Sequence[KeyValue], revision: int) -> pb.RangeReply:
-    return pb.RangeReply(kvs=[_kv_message(kv) for kv in kvs], revision=revision)
+def _range_reply(kvs: Sequence[KeyValue], revision: int, hosted_by_agent: bool) -> pb.RangeReply:
+    return pb.RangeReply(kvs=[_kv_message(kv) for kv in kvs], revision=revision, hosted_by_agent=hosted_by_agent)
 
 
 class _StoreService(pb_grpc.StoreServicer):
@@ -511,7 +511,7 @@ class _StoreService(pb_grpc.StoreServicer):
         else:
             kv = await self._engine.get(request.key)
             kvs, revision = ((kv,) if kv else ()), self._engine.revision
-        return await self._server.encoded(lambda: _range_reply(kvs, revision))
+        return await self._server.encoded(lambda: _range_reply(kvs, revision, self._server.hosted_by_agent))
 
     async def RangePages(self, request: pb.RangeRequest, context: grpc.aio.ServicerContext) -> None:
         # One snapshot, read at once (its keys are immutable), sent a page at a time:
@@ -524,7 +524,7 @@ class _StoreService(pb_grpc.StoreServicer):
         caller = _CALLER.get()
         for page in _pages(result.kvs):
             async with turn(caller):  # the page's write too: its identity's one page in flight
-                await context.write(_encode(_range_reply(page, result.revision)))
+                await context.write(_encode(_range_reply(page, result.revision, self._server.hosted_by_agent)))
 
     @_unary
     async def Put(self, request: pb.PutRequest, context: object) -> pb.PutReply:

@@ -114,10 +114,13 @@ def _run_elastic(
             if not link.superseded(assignment.round):
                 # No change announced: a failure the agent must judge (a peer's death it
                 # has not seen yet, or a bug here); it answers with a new round or a stop.
+                # One line here: the traceback goes to the agent, which shows it once the
+                # failure is one (not a lost peer's doing, which every survivor sees).
                 error = traceback.format_exc()
+                last = next((ln.strip() for ln in reversed(error.splitlines()) if ln.strip()), "an error")
                 print(
-                    f"elasticrun: training failed in round {assignment.round}, rolled back to "
-                    f"commit {state.commits}; the agent decides what follows:\n{error}",
+                    f"elasticrun: training failed in round {assignment.round} ({last}), rolled back to "
+                    f"commit {state.commits}; the agent decides what follows",
                     file=sys.stderr,
                     flush=True,
                 )
