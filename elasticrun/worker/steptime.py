@@ -135,6 +135,11 @@ class Recorder:
             self._blocked += self._clock() - self._entered
             self._entered, self._entered_in = 0.0, ""
 
+    def has_news(self) -> bool:
+        """Whether there is anything to write: a step source seen, or a wait now. A
+        worker that makes no step and waits for nobody leaves no file."""
+        return self.level >= 0 or bool(self._entered_in)
+
     def summary(self, wall_now: float) -> dict[str, Any]:
         """What the agent reads: recent medians, the step count, and the wait now."""
         compute, wall = list(self.compute), list(self.wall)
@@ -181,7 +186,7 @@ def install(path: str) -> None:
 def _write_last() -> None:
     """The summary as the script ends (the writer thread, a daemon, is stopped unasked)."""
     recorder = _recorder
-    if recorder is not None:
+    if recorder is not None and recorder.has_news():
         _write(recorder.path, {**recorder.summary(time.time()), "at": time.time()})
 
 
@@ -234,7 +239,7 @@ def _write_loop(recorder: Recorder) -> None:
             touch()
         progress = now
         summary = recorder.summary(time.time())
-        if summary != written:
+        if summary != written and recorder.has_news():
             written = summary
             _write(recorder.path, {**summary, "at": time.time()})
 
