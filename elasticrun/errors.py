@@ -220,3 +220,9 @@ class GpuUnhealthyError(ElasticrunError):
     """A GPU of this node failed its health check: the node does not join."""
 
     exit_code = EXIT_INFRASTRUCTURE
+
+
+class HealthCheckError(ElasticrunError):
+    """The operator's `--health-check` failed before this node joined: it does not join."""
+
+    exit_code = EXIT_INFRASTRUCTURE

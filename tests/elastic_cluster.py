@@ -194,7 +194,9 @@ class Cluster:
         worker_args: Sequence[str] = (),
         extra: Sequence[str] = (),
         worker: Path = WORKER,
+        env: dict[str, str] | None = None,
     ) -> Proc:
+        """An agent running `worker` (with --stop-file); `env` adds to the cluster's environment."""
         argv = [
             sys.executable, "-m", "elasticrun",
             f"--nnodes={nnodes}", "--nproc-per-node=1",
@@ -204,7 +206,7 @@ class Cluster:
             f"--log-dir={self.tmp / 'logs'}", *extra,
             str(worker), "--stop-file", str(self.stop_file), *worker_args,
         ]
-        return self.start(name, argv)
+        return self.start(name, argv, env)
 
     def stop_training(self) -> None:
         self.stop_file.touch()

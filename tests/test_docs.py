@@ -50,7 +50,7 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
     """cli.md section title -> the parser whose --help that section documents."""
     subs = _subparsers(subcommand_parser())
     parsers = {"Launcher": launch_parser()}
-    for name in ("status", "list", "logs", "join", "drain", "stop"):
+    for name in ("status", "list", "logs", "stacks", "join", "drain", "stop"):
         parsers[f"`elasticrun {name}`"] = subs[name]
     for name in ("serve", "credential", "etcd-roles"):
         parsers[f"`elasticrun store {name}`"] = _subparsers(subs["store"])[name]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ class FakeGpu:
     ecc_gate: threading.Event | None = None  # when set, an ECC read waits for it
     ecc_entered: threading.Event = field(default_factory=threading.Event)
     bus_id: str = "00000000:3B:00.0"
+    #: NVML's compute processes (pid, bytes) at successive reads; the last repeats
+    processes: list[list[tuple[int, int | None]]] = field(default_factory=lambda: [[]])
 
 
 class FakeNvml:
@@ -123,6 +126,10 @@ class FakeNvml:
         if self.xid_error is not None:
             raise NvmlCallError(self.xid_error, f"error {self.xid_error}")
         return self.xids.popleft() if self.xids else None
+
+    def compute_processes(self, index: int) -> tuple[tuple[int, int | None], ...]:
+        gpu = self._gpu(index, "processes")
+        return tuple(gpu.processes.pop(0) if len(gpu.processes) > 1 else gpu.processes[0])
 
 
 def fake(n: int, init_error: int | None = None) -> FakeNvml:
@@ -203,6 +210,7 @@ def test_real_pynvml_on_this_machine() -> None:
             assert selection.devices == tuple(range(gpus.count))
             assert all(f.uuid and f.uuid.startswith("GPU-") for f in facts)
             assert all(f.memory_total_bytes and f.memory_total_bytes > 0 for f in facts)
+            assert asyncio.run(gpus.wait_released(range(gpus.count), {0}, 1.0, print)) is None  # pid 0 holds none
     finally:
         gpus.close()
 
@@ -327,6 +335,56 @@ async def test_watch_health_with_nothing_to_watch_waits_without_checking() -> No
     with pytest.raises(asyncio.CancelledError):
         await watch
     assert nvml.ecc_reads == 0
+
+
+# --- memory of stopped workers, reclaimed before a restart -------------------------------
+
+GIB = 1 << 30
+
+
+async def test_a_restart_waits_until_the_stopped_workers_memory_is_free() -> None:
+    held = [(4242, 30 * GIB), (4243, 2 * GIB + GIB // 2), (999, GIB)]  # 999: another user's process
+    gpu = FakeGpu("GPU-0", processes=[held, held, held[1:], [(999, GIB)]])
+    said: list[str] = []
+    problem = await open_gpus(FakeNvml([gpu])).wait_released([0], {4242, 4243, 5000}, 60.0, said.append)
+    assert problem is None
+    assert said[0] == (
+        "waiting up to 60s for the previous workers' GPU memory to be freed (GPU 0: 32.5 GiB (pids 4242, 4243))"
+    )
+    assert re.fullmatch(r"GPU memory of the previous workers freed after \d+\.\ds", said[1]) and len(said) == 2
+
+
+async def test_memory_never_freed_makes_the_gpu_sick_after_the_bound() -> None:
+    gpus = open_gpus(FakeNvml([FakeGpu("GPU-0"), FakeGpu("GPU-1", processes=[[(4242, None)]])]))
+    said: list[str] = []
+    problem = await gpus.wait_released([0, 1], {4242}, 0.3, said.append)
+    assert problem == GpuProblem(
+        1, ProblemKind.MEMORY_HELD, "GPU 1: memory (pid 4242) still held by the previous workers' processes "
+        "0.3s after they stopped"
+    )
+    assert said == ["waiting up to 0.3s for the previous workers' GPU memory to be freed (GPU 1: memory (pid 4242))"]
+
+
+@pytest.mark.parametrize(
+    "gpu",
+    [
+        FakeGpu("GPU-0"),  # nothing there
+        FakeGpu("GPU-0", processes=[[(999, GIB)]]),  # only someone else's
+        FakeGpu("GPU-0", processes=[[(4242, GIB)]], unsupported=frozenset({"processes"})),  # NVML cannot tell
+    ],
+)
+async def test_no_wait_when_nothing_of_the_workers_is_held(gpu: FakeGpu) -> None:
+    said: list[str] = []
+    assert await open_gpus(FakeNvml([gpu])).wait_released([0], {4242}, 60.0, said.append) is None
+    assert said == []
+
+
+async def test_a_gpu_lost_while_waiting_is_a_problem() -> None:
+    gpu = FakeGpu("GPU-0", processes=[[(4242, GIB)]])
+    gpus = open_gpus(FakeNvml([gpu]))
+    gpu.handle_error = NVML_ERROR_GPU_IS_LOST
+    problem = await gpus.wait_released([0], {4242}, 60.0, print)
+    assert problem is not None and problem.kind is ProblemKind.LOST
 
 
 # --- selection and the workers' environment ---------------------------------------------

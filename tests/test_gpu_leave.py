@@ -1,30 +1,34 @@
-"""GPU health in a real multi-agent run: NVML is faked (no GPU here), nothing else is.
+"""GPU health with real agents and workers: NVML is faked (no GPU here), nothing else is.
 
 Two agents share an in-memory store in this process and run real worker processes.
 One node's GPU reports an uncorrectable ECC error while training: that node leaves
 gracefully, quarantined, and the other goes on alone. A node whose GPU is already sick never joins.
+A failed worker's memory, still held after it is gone, is waited for before the next
+worker starts; memory that is never freed makes the node leave.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from elasticrun.agent.agent import Agent
+from elasticrun.agent.agent import Agent, AgentResult
 from elasticrun.agent.gpu import open_gpus
-from elasticrun.agent.spec import WorkerSpec
+from elasticrun.agent.spec import WorkerSpec, WorkerState
 from elasticrun.errors import EXIT_INFRASTRUCTURE, GpuUnhealthyError
-from elasticrun.launcher.launch import gpu_watches
+from elasticrun.launcher.launch import gpu_reclaim, gpu_watches
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.state import Event, JobSpec, Keys, NodeInfo, QuarantineTable, decode
 from elasticrun.store.memory import MemoryStore
-from tests.agent_helpers import eventually
+from tests.agent_helpers import eventually, make_spec, static_for, write_script
 from tests.test_gpu import FakeGpu, FakeNvml
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,8 +36,10 @@ pytestmark = pytest.mark.timeout(60)
 TICKER = Path(__file__).resolve().parent / "workers" / "tick_worker.py"
 
 
-def node(store: MemoryStore, name: str, stop_file: Path, tmp: Path) -> tuple[WorkerSpec, ElasticRendezvous]:
-    settings = RendezvousSettings(run_id="gpu", min_nodes=1, max_nodes=2, last_call=0.2, heartbeat_ttl=2.0)
+def node(
+    store: MemoryStore, name: str, stop_file: Path, tmp: Path, max_nodes: int = 2
+) -> tuple[WorkerSpec, ElasticRendezvous]:
+    settings = RendezvousSettings(run_id="gpu", min_nodes=1, max_nodes=max_nodes, last_call=0.2, heartbeat_ttl=2.0)
     spec = WorkerSpec(
         run_id="gpu",
         entrypoint=(sys.executable, "-u", str(TICKER), "--stop-file", str(stop_file), "--every", "0.05"),
@@ -96,3 +102,102 @@ async def test_gpu_failing_during_training_makes_the_node_leave(tmp_path):
                 task.cancel()
         await asyncio.gather(agent_a, agent_b, return_exceptions=True)
         await store.close()
+
+
+
+async def test_a_spare_whose_gpu_fails_leaves_before_it_steps_in(tmp_path):
+    store = MemoryStore()
+    stop = tmp_path / "stop"
+    spare_gpu = FakeGpu(uuid="GPU-bb")
+    spec_a, rdzv_a = node(store, "node-a", stop, tmp_path, max_nodes=1)
+    spec_b, rdzv_b = node(store, "node-b", stop, tmp_path, max_nodes=1)
+    agent_a = asyncio.ensure_future(Agent(spec_a, rdzv_a).run())
+    try:
+        await wait_for(lambda: rdzv_a._last_round >= 1, "node-a running")
+        watches_b = gpu_watches(open_gpus(FakeNvml([spare_gpu])), (0,), 0.05)
+        agent_b = asyncio.ensure_future(Agent(spec_b, rdzv_b, watches=watches_b).run())
+        await wait_for(lambda: rdzv_b._lease is not None, "node-b registered, a spare")
+        spare_gpu.ecc = [1]  # its GPU fails while it waits
+        result_b = await asyncio.wait_for(agent_b, 30)
+        assert result_b.exit_code == EXIT_INFRASTRUCTURE and "uncorrect" in result_b.message
+        assert rdzv_a._last_round == 1  # the running round was never disturbed
+
+        async def held() -> bool:
+            kv = await store.get(Keys("gpu").quarantine)
+            entry = decode(QuarantineTable, kv.value).get("node-b") if kv is not None else None
+            return entry is not None and "uncorrect" in entry.reason
+
+        async with asyncio.timeout(30):
+            while not await held():
+                await asyncio.sleep(0.05)
+        stop.touch()
+        assert (await asyncio.wait_for(agent_a, 30)).exit_code == 0
+    finally:
+        stop.touch()
+        if not agent_a.done():
+            agent_a.cancel()
+        await asyncio.gather(agent_a, return_exceptions=True)
+        await store.close()
+
+# --- memory of stopped workers, reclaimed before a restart -----------------------------------
+
+FAIL_ONCE = """
+import os, sys, time
+from pathlib import Path
+
+folder, attempt = Path(__file__).parent, os.environ["TORCHELASTIC_RESTART_COUNT"]
+(folder / f"pid.{attempt}.new").write_text(str(os.getpid()))
+(folder / f"pid.{attempt}.new").rename(folder / f"pid.{attempt}")
+if attempt == "0":
+    while not (folder / "go").exists():
+        time.sleep(0.02)
+    sys.exit(1)  # fails once; its memory is held a while after it is gone
+"""
+
+
+async def restart_after_failure(tmp_path: Path, gpu: FakeGpu, held: Callable[[int], list], limit: float) -> AgentResult:
+    """A one-worker node on a fake GPU whose first worker fails: NVML says it holds
+    memory (`held(pid)`: the process lists it returns from then on)."""
+    script = write_script(tmp_path, "fail_once.py", FAIL_ONCE)
+    spec = make_spec(script, max_restarts=1, gpu_devices=(0,), log_dir=tmp_path / "logs")
+    agent = Agent(spec, static_for(spec), reclaim=gpu_reclaim(open_gpus(FakeNvml([gpu])), (0,), limit))
+    run = asyncio.ensure_future(agent.run())
+    try:
+        first = tmp_path / "pid.0"
+        await eventually(first.exists, 30)
+        gpu.processes = held(int(first.read_text()))
+        (tmp_path / "go").touch()
+        return await asyncio.wait_for(run, 60)
+    finally:
+        (tmp_path / "go").touch()
+        if not run.done():
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+
+
+async def test_the_next_workers_start_once_the_memory_of_the_failed_ones_is_free(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    gpu = FakeGpu(uuid="GPU-aa")
+    result = await restart_after_failure(tmp_path, gpu, lambda pid: [[(pid, 8 << 30)]] * 3 + [[]], limit=60.0)
+    assert result.exit_code == 0, result.message
+    pid = int((tmp_path / "pid.0").read_text())
+    lines = [r.getMessage() for r in caplog.records]
+    waiting = lines.index(
+        f"waiting up to 60s for the previous workers' GPU memory to be freed (GPU 0: 8.0 GiB (pid {pid}))"
+    )
+    freed = next(i for i, line in enumerate(lines) if line.startswith("GPU memory of the previous workers freed after"))
+    restarted = max(i for i, line in enumerate(lines) if line.startswith("workers init -> healthy: round 1"))
+    assert waiting < freed < restarted  # the next worker started once the memory was free
+    assert gpu.processes == [[]]  # every look until then was taken
+
+
+async def test_memory_never_freed_makes_the_node_leave_as_with_a_sick_gpu(tmp_path):
+    gpu = FakeGpu(uuid="GPU-aa")
+    result = await restart_after_failure(tmp_path, gpu, lambda pid: [[(pid, 8 << 30)]], limit=0.3)
+    pid = int((tmp_path / "pid.0").read_text())
+    assert (result.state, result.exit_code) == (WorkerState.STOPPED, EXIT_INFRASTRUCTURE)
+    assert result.message == (
+        f"GPU problem, leaving the job: GPU 0: 8.0 GiB (pid {pid}) still held by the previous workers' processes "
+        "0.3s after they stopped"
+    )
+    assert not (tmp_path / "pid.1").exists()  # no worker started on the GPU

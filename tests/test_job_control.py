@@ -410,7 +410,8 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
         "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-id=job", "--rdzv-conf=heartbeat_timeout=7,is_host=false",
         "--shutdown-timeout=4", "--tee=0:3", "--redirects=1", "--signals-to-handle=SIGTERM,SIGUSR1",
         "--local-ranks-filter=0", "--health-interval=3", "--virtual-local-rank", f"--log-dir={tmp_path / 'logs'}",
-        "--event-log-handler=console", "--progress-timeout=30", "--run-path", "train.py", "--lr", "0.1",
+        "--event-log-handler=console", "--progress-timeout=30", "--health-check=first node's check",
+        "--run-path", "train.py", "--lr", "0.1",
     ]), {})
     store = MemoryStore()
     me = NodeInfo(node_id="a", host="h", addr="127.0.0.1", nproc=2, pid=1, started_at=0.0)
@@ -422,7 +423,7 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
         monkeypatch.setattr(JobTarget, "open", lambda self: store)
         args = subcommand_parser().parse_args([
             "join", "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-id=job", "--timeout=60", "--local-addr=127.0.0.5",
-            "--run-path", "train.py", "--lr", "0.1",
+            "--health-check=test -d /scratch", "--health-check-timeout=5", "--run-path", "train.py", "--lr", "0.1",
         ])
         argv = await join_cmd.job_argv(target, args, {})
     finally:
@@ -438,6 +439,9 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     assert joined.rdzv.local_addr == "127.0.0.5" and joined.rdzv.settings.join_timeout == 60.0
     assert (w.log_dir, joined.event_log_handler) == (None, "null")
     assert not any(a.startswith(("--log-dir", "--event-log-handler")) for a in argv), argv
+    # a health check runs code: join's own only, never the first node's from the store
+    assert (joined.health_check, joined.health_check_timeout) == ("test -d /scratch", 5.0)
+    assert "first node's check" not in " ".join(argv)
 
 
 def test_an_ended_job_keeps_its_nodes_and_last_lines_for_closed_ttl(cluster, rdzv, job):

@@ -52,7 +52,8 @@ def agent(cluster: Cluster, endpoint: str, rid: str, name: str, addr: int, port:
         sys.executable, "-m", "elasticrun", "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rid}", f"--rdzv-conf={RDZV_CONF},is_host=false",
         f"--local-addr=127.0.0.{addr}", "--shutdown-timeout=5", f"--log-dir={cluster.tmp / 'logs'}",
-        f"--metrics-port=127.0.0.1:{port}", str(TICKER), "--stop-file", str(cluster.stop_file),
+        f"--metrics-port=127.0.0.1:{port}", "--health-check=echo ib0 up", "--health-interval=0.2",
+        str(TICKER), "--stop-file", str(cluster.stop_file),
     ])
 
 
@@ -75,6 +76,9 @@ def test_metrics_move_during_a_scale_up(cluster: Cluster) -> None:
     assert value(before, "elasticrun_worker_state", state="init") == 0
     assert value(before, "elasticrun_membership_changes_total", cause="scale_up") == 0
     assert value(before, "elasticrun_quarantined_nodes") == 0
+    assert value(before, "elasticrun_health_checks_total", result="passed") >= 1  # before joining, at least
+    assert value(before, "elasticrun_health_checks_total", result="failed") == 0
+    assert value(before, "elasticrun_health_check_info", result="passed", reason="") == 1
     store_before = scrape(store_metrics)
     assert value(store_before, "elasticrun_store_leases") == 2  # one per agent
     assert value(store_before, "elasticrun_store_watchers") >= 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -238,3 +239,11 @@ def test_the_framework_callbacks_are_the_frameworks_own_and_call_heartbeat(
         monkeypatch.setenv("ELASTICRUN_PROGRESS_FILE", str(progress))
         call()
         assert progress.exists(), name  # heartbeat() touched it
+
+
+def test_the_boot_the_agent_and_the_recorder_name_the_same_variable() -> None:
+    """The boot stays standard-library only, so it spells the name itself (read from its
+    source: importing it would run it)."""
+    boot = Path(steptime.__file__).parent / "boot" / "sitecustomize.py"
+    spelled = re.search(r'^STEPS_FILE_ENV = "([^"]+)"$', boot.read_text(), re.M)
+    assert spelled is not None and spelled[1] == STEPS_FILE_ENV == steptime.STEPS_FILE_ENV

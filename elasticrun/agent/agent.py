@@ -18,7 +18,7 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,10 +33,12 @@ from elasticrun.agent.failures import (
     read_error_file,
 )
 from elasticrun.agent.filetimer import TIMER_FILE_ENV, FileTimerServer
+from elasticrun.agent.group_stacks import GroupStacks
 from elasticrun.agent.output import Duplicates, StreamPlan, WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.runfolder import create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
+from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
 from elasticrun.agent.steptimes import READ_INTERVAL, StepTimes
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import (
@@ -64,8 +66,14 @@ _CLOSED_EXIT_CODES = {"succeeded": 0, "failed": EXIT_TRAINING_FAILED, "stopped":
 _DRAIN_TIMEOUT = 5.0
 
 #: An extra reason to stop: a coroutine that returns (with the reason) when this node
-#: must stop its workers and leave the job, e.g. a GPU health watch. Called once per round.
+#: must stop its workers and leave the job, e.g. a GPU health watch. Called once per
+#: round, and once per wait for a round.
 Watch = Callable[[], Awaitable[str]]
+
+#: Before workers start again on this node's GPUs: wait, bounded, until the processes of
+#: the stopped workers (these pids) hold no GPU memory; returns "" once free, else why
+#: the GPU counts as sick (the node leaves, as when a watch fires).
+Reclaim = Callable[[Set[int]], Awaitable[str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +195,8 @@ class _Group:
     workers: WorkerGroup
     outputs: dict[int, WorkerOutput]
     error_files: dict[int, Path]
+    #: its workers' stacks (elasticrun.agent.group_stacks)
+    stacks: GroupStacks
     duplicates: Duplicates | None = None
     #: the workers' step timing files (spec.step_timing)
     steps: StepTimes | None = None
@@ -210,6 +220,7 @@ class Agent:
         handler: RendezvousHandler,
         *,
         watches: Sequence[Watch] = (),
+        reclaim: Reclaim | None = None,
         metrics: AgentMetrics | None = None,
         events: EventSink | None = None,
         log_layout: LogLayout | None = None,
@@ -217,6 +228,9 @@ class Agent:
         self.spec = spec
         self.handler = handler
         self.watches = tuple(watches)
+        self._reclaim = reclaim
+        #: the processes of the last workers stopped, until the next start (with `reclaim`)
+        self._stopped: set[int] = set()
         self.metrics = metrics
         self._events = events
         self._log_layout = log_layout
@@ -236,6 +250,9 @@ class Agent:
         self._broken_text = ""
         #: the hang the progress watchdog found in the current attempt
         self._hang: Hang | None = None
+        #: where the ranks were when it was found: the summary, and the file with it all
+        self._hang_stacks: tuple[list[str], Path | None] = ([], None)
+        self._stacks = StackCapture(spec.node_id)
         #: this node's failure beyond the budget: (message, report, the report's or the
         #: in-process worker's traceback text, "" without one)
         self._failure: tuple[str, FailureReport | None, str] | None = None
@@ -348,11 +365,17 @@ class Agent:
             if waiting is not None:  # else the job is over for this node: no wait to log
                 self._set_state(WorkerState.INIT, waiting)
             try:
+                # the watches too: a spare that turns unfit must not step in
                 assignment = await first_of(
-                    self.handler.next_round(), self._wait_signal(), self.handler.drained()
+                    self.handler.next_round(), self._wait_signal(), self.handler.drained(),
+                    *(self._watched(watch) for watch in self.watches),
                 )
             except RendezvousClosedError as e:
                 return self._closed(e)
+            if isinstance(assignment, tuple):  # a watch fired: leave, kept out
+                _, reason = assignment
+                await self.handler.leave(reason, keep_out=True)
+                return self._end(WorkerState.STOPPED, self._leaving_code(Outcome.WATCH), reason)
             if not isinstance(assignment, Assignment):
                 reason = assignment or f"the agent received {self._signal_name()}"
                 await self.handler.leave(reason)
@@ -436,11 +459,15 @@ class Agent:
         """
         spec = self.spec
         # A fresh watchdog each round: its clock starts now (kept workers waited idle).
-        self._hang = None
+        self._hang, self._hang_stacks = None, ([], None)
         dog = self._watchdog()
         started = time.monotonic()
         in_place = self._group is not None and self._group.ran  # in-process: kept from a round
         if self._group is None:
+            sick = await self._reclaimed()
+            if sick:  # as a watch that fired: the node leaves, kept out
+                await self.handler.leave(sick, keep_out=True)
+                return _Attempt(Outcome.WATCH, sick, None)
             self._group = await self._start_group(assignment, dog)
         group = self._group
         group.ran = True
@@ -478,6 +505,7 @@ class Agent:
                 self._drained_outcome(),
                 *(self._watched(watch) for watch in self.watches),
                 *broken,
+                group.stacks.answer(assignment),
                 *timed,
             )
         except BaseException:
@@ -491,6 +519,10 @@ class Agent:
             assert self._channel is not None
             self._channel.change(assignment.round, interrupt=self.handler.peers_lost())
             return _Attempt(outcome, reason, None, kept=True)
+        if self._hang is not None:  # before the workers stop: where are they stuck?
+            self._hang_stacks = await group.stacks.of_hang(assignment, self._hang, spec.node_id)
+        elif outcome is Outcome.ROUND_ENDED and self.handler.peers_lost():
+            await group.stacks.at_round_end(assignment, reason)
         if outcome in _LEAVING:
             # a watch that fired found this node unfit (a sick GPU, a failed health
             # check): the job keeps it out (quarantined), whatever comes of its agent
@@ -511,6 +543,13 @@ class Agent:
         else:
             reason = f"worker rank {root.global_rank} failed with {describe_exit(root.returncode)}"
         return _Attempt(outcome, reason, report)
+
+    async def _reclaimed(self) -> str:
+        """Wait until the last workers' GPU memory is free ("": it is, or no wait)."""
+        stopped, self._stopped = self._stopped, set()
+        if self._reclaim is None or not stopped:
+            return ""
+        return await self._reclaim(stopped)
 
     def _forgiveness(self) -> str:
         """Why this worker failure spends no restart ("": it does), by the progress
@@ -611,7 +650,7 @@ class Agent:
         attempt_dir = self.run_dir / f"attempt_{self._attempts}"
         self._attempts += 1
         socket_path = self._channel.path if self._channel is not None else None
-        envs, error_files, plans = {}, {}, {}
+        envs, error_files, plans, stack_files = {}, {}, {}, {}
         make_private_folder(attempt_dir)
         steps = None
         if spec.step_timing:
@@ -629,6 +668,9 @@ class Agent:
                 envs[local_rank].update(dog.env(local_rank))
             if steps is not None:
                 envs[local_rank].update(steps.env(local_rank))
+            stack_files[local_rank] = worker_dir / "stacks"
+            prepare_file(stack_files[local_rank])
+            envs[local_rank].update(stacks_env(stack_files[local_rank]))
             if self._timers is not None:
                 envs[local_rank][TIMER_FILE_ENV] = str(self._timers.path)
             plans[local_rank] = plan_streams(spec, local_rank, worker_dir)
@@ -639,7 +681,8 @@ class Agent:
             assert self._warden is not None  # run() started it
             workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)
         duplicates = Duplicates(attempt_dir, spec.duplicate_filters) if spec.duplicate_filters else None
-        group = _Group(workers, {}, error_files, duplicates, steps)
+        stacks = GroupStacks(self._stacks, self.handler, workers, stack_files, attempt_dir)
+        group = _Group(workers, {}, error_files, stacks, duplicates, steps)
         try:
             for local_rank, proc in workers.procs.items():
                 group.outputs[local_rank] = WorkerOutput(
@@ -701,6 +744,10 @@ class Agent:
             return
         if self._channel is not None:
             self._channel.disconnect()
+        if self._reclaim is not None:
+            # who may hold GPU memory, found while they live; on the loop (as the stop's
+            # own first scan), since an await here could lose the stop to a cancellation
+            self._stopped = group.workers.tree()
         await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.stop_grace, hurry=self._hurry)
         await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in group.outputs.values()))
         if group.duplicates is not None:
@@ -723,7 +770,10 @@ class Agent:
                     stderr_tail=list(group.outputs[hang.local_rank].stderr_tail),
                 )
             ]
-            return make_report(failures, title=self._report_title())
+            lines, path = self._hang_stacks
+            return make_report(
+                failures, title=self._report_title(), stacks=lines, stacks_file=str(path) if path else ""
+            )
         failures = [
             make_failure(
                 e,

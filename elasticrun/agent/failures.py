@@ -157,8 +157,13 @@ class FailureReport:
     text: str
 
 
-def make_report(failures: Sequence[WorkerFailure], *, title: str) -> FailureReport:
-    """The report over one attempt's failures (at least one); `title` names the job."""
+def make_report(
+    failures: Sequence[WorkerFailure], *, title: str, stacks: Sequence[str] = (), stacks_file: str = ""
+) -> FailureReport:
+    """The report over one attempt's failures (at least one); `title` names the job.
+
+    `stacks` summarises where the ranks were when a hang was found (stack_summary),
+    `stacks_file` is where they all are."""
     ordered = sorted(failures, key=lambda f: (f.time, f.global_rank))
     root, others = ordered[0], tuple(ordered[1:])
     rule = "=" * 72
@@ -183,6 +188,10 @@ def make_report(failures: Sequence[WorkerFailure], *, title: str) -> FailureRepo
             f"{describe_exit(f.returncode)} at {_format_time(f.time)}"
             for f in others
         ]
+    if stacks:
+        where = f"; all of them in {stacks_file}" if stacks_file else ""
+        lines += ["-" * 72, f"Where the ranks were (their stacks when the hang was found{where}):"]
+        lines += [f"  {line}" for line in stacks]
     lines.append(rule)
     return FailureReport(root_cause=root, others=others, text="\n".join(lines))
 

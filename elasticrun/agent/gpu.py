@@ -12,6 +12,7 @@ Indices are NVML indices (the ones `nvidia-smi` shows, in PCI bus order). Worker
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -56,6 +57,12 @@ CRITICAL_XIDS: frozenset[int] = frozenset(
 
 T = TypeVar("T")
 
+#: how long a restart waits at most for stopped workers' GPU memory (`Gpus.wait_released`):
+#: a driver frees even a full GPU's in seconds; past this the memory is lost until a reset
+RECLAIM_LIMIT = 60.0
+#: how often NVML's process list is read while waiting
+_RECLAIM_POLL = 0.1
+
 
 class NvmlCallError(ElasticrunError):
     """An NVML call failed; `code` is NVML's return code, translated once at the boundary."""
@@ -95,6 +102,11 @@ class Nvml(Protocol):
 
     def next_xid(self) -> tuple[int, int] | None:
         """The next collected (device index, xid) without waiting, or None."""
+        ...
+
+    def compute_processes(self, index: int) -> tuple[tuple[int, int | None], ...]:
+        """The processes with a compute context on the device: (pid, bytes of its memory
+        there, None where NVML cannot tell). The pids are of NVML's PID namespace."""
         ...
 
 
@@ -186,6 +198,10 @@ class Pynvml:
         index = self._call(self._nv.nvmlDeviceGetIndex, event.device)
         return int(index), int(event.eventData)
 
+    def compute_processes(self, index: int) -> tuple[tuple[int, int | None], ...]:
+        found = self._call(self._nv.nvmlDeviceGetComputeRunningProcesses, self._handle(index))
+        return tuple((int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory)) for p in found)
+
     def _handle(self, index: int) -> object:
         return self._call(self._nv.nvmlDeviceGetHandleByIndex, index)
 
@@ -206,6 +222,8 @@ class ProblemKind(StrEnum):
     ROW_REMAP_PENDING = "row-remap-pending"
     ROW_REMAP_FAILED = "row-remap-failed"
     XID = "xid"
+    #: memory of stopped workers still held past the reclaim bound
+    MEMORY_HELD = "memory-held"
 
 
 @dataclass(frozen=True)
@@ -446,6 +464,60 @@ class Gpus:
                 await asyncio.get_running_loop().create_future()
             await asyncio.sleep(interval)
 
+    async def wait_released(
+        self, devices: Sequence[int], pids: Set[int], limit: float, say: Callable[[str], None]
+    ) -> GpuProblem | None:
+        """Wait until no process of `pids` (stopped workers and what they started)
+        holds memory on these devices, by NVML's process list, for `limit` seconds at
+        most; then the memory counts as lost: the problem says where and whose.
+
+        A killed process's memory is freed by the driver as it tears the context down,
+        which may take a while (or forever, for a process stuck in the driver): workers
+        started meanwhile would run out of memory. `say` gets one line when the wait
+        starts (only if something is still held) and one when it ends. Where NVML cannot
+        list processes (an unsupported GPU), there is nothing to wait for.
+        """
+        nvml = self._nvml
+        if nvml is None or not devices or not pids:
+            return None
+        started, said = time.monotonic(), False
+        while True:
+            held = await asyncio.to_thread(self._held, nvml, devices, pids)
+            waited = time.monotonic() - started
+            if isinstance(held, GpuProblem):
+                return held
+            if not held:
+                if said:
+                    say(f"GPU memory of the previous workers freed after {waited:.1f}s")
+                return None
+            if waited >= limit:
+                index = min(held)
+                return _problem(
+                    index, ProblemKind.MEMORY_HELD,
+                    f"{_holders(held[index])} still held by the previous workers' processes "
+                    f"{limit:g}s after they stopped",
+                )
+            if not said:
+                where = "; ".join(f"GPU {i}: {_holders(held[i])}" for i in sorted(held))
+                say(f"waiting up to {limit:g}s for the previous workers' GPU memory to be freed ({where})")
+                said = True
+            await asyncio.sleep(_RECLAIM_POLL)
+
+    def _held(
+        self, nvml: Nvml, devices: Sequence[int], pids: Set[int]
+    ) -> dict[int, list[tuple[int, int | None]]] | GpuProblem:
+        """What processes of `pids` hold on each device (blocking on NVML)."""
+        held = {}
+        for i in devices:
+            try:
+                found = [p for p in _supported(nvml.compute_processes, i) or () if p[0] in pids]
+            except NvmlCallError as e:
+                kind = ProblemKind.LOST if e.code == NVML_ERROR_GPU_IS_LOST else ProblemKind.NVML_ERROR
+                return _problem(i, kind, f"listing its processes: {e.reason}")
+            if found:
+                held[i] = found
+        return held
+
     def _collect_xids(self, nvml: Nvml) -> list[GpuProblem]:
         # Kept for the session: a GPU that raised a critical Xid needs a reset.
         try:
@@ -485,6 +557,13 @@ class Gpus:
             _problem(i, ProblemKind.XID, f"critical Xid {xid}") for xid in self._xids.get(i, ())
         ]
         return problems
+
+
+def _holders(processes: Sequence[tuple[int, int | None]]) -> str:
+    """`31.5 GiB (pids 4242, 4243)`: what these processes hold, and who they are."""
+    sizes = [size for _, size in processes if size is not None]
+    amount = f"{sum(sizes) / (1 << 30):.1f} GiB" if sizes else "memory"
+    return f"{amount} ({'pid' if len(processes) == 1 else 'pids'} {', '.join(str(pid) for pid, _ in processes)})"
 
 
 def _problem(index: int, kind: ProblemKind, what: str) -> GpuProblem:

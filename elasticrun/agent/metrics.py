@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
 from elasticrun import __version__
+from elasticrun.agent.health_check import CheckResult
 from elasticrun.agent.spec import WorkerState
 from elasticrun.rendezvous.api import Assignment
 from elasticrun.rendezvous.state import StepReport
@@ -35,7 +36,8 @@ MEMBERSHIP_CAUSES = ("scale_up", "scale_down", "replace")
 class AgentMetrics:
     """What one agent exports; `registry` is what its HTTP server serves."""
 
-    def __init__(self, run_id: str, node_id: str) -> None:
+    def __init__(self, run_id: str, node_id: str, *, health_check: bool = False) -> None:
+        """`health_check`: this agent runs a --health-check (its metrics exist only then)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
@@ -83,6 +85,15 @@ class AgentMetrics:
         self.stragglers = Gauge(
             "elasticrun_stragglers", "On the leader's agent: nodes of the job named stragglers now", registry=r
         )
+        self._health: tuple[Counter, Gauge, Info] | None = None
+        if health_check:
+            self._health = (
+                Counter("elasticrun_health_checks", "Runs of --health-check, by result: passed, failed, timed_out",
+                        ["result"], registry=r),
+                Gauge("elasticrun_health_check_seconds", "Seconds the latest run of --health-check took", registry=r),
+                Info("elasticrun_health_check", "The latest run of --health-check: its result and, when it failed, "
+                     "why (its last line)", registry=r),
+            )
         for cause in MEMBERSHIP_CAUSES:
             self.membership_changes.labels(cause)  # every series exists from the start, at 0
         for cause in RESTART_CAUSES:
@@ -105,6 +116,13 @@ class AgentMetrics:
         """This node's step timing changed."""
         self.step_compute.set(report.compute)
         self.step_wall.set(report.wall)
+    def health_checked(self, result: CheckResult) -> None:
+        """One run of --health-check ended."""
+        assert self._health is not None, "made without health_check"
+        runs, seconds, latest = self._health
+        runs.labels(result.verdict.value).inc()
+        seconds.set(result.seconds)
+        latest.info({"result": result.verdict.value, "reason": "" if result.ok else result.reason})
 
     def state(self, state: WorkerState) -> None:
         for each in WorkerState:

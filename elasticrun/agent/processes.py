@@ -42,6 +42,7 @@ from elasticrun.agent.sessions import (
     Mark,
     Session,
     kill_sessions,
+    member_pids,
     process_start,
     signal_sessions,
 )
@@ -255,6 +256,11 @@ class WorkerGroup:
             time=time.time(),
             stopped=self._stopping,
         )
+
+    def tree(self) -> set[int]:
+        """The workers' pids and those of every live process they started: what may
+        hold their GPU memory. Scans /proc."""
+        return {proc.pid for proc in self.procs.values()} | member_pids(self.sessions.values(), self._warden.mark)
 
     async def wait(self) -> list[WorkerExit]:
         """Wait until a worker fails or every worker has exited; return the exits so far.

@@ -132,6 +132,28 @@ def _read(path: str, limit: int) -> bytes | None:
         os.close(fd)
 
 
+def belongs(pid: int, session: Session) -> bool:
+    """Whether live process `pid` is one of `session`'s: in it, or descended from one
+    of its processes (a wrapper's child that moved to a session of its own).
+
+    A process with the leader's pid counts only with the leader's start time. One
+    with the session's id is in it: the kernel gives no new process that number while
+    any process is in the session."""
+    stat = _stat(pid)
+    if stat is None or not stat.live or session.leader_start is None:
+        return False
+    seen = set()
+    while stat is not None and stat.pid not in seen:
+        if stat.pid == session.sid:
+            return stat.start == session.leader_start
+        if stat.sid == session.sid:
+            leader = _stat(session.sid)
+            return leader is None or leader.start == session.leader_start
+        seen.add(stat.pid)
+        stat = _stat(stat.ppid) if stat.ppid > 1 else None
+    return False
+
+
 def _carries(pid: int, mark: Mark) -> bool:
     """Whether process `pid`'s environment holds the mark."""
     environ = _read(f"/proc/{pid}/environ", 1 << 22)
@@ -192,6 +214,11 @@ def _signal_members(sessions: Iterable[Session], mark: Mark | None, sig: signal.
                 continue
         os.close(pidfd)
     return pidfds
+
+
+def member_pids(sessions: Iterable[Session], mark: Mark | None = None) -> set[int]:
+    """The pids of every live process of `sessions` and `mark` (a scan of /proc)."""
+    return {member.pid for member in _members(sessions, mark)}
 
 
 def signal_sessions(sessions: Iterable[Session], sig: signal.Signals, mark: Mark | None = None) -> None:

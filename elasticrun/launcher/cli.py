@@ -17,18 +17,27 @@ from elasticrun.launcher.flags import Parser, launch_parser
 from elasticrun.launcher.spelling import closest
 
 #: subcommand name -> the module that registers it
-SUBCOMMANDS = ("status", "list", "logs", "join", "drain", "stop", "store")
+SUBCOMMANDS = ("status", "list", "logs", "stacks", "join", "drain", "stop", "store")
 
 _GRPC_ENV = {"GRPC_VERBOSITY": "NONE", "GRPC_ENABLE_FORK_SUPPORT": "0"}
 
 
 def subcommand_parser() -> argparse.ArgumentParser:
     """`elasticrun <subcommand> ...`: job control and the store server."""
-    from elasticrun.launcher import drain_cmd, join_cmd, list_cmd, logs_cmd, status_cmd, stop_cmd, store_cmd
+    from elasticrun.launcher import (
+        drain_cmd,
+        join_cmd,
+        list_cmd,
+        logs_cmd,
+        stacks_cmd,
+        status_cmd,
+        stop_cmd,
+        store_cmd,
+    )
 
     p = Parser(prog="elasticrun")
     commands = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (status_cmd, list_cmd, logs_cmd, join_cmd, drain_cmd, stop_cmd, store_cmd):
+    for module in (status_cmd, list_cmd, logs_cmd, stacks_cmd, join_cmd, drain_cmd, stop_cmd, store_cmd):
         module.register(commands)
     return p
 

@@ -167,8 +167,12 @@ class LaunchConfig:
     nproc_request: str
     #: names of this node's GPUs, for status
     gpu_names: tuple[str, ...] = ()
-    #: seconds between GPU health checks while training
+    #: seconds between GPU health checks (and --health-check runs) while training
     health_interval: float = 10.0
+    #: --health-check: the operator's command, run by /bin/sh -c (None: none)
+    health_check: str | None = None
+    #: --health-check-timeout: seconds one run may take
+    health_check_timeout: float = 30.0
     #: this node's own settings as flags, for `elasticrun join` (`carried_flags`)
     carried_flags: tuple[str, ...] = ()
     #: --event-log-handler: torch's event log handler ("null": none, torch not imported)
@@ -467,6 +471,8 @@ class LaunchRequest:
     local_ranks_filter: frozenset[int] | None
     isolate_gpus: bool
     health_interval: float
+    health_check: str | None = None
+    health_check_timeout: float = 30.0
     carried_flags: tuple[str, ...] = ()
     event_log_handler: str = "null"
     logs_specs: str | None = None
@@ -659,6 +665,11 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     if not (args.health_interval > 0 and math.isfinite(args.health_interval)):
         raise UsageError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
     within_max_seconds(args.health_interval, "--health-interval", f"{args.health_interval:g}")
+    if not (args.health_check_timeout > 0 and math.isfinite(args.health_check_timeout)):
+        raise UsageError(
+            f"--health-check-timeout must be a positive number of seconds, got {args.health_check_timeout}"
+        )
+    within_max_seconds(args.health_check_timeout, "--health-check-timeout", f"{args.health_check_timeout:g}")
     return LaunchRequest(
         rdzv=rdzv,
         job_spec=job_spec,
@@ -672,6 +683,8 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         local_ranks_filter=filter_ranks,
         isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
         health_interval=args.health_interval,
+        health_check=args.health_check or None,
+        health_check_timeout=args.health_check_timeout,
         carried_flags=carried_flags(args),
         event_log_handler=args.event_log_handler or "null",
         logs_specs=args.logs_specs or None,
@@ -872,6 +885,8 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         nproc_request=spec.nproc_per_node,
         gpu_names=host.gpu_names,
         health_interval=request.health_interval,
+        health_check=request.health_check,
+        health_check_timeout=request.health_check_timeout,
         carried_flags=request.carried_flags,
         event_log_handler=request.event_log_handler,
         logs_specs=request.logs_specs,

@@ -30,6 +30,7 @@ from elasticrun.rendezvous.state import (
     NodeStatus,
     QuarantineTable,
     Round,
+    StacksRequest,
     StepReport,
     StragglerReport,
 )
@@ -140,6 +141,8 @@ class JobView:
     #: each node's step timing, and the stragglers the leader named
     steps: Mapping[str, StepReport] = field(default_factory=dict)
     stragglers: StragglerReport | None = None
+    #: the latest request for every node's stacks (done: with the summary)
+    stacks: StacksRequest | None = None
 
     @property
     def exists(self) -> bool:
@@ -217,6 +220,7 @@ def job_view(records: JobRecords, revision: int) -> JobView:
         quarantine=records.quarantine,
         steps=records.steps,
         stragglers=records.stragglers,
+        stacks=records.stacks,
     )
 
 

@@ -225,7 +225,13 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "isolate-gpus", action=_EnvFlag,
           help="give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker), as cuda:0, with LOCAL_RANK=0")
     _flag(p, "health-interval", type=float, default=10.0,
-          help="seconds between GPU health checks while training (default 10)")
+          help="seconds between GPU health checks, and --health-check runs, while in the job (default 10)")
+    _flag(p, "health-check", default=None, metavar="CMD",
+          help="a command (run by /bin/sh -c) that must exit 0 before this node joins and every --health-interval "
+               "while it is in the job; else the node does not join, or leaves the job, quarantined, with its last "
+               "line as the reason (exit 200)")
+    _flag(p, "health-check-timeout", type=float, default=30.0,
+          help="seconds one run of --health-check may take; longer fails it (default 30)")
     _flag(p, "progress-timeout", type=float, default=None,
           help="opt-in hang watchdog (off by default): stop and restart the workers when one has made no progress "
                "for this many seconds: no optimizer step, no elasticrun.worker.heartbeat() call")

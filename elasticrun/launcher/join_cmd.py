@@ -170,7 +170,7 @@ async def job_argv(target: JobTarget, args: argparse.Namespace, environ: Mapping
         argv.append(f"--forgive-progress={spec.forgive_progress}")
     if spec.progress_timeout is not None:
         argv.append(f"--progress-timeout={spec.progress_timeout}")
-    for flag in ("local_addr", "log_dir", "metrics_port"):
+    for flag in ("local_addr", "log_dir", "metrics_port", "health_check", "health_check_timeout"):
         if getattr(args, flag):
             argv.append(f"--{flag.replace('_', '-')}={getattr(args, flag)}")
     for flag in ("no_python", "module", "run_path"):
@@ -208,6 +208,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--json", action="store_true", help="the agent's own lines as JSON, one object a line")
     p.add_argument("--metrics-port", metavar="[HOST:]PORT", default=None,
                    help="serve this agent's Prometheus metrics on this port at /metrics; off by default")
+    p.add_argument("--health-check", metavar="CMD", default=None,
+                   help="this node's health check, as the launcher's --health-check (never taken from the store)")
+    p.add_argument("--health-check-timeout", type=float, default=None,
+                   help="seconds one run of --health-check may take (default 30)")
     p.add_argument("--no-python", action="store_true", help="the command is an executable, run without python")
     p.add_argument("--module", "-m", action="store_true", help="the command is a Python module, as python -m")
     p.add_argument("--run-path", action="store_true", help="run the script with runpy.run_path, as the launcher")

@@ -15,12 +15,14 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Set
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from elasticrun.agent.agent import Agent, AgentResult, Watch
-from elasticrun.agent.gpu import Gpus, open_gpus
-from elasticrun.errors import GpuUnhealthyError
+from elasticrun.agent.agent import Agent, AgentResult, Reclaim, Watch
+from elasticrun.agent.gpu import RECLAIM_LIMIT, Gpus, open_gpus
+from elasticrun.agent.health_check import CheckResult, HealthCheck
+from elasticrun.errors import GpuUnhealthyError, HealthCheckError
 from elasticrun.launcher import log_format
 from elasticrun.launcher.config import DEFAULT_RUN_ID, LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
 from elasticrun.launcher.gc_settings import settle_gc
@@ -35,7 +37,8 @@ from elasticrun.store.api import EventType, Store
 from elasticrun.store.contact import first_contact
 from elasticrun.store.memory import MemoryStore
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # loaded only when metrics are asked for
+    from elasticrun.agent.metrics import AgentMetrics
     from elasticrun.store.metrics import StoreMetrics
 
 log = logging.getLogger("elasticrun")
@@ -57,18 +60,23 @@ async def run_node(config: LaunchConfig) -> AgentResult:
     store's) there."""
     metrics_at = config.metrics
     async with contextlib.AsyncExitStack() as stack:
-        watches = []
+        watches, reclaim = [], None
         if config.worker.gpu_devices:
             gpus = open_gpus()
             stack.callback(gpus.close)
             watches = gpu_watches(gpus, config.worker.gpu_devices, config.health_interval)
+            reclaim = gpu_reclaim(gpus, config.worker.gpu_devices, RECLAIM_LIMIT)
         metrics = store_metrics = None
         if metrics_at is not None:  # the library is loaded only when asked for
             from elasticrun.agent.metrics import AgentMetrics
             from elasticrun.store.metrics import StoreMetrics
 
-            metrics = AgentMetrics(config.worker.run_id, config.worker.node_id)
+            metrics = AgentMetrics(config.worker.run_id, config.worker.node_id, health_check=bool(config.health_check))
             store_metrics = StoreMetrics(metrics.registry)
+        if config.health_check is not None:
+            env = {k: v for k, v in os.environ.items() if k not in config.worker.withheld_env}
+            check = HealthCheck(config.health_check, config.health_check_timeout, env)
+            watches += await health_check_watches(check, config.health_interval, metrics)
         events = None
         if config.event_log_handler != "null":
             from elasticrun.launcher.event_log import torch_event_sink
@@ -93,7 +101,8 @@ async def run_node(config: LaunchConfig) -> AgentResult:
             metrics.stragglers_from(handler.straggler_scores)
             stack.enter_context(serving(metrics_at, metrics.registry))
         result = await Agent(
-            config.worker, handler, watches=watches, metrics=metrics, events=events, log_layout=layout
+            config.worker, handler, watches=watches, reclaim=reclaim, metrics=metrics, events=events,
+            log_layout=layout,
         ).run()
         # Out of the job first (our lease and keys go, a leader of ours stops): the
         # host waits for the others only, never for itself.
@@ -104,7 +113,7 @@ async def run_node(config: LaunchConfig) -> AgentResult:
 
 
 def gpu_watches(gpus: Gpus, devices: tuple[int, ...], interval: float) -> list[Watch]:
-    """Check this node's GPUs before it joins; watch them while it trains.
+    """Check this node's GPUs before it joins; watch them while it is in the job.
 
     A node with a sick GPU does not join at all; one whose GPU fails later leaves the
     job gracefully (the others go on), with the reason in its events and status.
@@ -117,6 +126,39 @@ def gpu_watches(gpus: Gpus, devices: tuple[int, ...], interval: float) -> list[W
     async def watch() -> str:
         problem = await gpus.watch_health(devices, interval)
         return f"GPU problem, leaving the job: {problem.reason}"
+
+    return [watch]
+
+
+def gpu_reclaim(gpus: Gpus, devices: tuple[int, ...], limit: float) -> Reclaim:
+    """Before workers start again: wait (at most `limit` s) until the stopped workers'
+    memory on these GPUs is free; past that, the GPU counts as sick and the node leaves."""
+    async def reclaim(pids: Set[int]) -> str:
+        problem = await gpus.wait_released(devices, pids, limit, lambda line: log.info("%s", line, extra=HEADLINE))
+        return "" if problem is None else f"GPU problem, leaving the job: {problem.reason}"
+
+    return reclaim
+
+
+async def health_check_watches(check: HealthCheck, interval: float, metrics: AgentMetrics | None) -> list[Watch]:
+    """Run the operator's check before this node joins; again every `interval` while it is in the job.
+
+    A node whose check fails does not join at all; one whose check fails later leaves
+    the job gracefully, asking to be kept out (the others go on), with the check's last
+    line as the reason in its log, events and status, and in the job's quarantine.
+    """
+    def seen(result: CheckResult) -> None:
+        if metrics is not None:
+            metrics.health_checked(result)
+
+    result = await check.run()
+    seen(result)
+    if not result.ok:
+        raise HealthCheckError(f"this node does not join: {result.reason}")
+    log.info("health check passed in %.1fs: %s", result.seconds, result.reason or "no output")
+
+    async def watch() -> str:
+        return (await check.watch(interval, seen)).reason
 
     return [watch]
 

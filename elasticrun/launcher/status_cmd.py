@@ -12,12 +12,15 @@ from dataclasses import asdict, dataclass
 
 from elasticrun.errors import StoreUnavailableError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, job_view, read_records
+from elasticrun.rendezvous.stack_summary import one_line
 from elasticrun.rendezvous.state import JobRecords, Round, StepReport, Straggler
 from elasticrun.store.api import EventType, WatchEvent
 
 #: a live view redraws at most this often
 _WATCH_INTERVAL = 0.5
 EVENTS_SHOWN = 10
+#: the latest stacks' summary is cut to this many characters (elasticrun stacks has it all)
+STACKS_SHOWN = 200
 
 
 def age(seconds: float) -> str:
@@ -92,6 +95,8 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
         lines.append(f"leader {view.state.leader}: {view.state.reason}")
     if r is not None and r.closed and r.detail:
         lines.append(f"{r.closed}: {r.detail.splitlines()[0] if r.detail else ''}")
+    if view.stacks is not None and view.stacks.done:
+        lines.append(_stacks_line(view))
     ranked = r.node_ranks() if r else {}
     held = view.quarantine.active(now)
     steps, slow = _steps(view), _stragglers(view)
@@ -158,6 +163,17 @@ def _ended_nodes(view: JobView, now: float) -> list[str]:
     return ["", table(rows)]
 
 
+def _stacks_line(view: JobView) -> str:
+    """The latest stacks' summary, short: `stacks 03:12:07 (<why>): rank 3 on node n7: ...`."""
+    s = view.stacks
+    assert s is not None
+    at = time.strftime("%H:%M:%S", time.localtime(s.at))
+    text = one_line(s.summary) or "no node answered"
+    if len(text) > STACKS_SHOWN:
+        text = text[: STACKS_SHOWN - 3] + "..."
+    return f"stacks {at} ({s.reason}; {s.answered} of {s.nodes} nodes): {text}"
+
+
 def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
     """The status as plain data for scripts."""
     now = time.time() if now is None else now
@@ -211,6 +227,8 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
         "events": [asdict(e) for e in view.events],
         # an ended job's nodes are gone: their last reports stay for closed_ttl
         "ended_nodes": [asdict(s) for s in view.statuses.values()] if r is not None and r.closed else [],
+        # the latest request for every node's stacks, with its summary once done
+        "stacks": asdict(view.stacks) if view.stacks else None,
     }
 
 

@@ -12,7 +12,8 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elasticrun.rendezvous.state import StepReport
+from elasticrun.rendezvous.stacks import JobStacks
+from elasticrun.rendezvous.state import NodeStacks, StacksRequest, StepReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,25 @@ class RendezvousHandler(abc.ABC):
         """
         await asyncio.Event().wait()
         return ""
+
+    # Stacks, job-wide (rendezvous/stacks.py). Backends without a store have no job to
+    # ask: a node's stacks stay its own.
+
+    async def stacks_asked(self) -> StacksRequest:
+        """Return when someone asks every node for its workers' stacks (a request this
+        node has not answered yet). Backends without a store never return."""
+        never: asyncio.Future[StacksRequest] = asyncio.get_running_loop().create_future()
+        return await never
+
+    async def answer_stacks(self, stacks: NodeStacks) -> None:
+        """Publish this node's stacks, the answer to request `stacks.request`."""
+
+    async def job_stacks(self, mine: NodeStacks, reason: str) -> JobStacks | None:
+        """Ask every node of this node's round for its workers' stacks (or join a
+        request made moments ago), answer with `mine`, and return the job's, concluded
+        (with the summary) within a bounded wait; None when there is no job to ask or
+        no summary came in time."""
+        return None
 
     # Reports for job control. Best effort and never blocking: a backend publishes
     # them in the background (or, without a store, not at all).

@@ -40,6 +40,7 @@ from elasticrun.rendezvous.leader import DETAIL_LIMIT, Leader, close_job
 from elasticrun.rendezvous.liveness import LivenessPort, Verdict, probe
 from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.reports import Reporter
+from elasticrun.rendezvous.stacks import ANSWER_WAIT, JobStacks, answer, ask, conclude, gather, new_request
 from elasticrun.rendezvous.state import (
     Departure,
     JobLaunch,
@@ -48,12 +49,14 @@ from elasticrun.rendezvous.state import (
     Keys,
     Master,
     NodeInfo,
+    NodeStacks,
     Ping,
     Placed,
     QuarantineEntry,
     RankShard,
     RestartRequest,
     RoundHead,
+    StacksRequest,
     StepReport,
     decode,
     encode,
@@ -68,6 +71,9 @@ log = logging.getLogger("elasticrun.rendezvous")
 WAIT_REPORT_INTERVAL = 5.0
 #: a node waiting this long alone at the store its agent hosts says the endpoint may be wrong
 LONE_HOST_AFTER = 30.0
+#: how much longer than whoever asked a node that joined a request for the job's stacks
+#: waits for the summary (whoever asked waits ANSWER_WAIT for the answers, then writes it)
+SUMMARY_MARGIN = 2.0
 #: seconds between tries to register while the store an agent hosted refuses us. A try
 #: on a refused connection fails at once, without a packet: the client's channel dials
 #: again on its own backoff (at most a second), so a short pause adds little to that.
@@ -149,6 +155,10 @@ class ElasticRendezvous(RendezvousHandler):
         #: the store an agent hosted refused us (its agent is gone), and when it first
         #: did (self._clock): until a store answers there again (see _register_or_wait)
         self._refused: tuple[StoreGoneError, float] | None = None
+        #: the revision of the latest request for the job's stacks this node answered,
+        #: and when (self._clock) this node's watch brought the request record last
+        self._stacks_answered = 0
+        self._stacks_seen_at = -math.inf
 
     # --- RendezvousHandler -----------------------------------------------------------
 
@@ -243,6 +253,70 @@ class ElasticRendezvous(RendezvousHandler):
         while (drain := self._job.drains.get(self._me.node_id)) is None:
             await self._pulse.wait()
         return f"drained: {drain.reason}"
+
+    async def stacks_asked(self) -> StacksRequest:
+        while True:
+            request, revision = self._job.stacks, self._job.stacks_revision
+            if request is not None and not request.done and revision > self._stacks_answered:
+                self._stacks_answered = revision
+                if request.round == self._last_round:  # else: about workers this node no longer runs
+                    return request
+            await self._pulse.wait()
+
+    async def answer_stacks(self, stacks: NodeStacks) -> None:
+        lease = self._lease
+        if lease is None or self._lost:
+            return
+        try:
+            await answer(self._store, self._keys, stacks, lease)
+        except StoreError as e:
+            log.debug("could not publish this node's stacks: %s", e)
+
+    async def job_stacks(self, mine: NodeStacks, reason: str) -> JobStacks | None:
+        """The first request stands: a node that finds one of its round made moments
+        ago (all the watchdogs of a hung job fire at once), done or not, or that loses
+        the race to write its own, takes part in it, and only whoever asked reads the
+        answers."""
+        lease, ran = self._lease, self._ran
+        if lease is None or self._lost or ran is None:
+            return None
+        store, keys = self._store, self._keys
+        try:
+            current, at = self._job.stacks, self._job.stacks_revision
+            recent = self._clock() - self._stacks_seen_at < ANSWER_WAIT
+            if current is None or current.round != ran.number or not recent:
+                request = new_request(self._me.node_id, reason, ran.number, ran.nodes)
+                revision = await ask(store, keys, request, at)
+                if revision is not None:
+                    self._stacks_answered = max(self._stacks_answered, revision)
+                    await answer(store, keys, replace(mine, request=request.id), lease)
+                    answers = await gather(store, keys, request.id, revision, ran.nodes, ANSWER_WAIT)
+                    done = await conclude(store, keys, request, revision, list(answers.values()))
+                    return JobStacks(done, tuple(answers.values()))
+                kv = await store.get(keys.stacks)  # another request came first: take part in it
+                if kv is None:
+                    return None
+                current, at = decode(StacksRequest, kv.value), kv.mod_revision
+            if current.done:
+                return JobStacks(current)
+            await answer(store, keys, replace(mine, request=current.id), lease)
+            return await self._summary_of(current.id, at)
+        except StoreError as e:
+            log.debug("could not ask the job's nodes for their stacks: %s", e)
+            return None
+
+    async def _summary_of(self, request_id: str, revision: int) -> JobStacks | None:
+        """Request `request_id` (written at `revision`), once whoever asked concluded
+        it (bounded wait); None if it did not in time, or a newer request replaced it."""
+        deadline = self._clock() + ANSWER_WAIT + SUMMARY_MARGIN
+        while (left := deadline - self._clock()) > 0:
+            current = self._job.stacks
+            if current is not None and current.id == request_id and current.done:
+                return JobStacks(current)
+            if current is not None and current.id != request_id and self._job.stacks_revision > revision:
+                return None
+            await self._pulse.wait(left)
+        return None
 
     def report_status(self, status: AgentStatus) -> None:
         self._reports.status(status)
@@ -624,6 +698,8 @@ class ElasticRendezvous(RendezvousHandler):
                 async for event in self._store.watch(self._keys.job, start_revision=start_revision, prefix=True):
                     start_revision = event.revision + 1
                     self._job.apply(event.key, event.value if event.type is EventType.PUT else None, event.revision)
+                    if event.key == self._keys.stacks:
+                        self._stacks_seen_at = self._clock()
                     if event.key == self._keys.leader and event.type is EventType.DELETE:
                         self._leader_seen = None
                         await self._try_lead()

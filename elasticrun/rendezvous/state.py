@@ -18,6 +18,7 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives u
     r/job/state         LeaderState: what the leader waits for, for waiting nodes and status
     r/job/launch        JobLaunch: when and where the job was started (for status and join)
     r/job/drain/<node>  DrainRequest: an operator asked this node to leave
+    r/job/stacks        StacksRequest: every node is asked for its workers' stacks; then the summary
     r/left/<node_id>    Departure: the node leaves on purpose (the leader says it left, not
                         that it was lost; one with keep_out is quarantined), deleted by
                         the leader once it let the node go
@@ -28,6 +29,7 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives u
     c/events/<t>-<node> Event: what happened, oldest pruned by the leader
     c/steps/<node_id>   StepReport: the node's step compute time, bound to its lease
     c/stragglers        StragglerReport: the nodes the leader names as stragglers
+    c/stacks/<node_id>  NodeStacks: the node's answer to a StacksRequest, bound to its lease
 
 Only the leader watches `r/`; every node watches `r/job/`. A membership change
 therefore costs O(1) events per node, which is what lets one round span thousands of
@@ -174,6 +176,17 @@ class Keys:
 
     def drain(self, node_id: str) -> str:
         return self.drains + node_id
+
+    @property
+    def stacks(self) -> str:
+        return self.job + "stacks"
+
+    @property
+    def stack_answers(self) -> str:
+        return self.control + "stacks/"
+
+    def stack_answer(self, node_id: str) -> str:
+        return self.stack_answers + node_id
 
     @property
     def departures(self) -> str:
@@ -673,13 +686,91 @@ class Event:
     detail: str
 
 
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One frame of a Python stack, as faulthandler names it."""
+
+    file: str
+    #: 0 where faulthandler did not know it ("???")
+    line: int
+    function: str
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadStack:
+    """One thread's Python stack, the innermost frame first (as faulthandler writes it)."""
+
+    #: the thread's id as faulthandler writes it (0x00007f...)
+    thread: str
+    frames: tuple[Frame, ...]
+    #: the process's main thread (the one that runs the script)
+    main: bool = False
+    #: frames left out, the outermost ones (faulthandler's own limit, or the store's)
+    more: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RankStacks:
+    """One worker's stacks (its threads, the main one first), or why there are none."""
+
+    rank: int
+    local_rank: int
+    node_id: str
+    #: the process that wrote them (a worker's descendant under a wrapper); 0: none
+    pid: int
+    threads: tuple[ThreadStack, ...] = ()
+    #: why there is no stack ("" when there is one)
+    missing: str = ""
+    #: threads left out (faulthandler's own limit, or the store's)
+    more_threads: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStacks:
+    """A node's workers' stacks, captured for `request` (c/stacks/<node>, on its lease)."""
+
+    node_id: str
+    #: the StacksRequest answered
+    request: str
+    #: why they were captured
+    reason: str
+    at: float
+    round: int
+    ranks: tuple[RankStacks, ...]
+    #: its last ranks left out of the record, which they did not fit (its run folder
+    #: has them)
+    left_out: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StacksRequest:
+    """Every node of the round is asked for its workers' stacks (r/job/stacks); whoever
+    asked writes the record again with the summary once the answers are in (`done`)."""
+
+    id: str
+    #: who asked: a node id, or user@host for `elasticrun stacks`
+    by: str
+    reason: str
+    at: float
+    #: the round whose nodes are asked (a node running another round does not answer:
+    #: its workers are not the ones asked about)
+    round: int = 0
+    #: the round's nodes, asked to answer
+    nodes: int = 0
+    #: how many answered in time (once done)
+    answered: int = 0
+    #: the job-wide summary (stack_summary.summarise), once done
+    summary: tuple[str, ...] = ()
+    done: bool = False
+
+
 # --- JSON codec ----------------------------------------------------------------------
 
 #: every record kept in the store
 Record = (
     NodeInfo | Round | RoundHead | RankShard | RestartRequest | Ping | Master | LeaderState | JobSpec | JobLaunch
-    | DrainRequest | Departure | QuarantineTable | QuarantineEntry | NodeStatus | LogWindow | Event | StepReport
-    | StragglerReport
+    | DrainRequest | Departure | QuarantineTable | QuarantineEntry | NodeStatus | LogWindow | Event
+    | NodeStacks | StacksRequest | StepReport | StragglerReport
 )
 R = TypeVar("R", bound=Record)
 
@@ -753,8 +844,9 @@ class JobRecords:
     """A job's records as last read from the store: the one place a key becomes a record.
 
     The rendezvous folds in what it watches (`r/job/`), the leader `r/`, job control the
-    whole job; each then reads the fields it needs. Output windows (`c/logs/`) are not
-    kept: only `elasticrun logs` reads them, one rank at a time.
+    whole job; each then reads the fields it needs. Output windows (`c/logs/`) and the
+    nodes' stacks (`c/stacks/`) are not kept: only `elasticrun logs` and `elasticrun
+    stacks` read them.
     """
 
     keys: Keys
@@ -776,6 +868,9 @@ class JobRecords:
     state: LeaderState | None = None
     launch: JobLaunch | None = None
     restart: RestartRequest | None = None
+    #: the latest request for every node's stacks, and its mod revision
+    stacks: StacksRequest | None = None
+    stacks_revision: int = 0
     quarantine: QuarantineTable = field(default_factory=QuarantineTable)
     #: the records kept one per node (or per event), by the name that ends their key
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
@@ -846,6 +941,9 @@ class JobRecords:
             self.launch = _read(JobLaunch, value)
         elif key == keys.restart:
             self.restart = _read(RestartRequest, value)
+        elif key == keys.stacks:
+            self.stacks = _read(StacksRequest, value)
+            self.stacks_revision = revision if value is not None else 0
         elif key == keys.quarantine:
             self.quarantine = _read(QuarantineTable, value) or QuarantineTable()
 

@@ -119,6 +119,8 @@ NEAR = {
     "signals_to_handle": ["SIGTERM", "TERM,USR1", "SIGKILL", "STOP", "SIGFOO", "", ",", "ß"],
     "shutdown_timeout": ["0", "5", "-1", "nan", "inf", "1e309"],
     "health_interval": ["10", "0", "-3", "nan", "inf"],
+    "health_check": ["true", "", "exit 1", "'"],
+    "health_check_timeout": ["30", "0", "-3", "nan", "inf", "1e309"],
     "monitor_interval": ["0.1", "nan", "-1"],
     "start_method": ["spawn", "fork", "thread"],
     "numa_binding": ["node", "socket", "none"],
@@ -376,6 +378,7 @@ def check_sane(config: LaunchConfig, argv: Sequence[str]) -> None:
     assert w.nproc_per_node >= 1 and w.max_restarts >= 0, why
     assert math.isfinite(w.stop_grace) and w.stop_grace >= 0, why
     assert math.isfinite(config.health_interval) and config.health_interval > 0, why
+    assert math.isfinite(config.health_check_timeout) and config.health_check_timeout > 0, why
     assert not {signal.SIGKILL, signal.SIGSTOP} & set(w.signals_to_handle), why
     assert all(rank >= 0 for rank in (*w.redirects, *w.tee)), why
     if "store_timeout" in config.rdzv.conf:
@@ -463,6 +466,7 @@ FOUND = [
     (["--shutdown-timeout=nan", "SCRIPT"], {}, "--shutdown-timeout must be >= 0 seconds, got nan"),
     (["SCRIPT"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "nan"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be a positive number"),
     (["--health-interval=inf", "SCRIPT"], {}, "--health-interval must be a positive number of seconds, got inf"),
+    (["--health-check-timeout=nan", "SCRIPT"], {}, "--health-check-timeout must be a positive number of seconds"),
     (["--signals-to-handle=SIGTERM,KILL", "SCRIPT"], {}, "--signals-to-handle: SIGKILL cannot be caught"),
     (["--rdzv-id=caf\udce9", "SCRIPT"], {}, "--rdzv-id must be UTF-8 text"),
     (["drain", "--rdzv-endpoint=h:1", "--rdzv-id=caf\udce9", "--count=1"], {}, "--rdzv-id must be UTF-8 text"),

@@ -1,0 +1,141 @@
+"""When the agent captures its workers' stacks, and what it does with them.
+
+One `GroupStacks` per worker group (an attempt's workers). Three moments:
+
+- `answer`: while the workers run, every request for the job's stacks (an operator's
+  `elasticrun stacks`, another node's hang) is answered with a fresh capture.
+- `of_hang`: the progress watchdog found a hang; before the workers stop, capture them,
+  ask every node of the round (`RendezvousHandler.job_stacks`), and log the summary of
+  where every rank was (the failure report carries it too).
+- `at_round_end`: a round ended because a peer was lost while the workers ran: capture
+  this node's workers before they stop (this node only, briefly: the next round waits).
+
+Every capture is kept whole in the attempt's folder (`stacks_<k>.txt`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import NoReturn
+
+from elasticrun.agent.failures import describe_exit
+from elasticrun.agent.processes import WorkerGroup
+from elasticrun.agent.stacks import StackCapture, Target, keep
+from elasticrun.agent.watchdog import Hang
+from elasticrun.errors import UsageError
+from elasticrun.loglines import HEADLINE
+from elasticrun.rendezvous.api import Assignment, RendezvousHandler
+from elasticrun.rendezvous.stack_summary import one_line, render_ranks, summarise
+from elasticrun.rendezvous.state import NodeStacks, RankStacks
+
+logger = logging.getLogger("elasticrun.agent")
+
+#: how long a capture waits for the workers' stacks (a process stopped or stuck in the
+#: kernel never writes them): when asked, and when a hang was found
+CAPTURE_LIMIT = 2.0
+#: the same when a round ends because a peer was lost: the next round waits for it
+LOST_PEER_CAPTURE_LIMIT = 0.5
+
+
+class GroupStacks:
+    """The stacks of one worker group: its workers' stack files and the captures kept."""
+
+    def __init__(
+        self,
+        capture: StackCapture,
+        handler: RendezvousHandler,
+        workers: WorkerGroup,
+        files: Mapping[int, Path],
+        folder: Path,
+    ) -> None:
+        self._capture = capture
+        self._handler = handler
+        self._workers = workers
+        self._files = dict(files)
+        self._folder = folder
+        self._kept = 0
+
+    async def capture(self, assignment: Assignment, reason: str, limit: float) -> NodeStacks:
+        """The workers' stacks now, or why a worker has none."""
+        workers = self._workers
+        targets = [
+            Target(
+                local_rank=local_rank,
+                rank=assignment.rank_offset + local_rank,
+                session=workers.sessions[local_rank],
+                file=self._files[local_rank],
+                exited=describe_exit(workers.exits[local_rank].returncode) if local_rank in workers.exits else "",
+            )
+            for local_rank in sorted(workers.procs)
+        ]
+        ranks = await asyncio.to_thread(self._capture.capture, targets, limit)
+        return NodeStacks(
+            node_id=self._capture.node_id, request="", reason=reason, at=time.time(), round=assignment.round,
+            ranks=ranks,
+        )
+
+    def keep(self, reason: str, ranks: Iterable[RankStacks], head: Iterable[str] = ()) -> Path | None:
+        """Keep a capture in the attempt's folder; its file (None: it could not be written)."""
+        self._kept += 1
+        path = self._folder / f"stacks_{self._kept}.txt"
+        try:
+            keep(path, reason, [*head, *render_ranks(ranks)])
+        except (OSError, UsageError) as e:
+            logger.warning("cannot keep the workers' stacks in %s: %s", path, e)
+            return None
+        return path
+
+    async def answer(self, assignment: Assignment) -> NoReturn:
+        """Answer every request for the job's stacks while the workers run."""
+        while True:
+            request = await self._handler.stacks_asked()
+            mine = await self.capture(assignment, f"asked by {request.by}: {request.reason}", CAPTURE_LIMIT)
+            self.keep(mine.reason, mine.ranks)
+            await self._handler.answer_stacks(replace(mine, request=request.id))
+
+    async def of_hang(self, assignment: Assignment, hang: Hang, node_id: str) -> tuple[list[str], Path | None]:
+        """Where every rank of the job was when this node's watchdog found `hang`: the
+        summary (logged), and the file that keeps it with this node's stacks (and, when
+        this node asked, every node's)."""
+        reason = hang.reason(assignment.rank_offset + hang.local_rank)
+        started = time.monotonic()
+        mine = await self.capture(assignment, reason, CAPTURE_LIMIT)
+        job = await self._handler.job_stacks(mine, f"{node_id}: {reason}")
+        took = f"{time.monotonic() - started:.2f}s"
+        if job is not None:
+            lines = list(job.request.summary)
+            scope = f"job-wide: {job.request.answered} of {job.request.nodes} nodes answered, {took}"
+        else:
+            lines, scope = summarise(mine.ranks), f"this node's workers only, {took}"
+        others = [r for n in (job.answers if job else ()) if n.node_id != mine.node_id for r in n.ranks]
+        head = [f"where the ranks were ({scope}):", *(f"  {line}" for line in lines), ""]
+        path = self.keep(reason, [*mine.ranks, *others], head)
+        logger.warning(
+            "where the ranks were when the hang was found (%s): %s%s",
+            scope,
+            one_line(lines),
+            f"; all stacks in {path}" if path else "",
+            extra=HEADLINE,
+        )
+        return lines, path
+
+    async def at_round_end(self, assignment: Assignment, reason: str) -> None:
+        """Where the workers were when a peer was lost (logged, kept)."""
+        started = time.monotonic()
+        mine = await self.capture(assignment, reason, LOST_PEER_CAPTURE_LIMIT)
+        took = time.monotonic() - started
+        path = self.keep(reason, mine.ranks)
+        logger.info(
+            "where this node's workers were when round %d ended (%s; captured in %.3fs): %s%s",
+            assignment.round,
+            reason,
+            took,
+            one_line(summarise(mine.ranks)),
+            f"; all stacks in {path}" if path else "",
+            extra=HEADLINE,
+        )
