@@ -574,8 +574,19 @@ class Agent:
 
     async def _hung(self, dog: ProgressWatchdog, steps: StepTimes | None) -> tuple[Outcome, str]:
         hang = await dog.hang()
-        if steps is not None:  # where it waits, if in a collective
-            hang = dataclasses.replace(hang, waiting=steps.waiting_in(hang.local_rank))
+        waiting = steps.waiting_in(hang.local_rank) if steps is not None else ""
+        if waiting:
+            # It waits in a collective for a peer. A worker of this node that has been
+            # silent half as long outside any collective is what it waits for: that
+            # one is the hang (its last step came a moment after the other's).
+            silences = dog.silences()
+            assert steps is not None and dog.timeout is not None
+            stuck = [r for r, silent in silences.items() if silent >= dog.timeout / 2 and not steps.waiting_in(r)]
+            if stuck:
+                rank = max(stuck, key=lambda r: (silences[r], -r))
+                hang = Hang(local_rank=rank, silent_for=silences[rank])
+            else:
+                hang = dataclasses.replace(hang, waiting=waiting)
         self._hang = hang
         return Outcome.FAILED, "a worker hung"
 

@@ -116,6 +116,10 @@ class ProgressWatchdog:
         silent = now - worst.progress_at
         return Hang(local_rank=rank, silent_for=silent) if silent >= self.timeout else None
 
+    def silences(self) -> dict[int, float]:
+        """How long each worker had made no progress at the latest look (`check`)."""
+        return {rank: self._looked_at - w.progress_at for rank, w in self._workers.items()}
+
     def next_check_at(self) -> float | None:
         """The earliest moment (watchdog clock) a worker could be overdue."""
         if not self._workers or self.timeout is None:

@@ -93,9 +93,10 @@ class Recorder:
         self.wall: deque[float] = deque(maxlen=WINDOW)
 
     def mark(self, source: str) -> None:
-        """A step boundary from `source` (one of SOURCES)."""
+        """A step boundary from `source` (one of SOURCES), on the main thread only: a
+        thread that calls heartbeat() while the main one imports or loads marks no step."""
         level = SOURCES.index(source)
-        if level < self.level:
+        if level < self.level or threading.get_ident() != self._main:
             return
         now = self._clock()
         if level > self.level:  # a better source: count its steps from here

@@ -12,6 +12,7 @@ other node's, waiting for it in all_reduce, is found hung, with where it waits.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -95,3 +96,23 @@ def test_a_plain_script_without_heartbeat_is_watched_and_the_hang_says_where_it_
         restarts=1,
         lost="the hung attempt's work since its last checkpoint",
     )
+
+
+@pytest.mark.timeout(180)
+def test_of_two_silent_workers_the_hang_is_the_one_outside_any_collective(tmp_path: Path) -> None:
+    """Rank 1 stops in Python; rank 0, on the same node, waits for it in all_reduce: both
+    are silent, and the one named is rank 1, the one that does not wait for a peer."""
+    hang_dir = tmp_path / "hang"
+    hang_dir.mkdir()
+    argv = [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+            "--progress-timeout=15", f"--log-dir={tmp_path / 'logs'}", str(STRAGGLER_WORKER),
+            "--hang-dir", str(hang_dir), "--hang-rank", "1", "--steps", "50"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+    (hang_dir / f"{socket.gethostname()}_{proc.pid}").touch()  # the node id: before its workers' step 3
+    try:
+        out = proc.communicate(timeout=150)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "hanging after step=3 rank=1" in out, out[-4000:]
+    assert re.search(r"worker rank 1 hung: no progress for \d+s; no restarts left", out), out[-4000:]

@@ -13,9 +13,10 @@ It ends (exit 0, every rank at the same step) after --steps steps or once a rank
 --stop-file; SIGTERM ends it at once (143). A collective that breaks (a peer's agent
 stopped it) waits to be stopped by its own agent.
 
-A hang on demand: a worker whose node id names a file in --hang-dir removes the file and
-then sleeps without end after its step --hang-step, in Python, outside any collective
-(its peers wait for it in the next all_reduce); started again, it trains on.
+A hang on demand: a worker whose node id names a file in --hang-dir (only global rank
+--hang-rank, if given) removes the file and then sleeps without end after its step
+--hang-step, in Python, outside any collective (its peers wait for it in the next
+all_reduce); started again, it trains on.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> int:
     p.add_argument("--stop-file", default="")
     p.add_argument("--hang-dir", default="")
     p.add_argument("--hang-step", type=int, default=3)
+    p.add_argument("--hang-rank", type=int, default=-1)
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
 
@@ -67,7 +69,8 @@ def main() -> int:
             return 1
         optimizer.step()
         print(f"step={step} {tag}", flush=True)
-        if step == args.hang_step and hang is not None and hang.exists():
+        hangs_here = hang is not None and args.hang_rank in (-1, rank)
+        if step == args.hang_step and hangs_here and hang is not None and hang.exists():
             hang.unlink()
             print(f"hanging after step={step} {tag}", flush=True)
             while True:
