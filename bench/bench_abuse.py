@@ -2,13 +2,23 @@
 
     python bench/bench_abuse.py                     # before (where this branch left main) and after
     python bench/bench_abuse.py --before-ref HEAD~5 --seconds 10 --json out.json
+    python bench/bench_abuse.py --only headers keylists
 
-The abuse is issue 29's, done by tests/workers/store_abuser.py from a process of its own
+The abuses are issue 29's, done by tests/workers/store_abuser.py from a process of its own
 (8 connections):
 
 - range: 4 loops reading 64 values of 1 MiB whole, again and again;
 - watch: 2,000 prefix watches of everything, woken by each of the victim's writes;
-- both at once.
+- both at once;
+
+and issue 36's:
+
+- headers: tests/workers/headers_flood.py, 8 TCP connections of raw HTTP/2 HEADERS
+  frames opening calls with no token and no message, as fast as the store takes them,
+  for the whole trial (no credential at all, on both sides);
+- keylists: tests/workers/key_list_abuser.py, a job's worker credential sending c10d
+  check, wait and multi_get calls, 16 at a time, each naming one key 340,000 times
+  (1 MiB) or 10,000 distinct keys.
 
 The victim, in this process, keeps a 2 s lease alive (every 0.5 s) and puts a 100-byte
 key every 10 ms for `--seconds`; the figures are its put latencies (p50, p99, max), its
@@ -17,10 +27,14 @@ slowest renewal, and whether its lease lapsed. Each side runs its own store serv
 
 - before: a checkout of `--before-ref` (default: the merge base of HEAD and main, so that
   only this branch's changes differ), made with `git archive` into a temporary folder.
-  There the token is the store's only credential, so the abuser holds it: what one
-  agent's, or one worker's, token could do.
-- after: this tree. The abuser holds the reader credential (it may read and watch,
-  within its fair share), what `elasticrun store credential --role reader` prints.
+  For the range and watch abuses the abuser holds the token (what one agent's token
+  could do where the token was the store's only credential); for keylists, a worker
+  credential of that checkout's own kind.
+- after: this tree. The range and watch abuser holds the reader credential (it may read
+  and watch, within its fair share), what `elasticrun store credential --role reader`
+  prints; the keylists abuser a worker credential.
+
+The abusers are this tree's scripts on both sides (clients only: the wire is the same).
 
 Both victims use this tree's client (its Put and LeaseKeepAlive are unchanged). Nothing
 here runs in CI.
@@ -47,13 +61,36 @@ sys.path.insert(0, str(REPO / "bench"))
 from common import loadavg, machine, write_json  # noqa: E402
 
 from elasticrun.store.client import GrpcStore  # noqa: E402
-from elasticrun.store.credentials import reader_credential  # noqa: E402
 
-ABUSER = REPO / "tests" / "workers" / "store_abuser.py"
+WORKERS = REPO / "tests" / "workers"
 TOKEN = "bench-abuse-token"
 BIG_KEYS, BIG_VALUE = 64, (1 << 20) - 64
-#: (name, abuser's watches, abuser's reading loops)
-ABUSES = (("none", 0, 0), ("range", 0, 4), ("watch", 2_000, 0), ("range+watch", 2_000, 4))
+#: the job whose worker credential the keylists abuser holds
+JOB = "bench-abuse-job"
+ABUSES = ("none", "range", "watch", "range+watch", "headers", "keylists")
+
+
+def abuser_argv(abuse: str, endpoint: str, credentials: dict[str, str], seconds: float) -> list[str] | None:
+    """The abuser's command line for `abuse` against `endpoint` (None: no abuser)."""
+    if abuse == "headers":  # for longer than the victim measures, bounded
+        return [sys.executable, str(WORKERS / "headers_flood.py"), endpoint, "8", "20000000", f"{seconds + 5:g}"]
+    if abuse == "keylists":
+        return [sys.executable, str(WORKERS / "key_list_abuser.py"), endpoint, credentials["worker"]]
+    watches = 2_000 if "watch" in abuse else 0
+    readers = 4 if "range" in abuse else 0
+    if not watches and not readers:
+        return None
+    return [sys.executable, str(WORKERS / "store_abuser.py"), endpoint, credentials["reader"], "/elasticrun/big/",
+            "/elasticrun/", str(watches), str(readers)]
+
+
+def credentials_of(tree: Path, reader_is_admin: bool) -> dict[str, str]:
+    """The credentials the abusers hold against `tree`'s store, derived by `tree`'s code."""
+    code = ("import sys; from elasticrun.store.credentials import reader_credential, worker_credential; "
+            f"print(reader_credential({TOKEN!r})); print(worker_credential({TOKEN!r}, {JOB!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                         check=True, capture_output=True, text=True).stdout.split()
+    return {"reader": TOKEN if reader_is_admin else out[0], "worker": out[1]}
 
 
 async def _line_with(proc: asyncio.subprocess.Process, text: str, timeout: float = 120) -> str:
@@ -89,7 +126,7 @@ async def _process(tree: Path, *argv: str) -> AsyncIterator[asyncio.subprocess.P
         await _stop(proc)
 
 
-async def trial(tree: Path, credential: str, watches: int, readers: int, seconds: float) -> dict[str, object]:
+async def trial(tree: Path, credentials: dict[str, str], abuse: str, seconds: float) -> dict[str, object]:
     """One abuse against a fresh server of `tree`: the victim's figures."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "token").write_text(TOKEN)
@@ -102,11 +139,10 @@ async def trial(tree: Path, credential: str, watches: int, readers: int, seconds
                 await victim.put(f"/elasticrun/big/{i:03d}", bytes([i]) * BIG_VALUE)
             await victim.put("/elasticrun/marker", b"")
             report = ""
-            abuse = [sys.executable, str(ABUSER), endpoint, credential, "/elasticrun/big/", "/elasticrun/",
-                     str(watches), str(readers)]
-            async with _process(tree, *abuse) if watches or readers else contextlib.nullcontext() as abuser:
+            argv = abuser_argv(abuse, endpoint, credentials, seconds)
+            async with _process(tree, *argv) if argv else contextlib.nullcontext() as abuser:
                 if abuser is not None:
-                    await _line_with(abuser, "abusing", timeout=300)
+                    await _line_with(abuser, "flooding" if abuse == "headers" else "abusing", timeout=300)
                 figures = await _victim(victim, seconds)
                 if abuser is not None:
                     report = (await _stop(abuser)).strip().splitlines()[-1]
@@ -175,13 +211,14 @@ async def main(args: argparse.Namespace) -> None:
         args.before_ref = subprocess.run(merge_base, check=True, capture_output=True, text=True).stdout.strip()[:12]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-abuse-") as before_dir:
+        before = checkout(args.before_ref, Path(before_dir))
         sides = (
-            (f"before ({args.before_ref}), abuser with the token", checkout(args.before_ref, Path(before_dir)), TOKEN),
-            ("after (this tree), abuser with the reader credential", REPO, reader_credential(TOKEN)),
+            (f"before ({args.before_ref})", before, credentials_of(before, reader_is_admin=True)),
+            ("after (this tree)", REPO, credentials_of(REPO, reader_is_admin=False)),
         )
-        for name, watches, readers in ABUSES:
-            for side, tree, credential in sides:
-                figures = await trial(tree, credential, watches, readers, args.seconds)
+        for name in args.only or ABUSES:
+            for side, tree, credentials in sides:
+                figures = await trial(tree, credentials, name, args.seconds)
                 row = {"abuse": name, "side": side, **figures, "load": loadavg()}
                 rows.append(row)
                 print(
@@ -199,4 +236,5 @@ if __name__ == "__main__":
     parser.add_argument("--before-ref", help="the git ref of 'before' (default: the merge base of HEAD and main)")
     parser.add_argument("--seconds", type=float, default=5.0, help="how long the victim measures each trial")
     parser.add_argument("--json", help="write the figures here as JSON")
+    parser.add_argument("--only", nargs="+", choices=ABUSES, help="run only these abuses (default: all)")
     asyncio.run(main(parser.parse_args()))

@@ -149,3 +149,19 @@ async def test_a_worker_reaches_a_store_that_requires_client_certificates() -> N
         await asyncio.to_thread(ops)
     finally:
         await server.stop()
+
+
+@pytest.mark.security
+def test_a_credential_sent_in_plaintext_to_another_host_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 36: the agents warn when their token would cross the network in plaintext;
+    a worker's C10dStore did not. (No call is made: the stores are built and closed.)"""
+    remote = C10dStore("192.0.2.1:29400", token="a-credential")  # TEST-NET-1: never reached here
+    remote.close()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "the store credential goes to 192.0.2.1:29400 in plaintext" in line and "tls_ca" in line, line
+    assert "a-credential" not in line
+    caplog.clear()
+    for quiet in (C10dStore("127.0.0.1:29400", token="a-credential"), C10dStore("192.0.2.1:29400"),
+                  C10dStore("192.0.2.1:29400", token="a-credential", tls_ca=TestCa().pem)):
+        quiet.close()
+    assert not caplog.records, [r.getMessage() for r in caplog.records]

@@ -23,7 +23,16 @@ import pytest
 from elasticrun.agent.spec import Std
 from elasticrun.errors import UsageError
 from elasticrun.launcher.cli import launch_parser
-from elasticrun.launcher.config import HostFacts, LaunchConfig, assemble, build_config, discover, parse_launch
+from elasticrun.launcher.config import (
+    HostFacts,
+    LaunchConfig,
+    assemble,
+    build_config,
+    discover,
+    parse_launch,
+    parse_rdzv_conf,
+    torchrun_spelling,
+)
 from tests.agent_helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -337,11 +346,31 @@ def test_repeated_rdzv_conf_flags_merge_and_a_key_is_given_once() -> None:
     assert cfg.rdzv.conf == {"join_timeout": "5", "heartbeat_timeout": "3", "closed_ttl": "9"}
     s = cfg.rdzv.settings
     assert (s.join_timeout, s.heartbeat_ttl, s.closed_ttl) == (5.0, 3.0, 9.0)
-    # twice, in one flag or two, or once by torchrun's name: which value was meant is the user's to say
-    for twice in (["join_timeout=5", "join_timeout=7"], ["join_timeout=5,join_timeout=5"],
-                  ["timeout=5,join_timeout=7"]):
+    # twice by one name, in one flag or two: which value was meant is the user's to say
+    for twice in (["join_timeout=5", "join_timeout=7"], ["join_timeout=5,join_timeout=5"], ["timeout=5,timeout=5"]):
         with pytest.raises(UsageError, match="--rdzv-conf names join_timeout twice"):
             config("--standalone", *(f"--rdzv-conf={v}" for v in twice), str(SPEAK))
+
+
+def test_a_rdzv_conf_key_and_its_torchrun_name_take_torchruns_choice(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 36: PyTorch's own launcher tests write a key and its torchrun alias with one
+    value; with two, torchrun's backend reads one of them, and so does elasticrun."""
+    issue = config("--standalone", "--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'", str(SPEAK))
+    assert issue.rdzv.conf == {"join_timeout": "5", "last_call_timeout": "1"} and not caplog.records
+    cases = {  # (backend, --rdzv-conf) -> the value taken
+        ("c10d", "join_timeout=5,timeout=7"): ("join_timeout", "5"),  # its dynamic rendezvous reads join_timeout
+        ("c10d", "timeout=7,join_timeout=5"): ("join_timeout", "5"),
+        ("etcd", "join_timeout=5,timeout=7"): ("join_timeout", "7"),  # its etcd (v1) rendezvous reads timeout
+        ("c10d", "store_timeout=3,read_timeout=4"): ("store_timeout", "4"),
+        ("etcd-v2", "client_cert=a.pem,ssl_cert=b.pem"): ("client_cert", "b.pem"),
+        ("etcd", "client_cert=a.pem,cert=b.pem"): ("client_cert", "b.pem"),
+        ("etcd", "ca_cert=a.pem,cacert=b.pem"): ("ca_cert", "b.pem"),
+    }
+    for (backend, conf), (key, value) in cases.items():
+        caplog.clear()
+        assert parse_rdzv_conf([conf], backend)[key] == value, (backend, conf)
+        (warning,) = [r.getMessage() for r in caplog.records]
+        assert f"taking {torchrun_spelling(key, backend)}={value}, as torchrun would" in warning, warning
 
 
 def test_a_rdzv_conf_key_of_pet_rdzv_conf_is_overridden_once_not_repeated(monkeypatch: pytest.MonkeyPatch) -> None:

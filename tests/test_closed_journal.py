@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.errors import UsageError
-from elasticrun.launcher.closed_journal import ClosedJournal, journaled
+from elasticrun.launcher.closed_journal import JOURNAL_VERSION, ClosedJournal, journaled
 from elasticrun.rendezvous.leader import close_round
 from elasticrun.rendezvous.state import Keys, RoundHead, decode, encode
 from elasticrun.store.client import GrpcStore
@@ -116,6 +117,12 @@ def test_a_folder_or_record_that_is_not_its_own_is_refused(tmp_path: Path) -> No
     journal.file_of(Keys("job").round).write_text("{not json")
     with pytest.raises(UsageError, match="is not a closed-job record of this version"):
         ClosedJournal.open(folder)
+    # issue 36: an absurd expiry stopped `store serve` at the restore, naming no file
+    for absurd in ("1e300", "Infinity", "NaN"):
+        path = journal.file_of(Keys("job").round)
+        path.write_text(f'{{"version":{JOURNAL_VERSION},"key":"{Keys("job").round}","record":"x","expires_at":{absurd}}}')
+        with pytest.raises(UsageError, match=rf"{re.escape(str(path))} says .* move it away"):
+            ClosedJournal.open(folder)
 
 
 # --- end to end ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from elasticrun.errors import (
@@ -28,12 +29,14 @@ from elasticrun.errors import (
     UsageError,
 )
 from elasticrun.launcher import store_cmd
+from elasticrun.launcher.metrics_http import MetricsAddress
+from elasticrun.store import server as server_module
 from elasticrun.store.access import exposure_warning, parse_access
 from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.callers import FairShare
 from elasticrun.store.client import GrpcStore
-from elasticrun.store.credentials import reader_credential
+from elasticrun.store.credentials import reader_credential, worker_credential
 from elasticrun.store.memory import MemoryStore
 from elasticrun.store.server import StoreServer
 from elasticrun.store.wire import TlsKeyPair
@@ -200,6 +203,29 @@ async def test_a_client_that_only_read_knows_the_store_was_an_agents(read: str) 
     with pytest.raises(StoreUnavailableError, match="connection refused: the agent that hosted it is gone"):
         await client.get_prefix("k")
     await client.close()
+
+
+@pytest.mark.parametrize(("store_token", "client_token", "warned"),
+                         [(None, "t0ken-of-the-job", True), (None, None, False), ("t0ken-of-the-job", "t0ken-of-the-job", False)])
+async def test_a_token_sent_to_a_store_without_one_is_said_once(
+    caplog: pytest.LogCaptureFixture, store_token: str | None, client_token: str | None, warned: bool
+) -> None:
+    """A token given only to the joining agent, against a store with none, joined in
+    silence: the operator believed the job was protected."""
+    server = StoreServer("127.0.0.1", 0, token=store_token)
+    await server.start()
+    try:
+        with caplog.at_level("WARNING", logger="elasticrun.store"):
+            for _ in range(2):  # two clients of one process (an agent opens more than one): said once
+                async with GrpcStore(server.endpoint, token=client_token, timeout=5) as client:
+                    await client.get("k")
+                    await client.get_prefix("k")
+        said = [r.getMessage() for r in caplog.records if "has no token" in r.getMessage()]
+        assert said == ([f"the store at {server.endpoint} has no token: the one this client presents protects "
+                         "nothing; give the store the same token (store serve --token-file, or the token_file "
+                         "of the agent that hosts it)"] if warned else [])
+    finally:
+        await server.stop()
 
 
 async def test_a_stopped_store_serve_is_waited_for() -> None:
@@ -396,6 +422,104 @@ async def test_one_identity_cannot_take_the_calls_of_others(reliability: Reliabi
         scenario="one identity holds every call slot",
         injected="a reader holds its identity's maximum of calls in progress and makes more, over a second connection too",
         happened="refused (RESOURCE_EXHAUSTED: its fair share) on both connections; an admin client's call served",
+        lost="nothing",
+    )
+
+
+async def headers_only(endpoint: str, method: str, token: str | None) -> grpc.aio.Call:
+    """A call of `method` that sends its headers and never its message."""
+    channel = grpc.aio.insecure_channel(endpoint)
+    call = channel.stream_stream(method)(
+        _never(), metadata=(("authorization", f"Bearer {token}"),) if token else None
+    )
+    call.channel = channel  # type: ignore[attr-defined]  # kept open as long as the call
+    return call
+
+
+async def _never() -> AsyncIterator[bytes]:
+    await asyncio.Event().wait()
+    yield b""
+
+
+async def status_of(call: grpc.aio.Call) -> grpc.StatusCode:
+    async with asyncio.timeout(EVENT_WAIT):
+        return await call.code()
+
+
+@pytest.mark.security
+async def test_a_call_is_refused_from_its_headers(
+    monkeypatch: pytest.MonkeyPatch, reliability: Reliability
+) -> None:
+    """No message is read, no slot spent, before the caller is known (issue 36): a call
+    with no token is refused at once; an identity's calls count against its share from
+    their headers; a call whose message does not come is ended after the deadline."""
+    monkeypatch.setattr(server_module, "MESSAGE_DEADLINE", 0.5)
+    server = StoreServer("127.0.0.1", 0, token=TOKEN, fair_share=FairShare(calls=2))
+    await server.start()
+    anonymous = await headers_only(server.endpoint, "/elasticrun.store.v1.C10dStore/Set", None)
+    assert await status_of(anonymous) is grpc.StatusCode.UNAUTHENTICATED
+    reader = reader_credential(TOKEN)
+    held = [await headers_only(server.endpoint, "/elasticrun.store.v1.Store/Range", reader) for _ in range(2)]
+    await eventually(lambda: server.shares.calls.total == 2, EVENT_WAIT)
+    client = GrpcStore(server.endpoint, token=reader)
+    with pytest.raises(StoreLimitError, match="maximum of 2 calls in progress"):
+        await client.get("k")
+    for call in held:
+        assert await status_of(call) is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert server.shares.calls.total == 0 and await client.get("k") is None  # given back
+    for call in (anonymous, *held):
+        await call.channel.close()  # type: ignore[attr-defined]
+    await client.close()
+    await server.stop()
+    reliability.record(
+        part="security",
+        scenario="calls that never send their message",
+        injected="a call with no token and calls with the reader credential (its share: 2) that send headers "
+        "and no message",
+        happened="the anonymous call refused at once (UNAUTHENTICATED); the reader's counted against its share "
+        "from their headers (its next call RESOURCE_EXHAUSTED), then ended after the message deadline "
+        "(DEADLINE_EXCEEDED) and their slots given back",
+        lost="nothing",
+    )
+
+
+@pytest.mark.security
+async def test_c10d_key_lists_are_bounded(reliability: Reliability) -> None:
+    """Issue 36: a key list is refused past its bounds (a long one unparsed), a key
+    named twice is looked up once and answered twice, a multi_set has a most."""
+    server = StoreServer("127.0.0.1", 0, token=TOKEN)
+    await server.start()
+
+    def c10d() -> None:
+        client = C10dClient(server.endpoint, token=worker_credential(TOKEN, "job-a"), timeout=10)
+        client.multi_set(["a", "b"], [b"1", b"2"])
+        assert client.multi_get(["b", "a", "b", "b"], 5) == [b"2", b"1", b"2", b"2"]
+        assert client.check(["a"] * server_module.MAX_KEYS_PER_CALL) and not client.check(["a", "c"])
+        client.wait(["a", "b", "a"], 5)
+        too_many = [f"k{i}" for i in range(server_module.MAX_KEYS_PER_CALL + 1)]
+        for call in (lambda: client.check(too_many), lambda: client.wait(too_many, 5),
+                     lambda: client.multi_get(too_many, 5)):
+            with pytest.raises(StoreLimitError, match=f"at most {server_module.MAX_KEYS_PER_CALL} keys"):
+                call()
+        with pytest.raises(StoreLimitError, match="over the store's limit of 262144 bytes"):
+            client.check(["a"] * 340_000)  # issue 36's list: 1 MiB, refused before it is parsed
+        with pytest.raises(StoreLimitError, match=f"at most {server_module.MAX_MULTI_SET_KEYS} keys"):
+            client.multi_set(too_many[:2000], [b"x"] * 2000)
+        with pytest.raises(StoreRequestError, match="must not be empty"):
+            client.check(["a", ""])
+        assert client.num_keys() == 2  # nothing of the refused multi_set written
+        client.close()
+
+    await asyncio.to_thread(c10d)
+    await server.stop()
+    reliability.record(
+        part="security",
+        scenario="c10d key lists past their bounds",
+        injected=f"check, wait and multi_get naming {server_module.MAX_KEYS_PER_CALL + 1} keys, a check of one key "
+        "340,000 times (1 MiB), a multi_set of 2,000 keys, duplicates and an empty key",
+        happened=f"refused (RESOURCE_EXHAUSTED naming the most: {server_module.MAX_KEYS_PER_CALL} keys, 256 KiB, "
+        f"{server_module.MAX_MULTI_SET_KEYS} keys for a multi_set; INVALID_ARGUMENT for the empty key), the 1 MiB "
+        "list before it was parsed; duplicates looked up once and answered in place",
         lost="nothing",
     )
 
@@ -748,6 +872,11 @@ def test_serve_config_checks_flags(tmp_path: Path) -> None:
     args = parser.parse_args(["store", "serve"])
     assert store_cmd.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "env"}).token == "env"
     assert store_cmd.serve_config(args, {}).token is None
+    # issue 36: metrics by port alone listen where the store does, not on every address
+    local = parser.parse_args(["store", "serve", "--host", "127.0.0.1", "--metrics-port", "9464"])
+    assert store_cmd.serve_config(local, {}).metrics == MetricsAddress("127.0.0.1", 9464)
+    elsewhere = parser.parse_args(["store", "serve", "--host", "127.0.0.1", "--metrics-port", "0.0.0.0:9464"])
+    assert store_cmd.serve_config(elsewhere, {}).metrics == MetricsAddress("0.0.0.0", 9464)  # asked for
     for bad in (
         ["--tls-cert", "c.pem"],
         ["--token-file", str(tmp_path / "missing")],

@@ -253,3 +253,23 @@ def test_sync_moves_state_only_to_newcomers_spread_over_survivors(tmp_path: Path
     assert [after[r]["tag"] for r in range(4)] == ["survivor0", "survivor1", "survivor0", "survivor1"]
     for r in range(4):
         _assert_same_training_state(after[r], survivors[r % 2])
+
+
+@pytest.mark.timeout(90)
+def test_sync_copies_to_a_node_that_froze_with_another_state_under_the_same_count(tmp_path: Path) -> None:
+    # Issue 36: rank 2 committed one step more than ranks 0 and 1 just before they went on
+    # without it; they then committed once in the next round. All hold 2 commits, rank 2
+    # another state; when it comes back, it must get theirs, not keep its own.
+    proc = subprocess.Popen([sys.executable, str(WORKERS / "sync_worker.py"), str(free_port()), "frozen",
+                             str(tmp_path), str(free_port()), str(free_port())])
+    try:
+        assert proc.wait(timeout=80) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    before = {r: torch.load(tmp_path / f"{r}.before.pt", weights_only=False) for r in range(3)}
+    after = {r: torch.load(tmp_path / f"{r}.after.pt", weights_only=False) for r in range(3)}
+    assert {b["commits"] for b in before.values()} == {2} and before[2]["tag"] == "frozen"  # the same count
+    for r in range(3):
+        assert after[r]["tag"] == "survivors" and after[r]["step"] == 2, (r, after[r])
+        assert torch.equal(after[r]["weight"], before[0]["weight"]), r

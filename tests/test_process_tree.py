@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticrun.agent.cgroups import Cgroup
 from elasticrun.agent.sessions import MARK_VAR, Mark, Session, kill_sessions, process_start
 from tests.agent_helpers import REPO, kill_and_reap, read_lines_until, wait_pid_gone, wait_until, write_script
 from tests.elastic_cluster import pid_alive
@@ -67,10 +68,12 @@ if sys.argv[1] == "block":
 
 
 @asynccontextmanager
-async def _agent_with_tree(tmp_path: Path, mode: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, list[int]]]:
+async def _agent_with_tree(
+    tmp_path: Path, mode: str, tree: str = _TREE
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, list[int]]]:
     """A real agent (`python -m elasticrun --standalone`) whose worker built the tree;
     yields the agent and the tree's pids, the worker's first. Kills what is left after."""
-    script = write_script(tmp_path, "tree.py", _TREE)
+    script = write_script(tmp_path, "tree.py", tree)
     with (tmp_path / "agent.log").open("wb") as log:
         agent = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=1",
@@ -216,3 +219,64 @@ def test_what_left_the_session_is_found_by_the_mark_or_its_parent() -> None:
         for proc in (marked, stranger):
             proc.kill()
             proc.wait()
+
+
+# The escape sessions.py cannot see (issue 36): a daemon that double-forks, calls
+# setsid() and replaces its environment with an empty one (no mark), its parent gone.
+# The worker prints its pid once it runs the new program.
+_ESCAPE = """
+import os, sys, time
+r, w = os.pipe()
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.write(w, f"{os.getpid()}\\n".encode())
+        os.execve("/bin/sleep", ["sleep", "308"], {})
+    os._exit(0)
+os.close(w)
+pid = int(os.fdopen(r).readline())
+while not open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"sleep"):
+    time.sleep(0.01)
+print("tree", os.getpid(), pid, flush=True)
+time.sleep(300)
+"""
+
+
+def _cgroups_writable() -> bool:
+    probe = Cgroup.make(f"elasticrun-probe-{secrets.token_hex(4)}")
+    if probe is None:
+        return False
+    probe.remove(1.0)
+    return True
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+async def test_a_cleared_environment_escapes_nothing_where_cgroups_are_writable(
+    tmp_path: Path, sig: signal.Signals, reliability: Reliability
+) -> None:
+    if not _cgroups_writable():
+        pytest.skip("no writable cgroup v2 hierarchy here: what left the session and cleared its environment "
+                    "outlives its agent (docs/concepts.md says so)")
+    async with _agent_with_tree(tmp_path, "block", _ESCAPE) as (agent, pids):
+        escaped = pids[1]
+        assert MARK_VAR.encode() not in Path(f"/proc/{escaped}/environ").read_bytes()
+        clock = reliability.clock()
+        agent.send_signal(sig)
+        code = await asyncio.wait_for(agent.wait(), 60)
+        if sig is signal.SIGKILL:
+            assert code == -signal.SIGKILL
+            await wait_pid_gone(escaped, timeout=3.0)  # the issue's bound
+        else:  # a stop: the agent exits only once its workers' cgroup is empty
+            assert code == 128 + signal.SIGTERM and not pid_alive(escaped)
+        gone = clock()
+    reliability.record(
+        part="security",
+        scenario=f"an agent {sig.name}ed under a daemon that cleared its environment",
+        injected="its worker started a daemon that double-forked, called setsid() and exec'd with an empty "
+        f"environment (no mark, no session, its parent gone); then the agent got {sig.name}",
+        happened=f"the daemon ended {gone:.2f} s after the signal: the worker group's cgroup (v2) held it, "
+        + ("and the agent's warden killed the cgroup (cgroup.kill) when the agent's pipe closed"
+           if sig is signal.SIGKILL else "and the agent's stop killed the cgroup before it exited 143"),
+        lost="nothing (no process left)",
+    )

@@ -28,12 +28,17 @@ def test_credentials_derive_from_the_token_and_only_from_it() -> None:
     assert grant_of_token(reader_credential(TOKEN), TOKEN) == READER
     assert grant_of_token(worker, TOKEN) == Grant(Role.WORKER, "job-ü.1")
     assert worker.isascii() and worker.isprintable() and TOKEN not in worker  # a gRPC header value
-    tag, job, mac = worker.split(".")
+    tag, job, run, mac = worker.split(".")
     others = worker_credential(TOKEN, "other").split(".")
+    of_run = worker_credential(TOKEN, "job-ü.1", "run-1")
+    assert grant_of_token(of_run, TOKEN) == Grant(Role.WORKER, "job-ü.1", "run-1")
+    _, _, run1, mac1 = of_run.split(".")
     for forged in (
         "", "nope", TOKEN + "x", reader_credential("another-token"), worker_credential("another-token", "job-ü.1"),
-        f"{tag}.{others[1]}.{mac}",  # another job's name on this job's MAC
-        f"{tag}.{job}.{others[2]}", f"{tag}.{job}", f"{tag}.!!.{mac}", "err1." + mac,
+        f"{tag}.{others[1]}.{run}.{mac}",  # another job's name on this job's MAC
+        f"{tag}.{job}.{run}.{others[3]}", f"{tag}.{job}", f"{tag}.!!.{run}.{mac}", "err1." + mac,
+        f"{tag}.{job}.{run}.{mac1}", f"{tag}.{job}.{run1}.{mac}",  # a run's MAC without it, a run on a standing MAC
+        "erw1." + job + "." + mac,  # the format before runs
     ):
         assert grant_of_token(forged, TOKEN) is None, forged
     with pytest.raises(ValueError):
@@ -45,6 +50,12 @@ def test_certificate_roles_and_the_lesser_of_two() -> None:
     assert grant_of_certificate(["spiffe://x/y", "elasticrun:reader"]) == READER
     assert grant_of_certificate(["elasticrun:worker:j"]) == Grant(Role.WORKER, "j")
     assert grant_of_certificate(["elasticrun:root"]) == NOTHING
+    # a URI's scheme has no case (RFC 3986): another spelling of a role is that role, never admin
+    assert grant_of_certificate(["ELASTICRUN:reader"]) == READER
+    assert grant_of_certificate(["ElasticRun:Reader"]) == NOTHING  # a role's name is exact: nothing
+    worker_of_run = Grant(Role.WORKER, "a", "r1")
+    assert worker_of_run & Grant(Role.WORKER, "a") == Grant(Role.WORKER, "a") & worker_of_run == worker_of_run
+    assert worker_of_run & Grant(Role.WORKER, "a", "r2") == NOTHING
     assert grant_of_certificate(["elasticrun:worker:"]) == NOTHING
     assert grant_of_certificate(["elasticrun:admin", "elasticrun:reader"]) == READER
     assert Grant(Role.WORKER, "a") & Grant(Role.WORKER, "b") == NOTHING
@@ -65,6 +76,11 @@ def test_who_a_caller_is() -> None:
     assert identify(bearer=None, token=TOKEN, certificate=None, uris=[], host="h") is None
     by_token = identify(bearer=worker, token=TOKEN, certificate=None, uris=[], host="h")
     assert by_token is not None and by_token.limited and by_token.identity == "worker credential of job 'j'"
+    # every reader holds the one reader credential: each host's readers have a share of their own
+    readers = [identify(bearer=reader_credential(TOKEN), token=TOKEN, certificate=None, uris=[], host=h)
+               for h in ("10.0.0.5", "10.0.0.6", "10.0.0.5")]
+    assert [r.identity if r else None for r in readers] == [
+        "reader credential on host 10.0.0.5", "reader credential on host 10.0.0.6", "reader credential on host 10.0.0.5"]
     # the certificate decides: a reader, counted as its certificate
     both = identify(bearer=TOKEN, token=TOKEN, certificate=cert, uris=uris, host="h")
     assert both is not None and both.grant == READER and both.identity.startswith("certificate ")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.store.credentials import worker_credential
+from elasticrun.store.credentials import Role, grant_of_token
 from tests.agent_helpers import free_port, write_script
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
 from tests.reliability_rows import Reliability
@@ -81,8 +81,9 @@ def test_workers_get_no_secret_but_a_private_token_file(cluster: Cluster, tmp_pa
     assert path.is_relative_to(cluster.tmp / "logs"), path  # in the agent's run folder
     run_id = re.search(r"^\[0\]<stdout>: env TORCHELASTIC_RUN_ID=(.*)$", out, re.MULTILINE)
     assert run_id is not None, out[-3000:]
-    credential = worker_credential(token, run_id.group(1))
-    assert report["mode"] == 0o600 and report["content"] == credential, report | {"content": "..."}
+    grant = grant_of_token(report["content"], token)  # a worker's of this job's run, not the token
+    assert grant is not None and grant.role is Role.WORKER and grant.job == run_id.group(1) and grant.run, grant
+    assert report["mode"] == 0o600 and report["content"] != token, report | {"content": "..."}
     assert not path.exists(), "the agent left its token file behind"
     assert not re.search(NO_TOKEN, out), out[-3000:]  # a token: nothing to warn about
     cluster.assert_no_orphans()

@@ -263,10 +263,13 @@ class Agent:
         self._ran_since_failure = 0.0
         self._heartbeat_since_failure = False
         root = spec.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
-        #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/
-        self.run_dir = root / f"{spec.run_id}_{spec.node_id}"
-        #: the store's token for the workers, while the agent runs (see `_write_token_file`)
+        #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/; absolute,
+        #: since the paths in it reach the workers (the token file), which may chdir
+        self.run_dir = root.absolute() / f"{spec.run_id}_{spec.node_id}"
+        #: the store's token for the workers, while the agent runs (see `_write_token_file`),
+        #: and the run of the job it names
         self._token_file: Path | None = None
+        self._token_run: str | None = None
         #: the run folder's events.jsonl, open while the agent runs (see `_write_event`)
         self._event_log: int | None = None
         #: torchrun's file timer, when asked for (spec.file_timer)
@@ -283,7 +286,6 @@ class Agent:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             self._make_run_folder()
-            self._token_file = self._write_token_file()
             if self._timers is not None:
                 self._warden.remove_on_death(self._timers.path, self._timers.start())
             if self._channel is not None:
@@ -318,20 +320,25 @@ class Agent:
         make_private_folder(self.run_dir)
         self._event_log = open_log(self.run_dir / "events.jsonl", truncate=False)
 
-    def _write_token_file(self) -> Path | None:
-        """Write the workers' store credential once, for their store clients, readable
-        by this user only; None when the store has no token.
+    def _write_token_file(self, run: str) -> Path | None:
+        """Write the workers' store credential for run `run` of the job (again when the
+        run changed), for their store clients, readable by this user only; None when
+        the store has no token.
 
-        The credential is a worker's of this job (`worker_credential`), never the
-        store's token: it reaches the c10d operations on this job's worker keys only,
-        not the job's records, its spec or another job. A file rather than a variable:
-        a worker's environment ends up in logs, crash reports and experiment trackers,
-        a file in the agent's run folder does not.
+        The credential is a worker's of this run of this job (`worker_credential`),
+        never the store's token: it reaches the c10d operations on this job's worker
+        keys only, not the job's records, its spec or another job, and only while this
+        run lasts. A file rather than a variable: a worker's environment ends up in
+        logs, crash reports and experiment trackers, a file in the agent's run folder
+        does not.
         """
         if self.spec.store_token is None:
             return None
-        token = worker_credential(self.spec.store_token, self.spec.run_id)
         path = self.run_dir / "store_token"
+        if self._token_run == run and self._token_file is not None:
+            return path
+        self._token_run = run
+        token = worker_credential(self.spec.store_token, self.spec.run_id, run)
         with contextlib.suppress(OSError):
             path.unlink()  # one a killed agent left (or a link): never written into
         with os.fdopen(create_new(path, "store token file"), "w") as f:
@@ -661,6 +668,7 @@ class Agent:
         attempt_dir = self.run_dir / f"attempt_{self._attempts}"
         self._attempts += 1
         socket_path = self._channel.path if self._channel is not None else None
+        self._token_file = self._write_token_file(assignment.run if assignment is not None else "")
         envs, error_files, plans, stack_files = {}, {}, {}, {}
         make_private_folder(attempt_dir)
         steps = None

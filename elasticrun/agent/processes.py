@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticrun.agent import warden
+from elasticrun.agent.cgroups import Cgroup
 from elasticrun.agent.numa import cpu_list
 from elasticrun.agent.sessions import (
     KILL_LIMIT,
@@ -145,6 +146,14 @@ class Warden:
         """`session` is empty: the warden may forget it."""
         self._send(warden.release_line(session))
 
+    def contain(self, cgroup: Cgroup) -> None:
+        """Have the warden kill everything in `cgroup`, and remove it, if the agent dies."""
+        self._send(warden.cgroup_line(cgroup))
+
+    def release_cgroup(self, cgroup: Cgroup) -> None:
+        """`cgroup` is gone: the warden may forget it."""
+        self._send(warden.cgroup_line(cgroup, gone=True))
+
     def remove_on_death(self, path: Path, made: os.stat_result) -> None:
         """Have the warden remove `path`, the file `made` describes, if the agent dies."""
         self._send(warden.remove_line(path, made))
@@ -178,10 +187,13 @@ class WorkerGroup:
         exited: Mapping[int, asyncio.Future[int]],
         sessions: Mapping[int, Session],
         warden: Warden,
+        cgroup: Cgroup | None = None,
     ) -> None:
         self.procs = dict(procs)
         #: each worker's session, as told to the warden
         self.sessions = dict(sessions)
+        #: the group's cgroup, where one could be made (elasticrun.agent.cgroups)
+        self.cgroup = cgroup
         self.exits: dict[int, WorkerExit] = {}
         self._warden = warden
         self._stopping = False
@@ -212,6 +224,7 @@ class WorkerGroup:
         sessions: dict[int, Session] = {}
         loop = asyncio.get_running_loop()
         agent_pid = os.getpid()
+        cgroup = None
         try:
             if shutil.which(argv[0]) is None:
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
@@ -219,6 +232,10 @@ class WorkerGroup:
                 prefix, preexec = [_SETPRIV, "--pdeathsig", "KILL", "--"], None
             else:
                 prefix, preexec = [], lambda: _die_with_parent(agent_pid)
+            cgroup = Cgroup.make(f"elasticrun-{agent_pid}-{secrets.token_hex(4)}")
+            if cgroup is not None:
+                warden.contain(cgroup)
+                prefix = [*cgroup.join_prefix(), *prefix]
             for local_rank, env in envs.items():
                 bound = (cpus or {}).get(local_rank)
                 binding = ["taskset", "--cpu-list", cpu_list(bound)] if bound else []
@@ -240,12 +257,12 @@ class WorkerGroup:
                 sessions[local_rank] = Session.of_leader(procs[local_rank].pid)
                 warden.watch(sessions[local_rank])
         except OSError as e:
-            await cls(procs, exits, sessions, warden).stop(signal.SIGKILL, grace=0)
+            await cls(procs, exits, sessions, warden, cgroup).stop(signal.SIGKILL, grace=0)
             reason = e.strerror or str(e)
             if e.errno in (errno.ENOENT, errno.EACCES):
                 reason = f"{reason} (check the script path and --no-python)"
             raise WorkerStartError(f"cannot start worker '{argv[0]}': {reason}") from e
-        return cls(procs, exits, sessions, warden)
+        return cls(procs, exits, sessions, warden, cgroup)
 
     async def _watch(self, local_rank: int, exited: asyncio.Future[int]) -> None:
         returncode = await exited
@@ -290,6 +307,8 @@ class WorkerGroup:
         started = time.monotonic()
         if any(not w.done() for w in watchers):
             signal_sessions(self.sessions.values(), sig, self._warden.mark)
+            if self.cgroup is not None:  # what left the sessions and dropped the mark too
+                self.cgroup.signal(sig)
             try:
                 # asyncio.wait never cancels the watchers it waits on; first_of cancels the wait
                 await first_of(asyncio.wait(watchers, timeout=grace), *([hurry.wait()] if hurry else []))
@@ -316,7 +335,11 @@ class WorkerGroup:
     async def _end(self, watchers: list[asyncio.Task[None]]) -> None:
         """SIGKILL the sessions until they are empty, reap the workers, release them."""
         # In a thread: scanning /proc and waiting for the ends would hold the loop.
+        if self.cgroup is not None:
+            self.cgroup.kill()
         stuck = await asyncio.to_thread(kill_sessions, self.sessions.values(), KILL_LIMIT, self._warden.mark)
+        if self.cgroup is not None and await asyncio.to_thread(self.cgroup.remove, KILL_LIMIT):
+            self._warden.release_cgroup(self.cgroup)
         await asyncio.gather(*watchers)
         if stuck:  # the warden keeps them, to try again when the agent ends
             logger.warning(

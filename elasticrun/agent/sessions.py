@@ -24,8 +24,9 @@ its tree only while it lives: the agent as subreaper loses them to init the mome
 SIGKILLed, which is when they matter, and the warden (elasticrun.agent.warden) is not an
 ancestor of the workers, so it never adopts anything of theirs; making it one would
 change each worker's parent and how the agent waits on it. A cgroup (`cgroup.kill`)
-needs a delegated, writable cgroup, which containers and plain hosts rarely give. This
-works unprivileged, on any Linux, and does not depend on when the agent dies.
+needs a delegated, writable cgroup, which containers and plain hosts often do not give:
+where one can be made, elasticrun.agent.cgroups adds it on top of this. This works
+unprivileged, on any Linux, and does not depend on when the agent dies.
 
 Pids are reused. A session id is a pid: the kernel frees the number only once no
 process has it as pid, process group or session, so a live member of session S means S

@@ -25,16 +25,19 @@ otherwise keeps the default dispositions: killing the warden loses its protectio
 never kills a worker. It inherits none of the agent's secrets (the store token's
 variable, etcd's password variable): its environment is the agent's without them.
 
-Why one warden per agent, rather than a cgroup (`cgroup.kill`) or a subreaper parent
-per worker: a writable cgroup is rarely delegated to a job (containers, plain hosts),
-and a parent per worker would add a process per worker and change the worker's pid
-and parent, which the agent waits on and reports. One warden costs one small process
-per agent, started once, off the path of starting workers. The warden is not an
-ancestor of the workers, so it would adopt nothing as a subreaper: it finds them by
-session and mark instead (sessions.py says why that is enough, and what is not).
+Why one warden per agent, rather than a cgroup alone or a subreaper parent per worker:
+a writable cgroup is often not delegated to a job (containers, plain hosts), and a
+parent per worker would add a process per worker and change the worker's pid and
+parent, which the agent waits on and reports. One warden costs one small process per
+agent, started once, off the path of starting workers. The warden is not an ancestor of
+the workers, so it would adopt nothing as a subreaper: it finds them by session and
+mark instead (sessions.py says why that is enough, and what is not), and where the
+agent could give a worker group a cgroup (elasticrun.agent.cgroups), it is told that
+too and kills the cgroup first (`cgroup.kill`), which holds even what left the session
+and dropped the mark.
 
-What it cannot see: a process that both left its worker's session and replaced the
-environment it inherited (`setsid env -i ...`), once its parent is gone; one that made
+What it cannot see: without a cgroup, a process that both left its worker's session and
+replaced the environment it inherited (`setsid env -i ...`), once its parent is gone; one that made
 itself unreadable to this user (a setuid program, or one that called
 prctl(PR_SET_DUMPABLE, 0), which this user could not kill anyway unless root); and a
 worker the agent was still forking when it died, before `setpriv` made the death-signal
@@ -52,6 +55,7 @@ import stat
 import sys
 from pathlib import Path
 
+from elasticrun.agent.cgroups import Cgroup
 from elasticrun.agent.sessions import KILL_LIMIT, Mark, Session, kill_sessions, process_start
 
 
@@ -64,6 +68,11 @@ def watch_line(session: Session) -> bytes:
 def release_line(session: Session) -> bytes:
     """The line that tells the warden a session is empty (the agent killed it itself)."""
     return f"release {session.sid}\n".encode()
+
+
+def cgroup_line(cgroup: Cgroup, *, gone: bool = False) -> bytes:
+    """The line that tells the warden about a worker group's cgroup (or that it is gone)."""
+    return f"{'uncgroup' if gone else 'cgroup'} {os.fsencode(cgroup.path).hex()}\n".encode()
 
 
 def remove_line(path: Path, made: os.stat_result) -> bytes:
@@ -84,6 +93,7 @@ def main() -> None:
     mark = Mark(sys.argv[1], born_after=process_start(os.getpid()))
     watched: dict[int, Session] = {}
     files: dict[bytes, tuple[int, int]] = {}
+    cgroups: set[bytes] = set()
     for line in sys.stdin.buffer:
         verb, first, *rest = line.decode().split()
         if verb == "watch":
@@ -91,11 +101,20 @@ def main() -> None:
             watched[int(first)] = Session(int(first), start)
         elif verb == "release":
             watched.pop(int(first), None)
+        elif verb == "cgroup":
+            cgroups.add(bytes.fromhex(first))
+        elif verb == "uncgroup":
+            cgroups.discard(bytes.fromhex(first))
         else:  # remove
             files[bytes.fromhex(rest[1])] = (int(first), int(rest[0]))
     for path, (dev, ino) in files.items():  # the secret first: it goes at once
         _remove(path, dev, ino)
+    groups = [Cgroup(Path(os.fsdecode(path))) for path in cgroups]
+    for group in groups:  # everything in them at once, whatever it did
+        group.kill()
     left = kill_sessions(watched.values(), KILL_LIMIT, mark)
+    for group in groups:
+        group.remove(KILL_LIMIT)
     if left:
         print(
             f"elasticrun warden: processes {left} of the dead agent's workers are still "

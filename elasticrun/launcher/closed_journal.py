@@ -43,7 +43,7 @@ from pathlib import Path
 
 from elasticrun.errors import CompactedError, LeaseExpiredError, RendezvousError, UsageError
 from elasticrun.rendezvous.state import JOBS_PREFIX, Keys, RoundHead, decode
-from elasticrun.store.api import EventType
+from elasticrun.store.api import MAX_LEASE_TTL, EventType
 from elasticrun.store.memory import MemoryStore
 
 #: the largest journal file read back: a round record is at most a store value (1 MiB),
@@ -102,6 +102,11 @@ class ClosedJournal:
         now = clock()
         for path in sorted(folder.glob(f"{_FILE_PREFIX}*{_FILE_SUFFIX}")):
             key, record = _read_record(path)
+            if not record.expires_at - now <= MAX_LEASE_TTL:  # NaN too: a lease the store cannot grant
+                raise UsageError(
+                    f"--state-dir: {path} says its job's end is kept until {record.expires_at!r}, past the "
+                    f"longest lease ({MAX_LEASE_TTL:g} s from now): move it away to start without it"
+                )
             if record.expires_at > now and path == journal.file_of(key):
                 journal.records[key] = record
             else:

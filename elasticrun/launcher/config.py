@@ -124,6 +124,26 @@ RDZV_CONF_ALIASES = {
     "ssl_cert": "client_cert",
     "ssl_cert_key": "client_key",
 }
+#: Which spelling torchrun itself reads, by --rdzv-backend, where a key of ours has an
+#: alias (the others: our own). A command line may give both (PyTorch's own launcher
+#: tests write `join_timeout=5,...,timeout=5`): with one value, fine; with two, the one
+#: torchrun would use wins, and a warning says so.
+_TORCHRUN_READS: dict[str, dict[str, str]] = {
+    "join_timeout": {"etcd": "timeout"},  # torchrun's etcd (v1) rendezvous; its dynamic ones read ours
+    "store_timeout": {"": "read_timeout"},
+    "heartbeat_interval": {"": "keep_alive_interval"},
+    "ca_cert": {"etcd": "cacert"},
+    "client_cert": {"etcd": "cert", "etcd-v2": "ssl_cert"},
+    "client_key": {"etcd": "key", "etcd-v2": "ssl_cert_key"},
+}
+
+
+def torchrun_spelling(key: str, backend: str) -> str:
+    """The spelling of our `key` that torchrun reads with --rdzv-backend=`backend`."""
+    reads = _TORCHRUN_READS.get(key, {})
+    return reads.get(backend, reads.get("", key))
+
+
 #: torchrun's key for how many missed keep-alives drop a node: with `keep_alive_interval`
 #: it makes our `heartbeat_timeout` (interval x attempts, 5 s x 3 by torchrun's defaults)
 KEEP_ALIVE_ATTEMPTS = "keep_alive_max_attempt"
@@ -224,19 +244,21 @@ class FromEnvironment(str):
     line may override, where a value given twice on the command line is a mistake."""
 
 
-def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
-    """Repeated `--rdzv-conf k=v,k2=v2` flags, merged.
+def parse_rdzv_conf(values: list[str], backend: str = "c10d") -> dict[str, str]:
+    """Repeated `--rdzv-conf k=v,k2=v2` flags, merged (`backend`: --rdzv-backend as given).
 
     A key may be given once: twice is a usage error (which of two values is meant is
     for the user to say), save that the command line overrides a key of
     $PET_RDZV_CONF (a `FromEnvironment` value), its default. A value wrapped in one pair
     of quotes (`'join_timeout=5'`, as job manifests that pass arguments without a shell
     often write it) is taken without them. torchrun's key names are taken as ours
-    (`RDZV_CONF_ALIASES`, `KEEP_ALIVE_ATTEMPTS`), and count as the key they stand for.
+    (`RDZV_CONF_ALIASES`, `KEEP_ALIVE_ATTEMPTS`), and count as the key they stand for;
+    a key given under both its names takes torchrun's choice (`torchrun_spelling`), with
+    a warning when the two values differ.
     """
     conf: dict[str, str] = {}
-    #: the keys given so far, with whether their value came from the environment
-    seen: dict[str, bool] = {}
+    #: the keys given so far: whether their value came from the environment, and the name it came by
+    seen: dict[str, tuple[bool, str]] = {}
     attempts: str | None = None
     keep_alive = False  # torchrun's keep_alive_interval was given
     for value in values:
@@ -249,9 +271,15 @@ def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
             if not sep or not key:
                 raise UsageError(f"--rdzv-conf takes key=value pairs, got {item!r}")
             named = RDZV_CONF_ALIASES.get(key, key)
-            if named in seen and not (seen[named] and not from_env):
-                raise UsageError(f"--rdzv-conf names {named} twice (the second time as {item!r}): give each key once")
-            seen[named] = from_env
+            if named in seen and not (seen[named][0] and not from_env):
+                earlier = seen[named][1]
+                if earlier == key or seen[named][0] != from_env:
+                    raise UsageError(
+                        f"--rdzv-conf names {named} twice (the second time as {item!r}): give each key once"
+                    )
+                if _alias_again(named, earlier, key, conf.get(named), val, backend):
+                    continue  # the first spelling is the one torchrun reads: it stays
+            seen[named] = (from_env, key)
             if key in RDZV_CONF_TORCHRUN_ONLY:
                 logging.getLogger("elasticrun").warning(
                     "--rdzv-conf %s is accepted for torchrun compatibility and has no effect here "
@@ -278,6 +306,19 @@ def parse_rdzv_conf(values: list[str]) -> dict[str, str]:
         interval = float(conf.setdefault("heartbeat_interval", "5"))
         conf.setdefault("heartbeat_timeout", f"{interval * int(attempts or 3):g}")
     return conf
+
+
+def _alias_again(named: str, earlier: str, key: str, had: str | None, val: str, backend: str) -> bool:
+    """`named` came as `earlier` (value `had`) and now as its other name `key` (`val`):
+    whether the earlier value stays. Equal values are one; of two, torchrun's wins."""
+    keeps = torchrun_spelling(named, backend) != key
+    if had is not None and had != val:
+        chosen, chosen_value = (earlier, had) if keeps else (key, val)
+        logging.getLogger("elasticrun").warning(
+            "--rdzv-conf gives %s twice, as %s=%s and %s=%s: taking %s=%s, as torchrun would "
+            "(--rdzv-backend=%s)", named, earlier, had, key, val, chosen, chosen_value, backend,
+        )
+    return keeps
 
 
 def _positive(value: str | None, flag: str, default: float) -> float:
@@ -552,7 +593,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         raise UsageError(
             f"--nnodes={args.nnodes}: MIN and MAX must be multiples of --node-unit={args.node_unit}"
         )
-    conf = parse_rdzv_conf(args.rdzv_conf)
+    conf = parse_rdzv_conf(args.rdzv_conf, args.rdzv_backend)
     run_id = args.rdzv_id
     endpoint = args.rdzv_endpoint
     master_addr, master_port = args.master_addr, args.master_port

@@ -115,7 +115,7 @@ def store_target(args: argparse.Namespace, run_id: str = "") -> JobTarget:
     backend = BACKENDS.get(args.rdzv_backend)
     if backend not in ("c10d", "etcd"):
         raise UsageError(f"--rdzv-backend must be c10d or etcd for job control, got {args.rdzv_backend!r}")
-    conf = parse_rdzv_conf(args.rdzv_conf)
+    conf = parse_rdzv_conf(args.rdzv_conf, args.rdzv_backend)
     with settings_from_flags():
         access = parse_access(backend, args.rdzv_endpoint, conf, os.environ)
     return JobTarget(backend, args.rdzv_endpoint, run_id, conf, access)

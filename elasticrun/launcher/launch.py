@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from elasticrun.agent.agent import Agent, AgentResult, Reclaim, Watch
 from elasticrun.agent.gpu import RECLAIM_LIMIT, Gpus, open_gpus
 from elasticrun.agent.health_check import CheckResult, HealthCheck
+from elasticrun.agent.undumpable import forbid_dumps
 from elasticrun.errors import GpuUnhealthyError, HealthCheckError
 from elasticrun.launcher import log_format
 from elasticrun.launcher.config import DEFAULT_RUN_ID, LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
@@ -48,7 +49,15 @@ _HOST_LINGER = 300.0
 
 
 def run_launch(config: LaunchConfig) -> int:
-    """Run this node's part of the job; return the process exit code."""
+    """Run this node's part of the job; return the process exit code.
+
+    The agent's process (the CLI's: `elasticrun.launch` leaves its caller's process as
+    it is) is closed to the other processes of its user (`forbid_dumps`), so that its
+    workers cannot read the store's token out of /proc, and drops the secrets' variables
+    once read (into `config`), so that nothing it starts later inherits them."""
+    forbid_dumps()
+    for name in config.worker.withheld_env:
+        os.environ.pop(name, None)
     settle_gc()
     log_format.tag(config.worker.node_id)
     return asyncio.run(run_node(config)).exit_code

@@ -33,12 +33,15 @@ class MetricsAddress:
         return f"http://{host}:{self.port}/metrics"
 
 
-def metrics_address(value: str | None, flag: str = "--metrics-port") -> MetricsAddress | None:
-    """`PORT` (every interface) or `HOST:PORT`; None (not given): no metrics."""
+def metrics_address(
+    value: str | None, flag: str = "--metrics-port", default_host: str = "0.0.0.0"
+) -> MetricsAddress | None:
+    """`PORT` (on `default_host`: every interface unless told) or `HOST:PORT`; None (not
+    given): no metrics."""
     if value is None:
         return None
     host, _, port = value.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"
+    host = host.strip("[]") or default_host
     if not (port.isdigit() and 0 < int(port) < 65536):
         raise UsageError(f"{flag} takes PORT or HOST:PORT with a port within 1..65535, got {value!r}")
     return MetricsAddress(host, int(port))

@@ -98,6 +98,7 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
     if view.stacks is not None and view.stacks.done:
         lines.append(_stacks_line(view))
     ranked = r.node_ranks() if r else {}
+    ranks = _global_ranks(r)
     held = view.quarantine.active(now)
     steps, slow = _steps(view), _stragglers(view)
     order = sorted(view.nodes, key=lambda n: (ranked.get(n, len(ranked)), n))
@@ -108,6 +109,8 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
         for node_id in order:
             info, status = view.nodes[node_id], view.statuses.get(node_id)
             state = status.state if status else "registering"
+            if status is not None and r is not None and node_id in ranked and status.round != r.number:
+                state += f" (round {status.round})"  # it has not taken its place in this one yet
             if node_id in view.drains:
                 state += " (draining)"
             rank = ranked.get(node_id)
@@ -120,7 +123,7 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
                 state if rank is not None or state != "init" else "spare" if view.running else "waiting",
                 age(now - info.started_at),
                 str(rank) if rank is not None else "-",
-                status.ranks if status and status.ranks and rank is not None else "-",
+                ranks.get(node_id, "-"),  # from the round, as the node rank: one round per row
                 str(status.restarts) if status else "0",
                 _step_cell(steps.get(node_id) if rank is not None and timing else None, now),
                 info.addr if info.addr == info.host else f"{info.host} ({info.addr})",
@@ -147,6 +150,16 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
             at = time.strftime("%H:%M:%S", time.localtime(event.at))
             lines.append(f"{at}  {event.kind:<10} {event.node}  {event.detail}")
     return "\n".join(lines)
+
+
+def _global_ranks(r: Round | None) -> dict[str, str]:
+    """Each member's global ranks (`4-7`) as the round places them: first the ranks of
+    the members before it, in node-rank order."""
+    ranks, first = {}, 0
+    for p in r.participants if r else ():
+        ranks[p.node_id] = f"{first}-{first + p.nproc - 1}"
+        first += p.nproc
+    return ranks
 
 
 def _ended_nodes(view: JobView, now: float) -> list[str]:

@@ -9,7 +9,7 @@ import json
 import socket
 from collections.abc import Mapping
 
-from elasticrun.errors import ElasticrunError, StoreUnavailableError, UsageError
+from elasticrun.errors import ElasticrunError, StoreUnavailableError
 from elasticrun.launcher.config import MAX_SECONDS
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_nodes_gone
 from elasticrun.rendezvous.leader import clear_job_records, close_round
@@ -27,11 +27,12 @@ async def stop(target: JobTarget, *, timeout: float, as_data: bool = False) -> i
     async with target.open() as store:
         view = await read_job(store, target)
         if view.round is not None and view.round.closed:
-            raise UsageError(f"job '{target.run_id}' has already ended ({view.round.closed})")
+            return _ended(target.run_id, view.round.closed, view.round.detail, as_data)
         ttl = _closed_ttl(view.spec.rdzv_conf if view.spec else {})
         who = f"{getpass.getuser()}@{socket.gethostname()}"
         if not await close_round(store, keys, "stopped", f"stopped by {who}", ttl):
-            raise UsageError(f"job '{target.run_id}' has already ended")
+            ended = (await read_job(store, target)).round
+            return _ended(target.run_id, ended.closed if ended else "", ended.detail if ended else "", as_data)
         try:
             await clear_job_records(store, keys)
             still = await wait_nodes_gone(store, keys, set(view.nodes), timeout)
@@ -46,6 +47,18 @@ async def stop(target: JobTarget, *, timeout: float, as_data: bool = False) -> i
         raise StopTimeoutError(f"job stopped, but {', '.join(sorted(still))} did not exit within {timeout:g}s")
     said = f"job '{target.run_id}' stopped; {len(view.nodes)} node(s) exited"
     _say(said, {"job": target.run_id, "stopped": True, "nodes": len(view.nodes), "store_gone": False}, as_data)
+    return 0
+
+
+def _ended(run_id: str, outcome: str, detail: str, as_data: bool) -> int:
+    """`stop` of a job that has ended already: done, as asked (a scheduler's clean-up
+    step that stops every job it started must not fail on one that finished)."""
+    how = f"{outcome}: {detail}" if detail else outcome or "ended"
+    _say(
+        f"job '{run_id}' had already ended ({how}): nothing to stop",
+        {"job": run_id, "stopped": False, "already_ended": outcome or "ended", "detail": detail},
+        as_data,
+    )
     return 0
 
 

@@ -65,7 +65,9 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeC
         tls, client_ca = server_tls(given)
         token = read_token(args.token_file, environ, required=args.require_token)
     state_dir = Path(args.state_dir) if args.state_dir else None
-    return ServeConfig(args.host, args.port, token, tls, client_ca, metrics_address(args.metrics_port), state_dir)
+    # PORT alone: where the store listens, not every address (a loopback store stays one)
+    metrics = metrics_address(args.metrics_port, default_host=args.host)
+    return ServeConfig(args.host, args.port, token, tls, client_ca, metrics, state_dir)
 
 
 async def serve(config: ServeConfig) -> int:
@@ -147,7 +149,7 @@ def _etcd_roles(args: argparse.Namespace) -> int:
     from elasticrun.store.etcd import EtcdStore
     from elasticrun.store.etcd_roles import ADMIN, READER, set_up
 
-    conf = parse_rdzv_conf(args.rdzv_conf)
+    conf = parse_rdzv_conf(args.rdzv_conf, "etcd")
     with settings_from_flags():
         access = parse_access("etcd", args.rdzv_endpoint, conf, os.environ)
     with settings_from_flags(_flag_of):

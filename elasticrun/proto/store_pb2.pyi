@@ -32,14 +32,16 @@ class RangeRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., prefix: _Optional[bool] = ...) -> None: ...
 
 class RangeReply(_message.Message):
-    __slots__ = ("kvs", "revision", "hosted_by_agent")
+    __slots__ = ("kvs", "revision", "hosted_by_agent", "token_unused")
     KVS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     HOSTED_BY_AGENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_UNUSED_FIELD_NUMBER: _ClassVar[int]
     kvs: _containers.RepeatedCompositeFieldContainer[KeyValue]
     revision: int
     hosted_by_agent: bool
-    def __init__(self, kvs: _Optional[_Iterable[_Union[KeyValue, _Mapping]]] = ..., revision: _Optional[int] = ..., hosted_by_agent: _Optional[bool] = ...) -> None: ...
+    token_unused: bool
+    def __init__(self, kvs: _Optional[_Iterable[_Union[KeyValue, _Mapping]]] = ..., revision: _Optional[int] = ..., hosted_by_agent: _Optional[bool] = ..., token_unused: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("key", "value", "lease")

@@ -35,6 +35,8 @@ class Assignment:
     #: of those, the ones forgiven because the workers had made progress
     #: (--forgive-progress): they do not count against --max-restarts
     forgiven: int = 0
+    #: the job's run (its launch record's nonce): the workers' store credential names it
+    run: str = ""
 
     @property
     def budget_spent(self) -> int:

@@ -19,6 +19,7 @@ import functools
 import logging
 import math
 import os
+import secrets
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
@@ -637,7 +638,8 @@ class ElasticRendezvous(RendezvousHandler):
             # A new job: the events of an earlier job with this id go.
             await self._store.delete_prefix(self._keys.events)
             launch = JobLaunch(
-                cwd=os.getcwd(), created_at=time.time(), created_by=self._me.node_id, flags=self._launch_flags
+                cwd=os.getcwd(), created_at=time.time(), created_by=self._me.node_id, flags=self._launch_flags,
+                run=secrets.token_hex(8),
             )
             await self._store.put(self._keys.launch, encode(launch))
             return
@@ -818,6 +820,7 @@ class ElasticRendezvous(RendezvousHandler):
             master_port=master.port,
             restart_count=current.restart_count,
             forgiven=current.forgiven,
+            run=self._job.launch.run if self._job.launch is not None else "",
         )
 
     async def _close(self, outcome: str, detail: str) -> None:

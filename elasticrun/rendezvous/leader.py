@@ -561,10 +561,11 @@ async def close_round(store: Store, keys: Keys, outcome: str, detail: str, close
 
 
 async def clear_job_records(store: Store, keys: Keys) -> None:
-    """The part of `close_job` that clears the ended job's spec and control records."""
+    """The part of `close_job` that clears the ended job's spec and control records,
+    and its workers' keys (a job's run takes them with it)."""
     for key in (keys.spec, keys.restart, keys.master, keys.state, keys.ping, keys.quarantine, keys.stacks):
         await store.delete(key)
-    for folder in (keys.drains, keys.departures, keys.ranks, keys.holds):
+    for folder in (keys.drains, keys.departures, keys.ranks, keys.holds, keys.workers):
         await store.delete_prefix(folder)
 
 

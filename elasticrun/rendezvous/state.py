@@ -66,7 +66,7 @@ from elasticrun.errors import RendezvousError, SpecMismatchError
 
 # the store prefix under which every job has its own (`elasticrun list` reads it): the
 # store knows it too, as it keeps each job's worker keys under it (credentials.py)
-from elasticrun.store.credentials import JOBS_PREFIX
+from elasticrun.store.credentials import JOBS_PREFIX, RUN_RECORD, worker_prefix
 
 FORMAT_VERSION = 1
 
@@ -157,7 +157,13 @@ class Keys:
 
     @property
     def launch(self) -> str:
-        return self.job + "launch"
+        # the record whose `run` the store server checks worker credentials against
+        return self.prefix + RUN_RECORD
+
+    @property
+    def workers(self) -> str:
+        """The workers' c10d keys on the built-in store (none on etcd)."""
+        return worker_prefix(self.run_id)
 
     @property
     def drains(self) -> str:
@@ -507,6 +513,10 @@ class JobLaunch:
     created_by: str
     #: those settings as launcher flags (`--shutdown-timeout=5`, `--isolate-gpus`)
     flags: tuple[str, ...] = ()
+    #: this run of the job: a nonce of the first node's, new each time the job starts;
+    #: the workers' store credential names it (store/credentials.py)
+    run: str = ""
+
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from elasticrun.errors import NotAStoreError, StoreAddressError, StoreSettingError, StoreUnavailableError
 from elasticrun.loglines import HEADLINE
 from elasticrun.store.api import MAX_LEASE_TTL, Store
+from elasticrun.store.channel import is_loopback
 from elasticrun.store.contact import first_contact
 from elasticrun.store.wire import (
     CLIENT_CA_NEEDS_TLS,
@@ -357,20 +358,6 @@ def plaintext_warning(access: StoreAccess) -> str | None:
             "network path can read it; serve etcd with TLS and set --rdzv-conf ca_cert=<its CA certificate>"
         )
     return None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether only this host can reach `host`: a loopback address, or a name that
-    resolves to loopback addresses only. A wildcard (0.0.0.0, ::) is every interface."""
-    try:
-        addresses = {ipaddress.ip_address(host.strip("[]"))}
-    except ValueError:
-        try:
-            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError):
-            return False
-        addresses = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
-    return bool(addresses) and all(address.is_loopback for address in addresses)
 
 
 def exposure_warning(

@@ -2,9 +2,10 @@
 
 The server attributes every call once, before its handler runs (`identify`): the role
 its token and its client certificate grant (`store/credentials.py`; with both, the lesser
-wins), and the identity its share is counted by: the credential itself (each worker
-credential, the reader credential, the admin token), or the certificate's fingerprint
-when the certificate decides the role. A store with neither a token nor a client CA
+wins), and the identity its share is counted by: the credential itself (each job's
+worker credential, the admin token; the reader credential, which every reader holds,
+with the caller's host), or the certificate's fingerprint when the certificate decides
+the role. A store with neither a token nor a client CA
 cannot tell its callers apart by anything they hold: they are all admin, identified by
 their host.
 
@@ -47,6 +48,8 @@ class Caller:
 
     grant: Grant
     identity: str
+    #: it presented a token to a store that has none (it is told: the token protects nothing)
+    needless_token: bool = False
 
     @property
     def limited(self) -> bool:
@@ -65,21 +68,23 @@ def identify(
         by_token = grant_of_token(bearer, token) if bearer is not None else None
         if by_token is None:
             return None
-        grant, identity = by_token, _token_identity(by_token)
+        grant, identity = by_token, _token_identity(by_token, host)
     if certificate is not None:
         by_certificate = grant_of_certificate(uris)
         if token is None or by_certificate.role is not Role.ADMIN or grant.role is Role.ADMIN:
             identity = "certificate " + hashlib.sha256(certificate).hexdigest()[:16]
         grant &= by_certificate
-    return Caller(grant, identity)
+    return Caller(grant, identity, needless_token=token is None and bool(bearer))
 
 
-def _token_identity(grant: Grant) -> str:
+def _token_identity(grant: Grant, host: str) -> str:
     """Names the credential without quoting it (identities reach messages): a store has
-    one of each but the workers', one per job."""
+    one of each but the workers', one per job. Every reader holds the one reader
+    credential, so a reader's share is counted by its host as well: one `status
+    --watch` user's abuse takes its own host's share, not every reader's (issue 36)."""
     if grant.role is Role.WORKER:
         return f"worker credential of job {grant.job!r}"
-    return "admin token" if grant.role is Role.ADMIN else "reader credential"
+    return "admin token" if grant.role is Role.ADMIN else f"reader credential on host {host}"
 
 
 def permits(grant: Grant, service: str, method: str) -> bool:

@@ -9,6 +9,7 @@ from either client so that a worker loading the blocking one does not load the o
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import ssl
 
@@ -303,3 +304,17 @@ def error_from(error: grpc.RpcError, endpoint: str, lease: int = 0) -> Elasticru
     if code in (*_RETRYABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return StoreUnavailableError(endpoint, plain_cause(details) or code.name)
     return StoreError(f"the store at {endpoint} failed: {code.name}: {details}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this host can reach `host`: a loopback address, or a name that
+    resolves to loopback addresses only. A wildcard (0.0.0.0, ::) is every interface."""
+    try:
+        addresses = {ipaddress.ip_address(host.strip("[]"))}
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return False
+        addresses = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
+    return bool(addresses) and all(address.is_loopback for address in addresses)

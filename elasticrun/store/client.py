@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -64,6 +65,11 @@ from elasticrun.store.channel import (
 from elasticrun.store.wire import DEFAULT_TIMEOUT, TlsKeyPair
 
 _T = TypeVar("_T")
+
+log = logging.getLogger("elasticrun.store")
+#: the endpoints whose store was found to have no token (said once a process: one agent
+#: or command may open more than one client of a store)
+_SAID_TOKEN_UNUSED: set[str] = set()
 
 
 def _key_value(kv: pb.KeyValue) -> KeyValue:
@@ -186,11 +192,23 @@ class GrpcStore(Store):
             )
         return translated
 
+    def _learn(self, reply: pb.RangeReply) -> None:
+        """What a read's reply says of the server: whether an agent hosts it, and (said
+        once) that it has no token, so that the one this client presents protects nothing."""
+        self._hosted_by_agent = reply.hosted_by_agent
+        if reply.token_unused and self.endpoint not in _SAID_TOKEN_UNUSED:
+            _SAID_TOKEN_UNUSED.add(self.endpoint)
+            log.warning(
+                "the store at %s has no token: the one this client presents protects nothing; give the store "
+                "the same token (store serve --token-file, or the token_file of the agent that hosts it)",
+                self.endpoint,
+            )
+
     # --- reads and writes ----------------------------------------------------------
 
     async def get(self, key: str) -> KeyValue | None:
         reply = await self._call(self._stub.Range, pb.RangeRequest(key=key))
-        self._hosted_by_agent = reply.hosted_by_agent
+        self._learn(reply)
         return _key_value(reply.kvs[0]) if reply.kvs else None
 
     async def get_prefix(self, prefix: str) -> RangeResult:
@@ -206,7 +224,7 @@ class GrpcStore(Store):
                 async for page in call:
                     kvs.extend(map(_key_value, page.kvs))
                     revision = page.revision
-                    self._hosted_by_agent = page.hosted_by_agent
+                    self._learn(page)
             finally:
                 call.cancel()
             return RangeResult(tuple(kvs), revision)

@@ -16,8 +16,16 @@ HMAC-SHA256 keyed by the admin token that the server recomputes and compares in 
 time. Whoever holds the admin token can mint any of them (`elasticrun store credential`);
 whoever holds one cannot derive another, nor the token.
 
-    worker of job J   erw1.<J, base64url without padding>.<hex HMAC(token, "worker\\0" + J)>
-    reader            err1.<hex HMAC(token, "reader\\0")>
+    worker of job J, run R   erw2.<J>.<R>.<hex HMAC(token, "worker\\0" + J + "\\0" + R)>
+    reader                   err1.<hex HMAC(token, "reader\\0")>
+
+(J and R in base64url without padding.) The credential an agent writes for its workers
+names the run of the job it belongs to: the nonce its first node put in the job's launch
+record (`RUN_RECORD`, `run_of_launch`), new each time the job starts (and each time a
+store that restarted empty sees it again). The server takes it only while that run is
+the job's current one, so a credential that leaked from a run dies with it. A worker
+credential with no run (R empty: what `elasticrun store credential` mints, and a
+certificate's role) is a standing grant for the job, revoked only by a new token.
 
 A client certificate names its role in a URI subject alternative name
 (`elasticrun:admin`, `elasticrun:reader`, `elasticrun:worker:<job>`); one with none is
@@ -34,6 +42,7 @@ import binascii
 import enum
 import hashlib
 import hmac
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,7 +51,7 @@ JOBS_PREFIX = "/elasticrun/"
 #: The folder of a job's prefix that holds its workers' c10d keys.
 WORKER_FOLDER = "w/"
 
-_WORKER_TAG = "erw1"
+_WORKER_TAG = "erw2"
 _READER_TAG = "err1"
 #: the scheme of a role in a certificate's URI subject alternative name
 CERT_URI_SCHEME = "elasticrun:"
@@ -64,6 +73,8 @@ class Grant:
 
     role: Role | None
     job: str = ""
+    #: a worker's run of `job`, "" for any run (see the module's docstring)
+    run: str = ""
 
     def describe(self) -> str:
         if self.role is None:
@@ -73,11 +84,14 @@ class Grant:
         return self.role.value
 
     def __and__(self, other: Grant) -> Grant:
-        """What a call carrying both credentials may do: the lesser of the two."""
+        """What a call carrying both credentials may do: the lesser of the two (a
+        worker of one run of a job is less than a worker of any run of it)."""
         if self.role is Role.ADMIN:
             return other
         if other.role is Role.ADMIN or other == self:
             return self
+        if self.role is other.role is Role.WORKER and self.job == other.job and "" in (self.run, other.run):
+            return self if self.run else other
         return NOTHING
 
 
@@ -107,20 +121,49 @@ def worker_job_of(key: str) -> str | None:
     return job if slash and job and rest.startswith(WORKER_FOLDER) else None
 
 
-def _mac(token: str, role: Role, job: str = "") -> str:
-    message = f"{role.value}\0{job}".encode()
+#: The record (under a job's prefix) whose `RUN_FIELD` names the job's current run: the
+#: rendezvous's job launch record (`rendezvous/state.py`, `JobLaunch.run`).
+RUN_RECORD = "r/job/launch"
+RUN_FIELD = "run"
+
+
+def run_of_launch(raw: bytes | None) -> str:
+    """The run a job's launch record names ("" for none: a job started by a version
+    that had no runs, a static rendezvous, or a record that does not parse)."""
+    if raw is None:
+        return ""
+    try:
+        run = json.loads(raw).get(RUN_FIELD, "")
+    except (ValueError, AttributeError):
+        return ""
+    return run if isinstance(run, str) else ""
+
+
+def _mac(token: str, role: Role, *parts: str) -> str:
+    message = "\0".join((role.value, *parts)).encode()
     return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
-def worker_credential(token: str, job: str) -> str:
-    """The credential of job `job`'s workers, derived from the admin `token`."""
-    encoded = base64.urlsafe_b64encode(check_job(job).encode()).decode().rstrip("=")
-    return f"{_WORKER_TAG}.{encoded}.{_mac(token, Role.WORKER, job)}"
+def _b64(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def _unb64(encoded: str) -> str | None:
+    try:
+        return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+
+
+def worker_credential(token: str, job: str, run: str = "") -> str:
+    """The credential of job `job`'s workers in run `run` ("": any run), derived from
+    the admin `token`."""
+    return f"{_WORKER_TAG}.{_b64(check_job(job))}.{_b64(run)}.{_mac(token, Role.WORKER, job, run)}"
 
 
 def reader_credential(token: str) -> str:
     """The read-only credential, derived from the admin `token`."""
-    return f"{_READER_TAG}.{_mac(token, Role.READER)}"
+    return _READER_TAG + "." + _mac(token, Role.READER, "")
 
 
 def grant_of_token(given: str, token: str) -> Grant | None:
@@ -130,31 +173,30 @@ def grant_of_token(given: str, token: str) -> Grant | None:
         return ADMIN
     tag, _, rest = given.partition(".")
     if tag == _READER_TAG:
-        return READER if hmac.compare_digest(rest, _mac(token, Role.READER)) else None
+        return READER if hmac.compare_digest(rest, _mac(token, Role.READER, "")) else None
     if tag != _WORKER_TAG:
         return None
-    encoded, _, mac = rest.partition(".")
-    try:
-        job = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
+    encoded_job, _, rest = rest.partition(".")
+    encoded_run, _, mac = rest.partition(".")
+    job, run = _unb64(encoded_job), _unb64(encoded_run)
+    if not job or "/" in job or run is None or not hmac.compare_digest(mac, _mac(token, Role.WORKER, job, run)):
         return None
-    if not job or "/" in job or not hmac.compare_digest(mac, _mac(token, Role.WORKER, job)):
-        return None
-    return Grant(Role.WORKER, job)
+    return Grant(Role.WORKER, job, run)
 
 
 def grant_of_certificate(uris: Iterable[str]) -> Grant:
     """What a client certificate with these URI subject alternative names may do.
 
-    `elasticrun:admin`, `elasticrun:reader` and `elasticrun:worker:<job>` name a role;
-    several together allow what all of them allow (the lesser); an unknown
-    `elasticrun:` URI allows nothing. A certificate with none of them is admin: before
+    `elasticrun:admin`, `elasticrun:reader` and `elasticrun:worker:<job>` name a role
+    (the scheme in any case); several together allow what all of them allow (the
+    lesser); any other `elasticrun:` URI allows nothing. A certificate with none of them is admin: before
     roles, every certificate the client CA signed could do everything, and a site that
     wants less says so in the certificates it issues.
     """
     grant = ADMIN
     for uri in uris:
-        if not uri.startswith(CERT_URI_SCHEME):
+        # a URI's scheme has no case (RFC 3986): `ELASTICRUN:reader` names a role too
+        if uri[: len(CERT_URI_SCHEME)].lower() != CERT_URI_SCHEME:
             continue
         named = uri[len(CERT_URI_SCHEME) :]
         if named == "admin":

@@ -11,7 +11,9 @@ server speaks TLS only; with a CA for clients (`client_ca`) as well, it takes on
 connections whose client certificate chains to that CA (mutual TLS), and the
 certificate may name a role too. Each call is attributed to its caller once, before its
 handler runs (`store/callers.py`): a call its role may not make gets PERMISSION_DENIED,
-one past its identity's fair share RESOURCE_EXHAUSTED. A worker's c10d keys live in its
+one past its identity's fair share RESOURCE_EXHAUSTED; all of that from the call's headers,
+before its message is read (`_guarded`), and the message must come within
+`MESSAGE_DEADLINE`. A worker's c10d keys live in its
 job's own namespace (`/elasticrun/<job>/w/`), so a torch process group runs unchanged
 and sees nothing else. State lives in memory and is never pickled.
 
@@ -32,7 +34,9 @@ import contextvars
 import functools
 import inspect
 import logging
+import operator
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar, cast
@@ -62,7 +66,7 @@ from elasticrun.store.callers import (
     permits,
     refusal,
 )
-from elasticrun.store.credentials import Role, worker_prefix
+from elasticrun.store.credentials import JOBS_PREFIX, RUN_RECORD, Grant, Role, run_of_launch, worker_prefix
 from elasticrun.store.memory import MemoryStore, SpaceQuota
 from elasticrun.store.wire import (
     BEARER_PREFIX,
@@ -92,8 +96,28 @@ PAGE_KEYS = 256
 #: The most a c10d multi_get may answer at once: unlike a prefix read it cannot be
 #: paged, and encoding a reply costs about 4 ms per MiB of the server's loop.
 MAX_MULTI_GET_BYTES = 4 << 20
+#: The most keys one c10d check, wait or multi_get may name (as many as a job's workers
+#: may hold; duplicates count once in the work, every time in the reply), and the most
+#: bytes its request may take, refused
+#: before it is parsed; a multi_set writes at most MAX_MULTI_SET_KEYS keys (each write
+#: keeps history and wakes watchers: ~10 µs a key). Their requests are parsed, bounded
+#: and looked up by the handler, in the caller's turn (`Shares.turn`): one such call of
+#: a worker's at a time, each a few milliseconds of the loop at most. Unbounded, a 1 MiB
+#: list of one key 340,000 times held the loop 150 ms a call (issue 36).
+MAX_KEYS_PER_CALL = 10_000
+MAX_KEY_LIST_BYTES = 256 << 10
+MAX_MULTI_SET_KEYS = 1_024
+#: The most of the loop's time one identity other than admin spends on those steps.
+KEY_LIST_LOOP_SHARE = 0.25
+#: How long a call may take to deliver its request message once its headers arrived:
+#: a 1 MiB value over a slow link takes well under a second; a caller that sends headers
+#: and nothing more holds its call (and its share) no longer than this.
+MESSAGE_DEADLINE = 10.0
 #: How long in-flight calls may finish when the server stops.
 DEFAULT_STOP_GRACE = 2.0
+
+#: Calls open at once on one connection.
+MAX_STREAMS_PER_CONNECTION = 256
 
 #: Pings keep idle connections (a quiet watch) alive through NATs and reveal dead
 #: peers; the server must accept the client's pace.
@@ -106,6 +130,12 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", CLIENT_PING_MS // 2),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_send_message_length", MAX_REPLY_BYTES),
+    # Calls open at once on one connection (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS):
+    # a client queues past it, one that does not is refused the stream (REFUSED_STREAM)
+    # by gRPC's transport, before any call exists. An agent holds a few, a worker one.
+    ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    # a connection that has not finished its TLS handshake by then is closed
+    ("grpc.server_handshake_timeout_ms", 10_000),
 ]
 
 _T = TypeVar("_T")
@@ -171,6 +201,10 @@ class StoreServer:
         self._client_ca = client_ca
         self._server: grpc.aio.Server | None = None
         self._streams: set[asyncio.Task[object]] = set()
+        #: each job's launch record as last read (mod revision, run), and the run whose
+        #: worker keys its worker folder holds (`_check_run`)
+        self._launches: dict[str, tuple[int, str]] = {}
+        self._runs: dict[str, str] = {}
         self._stopping = False
         self.port = 0
 
@@ -317,9 +351,33 @@ class StoreServer:
                 f"missing or wrong store token (set it with --token-file or {TOKEN_ENV})",
             )
             raise AssertionError("unreachable: abort raises")
+        if caller.grant.run:
+            why = await self._check_run(caller.grant)
+            if why is not None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
         if not permits(caller.grant, service, method):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal(caller.grant, service, method))
         return caller
+
+    async def _check_run(self, grant: Grant) -> str | None:
+        """Why a worker credential of one run of a job is refused (that run is not the
+        job's current one), or None. The first call of a run that this server sees
+        deletes the job's worker keys that earlier runs left (a job that ended without
+        closing, agents killed, keys written after the close)."""
+        kv = await self.engine.get(f"{JOBS_PREFIX}{grant.job}/{RUN_RECORD}")
+        revision = kv.mod_revision if kv is not None else 0
+        cached = self._launches.get(grant.job)
+        if cached is None or cached[0] != revision:
+            cached = self._launches[grant.job] = (revision, run_of_launch(kv.value if kv is not None else None))
+        if cached[1] != grant.run:
+            return (
+                f"this worker credential is of another run of job {grant.job!r} than the one running now "
+                "(a job's workers get a credential of their run each time it starts)"
+            )
+        if self._runs.get(grant.job) != grant.run:
+            await self.engine.delete_prefix(worker_prefix(grant.job))
+            self._runs[grant.job] = grant.run
+        return None
 
     @contextlib.asynccontextmanager
     async def counted_watch(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
@@ -486,7 +544,10 @@ def _one_page(kvs: Sequence[KeyValue]) -> bool:
 
 
 def _range_reply(kvs: Sequence[KeyValue], revision: int, hosted_by_agent: bool) -> pb.RangeReply:
-    return pb.RangeReply(kvs=[_kv_message(kv) for kv in kvs], revision=revision, hosted_by_agent=hosted_by_agent)
+    return pb.RangeReply(
+        kvs=[_kv_message(kv) for kv in kvs], revision=revision, hosted_by_agent=hosted_by_agent,
+        token_unused=_CALLER.get().needless_token,
+    )
 
 
 class _StoreService(pb_grpc.StoreServicer):
@@ -682,6 +743,16 @@ _ENCODED_BY_HANDLER: dict[str, dict[str, Callable[[bytes], object]]] = {
 }
 
 
+#: The methods whose handlers parse their requests themselves (they take bytes), and
+#: the most bytes such a request may take (None: the server's limit for any message).
+_PARSED_BY_HANDLER: dict[str, dict[str, int | None]] = {
+    "Store": {},
+    "C10dStore": {
+        "Check": MAX_KEY_LIST_BYTES, "Wait": MAX_KEY_LIST_BYTES, "MultiGet": MAX_KEY_LIST_BYTES, "MultiSet": None,
+    },
+}
+
+
 def _add_store_service(servicer: _StoreService, server: grpc.aio.Server, count: _CallCounter) -> None:
     capture = _Capture()
     pb_grpc.add_StoreServicer_to_server(servicer, capture)
@@ -696,7 +767,8 @@ def _add_c10d_service(servicer: _C10dService, server: grpc.aio.Server, count: _C
 
 def _encoded_by_handler(handlers: dict[str, grpc.RpcMethodHandler], service: str) -> dict[str, grpc.RpcMethodHandler]:
     """The generated handlers, but those of `_ENCODED_BY_HANDLER` with no response
-    serializer: their replies go out as the bytes the handler made."""
+    serializer (their replies go out as the bytes the handler made), and those of
+    `_PARSED_BY_HANDLER` with a request deserializer that only bounds the bytes."""
     handlers = dict(handlers)
     for method, parse in _ENCODED_BY_HANDLER[service].items():
         handler = handlers[method]
@@ -707,7 +779,29 @@ def _encoded_by_handler(handlers: dict[str, grpc.RpcMethodHandler], service: str
             handler.unary_stream if handler.response_streaming else handler.unary_unary,
             request_deserializer=parse,
         )
+    for method, limit in _PARSED_BY_HANDLER[service].items():
+        handler = handlers[method]
+        handlers[method] = grpc.unary_unary_rpc_method_handler(
+            handler.unary_unary, request_deserializer=_bytes_within(method, limit),
+            response_serializer=handler.response_serializer,
+        )
     return handlers
+
+
+def _bytes_within(method: str, limit: int | None) -> Callable[[bytes], object]:
+    """A request deserializer that keeps the bytes (the handler parses them), refusing
+    more than `limit` of them unparsed."""
+
+    def take(data: bytes) -> object:
+        if limit is not None and len(data) > limit:
+            return _Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"a c10d {method} request of {len(data)} bytes is over the store's limit of {limit} bytes "
+                f"(at most {MAX_KEYS_PER_CALL} keys a call): name fewer keys, or shorter ones",
+            )
+        return data
+
+    return take
 
 
 def _register(
@@ -725,13 +819,14 @@ def _register(
 # --- requests that do not decode -----------------------------------------------------
 
 
-class _Malformed:
-    """A request whose bytes did not decode; its handler answers INVALID_ARGUMENT."""
+class _Refused:
+    """A request refused as it was read (its bytes did not decode: INVALID_ARGUMENT, or
+    there were too many of them); its handler answers `code` with `why`."""
 
-    __slots__ = ("why",)
+    __slots__ = ("code", "why")
 
-    def __init__(self, why: str) -> None:
-        self.why = why
+    def __init__(self, code: grpc.StatusCode, why: str) -> None:
+        self.code, self.why = code, why
 
 
 def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], object]:
@@ -739,62 +834,83 @@ def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], objec
         try:
             return deserialize(data)
         except Exception as e:  # DecodeError: corrupt wire format, a string not UTF-8
-            return _Malformed(str(e) or type(e).__name__)
+            return _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {str(e) or type(e).__name__}")
 
     return parse
 
 
-async def _refuse_malformed(request: _Malformed, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.why}")
+async def _refuse(request: _Refused, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(request.code, request.why)
 
 
 def _guarded(handler: grpc.RpcMethodHandler, count: _Counter) -> grpc.RpcMethodHandler:
-    """The same handler, but the call is first attributed to its caller and counted
-    against its share while it runs (`count`, which refuses a caller that may not make
-    it), and a request that does not decode gets INVALID_ARGUMENT (grpc itself would
-    answer UNKNOWN and log a traceback for each: a log flood on demand)."""
+    """The same method, served so that nothing is spent on a call before its caller is
+    known: the call is attributed to its caller from its headers (`count`, which
+    refuses a caller that may not make it and counts the call against its share while
+    it runs), and only then is its request message read, within `MESSAGE_DEADLINE`.
+
+    gRPC reads a unary call's message before it runs the handler, and counts the call
+    against the server's limit from its headers: a client that opens calls and never
+    sends their message held a slot each, with no token (issue 36). So every method is
+    registered as a bidirectional stream, which gRPC hands to its handler at once with
+    the messages still unread; on the wire a unary call and a stream that carries one
+    message each way are the same, so clients see no difference. A request that does
+    not decode gets INVALID_ARGUMENT (grpc itself would answer UNKNOWN and log a
+    traceback for each: a log flood on demand)."""
     parse = _tolerant(handler.request_deserializer)
-    serialize = handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
+    if handler.request_streaming:
+        if not handler.response_streaming:
+            raise TypeError("no client-streaming method is served")
         inner_ss = handler.stream_stream
 
-        async def stream_stream(
-            requests: AsyncIterator[object], context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[object]:
-            async def checked() -> AsyncIterator[object]:
-                async for request in requests:
-                    if isinstance(request, _Malformed):
-                        await _refuse_malformed(request, context)
-                    yield request
+        async def checked(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+            async for request in requests:
+                if isinstance(request, _Refused):
+                    await _refuse(request, context)
+                yield request
 
+        async def streams(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> None:
             async with count(context):
-                async for reply in inner_ss(checked(), context):
-                    yield reply
+                async for reply in inner_ss(checked(requests, context), context):
+                    await context.write(reply)
 
-        return grpc.stream_stream_rpc_method_handler(stream_stream, parse, serialize)
-    if handler.request_streaming:
-        raise TypeError("no client-streaming method is served")
+        return grpc.stream_stream_rpc_method_handler(streams, parse, handler.response_serializer)
     inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
-    if inspect.isasyncgenfunction(inner):
+    writes_itself = handler.response_streaming and not inspect.isasyncgenfunction(inner)
 
-        async def unary_gen(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
-            async with count(context):
-                if isinstance(request, _Malformed):
-                    await _refuse_malformed(request, context)
-                async for reply in inner(request, context):
-                    yield reply
-
-        return grpc.unary_stream_rpc_method_handler(unary_gen, parse, serialize)
-
-    async def unary(request: object, context: grpc.aio.ServicerContext) -> object:
+    async def one(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> None:
         async with count(context):
-            if isinstance(request, _Malformed):
-                await _refuse_malformed(request, context)
-            return await inner(request, context)
+            request = await _message(context)
+            if writes_itself:  # a stream whose handler writes its replies (context.write)
+                await inner(request, context)
+            elif handler.response_streaming:
+                async for reply in inner(request, context):
+                    await context.write(reply)
+            else:
+                await context.write(await inner(request, context))
 
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(unary, parse, serialize)
-    return grpc.unary_unary_rpc_method_handler(unary, parse, serialize)
+    return grpc.stream_stream_rpc_method_handler(one, parse, handler.response_serializer)
+
+
+async def _message(context: grpc.aio.ServicerContext) -> object:
+    """The call's one request message, once its caller is known; a call whose message
+    does not come within `MESSAGE_DEADLINE` of its headers is ended (DEADLINE_EXCEEDED),
+    so that a caller cannot hold its calls open without sending anything."""
+    try:
+        async with asyncio.timeout(MESSAGE_DEADLINE):
+            # read, not the request iterator: its generator would keep the message
+            # (up to a MiB) alive for as long as the call's state lives
+            request = await context.read()
+    except TimeoutError:
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the call's request did not arrive within {MESSAGE_DEADLINE:g} s of its headers",
+        )
+    if request is grpc.aio.EOF:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
+    if isinstance(request, _Refused):
+        await _refuse(request, context)
+    return request
 
 
 # --- the c10d operations -------------------------------------------------------------
@@ -831,20 +947,52 @@ class _C10dService(pb_grpc.C10dStoreServicer):
                 if event.type is EventType.PUT:
                     return
 
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """The caller's turn (`Shares.turn`; admin: at once) for a step whose work grows
+        with a key list: one such step of an identity's at a time, and after each, a
+        pause in its turn so that its steps take at most KEY_LIST_LOOP_SHARE of the
+        loop's time, however many of its calls wait. (A step is a few milliseconds; a
+        put takes a few passes of the loop, so steps back to back would delay each of
+        them by one.)"""
+        caller = _CALLER.get()
+        async with self._server.shares.turn(caller):
+            start = time.perf_counter()
+            yield
+            if caller.limited:
+                await asyncio.sleep((time.perf_counter() - start) * (1 / KEY_LIST_LOOP_SHARE - 1))
+
+    def _key_list(self, names: list[str], what: str) -> list[str]:
+        """The engine's keys for the c10d keys `names`, each once, in first-named order;
+        a list longer than MAX_KEYS_PER_CALL is refused. (C loops only: a list of
+        10,000 keys takes about a millisecond.)"""
+        if len(names) > MAX_KEYS_PER_CALL:
+            raise StoreLimitError(
+                f"a c10d {what} may name at most {MAX_KEYS_PER_CALL} keys, this one names {len(names)}: "
+                "ask for them in smaller batches"
+            )
+        unique = list(dict.fromkeys(names))
+        if "" in unique:
+            raise StoreRequestError("a key must not be empty")
+        return self._keys().all_of(unique)
+
     async def _await_keys(
-        self, keys: list[str], timeout: float, context: grpc.aio.ServicerContext
-    ) -> list[bytes] | None:
-        """The keys' values once they all exist, None past `timeout` (0: no limit)."""
+        self, keys: list[str], timeout: float, context: grpc.aio.ServicerContext, *, in_turn: bool = True
+    ) -> list[KeyValue] | None:
+        """The keys' entries once they all exist, None past `timeout` (0: no limit).
+        Each look at them all is one pass with no suspension (a consistent snapshot),
+        in the caller's turn when `in_turn`."""
         async with self._server._long_call(context):
             try:
                 async with asyncio.timeout(timeout if timeout > 0 else None):
                     while True:
-                        for key in keys:
-                            await self._await_key(key)
-                        # One pass with no suspension: a consistent snapshot.
-                        kvs = [await self._engine.get(key) for key in keys]
-                        if all(kv is not None for kv in kvs):
-                            return [kv.value for kv in kvs if kv is not None]
+                        async with self._turn() if in_turn else contextlib.nullcontext():
+                            kvs = self._engine.entries(keys)
+                        if all(kvs):  # no None
+                            return cast("list[KeyValue]", kvs)
+                        for key, kv in zip(keys, kvs, strict=True):
+                            if kv is None:
+                                await self._await_key(key)
             except TimeoutError:
                 return None
 
@@ -859,10 +1007,10 @@ class _C10dService(pb_grpc.C10dStoreServicer):
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetReply:
         key = self._keys().of(request.key)
-        values = await self._await_keys([key], request.timeout_seconds, context)
-        if values is None:
+        kvs = await self._await_keys([key], request.timeout_seconds, context, in_turn=False)
+        if kvs is None:
             return pb.GetReply(timed_out=True)
-        return pb.GetReply(value=values[0])
+        return pb.GetReply(value=kvs[0].value)
 
     @_unary
     async def Add(self, request: pb.AddRequest, context: object) -> pb.AddReply:
@@ -900,19 +1048,18 @@ class _C10dService(pb_grpc.C10dStoreServicer):
         return pb.CompareSetReply(value=kv.value)
 
     @_unary
-    async def Wait(
-        self, request: pb.WaitRequest, context: grpc.aio.ServicerContext
-    ) -> pb.WaitReply:
-        keys = self._keys()
-        values = await self._await_keys([keys.of(k) for k in request.keys], request.timeout_seconds, context)
-        return pb.WaitReply(timed_out=values is None)
+    async def Wait(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.WaitReply:
+        async with self._turn():
+            request = _parse(pb.WaitRequest, data)
+            keys = self._key_list(list(request.keys), "wait")
+        kvs = await self._await_keys(keys, request.timeout_seconds, context)
+        return pb.WaitReply(timed_out=kvs is None)
 
     @_unary
-    async def Check(self, request: pb.CheckRequest, context: object) -> pb.CheckReply:
-        keys = self._keys()
-        return pb.CheckReply(
-            ready=all([await self._engine.get(keys.of(key)) is not None for key in request.keys])
-        )
+    async def Check(self, data: bytes, context: object) -> pb.CheckReply:
+        async with self._turn():
+            keys = self._key_list(list(_parse(pb.CheckRequest, data).keys), "check")
+            return pb.CheckReply(ready=all(self._engine.entries(keys)))
 
     @_unary
     async def NumKeys(self, request: pb.NumKeysRequest, context: object) -> pb.NumKeysReply:
@@ -926,14 +1073,18 @@ class _C10dService(pb_grpc.C10dStoreServicer):
         return pb.DeleteKeyReply(deleted=await self._engine.delete(self._keys().of(request.key)))
 
     @_unary
-    async def MultiGet(
-        self, request: pb.MultiGetRequest, context: grpc.aio.ServicerContext
-    ) -> bytes:
-        keys = self._keys()
-        values = await self._await_keys([keys.of(k) for k in request.keys], request.timeout_seconds, context)
-        if values is None:
+    async def MultiGet(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async with self._turn():
+            request = _parse(pb.MultiGetRequest, data)
+            names = list(request.keys)
+            keys = self._key_list(names, "multi_get")
+        found = await self._await_keys(keys, request.timeout_seconds, context)
+        if found is None:
             return _encode(pb.MultiGetReply(timed_out=True))
-        size = sum(map(len, values))
+        async with self._turn():
+            by_name = dict(zip(dict.fromkeys(names), map(_value_of, found), strict=True))
+            values = list(map(by_name.__getitem__, names))
+            size = sum(map(len, values))
         if size > MAX_MULTI_GET_BYTES:
             raise StoreLimitError(
                 f"multi_get of {len(values)} keys would reply {size} bytes, over the store's "
@@ -942,15 +1093,36 @@ class _C10dService(pb_grpc.C10dStoreServicer):
         return await self._server.encoded(lambda: pb.MultiGetReply(values=values))
 
     @_unary
-    async def MultiSet(self, request: pb.MultiSetRequest, context: object) -> pb.MultiSetReply:
-        if len(request.keys) != len(request.values):
-            raise StoreRequestError(
-                f"multi_set got {len(request.keys)} keys but {len(request.values)} values"
-            )
-        keys = self._keys()
-        items = [(keys.of(k), v) for k, v in zip(request.keys, request.values, strict=True)]
-        await self._engine.put_all(items, quota=keys.quota)
+    async def MultiSet(self, data: bytes, context: object) -> pb.MultiSetReply:
+        async with self._turn():
+            request = _parse(pb.MultiSetRequest, data)
+            if len(request.keys) != len(request.values):
+                raise StoreRequestError(
+                    f"multi_set got {len(request.keys)} keys but {len(request.values)} values"
+                )
+            if len(request.keys) > MAX_MULTI_SET_KEYS:
+                raise StoreLimitError(
+                    f"a c10d multi_set may write at most {MAX_MULTI_SET_KEYS} keys, this one "
+                    f"{len(request.keys)}: set them in smaller batches"
+                )
+            keys = self._keys()
+            items = [(keys.of(k), v) for k, v in zip(request.keys, request.values, strict=True)]
+            await self._engine.put_all(items, quota=keys.quota)
         return pb.MultiSetReply()
+
+
+_value_of = operator.attrgetter("value")
+
+_M = TypeVar("_M", pb.CheckRequest, pb.WaitRequest, pb.MultiGetRequest, pb.MultiSetRequest)
+
+
+def _parse(kind: type[_M], data: bytes) -> _M:
+    """A request its handler parses itself (`_PARSED_BY_HANDLER`)."""
+    try:
+        request: _M = kind.FromString(data)
+    except Exception as e:  # DecodeError: corrupt wire format, a string not UTF-8
+        raise StoreRequestError(f"malformed request: {str(e) or type(e).__name__}") from None
+    return request
 
 
 @dataclass(frozen=True, slots=True)
@@ -966,3 +1138,7 @@ class _Keys:
     def of(self, key: str) -> str:
         # An empty key stays empty, for the engine to refuse as it refuses any.
         return self.prefix + key if key else key
+
+    def all_of(self, keys: list[str]) -> list[str]:
+        """`of` for each of `keys`, which are not empty."""
+        return list(map(self.prefix.__add__, keys)) if self.prefix else keys

@@ -19,6 +19,7 @@ so a process group works as with any store while the job's records stay out of r
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +28,10 @@ import torch.distributed as dist
 
 from elasticrun.errors import StoreSettingError
 from elasticrun.store.c10d_client import C10dClient
+from elasticrun.store.channel import is_loopback
 from elasticrun.store.wire import DEFAULT_TIMEOUT, TOKEN_FILE_ENV, TlsKeyPair
+
+logger = logging.getLogger("elasticrun")
 
 #: torch's default store timeout: how long get/wait wait for a key.
 DEFAULT_WAIT = datetime.timedelta(seconds=300)
@@ -77,6 +81,12 @@ class C10dStore(dist.Store):
         self.set_timeout(timeout)
         if token is None:
             token = agent_token()
+        if token is not None and tls_ca is None and not is_loopback(endpoint.rpartition(":")[0]):
+            logger.warning(
+                "the store credential goes to %s in plaintext: anyone on the network path can read it and "
+                "use the store as this worker; serve the store with TLS and pass C10dStore(..., tls_ca=<its CA>)",
+                endpoint,
+            )
         self._client = C10dClient(
             endpoint, token=token, tls_ca=tls_ca, client_tls=client_tls, timeout=connect_timeout
         )

@@ -28,7 +28,7 @@ import pytest
 from elasticrun.agent.agent import Agent
 from elasticrun.agent.spec import Std, WorkerState
 from elasticrun.errors import UsageError
-from elasticrun.store.credentials import worker_credential
+from elasticrun.store.credentials import Role, grant_of_token, worker_credential
 from tests.agent_helpers import free_port, make_spec, static_for, wait_until, write_script
 from tests.elastic_cluster import RDZV_CONF, Cluster
 from tests.reliability_rows import Reliability
@@ -149,6 +149,29 @@ with open({str(report)!r}, "w") as f:
     assert not stale.exists() and not stale.is_symlink()  # removed when the agent ended
 
 
+async def test_a_relative_log_dir_gives_workers_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: with a relative --log-dir the token file's path was relative too, wrong
+    for a worker that changes its directory."""
+    report = tmp_path / "report"
+    code = f"""
+import os
+os.chdir("/")
+with open({str(report)!r}, "w") as f:
+    f.write(os.environ["ELASTICRUN_STORE_TOKEN_FILE"] + " " + open(os.environ["ELASTICRUN_STORE_TOKEN_FILE"]).read())
+"""
+    monkeypatch.chdir(tmp_path)
+    spec = make_spec(write_script(tmp_path, "worker.py", code), log_dir=Path("logs"),
+                     store_token="store-token-" + secrets.token_hex(8))
+    agent = Agent(spec, static_for(spec, master_port=free_port()))
+    result = await agent.run()
+    assert result.state is WorkerState.SUCCEEDED, result
+    path, credential = report.read_text().split(" ")
+    assert Path(path).is_absolute() and Path(path).is_relative_to(tmp_path / "logs"), path
+    assert credential.startswith("erw2."), credential  # read from there, after the chdir
+
+
 def _warden_of(agent_pid: int) -> int:
     """The pid of the agent's warden (its child running elasticrun.agent.warden)."""
     for entry in os.listdir("/proc"):
@@ -191,7 +214,8 @@ def test_the_warden_holds_no_secret_and_removes_the_token_file_when_the_agent_is
         ],
     )
     token_file = Path(agent.wait_for(r"<stdout>: token file (\S+)$").group(1))
-    assert token_file.read_text() == worker_credential(token, run_id)
+    grant = grant_of_token(token_file.read_text(), token)  # a worker's of this job's run
+    assert grant is not None and grant.role is Role.WORKER and grant.job == run_id and grant.run, grant
     warden = _warden_of(agent.pid)
     environ = Path(f"/proc/{warden}/environ").read_bytes()
     assert token.encode() not in environ and password.encode() not in environ

@@ -47,6 +47,7 @@ from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.channel import grpc_target
 from elasticrun.store.api import MAX_LEASE_TTL
 from elasticrun.store.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
+from elasticrun.store.server import MAX_MULTI_SET_KEYS
 from tests.elastic_cluster import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -544,8 +545,10 @@ def test_key_count_bound_reached_and_passed(fresh: Served, reliability) -> None:
     multi_set = ch.unary_unary(BY_NAME["MultiSet"].path)
     half = DEFAULT_MAX_KEYS // 2
     for part in range(2):
-        names = [f"k{part}-{i}" for i in range(half)]
-        multi_set(pb.MultiSetRequest(keys=names, values=[b"x"] * half).SerializeToString(), metadata=md, timeout=60)
+        for start in range(0, half, MAX_MULTI_SET_KEYS):  # a multi_set's most
+            names = [f"k{part}-{i}" for i in range(start, min(half, start + MAX_MULTI_SET_KEYS))]
+            multi_set(pb.MultiSetRequest(keys=names, values=[b"x"] * len(names)).SerializeToString(),
+                      metadata=md, timeout=60)
     revision, _, count = state(ch, fresh.token)
     assert count == DEFAULT_MAX_KEYS
     code, details, _ = raw_call(ch, BY_NAME["Put"], [pb.PutRequest(key="one-more", value=b"y").SerializeToString()], md, 10)

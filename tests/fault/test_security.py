@@ -21,18 +21,27 @@ whole module takes seconds.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from elasticrun.launcher.control import JobTarget, JobView, read_job
+from elasticrun.rendezvous.state import Keys
 from elasticrun.store.access import parse_access
+from elasticrun.errors import StoreAuthError
+from elasticrun.store.c10d_client import C10dClient
+from elasticrun.store.client import GrpcStore
+from elasticrun.store.credentials import worker_prefix
+from elasticrun.store.server import MAX_STREAMS_PER_CONNECTION
 from tests.agent_helpers import free_port
 from tests.certs import TestCa, write_pair
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
@@ -70,17 +79,22 @@ class Job:
             path.write_text(TICKER)
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        self.store = cluster.start(
-            "store",
+        self.store = self.serve()
+
+    def serve(self, name: str = "store") -> Proc:
+        """`elasticrun store serve` on the job's port, once it serves."""
+        store = self.cluster.start(
+            name,
             [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1",
              "--port", str(self.port), "--token-file", str(self.token_file)],
         )
-        self.store.wait_for(r"serving on")
+        store.wait_for(r"serving on")
+        return store
 
     def agent(self, name: str, *, script: Path | None = None, nnodes: str = "1:3", nproc: int = 1,
-              max_restarts: int = 0, token_file: Path | None | str = "default") -> Proc:
+              max_restarts: int = 0, token_file: Path | None | str = "default", conf: str = "") -> Proc:
         token_file = self.token_file if token_file == "default" else token_file
-        conf = f"{RDZV_CONF},is_host=false" + (f",token_file={token_file}" if token_file else "")
+        conf = f"{RDZV_CONF},is_host=false{conf}" + (f",token_file={token_file}" if token_file else "")
         argv = [
             sys.executable, "-m", "elasticrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
@@ -289,5 +303,197 @@ def test_mutual_tls_on_the_store_an_agent_hosts(cluster: Cluster, tmp_path: Path
         "another CA; an agent without one",
         happened="the certified client read the job; the others were refused at once (exit 2, one line naming "
         "the client certificate); the job ran on undisturbed",
+        restarts=0, lost="nothing",
+    )
+
+
+FLOOD = Path(__file__).resolve().parents[1] / "workers" / "headers_flood.py"
+
+
+async def victim_puts(endpoint: str, token: str, seconds: float) -> list[float]:
+    """An admin client's put latencies, one put every 10 ms for `seconds`, sorted."""
+    victim = GrpcStore(endpoint, token=token)
+    latencies = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.perf_counter()
+        await victim.put("/elasticrun/victim/r/job/state", b"x" * 100)
+        latencies.append(time.perf_counter() - t)
+        await asyncio.sleep(0.01)
+    await victim.close()
+    return sorted(latencies)
+
+
+def test_an_anonymous_headers_flood_stalls_no_one(job: Job, reliability) -> None:
+    """Issue 36: calls opened with no token and no message, as fast as the store takes
+    them over 8 connections, while a 2-node job runs and a third node joins."""
+    a, b = job.agent("a", nnodes="2:3"), job.agent("b", nnodes="2:3")
+    for agent in (a, b):
+        agent.wait_for(r"^\[\d\]<stdout>: tick 3$")
+    flood = job.cluster.start("flood", [sys.executable, str(FLOOD), job.endpoint, "8", "5000000", "10"])
+    flood.wait_for(r"^flooding$")
+    c = job.agent("c", nnodes="2:3")
+    latencies = asyncio.run(victim_puts(job.endpoint, job.token, 3.0))
+    p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
+    assert p99 <= 0.100, f"victim put p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms under the flood"
+    for agent in (a, b, c):  # the newcomer joined: a new round, every node's worker up in it
+        agent.wait_for(r"worker up round=2 ")
+        agent.wait_for(r"^\[\d\]<stdout>: tick 3$", start=agent.text().index("worker up round=2 "))
+    joined_during_flood = "flood-sent" not in flood.text()
+    flood.signal(signal.SIGTERM)
+    counts = dict(item.split("=") for item in flood.wait_for(r"^sent=.*$")[0].split())
+    assert joined_during_flood, f"the flood ended before the newcomer's round: the test showed nothing ({counts})"
+    for agent in (a, b):  # rounds 1 and 2, no membership lost to the flood
+        assert len(re.findall(r"worker up", agent.text())) == 2, agent.text()[-3000:]
+    job.stop_file.touch()
+    for agent in (a, b, c):
+        assert agent.wait_exit() == 0, agent.text()[-3000:]
+    job.store.kill()
+    job.cluster.assert_no_orphans()
+    reliability.record(
+        part="security",
+        scenario="anonymous calls that never send their message (headers-only flood)",
+        injected=f"8 TCP connections sent {int(counts['sent']):,} raw HTTP/2 HEADERS frames (no token, no "
+        "message) in 10 s while a 2-node job ran, a third node joined, and an admin client put a key every 10 ms",
+        happened=f"every call refused from its headers ({counts['answered']} answered UNAUTHENTICATED, the rest "
+        f"REFUSED_STREAM past {MAX_STREAMS_PER_CONNECTION} streams per connection); the newcomer joined in round "
+        f"2 and every worker stepped on; victim put p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms (bound: 100 ms)",
+        restarts=0, lost="nothing",
+        victim_put_p50_ms=round(p50 * 1000, 1), victim_put_p99_ms=round(p99 * 1000, 1),
+    )
+
+
+#: sets 5 c10d keys of 1 KiB with its agent's worker credential, says so, and runs on
+KEY_WRITER = """\
+import os, sys, time
+from pathlib import Path
+from elasticrun.store.c10d_client import C10dClient
+
+stop, endpoint = Path(sys.argv[1]), os.environ["KEY_WRITER_STORE"]
+credential = Path(os.environ["ELASTICRUN_STORE_TOKEN_FILE"]).read_text().strip()
+client = C10dClient(endpoint, token=credential, timeout=10)
+for i in range(5):
+    client.set(f"key{i}", b"x" * 1024)
+print(f"keys set round={os.environ.get('ELASTICRUN_ROUND')}", flush=True)
+while not stop.exists():
+    time.sleep(0.1)
+"""
+
+
+def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Path, reliability) -> None:
+    """Issue 36: after `stop`, the job's worker keys are gone; the credential a worker
+    of that run held is refused once the job runs again under the same id."""
+    writer = tmp_path / "writer.py"
+    writer.write_text(KEY_WRITER)
+    job.cluster._env["KEY_WRITER_STORE"] = job.endpoint
+    admin = functools.partial(GrpcStore, job.endpoint, token=job.token)
+    keys = worker_prefix(job.run_id)
+
+    async def worker_keys() -> list[str]:
+        store = admin()
+        try:
+            return [kv.key for kv in (await store.get_prefix(keys)).kvs]
+        finally:
+            await store.close()
+
+    first = job.agent("first", script=writer, conf=",closed_ttl=0.5")
+    first.wait_for(r"keys set round=1")
+    assert len(asyncio.run(worker_keys())) == 5
+    leaked = next((tmp_path / "logs").glob("*/store_token")).read_text().strip()  # a worker's, copied out
+    stop = subprocess.run(
+        [sys.executable, "-m", "elasticrun", "stop", "--rdzv-id", job.run_id, "--rdzv-backend=c10d",
+         f"--rdzv-endpoint={job.endpoint}", f"--rdzv-conf=token_file={job.token_file}"],
+        capture_output=True, text=True, timeout=60, env=job.cluster._env,
+    )
+    assert stop.returncode == 0, stop.stderr
+    first.wait_exit()
+    assert asyncio.run(worker_keys()) == [], "the stopped job's worker keys outlived it"
+
+    async def closed_record_gone() -> None:  # it lives closed_ttl: until then the id starts no job
+        store = admin()
+        try:
+            async with asyncio.timeout(30):
+                while await store.get(Keys(job.run_id).round) is not None:
+                    await asyncio.sleep(0.05)
+        finally:
+            await store.close()
+
+    asyncio.run(closed_record_gone())
+    second = job.agent("second", script=writer, conf=",closed_ttl=0.5")
+    second.wait_for(r"keys set round=1")
+
+    def with_leaked() -> str:
+        client = C10dClient(job.endpoint, token=leaked, timeout=10)
+        try:
+            client.set("key0", b"evil")
+        except StoreAuthError as e:
+            return str(e)
+        finally:
+            client.close()
+        return "accepted"
+
+    refusal = with_leaked()
+    assert "another run of job" in refusal, refusal
+    assert len(asyncio.run(worker_keys())) == 5  # the new run's, untouched
+    finish(job, second)
+    job.store.kill()
+    job.cluster.assert_no_orphans()
+    reliability.record(
+        part="security",
+        scenario="worker keys and credentials outlive their job",
+        injected="a job's worker set 5 c10d keys; its credential copied out; `elasticrun stop`; the job started "
+        "again under the same id; the copied credential used against it",
+        happened="the keys were deleted with the job's close; the old run's credential was refused "
+        "(UNAUTHENTICATED: another run of the job); the new run's workers set their keys",
+        restarts=0, lost="nothing",
+    )
+
+
+def test_a_store_restart_starts_a_new_run_of_worker_keys_and_credentials(
+    job: Job, tmp_path: Path, reliability
+) -> None:
+    """Issue 36: the store restarted empty under a running job; its agents form it
+    anew, a new run: the old run's worker credential is refused, and the worker keys
+    are the new run's only."""
+    writer = tmp_path / "writer.py"
+    writer.write_text(KEY_WRITER)
+    job.cluster._env["KEY_WRITER_STORE"] = job.endpoint
+    a = job.agent("a", script=writer, conf=",store_host_grace=60")
+    a.wait_for(r"keys set round=1")
+    token_file = next((tmp_path / "logs").glob("*/store_token"))
+    leaked = token_file.read_text().strip()
+    job.store.kill()
+    job.store = job.serve("store-again")
+    a.wait_for(r"keys set round=\d+", start=a.text().index("keys set round=1") + 1)
+
+    async def after() -> tuple[list[str], str]:
+        store = GrpcStore(job.endpoint, token=job.token)
+        try:
+            keys = [kv.key for kv in (await store.get_prefix(worker_prefix(job.run_id))).kvs]
+        finally:
+            await store.close()
+        client = C10dClient(job.endpoint, token=leaked, timeout=10)
+        try:
+            await asyncio.to_thread(client.set, "key9", b"evil")
+            return keys, "accepted"
+        except StoreAuthError as e:
+            return keys, str(e)
+        finally:
+            client.close()
+
+    keys, refusal = asyncio.run(after())
+    assert "another run of job" in refusal, refusal
+    assert sorted(keys) == [worker_prefix(job.run_id) + f"key{i}" for i in range(5)], keys
+    assert token_file.read_text().strip() != leaked  # the agent wrote its workers the new run's
+    finish(job, a)
+    job.store.kill()
+    job.cluster.assert_no_orphans()
+    reliability.record(
+        part="security",
+        scenario="worker credentials across a store restart",
+        injected="a job's worker set 5 c10d keys; its credential copied out; `store serve` killed and started "
+        "again empty on its port; the job formed anew; the copied credential used against it",
+        happened="the job's first node drew a new run: the agent wrote its workers a credential of it; the old "
+        "one was refused (UNAUTHENTICATED: another run of the job); the worker keys were the new run's only",
         restarts=0, lost="nothing",
     )

@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from elasticrun.errors import StoreAuthError, StoreLimitError, StorePermissionError
-from elasticrun.rendezvous.state import JobSpec, encode
+from elasticrun.launcher.gc_settings import settle_gc
+from elasticrun.rendezvous.state import JobLaunch, JobSpec, Keys, encode
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.callers import FairShare
 from elasticrun.store.client import GrpcStore
@@ -122,6 +124,47 @@ async def test_a_worker_credential_reaches_only_its_jobs_worker_keys(
         happened="every Store call refused (PERMISSION_DENIED naming the worker's role, exit 2 at a CLI); the "
         "c10d writes landed in the job's own worker namespace; both jobs' specs unchanged; forged credentials "
         "UNAUTHENTICATED",
+        lost="nothing",
+    )
+
+
+@pytest.mark.security
+async def test_a_new_run_refuses_the_old_runs_credential_and_sweeps_its_keys(
+    server: StoreServer, reliability: Reliability
+) -> None:
+    """A job that starts again without having closed (its agents killed, its store
+    restarted under them) gets a new run: the old run's worker credential is refused,
+    and the old run's keys are found and deleted at the new run's first call."""
+    admin = GrpcStore(server.endpoint, token=TOKEN)
+    launch = Keys("job-a").launch
+    await admin.put(launch, encode(JobLaunch(cwd="/", created_at=0.0, created_by="n1", run="run-1")))
+
+    def set_key(run: str, key: str) -> str:
+        client = C10dClient(server.endpoint, token=worker_credential(TOKEN, "job-a", run), timeout=10)
+        try:
+            client.set(key, b"x")
+            return "set"
+        except StoreAuthError as e:
+            return str(e)
+        finally:
+            client.close()
+
+    assert [await asyncio.to_thread(set_key, "run-1", key) for key in ("a", "b")] == ["set", "set"]
+    await admin.put(launch, encode(JobLaunch(cwd="/", created_at=1.0, created_by="n2", run="run-2")))
+    refused = await asyncio.to_thread(set_key, "run-1", "c")
+    assert "another run of job 'job-a'" in refused, refused
+    assert await asyncio.to_thread(set_key, "run-2", "z") == "set"
+    held = [kv.key for kv in (await admin.get_prefix(worker_prefix("job-a"))).kvs]
+    assert held == [worker_prefix("job-a") + "z"], held  # run-1's keys found and deleted
+    assert await asyncio.to_thread(set_key, "", "s") == "set"  # a standing credential (store credential)
+    await admin.close()
+    reliability.record(
+        part="security",
+        scenario="a worker credential of an earlier run",
+        injected="job-a's launch record named run-1, whose workers set 2 keys; then run-2 (the job started again "
+        "without closing); run-1's credential used again",
+        happened="run-1's credential refused (UNAUTHENTICATED: another run of the job); at run-2's first call its "
+        "keys were found and deleted; a standing credential (`store credential`, no run) still served",
         lost="nothing",
     )
 
@@ -423,4 +466,96 @@ async def test_etcd_roles_split_admin_and_reader(
         happened="roles and users created, then passwords set again; the admin's rendezvous calls and the reader's "
         "reads served; every other call refused (PERMISSION_DENIED, StorePermissionError); no password printed",
         lost="nothing",
+    )
+
+
+KEY_LIST_ABUSER = REPO / "tests" / "workers" / "key_list_abuser.py"
+
+
+class LoopHolds:
+    """The longest any one callback of this thread's event loop ran, in CPU time of this
+    thread less the garbage collector's (what a request's handler step costs the loop,
+    however the machine's other processes delay it), and what ran."""
+
+    def __init__(self) -> None:
+        self.longest, self.what = 0.0, ""
+        self._gc_start = self._gc_spent = 0.0
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.thread_time()
+        else:
+            self._gc_spent += time.thread_time() - self._gc_start
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        run = asyncio.events.Handle._run
+        holds = self
+
+        def timed(handle: asyncio.events.Handle) -> None:
+            gc_before, start = holds._gc_spent, time.thread_time()
+            run(handle)
+            spent = time.thread_time() - start - (holds._gc_spent - gc_before)
+            if spent > holds.longest:
+                holds.longest, holds.what = spent, repr(handle)[:200]
+
+        gc.callbacks.append(self._gc)
+        asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            asyncio.events.Handle._run = run  # type: ignore[method-assign]
+            gc.callbacks.remove(self._gc)
+
+
+@pytest.mark.security
+@pytest.mark.timeout(180)
+async def test_a_workers_key_list_abuse_stalls_no_one(reliability: Reliability) -> None:
+    """Issue 36: c10d check, wait and multi_get with a 1 MiB list of one key (and with
+    the longest list still taken), 16 in flight from another process: no call holds the
+    store's loop over 20 ms, and a victim's put p99 stays within 50 ms."""
+    server = StoreServer("127.0.0.1", 0, token=TOKEN)
+    await server.start()
+    abuser = None
+    holds = LoopHolds()
+    thresholds = gc.get_threshold()
+    settle_gc()  # the collector's settings of `store serve` and the agents, for this process's server
+    try:
+        abuser = await start(sys.executable, str(KEY_LIST_ABUSER), server.endpoint, worker_credential(TOKEN, "job-a"))
+        await line_with(abuser, "abusing")
+        victim = GrpcStore(server.endpoint, token=TOKEN)
+        latencies = []
+        with holds.measuring():
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                t = time.perf_counter()
+                await victim.put("/elasticrun/victim/r/job/state", b"x" * 100)
+                latencies.append(time.perf_counter() - t)
+                await asyncio.sleep(0.01)
+        await victim.close()
+        report = await stopped(abuser)
+        figures = dict(item.split("=") for item in report.strip().splitlines()[-1].split())
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
+        if abuser is not None:
+            await stopped(abuser)
+        await server.stop()
+    latencies.sort()
+    p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
+    assert figures["errors"] == "0" and int(figures["calls"]) > 0, report
+    assert holds.longest <= 0.020, f"one callback held the loop {holds.longest * 1000:.1f} ms: {holds.what}"
+    assert p99 <= 0.050, f"victim put p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms under abuse ({figures})"
+    reliability.record(
+        part="security",
+        scenario="one worker holds the loop (c10d key lists)",
+        injected="with its worker credential, from its own process, 16 c10d check, wait and multi_get calls at a "
+        "time naming the key 'r' 340,000 times (1 MiB) or 10,000 distinct keys, while a victim put a key every 10 ms",
+        happened=f"the 1 MiB lists refused unparsed (RESOURCE_EXHAUSTED: {figures['refused']} calls), the longest "
+        f"served ({figures['calls']} calls) one at a time; the longest callback held the store's loop "
+        f"{holds.longest * 1000:.1f} ms of CPU (bound: 20 ms); victim put p50 {p50 * 1000:.1f} ms, "
+        f"p99 {p99 * 1000:.1f} ms (bound: 50 ms)",
+        lost="nothing",
+        loop_hold_max_ms=round(holds.longest * 1000, 1),
+        victim_put_p50_ms=round(p50 * 1000, 1), victim_put_p99_ms=round(p99 * 1000, 1),
     )

@@ -25,8 +25,9 @@ class Payload:
 
 
 if role == "attacker":
-    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(2)]
-    dist.all_gather(gathered, torch.tensor([99, 1], dtype=torch.int64))  # "I hold the newest commit"
+    gathered = [torch.zeros(3, dtype=torch.int64) for _ in range(2)]
+    # "I hold the newest commit": 99 commits, the last in round 1, synced before
+    dist.all_gather(gathered, torch.tensor([99, 1, 1], dtype=torch.int64))
     dist.send_object_list([Payload()], dst=0)
 else:
     state = State(model=torch.nn.Linear(2, 2), step=0)

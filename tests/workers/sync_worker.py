@@ -1,7 +1,7 @@
 """Every rank of tests/test_inprocess_parts.py's State.sync() check, one forked process each.
 
 argv: port commits out_dir [survivor_port], commits being one count per rank ("0,3,1": three
-ranks). The ranks fork from this process once it has imported torch, so the check pays
+ranks); or port `frozen` out_dir port2 port3: issue 36's frozen node (`run_frozen`). The ranks fork from this process once it has imported torch, so the check pays
 for one import of torch (and of torch._dynamo) instead of one per rank (most of its time on two cores); any rank
 failing ends the others and the exit status is 1. Every rank builds the same model and an Adam
 optimizer (its step counters are CPU tensors, its moments tensors), then makes its
@@ -63,9 +63,48 @@ def run_rank(rank: int, world: int, port: int, commits: int, out: str, survivor_
     dist.destroy_process_group()
 
 
+def run_frozen(rank: int, ports: list[int], out: str) -> None:
+    """Issue 36's frozen node, rank 2 of 3: all three sync in round 1 and commit once;
+    rank 2 commits one step more (then freezes); ranks 0 and 1 go on in round 2 without
+    it and commit once (as many commits as rank 2 now, another state); all three meet in
+    round 3."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    state = State(model=model, step=0, tag="start")
+
+    def group(round_number: int, port: int, world: int, ranks: int) -> None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ranks, world_size=world)
+        state._attach(None, round_number)
+        state.sync()
+
+    def step(tag: str) -> None:
+        with torch.no_grad():
+            model.weight.add_(1.0 if tag == "survivors" else 100.0)
+        state.step += 1
+        state.tag = tag
+        state.commit()
+
+    group(1, ports[0], 3, rank)
+    step("round 1")
+    dist.destroy_process_group()
+    if rank == 2:
+        step("frozen")  # its last step before it froze: one more than the others
+    else:
+        group(2, ports[1], 2, rank)
+        step("survivors")
+        dist.destroy_process_group()
+    torch.save({"tag": state.tag, "step": state.step, "weight": model.weight.clone(), "commits": state.commits},
+               f"{out}/{rank}.before.pt")
+    group(3, ports[2], 3, rank)
+    torch.save({"tag": state.tag, "step": state.step, "weight": model.weight.clone(), "commits": state.commits},
+               f"{out}/{rank}.after.pt")
+    dist.destroy_process_group()
+
+
 def main() -> int:
     port, out = int(sys.argv[1]), sys.argv[3]
-    commits = [int(c) for c in sys.argv[2].split(",")]
+    frozen = sys.argv[2] == "frozen"
+    commits = [0, 0, 0] if frozen else [int(c) for c in sys.argv[2].split(",")]
     survivor_port = int(sys.argv[4]) if len(sys.argv) > 4 else None
     # An optimizer's constructor imports torch._dynamo (as long again as torch): once here
     import torch._dynamo  # noqa: F401
@@ -80,7 +119,10 @@ def main() -> int:
             if os.getppid() != parent:
                 os._exit(1)
             try:
-                run_rank(rank, len(commits), port, count, out, survivor_port)
+                if frozen:
+                    run_frozen(rank, [port, *map(int, sys.argv[4:6])], out)
+                else:
+                    run_rank(rank, len(commits), port, count, out, survivor_port)
             except BaseException:
                 traceback.print_exc()
                 os._exit(1)

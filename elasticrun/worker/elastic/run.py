@@ -103,7 +103,7 @@ def _run_elastic(
             session.interrupt()  # said before the callback was in place: join() refuses
         try:
             session.join()
-            state._attach(functools.partial(_check_membership, link, assignment.round))
+            state._attach(functools.partial(_check_membership, link, assignment.round), assignment.round)
             state.sync()
             count_steps_afresh()  # the step timing reports this round's steps
             return call()

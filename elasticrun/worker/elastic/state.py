@@ -9,6 +9,13 @@ a pending membership change is noticed; `restore()` rolls back to it; `sync()` m
 every rank of a new group hold the newest commit any rank has: new workers get it from
 a survivor, never from disk, and survivors move nothing among themselves.
 
+Each commit carries its lineage: how many commits led to it and the round it was made
+in. Two ranks hold the same state only if their lineages are equal; a count alone is
+not enough (issue 36): a node that froze just after committing one step more than the
+others, and came back when the others had committed as often in a later round without
+it, holds another state under the same count. `sync()` thus copies to every rank whose
+lineage is not the newest, whatever its count.
+
 Each named object is kept by what it is: a `torch.nn.Module` by its tensors, anything else with `state_dict()` and
 `load_state_dict()` (an optimizer, an LR scheduler, a GradScaler) by its state dict,
 and plain values by value. `sync()` sends every tensor among them as a tensor (in
@@ -120,6 +127,11 @@ class State:
         slots = {name: _slot(value) for name, value in objects.items()}
         object.__setattr__(self, "_slots", slots)
         object.__setattr__(self, "commits", 0)
+        #: the round of the group the last commit was made in (0: none, or outside the
+        #: elastic wrapper): with `commits`, the commit's lineage
+        object.__setattr__(self, "committed_in", 0)
+        #: the round of the group this process is in now (the elastic wrapper sets it)
+        object.__setattr__(self, "_round", 0)
         #: set by the elastic wrapper: raises MembershipChanged when the round is over
         object.__setattr__(self, "_check", None)
         #: whether this process's state came out of a sync (see sync())
@@ -151,6 +163,7 @@ class State:
         for slot in self._slots.values():
             slot.snapshot()
         object.__setattr__(self, "commits", self.commits + 1)
+        object.__setattr__(self, "committed_in", self._round)
         if self._check is not None:
             self._check()
 
@@ -163,12 +176,14 @@ class State:
         """Give every rank of the current group the newest commit any rank holds.
 
         Collective: every rank calls it (the elastic wrapper does, after each re-forming).
-        Ranks that hold the newest commit and have synced before (they trained in the
-        same rounds, so their commits are the same) are current and keep their state;
-        each other rank receives it from one of them, newcomers spread over the current
-        ranks. A node leaving moves no state at all; a node joining moves one copy per
-        newcomer. In a group where no one has synced yet (a job's first round), the
-        lowest rank with the most commits is the one source.
+        The newest commit is the one with the most commits, of the latest round among
+        those. Ranks that hold it, by its lineage (as many commits, the last made in
+        the same round), and have synced before (they trained in the same rounds, so
+        their commits are the same) are current and keep their state; each other rank
+        receives it from one of them, newcomers spread over the current ranks, whatever
+        its own count. A node leaving moves no state at all; a node joining moves one
+        copy per newcomer. In a group where no one has synced yet (a job's first round),
+        the lowest rank with the newest commit is the one source.
         """
         if not dist.is_initialized():
             return
@@ -176,12 +191,14 @@ class State:
             object.__setattr__(self, "_synced_before", True)
             return
         device = flag_device()
-        mine = torch.tensor([self.commits, int(self._synced_before)], dtype=torch.int64, device=device)
-        gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+        mine = torch.tensor(
+            [self.commits, self.committed_in, int(self._synced_before)], dtype=torch.int64, device=device
+        )
+        gathered = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
-        held = [(int(t[0].item()), bool(t[1].item())) for t in gathered]
-        newest = max(commits for commits, _ in held)
-        candidates = [r for r, (commits, _) in enumerate(held) if commits == newest]
+        held = [((int(t[0].item()), int(t[1].item())), bool(t[2].item())) for t in gathered]
+        newest = max(lineage for lineage, _ in held)
+        candidates = [r for r, (lineage, _) in enumerate(held) if lineage == newest]
         current = [r for r in candidates if held[r][1]] or candidates[:1]
         behind = [r for r in range(len(held)) if r not in current]
         rank = dist.get_rank()
@@ -191,7 +208,8 @@ class State:
                     self._send_to(receiver)
         else:
             self._receive_from(current[behind.index(rank) % len(current)])
-        object.__setattr__(self, "commits", newest)
+        object.__setattr__(self, "commits", newest[0])
+        object.__setattr__(self, "committed_in", newest[1])
         object.__setattr__(self, "_synced_before", True)
         for slot in self._slots.values():
             slot.snapshot()
@@ -212,8 +230,12 @@ class State:
         for name, payload in payloads.items():
             self._slots[name].load(payload)
 
-    def _attach(self, check: Callable[[], None] | None) -> None:
+    def _attach(self, check: Callable[[], None] | None, round_number: int | None = None) -> None:
+        """The elastic wrapper's membership check, and (when given) the round of the
+        group this process is now in, which the commits made from now on carry."""
         object.__setattr__(self, "_check", check)
+        if round_number is not None:
+            object.__setattr__(self, "_round", round_number)
 
 
 #: the most bytes of tensors copied into one buffer for one broadcast

