@@ -391,6 +391,27 @@ def test_the_lease_ttl_grows_with_the_jobs_max_past_2000_nodes() -> None:
     assert ttl("--nnodes=1:10000", "--rdzv-conf", "heartbeat_timeout=8") == 8.0  # given: as given
 
 
+def test_the_straggler_check_is_on_by_default_its_keys_are_shared_and_off_times_nothing() -> None:
+    base = ("--rdzv-backend=c10d", "--rdzv-endpoint=localhost:1", "--rdzv-id=j", "--nnodes=2")
+    default = config(*base, str(SPEAK))
+    assert default.rdzv.settings.straggler == "report" and default.worker.step_timing
+    s = default.rdzv.settings
+    assert (s.straggler_relative, s.straggler_after, s.straggler_interval) == (1.25, 3, 5.0)
+    tuned = config(*base, "--straggler=replace", "--rdzv-conf",
+                   "straggler_relative=1.5,straggler_after=2,straggler_interval=1", str(SPEAK))
+    t = tuned.rdzv.settings
+    assert (t.straggler, t.straggler_relative, t.straggler_after, t.straggler_interval) == ("replace", 1.5, 2, 1.0)
+    assert tuned.job_spec.straggler == "replace"  # every node of the job must agree
+    assert set(tuned.job_spec.rdzv_conf) == {"straggler_relative", "straggler_after", "straggler_interval"}
+    assert not config(*base, "--straggler=off", str(SPEAK)).worker.step_timing
+    for bad, message in (("straggler_relative=1", "must be a number above 1"),
+                         ("straggler_relative=nan", "must be a number above 1"),
+                         ("straggler_after=0", "must be a whole number >= 1"),
+                         ("straggler_interval=-1", "must be a positive number of seconds")):
+        with pytest.raises(UsageError, match=message):
+            config(*base, "--rdzv-conf", bad, str(SPEAK))
+
+
 def test_torchruns_own_rdzv_conf_keys_are_accepted(caplog: pytest.LogCaptureFixture) -> None:
     """torchrun command lines run unchanged: keys we have no counterpart for only warn."""
     cfg = config("--standalone", "--rdzv-conf", "close_timeout=10,store_type=tcp,protocol=http",

@@ -562,3 +562,57 @@ def test_a_member_whose_liveness_port_refused_is_dead_at_once_the_others_wait_fo
     assert "lost c (agent gone: c refused the liveness check)" in d.reason
     stopped = replace(view, refused=frozenset())
     assert decide(stopped, SETTINGS, now=10.2).round is None  # a stopped node: the TTL judges
+
+
+# --- stragglers taken out (--straggler=replace, issue 35) -------------------------------------
+
+SLOW = (("b", "compute 600ms a step, 3.0x the other nodes' median (200ms)"),)
+
+
+def test_a_straggler_is_replaced_by_a_waiting_spare_and_kept_out():
+    fixed = RendezvousSettings(run_id="job", min_nodes=2, max_nodes=2)
+    view = View(nodes=nodes(node("a"), node("b"), node("s", 5.0)), round=running("a", "b", number=3), slow=SLOW)
+    d = decide(view, fixed, now=100.0)
+    assert members(d) == ["a", "s"]  # the spare takes the straggler's place, at once
+    assert d.round is not None and d.round.restart_count == 0  # a membership change: free
+    assert d.reason.startswith("quarantined b; joined: s; quarantined b for 60s (straggler: compute 600ms")
+    entry = d.quarantine.get("b") if d.quarantine else None
+    assert entry is not None and entry.active(100.0) and entry.reason.startswith("straggler: compute 600ms")
+    # it does not come straight back: while quarantined it is no spare either
+    after = View(nodes=view.nodes, round=d.round, quarantine=d.quarantine)
+    assert decide(after, fixed, now=110.0).round is None
+
+
+def test_a_straggler_goes_without_a_spare_when_the_elastic_range_allows():
+    view = View(nodes=nodes(node("a"), node("b"), node("c")), round=running("a", "b", "c", number=3), slow=SLOW)
+    d = decide(view, SETTINGS, now=100.0)  # min 2: two nodes at full speed beat three at a third
+    assert members(d) == ["a", "c"]
+
+
+def test_a_straggler_is_only_reported_when_the_job_would_go_below_min():
+    view = View(nodes=nodes(node("a"), node("b")), round=running("a", "b", number=3), slow=SLOW)
+    d = decide(view, SETTINGS, now=100.0)
+    assert d.round is None and d.quarantine is None  # no quarantine without the replacement
+    assert d.reason == (
+        "round 3 running with 2 nodes; straggler b kept: no spare, and the job runs at its minimum of 2 nodes"
+    )
+
+
+def test_stragglers_are_replaced_one_at_a_time_the_slowest_first():
+    two_slow = (("c", "3.0x"), ("b", "2.0x"))
+    roomy = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=4)
+    view = View(nodes=nodes(node("a"), node("b"), node("c")), round=running("a", "b", "c", number=3), slow=two_slow)
+    d = decide(view, roomy, now=100.0)
+    assert members(d) == ["a", "b"]
+    assert d.quarantine is not None and d.quarantine.active(100.0).keys() == {"c"}
+    # a straggler that is no longer in the round is skipped for the next one
+    gone = View(nodes=nodes(node("a"), node("b")), round=running("a", "b", number=4), slow=two_slow)
+    assert members(decide(gone, roomy, now=100.0)) == ["a"]
+
+
+def test_a_straggler_waits_while_the_round_changes_for_another_reason():
+    # a node was lost: that round comes first, the straggler is judged again in the next
+    view = View(nodes=nodes(node("a"), node("b")), round=running("a", "b", "c", number=3), slow=SLOW)
+    d = decide(view, SETTINGS, now=100.0)
+    assert members(d) == ["a", "b"] and d.reason == "lost c"
+    assert d.quarantine is not None and not d.quarantine.active(100.0)  # c's drop-out counted, b kept

@@ -88,7 +88,9 @@ def test_a_rank_stuck_in_a_function_is_named_with_its_node_function_and_line(
         a.wait_for(r"step=2 rank=\d+ world=4 group_rank=\d+ restart=1 ", timeout=120)
     status = control(cluster, "status", f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={job}")
     assert status.returncode == 0, status.stderr
-    shown = r"^stacks \d\d:\d\d:\d\d \(\S+: worker rank \d hung: no progress for \d+s; 2 of 2 nodes\): "
+    # the hang's reason, with where its worker waited when it waited in a collective
+    hung = r"worker rank \d hung: no progress for \d+s( \(waiting in all_reduce for \d+s\))?"
+    shown = rf"^stacks \d\d:\d\d:\d\d \(\S+: {hung}; 2 of 2 nodes\): "
     assert re.search(shown + want, status.stdout, re.M), status.stdout
     data = json.loads(control(cluster, "status", "--json", f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={job}").stdout)
     assert data["stacks"]["done"] and any(re.search(want, s) for s in data["stacks"]["summary"])

@@ -1,6 +1,7 @@
 """Every background task of a node is supervised: one that dies of an unexpected error
 ends the node's membership with the cause (its workers stop, it registers again), so a
-node never looks alive while its heartbeat, job watch, reporter or leader is dead."""
+node never looks alive while its heartbeat, job watch, reporter or leader (with its
+watch and its straggler judge) is dead."""
 
 from __future__ import annotations
 
@@ -61,22 +62,27 @@ def the_leader(*nodes: ElasticRendezvous) -> ElasticRendezvous:
         ("reporter", "reporter"),
         ("leader", "leader"),
         ("leader's watch", "leader"),  # the leader's own helper task: the leader fails
+        ("straggler judge", "leader"),  # the leader's other helper: the step times judged
     ],
 )
 async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
     task: str, failed: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = FaultyStore()
-    s = settings(2, 2)
+    s = settings(2, 2, straggler_interval=0.2)
     a, b = make_node(store, "a", s), make_node(store, "b", s)
     first = await asyncio.gather(a.next_round(), b.next_round())
     victim = the_leader(a, b) if failed == "leader" else a
 
-    real_decide = leader_module.decide
+    real_decide, real_judge = leader_module.decide, leader_module.judge
     if task == "leader":
         def decide(*args: object, **kw: object) -> object:
             raise Injected("decision")
         monkeypatch.setattr(leader_module, "decide", decide)
+    if task == "straggler judge":
+        def judge(*args: object, **kw: object) -> object:
+            raise Injected("verdict")
+        monkeypatch.setattr(leader_module, "judge", judge)
     store.broken = task
     # Something for every task to act on: a write the watches and the leader see, and
     # an event to publish; the keep-alive runs by itself.
@@ -91,6 +97,7 @@ async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
     # The node registers again and the job goes on at the same size.
     store.broken = ""
     monkeypatch.setattr(leader_module, "decide", real_decide)
+    monkeypatch.setattr(leader_module, "judge", real_judge)
     other = b if victim is a else a
 
     async def after_round_ended(node: ElasticRendezvous) -> object:

@@ -129,6 +129,7 @@ def test_heartbeats_restart_the_clock_and_the_silent_one_is_named(tmp_path: Path
     clock.now = 110.0
     found = dog.check()
     assert found is not None and found.local_rank == 1 and found.silent_for == 10.0
+    assert dog.silences() == {0: pytest.approx(2.0, abs=0.5), 1: 10.0}  # what the agent weighs besides
     # once rank 1 shows progress too, the next possible verdict is rank 0's, from 108
     touch(Path(dog.env(1)["ELASTICRUN_PROGRESS_FILE"]))
     assert dog.check() is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import json
 import logging
@@ -38,6 +39,7 @@ from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.runfolder import create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
+from elasticrun.agent.steptimes import READ_INTERVAL, StepTimes
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.errors import (
     EXIT_INFRASTRUCTURE,
@@ -196,6 +198,8 @@ class _Group:
     #: its workers' stacks (elasticrun.agent.group_stacks)
     stacks: GroupStacks
     duplicates: Duplicates | None = None
+    #: the workers' step timing files (spec.step_timing)
+    steps: StepTimes | None = None
     #: it has run a round (in-process mode starts it before the first)
     ran: bool = False
 
@@ -495,7 +499,8 @@ class Agent:
         if self.metrics is not None:
             self.metrics.running()
         broken = () if self._channel is None else (self._broken(assignment.round),)
-        hung = () if dog is None or spec.progress_timeout is None else (self._hung(dog),)
+        hung = () if dog is None or spec.progress_timeout is None else (self._hung(dog, group.steps),)
+        timed = () if group.steps is None else (self._time_steps(group.steps, assignment),)
         try:
             # The round's end goes first: workers that failed because the round ended
             # elsewhere (peers gone, this node's lease lost) are no failure of theirs.
@@ -508,6 +513,7 @@ class Agent:
                 *(self._watched(watch) for watch in self.watches),
                 *broken,
                 group.stacks.answer(assignment),
+                *timed,
             )
         except BaseException:
             await self._stop_group()
@@ -573,9 +579,35 @@ class Agent:
             self.spec.progress_timeout, self.run_dir / "progress", range(self.spec.nproc_per_node)
         )
 
-    async def _hung(self, dog: ProgressWatchdog) -> tuple[Outcome, str]:
-        self._hang = await dog.hang()
+    async def _hung(self, dog: ProgressWatchdog, steps: StepTimes | None) -> tuple[Outcome, str]:
+        hang = await dog.hang()
+        waiting = steps.waiting_in(hang.local_rank) if steps is not None else ""
+        if waiting:
+            # It waits in a collective for a peer. A worker of this node that has been
+            # silent half as long outside any collective is what it waits for: that
+            # one is the hang (its last step came a moment after the other's).
+            silences = dog.silences()
+            assert steps is not None and dog.timeout is not None
+            stuck = [r for r, silent in silences.items() if silent >= dog.timeout / 2 and not steps.waiting_in(r)]
+            if stuck:
+                rank = max(stuck, key=lambda r: (silences[r], -r))
+                hang = Hang(local_rank=rank, silent_for=silences[rank])
+            else:
+                hang = dataclasses.replace(hang, waiting=waiting)
+        self._hang = hang
         return Outcome.FAILED, "a worker hung"
+
+    async def _time_steps(self, steps: StepTimes, assignment: Assignment) -> tuple[Outcome, str]:
+        """Report this node's step timing while the round runs (it never ends an attempt)."""
+        last = None
+        while True:
+            await asyncio.sleep(READ_INTERVAL)
+            report = steps.report(self.spec.node_id, assignment)
+            if report is not None and dataclasses.replace(report, at=0.0) != last:
+                last = dataclasses.replace(report, at=0.0)
+                self.handler.report_steps(report)
+                if self.metrics is not None:
+                    self.metrics.steps(report)
 
     async def _warm_up(self, channel: WorkerChannel) -> None:
         """In-process mode: start the workers before joining, so the job does not wait
@@ -639,6 +671,10 @@ class Agent:
         self._token_file = self._write_token_file(assignment.run if assignment is not None else "")
         envs, error_files, plans, stack_files = {}, {}, {}, {}
         make_private_folder(attempt_dir)
+        steps = None
+        if spec.step_timing:
+            make_private_folder(self.run_dir / "steps")
+            steps = StepTimes(self.run_dir / "steps", range(spec.nproc_per_node))
         for local_rank in range(spec.nproc_per_node):
             worker_dir = attempt_dir / str(local_rank)
             make_private_folder(worker_dir)
@@ -649,6 +685,8 @@ class Agent:
             )
             if dog is not None:
                 envs[local_rank].update(dog.env(local_rank))
+            if steps is not None:
+                envs[local_rank].update(steps.env(local_rank))
             stack_files[local_rank] = worker_dir / "stacks"
             prepare_file(stack_files[local_rank])
             envs[local_rank].update(stacks_env(stack_files[local_rank]))
@@ -663,7 +701,7 @@ class Agent:
             workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)
         duplicates = Duplicates(attempt_dir, spec.duplicate_filters) if spec.duplicate_filters else None
         stacks = GroupStacks(self._stacks, self.handler, workers, stack_files, attempt_dir)
-        group = _Group(workers, {}, error_files, stacks, duplicates)
+        group = _Group(workers, {}, error_files, stacks, duplicates, steps)
         try:
             for local_rank, proc in workers.procs.items():
                 group.outputs[local_rank] = WorkerOutput(

@@ -11,15 +11,17 @@ Every metric is listed, with its meaning, in docs/deployment.md ("Metrics").
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
 from elasticrun import __version__
 from elasticrun.agent.health_check import CheckResult
 from elasticrun.agent.spec import WorkerState
 from elasticrun.rendezvous.api import Assignment
+from elasticrun.rendezvous.state import StepReport
 
 #: seconds from a change to running again: a membership change in place takes well
 #: under a second, a restart of big workers minutes
@@ -71,6 +73,18 @@ class AgentMetrics:
         self.quarantined = Gauge(
             "elasticrun_quarantined_nodes", "Nodes of the job kept out by a quarantine now", registry=r
         )
+        self.step_compute = Gauge(
+            "elasticrun_step_compute_seconds",
+            "This node's compute time per step: the step's wall time less its waits for peers, median of the "
+            "recent steps of its slowest worker (0: no steps timed yet)", registry=r,
+        )
+        self.step_wall = Gauge(
+            "elasticrun_step_seconds", "The wall time per step of this node's slowest worker, median of its recent "
+            "steps (0: no steps timed yet)", registry=r,
+        )
+        self.stragglers = Gauge(
+            "elasticrun_stragglers", "On the leader's agent: nodes of the job named stragglers now", registry=r
+        )
         self._health: tuple[Counter, Gauge, Info] | None = None
         if health_check:
             self._health = (
@@ -92,6 +106,16 @@ class AgentMetrics:
         """Read the job's quarantined nodes from `count` at each scrape (a thread-safe read)."""
         self.quarantined.set_function(lambda: float(count()))
 
+    def stragglers_from(self, scores: Callable[[], Mapping[str, tuple[float, float, bool]]]) -> None:
+        """Read the leader's straggler scores from `scores` at each scrape (node id ->
+        relative, individual, named; empty on an agent that does not lead)."""
+        self.stragglers.set_function(lambda: float(sum(named for *_, named in scores().values())))
+        self.registry.register(_StragglerScores(scores))
+
+    def steps(self, report: StepReport) -> None:
+        """This node's step timing changed."""
+        self.step_compute.set(report.compute)
+        self.step_wall.set(report.wall)
     def health_checked(self, result: CheckResult) -> None:
         """One run of --health-check ended."""
         assert self._health is not None, "made without health_check"
@@ -136,3 +160,30 @@ class AgentMetrics:
         if self._ended_at is not None:
             self.recovery.observe(time.monotonic() - self._ended_at)
             self._ended_at = None
+
+
+class _StragglerScores:
+    """`elasticrun_straggler_score{node_id, score}`: one series per scored node and score,
+    on the leader's agent, made at each scrape from the leader's latest verdict."""
+
+    def __init__(self, scores: Callable[[], Mapping[str, tuple[float, float, bool]]]) -> None:
+        self._scores = scores
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for node_id, (relative, individual, _) in sorted(self._scores().items()):
+            family.add_metric([node_id, "relative"], relative)
+            family.add_metric([node_id, "individual"], individual)
+        yield family
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "elasticrun_straggler_score",
+            "On the leader's agent: each node's straggler scores, its compute time per step over the other nodes' "
+            "median (relative) and over its own best of the round (individual)",
+            labels=["node_id", "score"],
+        )

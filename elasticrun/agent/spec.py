@@ -113,6 +113,9 @@ class WorkerSpec:
     forgive_after: float | None = None
     #: keep surviving workers running across rounds (--elastic-mode=in-process)
     in_process: bool = False
+    #: give each worker a step timing file (elasticrun.agent.steptimes) and report the
+    #: node's step compute time for the straggler check (--straggler other than off)
+    step_timing: bool = False
     #: torchrun's file timer (TORCHELASTIC_ENABLE_FILE_TIMER=1): the FIFO's path, or ""
     #: for one in the agent's run folder; None: off (elasticrun.agent.filetimer)
     file_timer: str | None = None

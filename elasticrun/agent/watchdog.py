@@ -3,10 +3,11 @@
 Process supervision sees a worker that exits, never one that is stuck (a deadlocked
 collective, a data loader that waits forever). With `--progress-timeout` each worker
 gets a file of its own (`env()`: ELASTICRUN_PROGRESS_FILE) that its script touches
-through `elasticrun.worker.heartbeat()`; `hang()` returns as soon as one worker has made
-no progress for the timeout, counted from the watchdog's creation (the workers' start)
-and then from its latest heartbeat. One watchdog per attempt: create it when the
-workers start.
+through `elasticrun.worker.heartbeat()`, and that its step timing touches when the
+script made a step (an optimizer's step: elasticrun.worker.steptime), so that a plain
+script is watched too. `hang()` returns as soon as one worker has made no progress for
+the timeout, counted from the watchdog's creation (the workers' start) and then from
+its latest heartbeat. One watchdog per attempt: create it when the workers start.
 
 It reads nothing while it waits: it sleeps until the earliest moment a worker could
 be overdue, then looks at the files' modification times once (a stat per worker). A
@@ -36,10 +37,14 @@ class Hang:
 
     local_rank: int
     silent_for: float
+    #: where it waits, when its step timing says (`waiting in all_reduce for 58s`)
+    waiting: str = ""
 
     def reason(self, global_rank: int) -> str:
-        """The one-line cause: `worker rank 3 hung: no progress for 61s`."""
-        return f"worker rank {global_rank} hung: no progress for {self.silent_for:.0f}s"
+        """The one-line cause: `worker rank 3 hung: no progress for 61s (waiting in
+        all_reduce for 58s)`."""
+        where = f" ({self.waiting})" if self.waiting else ""
+        return f"worker rank {global_rank} hung: no progress for {self.silent_for:.0f}s{where}"
 
 
 @dataclass
@@ -111,6 +116,10 @@ class ProgressWatchdog:
         silent = now - worst.progress_at
         return Hang(local_rank=rank, silent_for=silent) if silent >= self.timeout else None
 
+    def silences(self) -> dict[int, float]:
+        """How long each worker had made no progress at the latest look (`check`)."""
+        return {rank: self._looked_at - w.progress_at for rank, w in self._workers.items()}
+
     def next_check_at(self) -> float | None:
         """The earliest moment (watchdog clock) a worker could be overdue."""
         if not self._workers or self.timeout is None:
@@ -148,7 +157,11 @@ def hang_failure(
     (wall clock, default now). The "traceback" names the hang and shows the worker's
     last stderr lines, which often say where it waited.
     """
-    detail = f"hung: no progress for {hang.silent_for:.0f}s (--progress-timeout={timeout:g}s); the agent stopped it"
+    where = f", {hang.waiting}" if hang.waiting else ""
+    detail = (
+        f"hung: no progress for {hang.silent_for:.0f}s (--progress-timeout={timeout:g}s{where}); "
+        "the agent stopped it"
+    )
     tail = traceback_from_stderr(stderr_tail)
     return WorkerFailure(
         node_id=node_id,

@@ -65,13 +65,14 @@ MAX_NPROC_PER_NODE = 1024
 #: --rdzv-conf keys that hold seconds: checked when parsed (job control reads some too)
 TIMING_RDZV_CONF = (
     "join_timeout", "last_call_timeout", "heartbeat_timeout", "heartbeat_interval", "closed_ttl", "store_timeout",
-    "store_host_grace",
+    "store_host_grace", "straggler_interval",
 )
 
 #: --rdzv-conf keys that are part of the job spec: every node must use the same
 SHARED_RDZV_CONF = (
     "last_call_timeout", "heartbeat_timeout", "heartbeat_interval", "closed_ttl",
     "quarantine_after", "quarantine_cooldown", "quarantine_cooldown_max",
+    "straggler_relative", "straggler_after", "straggler_interval",
 )
 
 #: --rdzv-conf keys, with what they mean (shown in the error for an unknown key)
@@ -87,6 +88,11 @@ RDZV_CONF_KEYS = {
     ),
     "quarantine_cooldown": "seconds of a node's first quarantine; each further one lasts twice as long (default 60)",
     "quarantine_cooldown_max": "the longest quarantine, in seconds; a node quiet this long is forgiven (default 3600)",
+    "straggler_relative": (
+        "a node is slow when its compute time per step is this many times the other nodes' median (default 1.25)"
+    ),
+    "straggler_after": "evaluations in a row that find a node slow before it is named a straggler (default 3)",
+    "straggler_interval": "seconds between straggler evaluations, and between a node's step reports (default 5)",
     "is_host": "c10d: this agent hosts the store (true/false; default: when the endpoint is local)",
     "token_file": f"c10d: file with the store's token (default: ${TOKEN_ENV})",
     "require_token": "c10d: refuse to run without a store token (true/false; default false)",
@@ -366,6 +372,28 @@ def _host_name(host: str) -> bool:
     return True
 
 
+def _ratio(value: str | None, flag: str, default: float) -> float:
+    """A factor above 1 (how many times slower)."""
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not (number > 1 and math.isfinite(number)):
+        raise UsageError(f"{flag} must be a number above 1 (how many times slower), got {value!r}")
+    return number
+
+
+def _count(value: str | None, flag: str, default: int) -> int:
+    """A whole number >= 1."""
+    if value is None:
+        return default
+    if not (value.strip().isascii() and value.strip().isdigit() and int(value) >= 1):
+        raise UsageError(f"{flag} must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
 def _whole(value: str | None, flag: str, default: int) -> int:
     if value is None:
         return default
@@ -610,6 +638,10 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         quarantine_cooldown=probe.conf_float("quarantine_cooldown", 60.0),
         quarantine_cooldown_max=probe.conf_float("quarantine_cooldown_max", 3600.0),
         node_unit=args.node_unit,
+        straggler=args.straggler,
+        straggler_relative=_ratio(conf.get("straggler_relative"), "--rdzv-conf straggler_relative", 1.25),
+        straggler_after=_count(conf.get("straggler_after"), "--rdzv-conf straggler_after", 3),
+        straggler_interval=probe.conf_float("straggler_interval", 5.0),
     )
     if settings.keep_alive_interval >= settings.heartbeat_ttl:
         raise UsageError(
@@ -667,6 +699,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         elastic_mode=args.elastic_mode,
         progress_timeout=args.progress_timeout,
         role=args.role,
+        straggler=args.straggler,
         # rendezvous timings every node must share (secrets and local paths stay out)
         rdzv_conf={k: v for k, v in conf.items() if k in SHARED_RDZV_CONF},
     )
@@ -881,6 +914,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         forgive_heartbeat=spec.forgive_progress == "heartbeat",
         forgive_after=None if spec.forgive_progress in ("", "heartbeat") else float(spec.forgive_progress),
         in_process=spec.elastic_mode == "in-process",
+        step_timing=spec.straggler != "off",
         # the store's secrets stay in the agent; its workers get the token in a file
         withheld_env=store.secret_env if store is not None else SECRET_ENV,
         store_token=store.token if store is not None else None,

@@ -31,6 +31,8 @@ from elasticrun.rendezvous.state import (
     QuarantineTable,
     Round,
     StacksRequest,
+    StepReport,
+    StragglerReport,
 )
 from elasticrun.store.access import StoreAccess, open_client, parse_access
 from elasticrun.store.api import EventType, Store
@@ -136,6 +138,9 @@ class JobView:
     events: tuple[Event, ...] = ()
     #: the leader's failure records and quarantines (wall-clock times)
     quarantine: QuarantineTable = field(default_factory=QuarantineTable)
+    #: each node's step timing, and the stragglers the leader named
+    steps: Mapping[str, StepReport] = field(default_factory=dict)
+    stragglers: StragglerReport | None = None
     #: the latest request for every node's stacks (done: with the summary)
     stacks: StacksRequest | None = None
 
@@ -213,6 +218,8 @@ def job_view(records: JobRecords, revision: int) -> JobView:
         drains=frozenset(records.drains),
         events=tuple(records.events.values()),
         quarantine=records.quarantine,
+        steps=records.steps,
+        stragglers=records.stragglers,
         stacks=records.stacks,
     )
 

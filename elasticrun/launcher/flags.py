@@ -233,8 +233,12 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "health-check-timeout", type=float, default=30.0,
           help="seconds one run of --health-check may take; longer fails it (default 30)")
     _flag(p, "progress-timeout", type=float, default=None,
-          help="opt-in hang watchdog (off by default): stop and restart the workers when one has not called "
-               "elasticrun.worker.heartbeat() for this many seconds; the workers must call it")
+          help="opt-in hang watchdog (off by default): stop and restart the workers when one has made no progress "
+               "for this many seconds: no optimizer step, no elasticrun.worker.heartbeat() call")
+    _flag(p, "straggler", default="report", choices=["off", "report", "replace"],
+          help="a node whose compute time per step is well above the others': report it (status, events, "
+               "metrics), replace it (quarantined; a spare or the elastic range takes over), or off (no step "
+               "timing in the workers); default report")
     p.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", default=None, metavar="[HOST:]PORT",
                    help="serve Prometheus metrics of this agent (and of the store it hosts) on this port "
                         "(all interfaces, or HOST only) at /metrics; off by default")

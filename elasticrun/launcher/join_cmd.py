@@ -160,6 +160,7 @@ async def job_argv(target: JobTarget, args: argparse.Namespace, environ: Mapping
         f"--max-restarts={spec.max_restarts}",
         f"--role={spec.role}",
         f"--elastic-mode={spec.elastic_mode}",
+        f"--straggler={spec.straggler}",
         f"--rdzv-backend={target.backend}",
         f"--rdzv-endpoint={target.endpoint}",
         f"--rdzv-id={target.run_id}",

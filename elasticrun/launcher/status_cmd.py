@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from elasticrun.errors import StoreUnavailableError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, job_view, read_records
 from elasticrun.rendezvous.stack_summary import one_line
-from elasticrun.rendezvous.state import JobRecords, Round
+from elasticrun.rendezvous.state import JobRecords, Round, StepReport, Straggler
 from elasticrun.store.api import EventType, WatchEvent
 
 #: a live view redraws at most this often
@@ -45,8 +45,36 @@ def _restarts(r: Round | None) -> str:
     return f"{spent} (+{r.forgiven} forgiven)" if r.forgiven else str(spent)
 
 
-def render(view: JobView, now: float) -> str:
-    """The status page: the job, its nodes, its latest events."""
+def seconds(value: float) -> str:
+    """A step's time: `210ms`, `1.40s`."""
+    return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.2f}s"
+
+
+def _steps(view: JobView) -> dict[str, StepReport]:
+    """The nodes' step reports of the current round (an earlier round's are stale)."""
+    r = view.round
+    return {n: s for n, s in view.steps.items() if r is not None and s.round == r.number}
+
+
+def _stragglers(view: JobView) -> dict[str, Straggler]:
+    """The stragglers the leader named in the current round."""
+    r, report = view.round, view.stragglers
+    if r is None or report is None or report.round != r.number:
+        return {}
+    return {s.node_id: s for s in report.nodes}
+
+
+def _step_cell(report: StepReport | None, now: float) -> str:
+    """`210ms`, and where every worker of the node has waited long: `, in all_reduce 5m02s`."""
+    if report is None:
+        return "-"
+    waiting = f", in {report.waiting} {age(now - report.waiting_since)}" if report.waiting else ""
+    return seconds(report.compute) + waiting
+
+
+def render(view: JobView, now: float, *, timing: bool = True) -> str:
+    """The status page: the job, its nodes, its latest events (`timing`: with each
+    node's step compute time, which changes with every report)."""
     r = view.round
     low, high = view.min_max
     created = view.launch.created_at if view.launch else None
@@ -72,11 +100,12 @@ def render(view: JobView, now: float) -> str:
     ranked = r.node_ranks() if r else {}
     ranks = _global_ranks(r)
     held = view.quarantine.active(now)
+    steps, slow = _steps(view), _stragglers(view)
     order = sorted(view.nodes, key=lambda n: (ranked.get(n, len(ranked)), n))
     if r is not None and r.closed:  # the nodes are gone; their last reports stay for closed_ttl
         lines += _ended_nodes(view, now)
     elif order:
-        rows = [["NODE", "STATE", "AGE", "NODE RANK", "RANKS", "RESTARTS", "HOST", "GPUS"]]
+        rows = [["NODE", "STATE", "AGE", "NODE RANK", "RANKS", "RESTARTS", "STEP COMPUTE", "HOST", "GPUS"]]
         for node_id in order:
             info, status = view.nodes[node_id], view.statuses.get(node_id)
             state = status.state if status else "registering"
@@ -87,6 +116,8 @@ def render(view: JobView, now: float) -> str:
             rank = ranked.get(node_id)
             if node_id in held:
                 state = "quarantined" if rank is None else state + " (quarantined)"
+            if node_id in slow and rank is not None:
+                state += " (straggler)"
             rows.append([
                 node_id,
                 state if rank is not None or state != "init" else "spare" if view.running else "waiting",
@@ -94,6 +125,7 @@ def render(view: JobView, now: float) -> str:
                 str(rank) if rank is not None else "-",
                 ranks.get(node_id, "-"),  # from the round, as the node rank: one round per row
                 str(status.restarts) if status else "0",
+                _step_cell(steps.get(node_id) if rank is not None and timing else None, now),
                 info.addr if info.addr == info.host else f"{info.host} ({info.addr})",
                 f"{len(info.gpus)}x {info.gpus[0]}" if info.gpus else "-",
             ])
@@ -105,6 +137,13 @@ def render(view: JobView, now: float) -> str:
             until = time.strftime("%H:%M:%S", time.localtime(e.until))
             rows.append([name, until, age(e.until - now), str(e.times), e.reason])
         lines += ["", table(rows)]
+    if slow:
+        assert view.stragglers is not None
+        rows = [["STRAGGLER", "SINCE", "RELATIVE", "INDIVIDUAL", "REASON"]]
+        for st in sorted(slow.values(), key=lambda st: -st.relative):
+            since = time.strftime("%H:%M:%S", time.localtime(st.since))
+            rows.append([st.node_id, since, f"{st.relative:.1f}x", f"{st.individual:.1f}x", st.reason])
+        lines += ["", f"job median compute per step: {seconds(view.stragglers.median)}", table(rows)]
     if view.events:
         lines += ["", f"EVENTS (last {min(EVENTS_SHOWN, len(view.events))})"]
         for event in view.events[-EVENTS_SHOWN:]:
@@ -155,6 +194,7 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
     r = view.round
     ranked = r.node_ranks() if r else {}
     low, high = view.min_max
+    steps, slow = _steps(view), _stragglers(view)
     return {
         "job": {
             "id": view.run_id,
@@ -181,6 +221,9 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
                 "quarantined": n in held,
                 # registered, outside a running round: steps in when a participant goes
                 "spare": view.running and n not in held and n not in ranked,
+                # its step timing this round, and the leader's verdict when it named it a straggler
+                "steps": asdict(steps[n]) if n in steps and n in ranked else None,
+                "straggler": asdict(slow[n]) if n in slow and n in ranked else None,
             }
             for n, info in sorted(view.nodes.items())
         ],
@@ -283,9 +326,15 @@ class _Page:
 
 
 def _page_key(view: JobView, as_data: bool) -> str:
-    """The page without what only the clock changes (ages, time left): a piped watch
-    prints a page when this changes, not whenever a worker's output moves the store."""
-    return json.dumps(as_json(view, now=0.0), sort_keys=True) if as_data else render(view, 0.0)
+    """The page without what only the clock changes (ages, time left) and without the
+    step times, which every node reports anew every few seconds: a piped watch prints a
+    page when this changes, not whenever a worker's output or step moves the store."""
+    if not as_data:
+        return render(view, 0.0, timing=False)
+    data = as_json(view, now=0.0)
+    for node in data["nodes"]:  # type: ignore[attr-defined] # as_json's values are typed `object`
+        node.pop("steps")
+    return json.dumps(data, sort_keys=True)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elasticrun.rendezvous.stacks import JobStacks
-from elasticrun.rendezvous.state import NodeStacks, StacksRequest
+from elasticrun.rendezvous.state import NodeStacks, StacksRequest, StepReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,3 +174,12 @@ class RendezvousHandler(abc.ABC):
 
     def report_event(self, kind: str, detail: str) -> None:
         """Something worth the job's event log happened on this node."""
+
+    def report_steps(self, report: StepReport) -> None:
+        """This node's step timing changed (for the leader's straggler check)."""
+
+    def straggler_scores(self) -> Mapping[str, tuple[float, float, bool]]:
+        """While this node leads: each scored node's straggler scores (relative,
+        individual) and whether it is named one, for metrics. Read from the metrics
+        server's thread: it must only read what it holds."""
+        return {}

@@ -54,6 +54,15 @@ class RendezvousSettings:
     #: every round's node count is a multiple of this (`--node-unit`; min_nodes and
     #: max_nodes are multiples too): the registered nodes left over wait as spares
     node_unit: int = 1
+    #: --straggler: off (no step timing), report (name stragglers), replace (and take
+    #: one out when a spare or the elastic range allows; elasticrun.rendezvous.stragglers)
+    straggler: str = "report"
+    #: a node is slow when its compute time per step is this many times the other nodes' median
+    straggler_relative: float = 1.25
+    #: evaluations in a row that find a node slow before it is named (and not, before it is cleared)
+    straggler_after: int = 3
+    #: seconds between evaluations, and between a node's step reports
+    straggler_interval: float = 5.0
 
     @staticmethod
     def default_heartbeat_ttl(max_nodes: int) -> float:
@@ -104,6 +113,9 @@ class View:
     #: members whose liveness port refused the leader's connection after the current
     #: round's restart request (their port had accepted one before): their agent is gone
     refused: frozenset[str] = frozenset()
+    #: members of the current round named stragglers, the slowest first, with why
+    #: (--straggler=replace): one is kept out when a spare or the elastic range allows
+    slow: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,8 +326,13 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         )
 
     pick = _pick(members, survivors, newcomers, book, settings)
+    slow_note = ""
+    if view.slow and members and not pick.kept_out:
+        slow_note = _keep_out_slow(view.slow, members, survivors, newcomers, book, settings)
+        if not slow_note:
+            pick = _pick(members, survivors, newcomers, book, settings)
     group, admitted = pick.group, pick.admitted
-    held = book.held_note(view.nodes, [p.node_id for p in group])
+    held = book.held_note(view.nodes, [p.node_id for p in group]) + slow_note
     if members and pick.kept_out and len(group) >= settings.min_nodes:
         # A member under quarantine (a new leader found it so, or it was only kept
         # while the job needed it) goes: at once when the others are enough, else
@@ -357,6 +374,36 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         reason=f"last call for more nodes: {len(admitted)} registered "
         f"(min {settings.min_nodes}, max {settings.max_nodes}){held}",
         recheck_at=deadline,
+    )
+
+
+def _keep_out_slow(
+    slow: tuple[tuple[str, str], ...],
+    members: tuple[Participant, ...],
+    survivors: list[Participant],
+    newcomers: list[SeenNode],
+    book: _Book,
+    settings: RendezvousSettings,
+) -> str:
+    """Quarantine the slowest straggler whose going leaves a whole round of at least
+    min nodes (a spare or a newcomer takes its place, or the job shrinks within its
+    range): "" when one is; else a note on why none was taken out. One at a time."""
+    running = {p.node_id for p in survivors}
+    for node_id, why in slow:
+        if node_id not in running:
+            continue
+        before = book.entries.get(node_id)
+        book.hold(node_id, f"straggler: {why}")
+        trial = _pick(members, survivors, newcomers, book, settings)
+        if node_id not in {p.node_id for p in trial.group} and len(trial.group) >= settings.min_nodes:
+            return ""
+        book.undo_hold(node_id, before)
+    names = [n for n, _ in slow if n in running]
+    if not names:
+        return ""
+    return (
+        f"; straggler {_names(names)} kept: no spare, and the job runs at its minimum of "
+        f"{settings.min_nodes} {'node' if settings.min_nodes == 1 else 'nodes'}"
     )
 
 
@@ -432,6 +479,14 @@ class _Book:
             last_failure_at=self.now,
         )
         self.new.append(node_id)
+
+    def undo_hold(self, node_id: str, before: QuarantineEntry | None) -> None:
+        """Take back the latest `hold(node_id)`: the node's record is `before` again."""
+        self.new.remove(node_id)
+        if before is None:
+            del self.entries[node_id]
+        else:
+            self.entries[node_id] = before
 
     def release_at(self, registered: Mapping[str, SeenNode]) -> float | None:
         """When the first registered node under quarantine is released (to look again)."""

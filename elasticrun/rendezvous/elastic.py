@@ -21,7 +21,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 
 from elasticrun.errors import (
@@ -58,6 +58,7 @@ from elasticrun.rendezvous.state import (
     RestartRequest,
     RoundHead,
     StacksRequest,
+    StepReport,
     decode,
     encode,
     shard_of,
@@ -137,6 +138,8 @@ class ElasticRendezvous(RendezvousHandler):
         self._asked: tuple[int, str] = (0, "")
         self._tasks: set[asyncio.Task[None]] = set()
         self._leader_task: asyncio.Task[None] | None = None
+        #: the leader this node runs (or ran last), for the straggler scores' metrics
+        self._leader: Leader | None = None
         self._job = JobRecords(self._keys)  # what this node knows of job/
         self._last_round = 0
         self._ran: RoundHead | None = None  # the round this node last ran
@@ -145,7 +148,7 @@ class ElasticRendezvous(RendezvousHandler):
         #: this node's hold (its latest quarantine), as read for the round and leader
         #: state it is keyed by
         self._hold: tuple[tuple[int, float], QuarantineEntry | None] = ((0, 0.0), None)
-        self._reports = Reporter(store, self._keys, me)
+        self._reports = Reporter(store, self._keys, me, steps_interval=settings.straggler_interval)
         #: open from the first registration until the node is done with the job
         self._liveness: LivenessPort | None = None
         #: the leader, once its liveness port accepted our connection (see _suspect_leader)
@@ -324,6 +327,16 @@ class ElasticRendezvous(RendezvousHandler):
 
     def report_event(self, kind: str, detail: str) -> None:
         self._reports.event(kind, detail)
+
+    def report_steps(self, report: StepReport) -> None:
+        self._reports.steps(report)
+
+    def straggler_scores(self) -> Mapping[str, tuple[float, float, bool]]:
+        leader, task = self._leader, self._leader_task
+        if leader is None or task is None or task.done():
+            return {}
+        judgement = leader.judgement
+        return {n: (s.relative, s.individual, n in judgement.named) for n, s in judgement.scores.items()}
 
     async def next_round(self) -> Assignment:
         self._release_port()  # the round it was for is over
@@ -845,5 +858,5 @@ class ElasticRendezvous(RendezvousHandler):
         me = self._me.node_id.encode()
         if await self._store.compare_and_put(self._keys.leader, me, expected_mod_revision=0, lease=self._lease):
             log.info("node %s leads job '%s'", self._me.node_id, self.run_id)
-            leader = Leader(self._store, self._settings, self._me.node_id, self._lease, self._clock)
+            leader = self._leader = Leader(self._store, self._settings, self._me.node_id, self._lease, self._clock)
             self._leader_task = self._spawn(leader.run(), "leader")

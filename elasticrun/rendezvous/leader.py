@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 
-from elasticrun.errors import StoreError, StoreGoneError
+from elasticrun.errors import RendezvousError, StoreError, StoreGoneError
 from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
 from elasticrun.rendezvous.liveness import Verdict, probe
 from elasticrun.rendezvous.state import (
@@ -30,10 +30,12 @@ from elasticrun.rendezvous.state import (
     RestartRequest,
     Round,
     RoundHead,
+    StepReport,
     decode,
     encode,
     split_round,
 )
+from elasticrun.rendezvous.stragglers import Judgement, judge
 from elasticrun.store.api import EventType, RangeResult, Store, WatchEvent
 
 log = logging.getLogger("elasticrun.rendezvous")
@@ -59,6 +61,16 @@ class _Probed:
     info: NodeInfo
     suspect: int
     verdict: Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    """The straggler verdict changed (--straggler=replace): decide again."""
+
+
+#: what the leader's loop wakes for: a change under r/, how the watch ended, a liveness
+#: probe's verdict, a new straggler verdict
+_Wake = WatchEvent | Exception | _Probed | _Judged
 
 
 class Leader:
@@ -103,7 +115,10 @@ class Leader:
         #: newcomers' checks under way at once: 10,000 nodes registering meant 10,000
         #: connections opened together, and checks that timed out behind the others
         self._checks = asyncio.Semaphore(_CHECKS_AT_ONCE)
-        self._events: asyncio.Queue[WatchEvent | Exception | _Probed] = asyncio.Queue()
+        self._events: asyncio.Queue[_Wake] = asyncio.Queue()
+        #: the latest straggler verdict (elasticrun.rendezvous.stragglers), also read by
+        #: the metrics thread: replaced whole, never changed in place
+        self.judgement = Judgement()
 
     async def run(self) -> None:
         """Lead until the job ends, or until cancelled (this node left or lost its lease).
@@ -129,6 +144,7 @@ class Leader:
         self._resync(snapshot)
         events = self._events = asyncio.Queue()
         pump = asyncio.ensure_future(self._pump(snapshot.revision + 1, events))
+        judging = asyncio.ensure_future(self._judge(events)) if self._settings.straggler != "off" else None
         try:
             # `stale`: what decide() sees may have changed since it last ran. Only then,
             # or at the time it asked to look again, does it run again: at 10,000 nodes
@@ -161,12 +177,14 @@ class Leader:
                         stale |= changed
         finally:
             pump.cancel()
+            if judging is not None:
+                judging.cancel()
             for task in self._probes:
                 task.cancel()
-            await asyncio.gather(pump, *self._probes, return_exceptions=True)
+            await asyncio.gather(pump, *([judging] if judging else []), *self._probes, return_exceptions=True)
             self._probes.clear()
 
-    async def _pump(self, start: int, events: asyncio.Queue[WatchEvent | Exception | _Probed]) -> None:
+    async def _pump(self, start: int, events: asyncio.Queue[_Wake]) -> None:
         """Feed the job's changes to the leader's loop; how the watch ended goes there too
         (a store error: the loop re-reads; anything else: the leader fails, and its node's
         supervisor notices), so the loop never waits on a pump that is gone."""
@@ -208,7 +226,65 @@ class Leader:
             departed=frozenset(self._departed),
             keep_out={n: d.reason for n, d in self._records.departures.items() if d.keep_out},
             refused=frozenset(n for n, suspect in self._refused.items() if suspect == number),
+            slow=self._slow(number),
         )
+
+    def _slow(self, number: int) -> tuple[tuple[str, str], ...]:
+        """The stragglers to replace (--straggler=replace), named in round `number`: a
+        verdict of an earlier round is no reason to take another node out."""
+        if self._settings.straggler != "replace" or self.judgement.round != number:
+            return ()
+        return self.judgement.worst_first()
+
+    # --- stragglers: the nodes' step times judged every straggler_interval ------------------
+
+    async def _judge(self, events: asyncio.Queue[_Wake]) -> None:
+        """Read the nodes' step reports (c/, which the leader does not watch), judge,
+        and say what changed; the loop decides again when a straggler is to go. A store
+        error waits for the next evaluation; anything else ends the leadership, through
+        the loop, as the pump's would."""
+        try:
+            while True:
+                await asyncio.sleep(self._settings.straggler_interval)
+                try:
+                    await self._evaluate(events)
+                except StoreError as e:
+                    log.debug("leader: could not judge the step times: %s", e)
+        except Exception as e:
+            events.put_nowait(e)
+
+    async def _evaluate(self, events: asyncio.Queue[_Wake]) -> None:
+        """One evaluation: the reports read and judged; the stragglers written (when
+        any is or was named), logged and recorded as events once per change."""
+        listed = await self._store.get_prefix(self._keys.steps)
+        reports = {}
+        for kv in listed.kvs:
+            with contextlib.suppress(RendezvousError):  # another version's node: not judged
+                report = decode(StepReport, kv.value)
+                reports[report.node_id] = report
+        before, now = self.judgement, time.time()
+        to_replace = [n for n, _ in self._slow(before.round)]
+        after = self.judgement = judge(before, self._records.round, reports, self._settings, now)
+        if [n for n, _ in self._slow(after.round)] != to_replace:
+            events.put_nowait(_Judged())
+        if not after.named and not before.named:
+            return
+        await self._store.put(self._keys.stragglers, encode(after.report(now)), lease=self._lease)
+        writes = []
+        for node_id in after.named.keys() - before.named.keys():
+            straggler = after.named[node_id]
+            log.warning("node %s is a straggler: %s", node_id, straggler.reason)
+            writes.append(self._event(node_id, "straggler", f"named a straggler: {straggler.reason}"))
+        for node_id in before.named.keys() - after.named.keys():
+            if after.round == before.round and node_id in after.scores:
+                log.info("node %s is no longer a straggler", node_id)
+                writes.append(self._event(node_id, "straggler", "no longer a straggler"))
+        await asyncio.gather(*writes)
+
+    async def _event(self, node_id: str, kind: str, detail: str) -> None:
+        now = time.time()
+        event = Event(at=now, node=node_id, kind=kind, detail=detail)
+        await self._store.put(self._keys.event(now, node_id), encode(event))
 
     async def _act(self, decision: Decision) -> bool:
         """Write the decided round; True while we wait to see our own write come back."""
@@ -402,7 +478,7 @@ class Leader:
             log.warning("node %s: its liveness port refused a connection: its agent is gone", node_id)
             self._refused[node_id] = probed.suspect
 
-    def _apply_event(self, event: WatchEvent | Exception | _Probed, awaiting_write: bool) -> tuple[bool, bool]:
+    def _apply_event(self, event: _Wake, awaiting_write: bool) -> tuple[bool, bool]:
         """Fold one event in; whether the leader still awaits its write, and whether
         the event may change a decision (a newcomer's liveness check cannot: it only
         marks the node as one whose port may later count as refused)."""
@@ -411,6 +487,8 @@ class Leader:
         if isinstance(event, _Probed):
             self._apply_probe(event)
             return awaiting_write, bool(event.suspect)
+        if isinstance(event, _Judged):
+            return awaiting_write, True
         if event.key == self._keys.round:
             awaiting_write = False
         self._apply(event.key, event.value if event.type is EventType.PUT else None, event.revision)

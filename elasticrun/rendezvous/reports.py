@@ -3,20 +3,23 @@
 The agent reports synchronously and never waits on the store; a `Reporter` keeps the
 latest of everything in memory (bounded) and publishes it in the background, batched:
 at most one batch per interval, so a chatty worker costs the store a write per rank
-every half second at most. Status and output windows are bound to the node's lease
-and vanish with it; events stay (the leader prunes the oldest).
+every half second at most. Status, output windows and the step report are bound to
+the node's lease and vanish with it; events stay (the leader prunes the oldest). The
+step report changes with every step, and the leader reads it once per evaluation, so
+it is published at most once per `steps_interval` (straggler_interval).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
 
 from elasticrun.errors import StoreError
 from elasticrun.rendezvous.api import AgentStatus
-from elasticrun.rendezvous.state import Event, Keys, LogLine, LogWindow, NodeInfo, NodeStatus, encode
+from elasticrun.rendezvous.state import Event, Keys, LogLine, LogWindow, NodeInfo, NodeStatus, StepReport, encode
 from elasticrun.store.api import Store
 
 log = logging.getLogger("elasticrun.rendezvous")
@@ -31,10 +34,13 @@ _LOG_LINE_CHARS = 1000
 class Reporter:
     """The latest reports of one node, and their publication."""
 
-    def __init__(self, store: Store, keys: Keys, me: NodeInfo) -> None:
+    def __init__(self, store: Store, keys: Keys, me: NodeInfo, *, steps_interval: float = 5.0) -> None:
         self._store = store
         self._keys = keys
         self._me = me
+        self._steps_interval = steps_interval
+        self._steps: StepReport | None = None
+        self._steps_published_at = -1e9  # monotonic
         self._due = asyncio.Event()
         self._status: AgentStatus | None = None
         self._status_dirty = False
@@ -61,10 +67,22 @@ class Reporter:
         self._events.append(Event(at=time.time(), node=self._me.node_id, kind=kind, detail=detail))
         self._due.set()
 
+    def steps(self, report: StepReport) -> None:
+        self._steps = report
+        self._due.set()
+
+    def _steps_due_in(self) -> float | None:
+        """Seconds until the pending step report may go (None: none pending)."""
+        if self._steps is None:
+            return None
+        return max(self._steps_published_at + self._steps_interval - time.monotonic(), 0.0)
+
     async def publish(self, lease: int) -> None:
         """Publish for as long as the node holds `lease` (until cancelled)."""
         while True:
-            await self._due.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._steps_due_in()):
+                    await self._due.wait()
             try:
                 await self.flush(lease)
             except StoreError as e:
@@ -85,6 +103,10 @@ class Reporter:
         while self._events:
             event = self._events.pop(0)
             await store.put(keys.event(event.at, event.node), encode(event))
+        if lease and self._steps is not None and self._steps_due_in() == 0.0:
+            report, self._steps = self._steps, None
+            self._steps_published_at = time.monotonic()
+            await store.put(keys.step_report(self._me.node_id), encode(report), lease=lease)
 
     async def keep(self, ttl: float) -> None:
         """Publish this node's last status and output windows again, bound to a lease of

@@ -37,6 +37,8 @@ LINES = 12
 
 #: a frame of the standard library (…/lib/python3.11/queue.py, but not its site-packages)
 _STDLIB = re.compile(r"/lib/python\d+(\.\d+)?t?/(?!(site|dist)-packages/)")
+#: a frame of elasticrun's worker helpers (elasticrun/worker/steptime.py, ...)
+_WORKER_HELPERS = re.compile(r"/elasticrun/worker/")
 
 
 def is_installed(file: str) -> bool:
@@ -45,9 +47,11 @@ def is_installed(file: str) -> bool:
 
 
 def is_library(file: str) -> bool:
-    """A frame that is not user code: the standard library, an installed package, or
+    """A frame that is not user code: the standard library, an installed package,
+    elasticrun's own worker helpers wherever they are (an editable checkout too: the
+    step timing's wrapper lies between the user's call and torch's `all_reduce`), or
     code with no file (`<frozen runpy>`, `<string>`: a dataclass's generated methods)."""
-    return is_installed(file) or bool(_STDLIB.search(file)) or file.startswith("<")
+    return is_installed(file) or bool(_STDLIB.search(file) or _WORKER_HELPERS.search(file)) or file.startswith("<")
 
 
 def main_thread(stacks: RankStacks) -> ThreadStack | None:

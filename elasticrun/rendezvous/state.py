@@ -27,6 +27,8 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives u
     c/status/<node_id>  NodeStatus: the node's live state, bound to its lease
     c/logs/<rank>       LogWindow: the latest lines of one rank, bound to its node's lease
     c/events/<t>-<node> Event: what happened, oldest pruned by the leader
+    c/steps/<node_id>   StepReport: the node's step compute time, bound to its lease
+    c/stragglers        StragglerReport: the nodes the leader names as stragglers
     c/stacks/<node_id>  NodeStacks: the node's answer to a StacksRequest, bound to its lease
 
 Only the leader watches `r/`; every node watches `r/job/`. A membership change
@@ -73,7 +75,7 @@ SHARD_SIZE = 64
 
 #: the job spec's own version, bumped whenever what a spec holds changes: a node whose
 #: spec has another version is refused as a mismatch, never compared field by field
-JOB_SPEC_VERSION = 2
+JOB_SPEC_VERSION = 3
 
 
 def job_prefix(run_id: str) -> str:
@@ -219,6 +221,17 @@ class Keys:
 
     def event(self, at: float, node_id: str) -> str:
         return f"{self.events}{int(at * 1e6):020d}-{node_id}"
+
+    @property
+    def steps(self) -> str:
+        return self.control + "steps/"
+
+    def step_report(self, node_id: str) -> str:
+        return self.steps + node_id
+
+    @property
+    def stragglers(self) -> str:
+        return self.control + "stragglers"
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,6 +424,9 @@ class JobSpec:
     elastic_mode: str = "restart"
     progress_timeout: float | None = None
     role: str = "default"
+    #: --straggler: what the leader does with a node slower than the others (off,
+    #: report, replace)
+    straggler: str = "report"
     #: the --rdzv-conf timings every node must share
     rdzv_conf: Mapping[str, str] = field(default_factory=dict)
     version: int = JOB_SPEC_VERSION
@@ -598,6 +614,63 @@ class NodeStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class StepReport:
+    """A node's step timing (c/steps/<node_id>), read from its workers' own records.
+
+    A worker's compute time per step is its step's wall time less the time it waited
+    for its peers in collectives (elasticrun.worker.steptime); a node is as slow as its
+    slowest worker. Bound to the node's lease; published when it changed, at most once
+    per `straggler_interval`.
+    """
+
+    node_id: str
+    round: int
+    #: steps made by this node's workers in the round (the fewest of any worker)
+    steps: int
+    #: seconds: the median compute time of its slowest worker's recent steps, and the
+    #: median wall time of that worker's steps
+    compute: float
+    wall: float
+    #: the global rank of that worker
+    rank: int
+    #: what marks its steps: optimizer, heartbeat or commit
+    source: str
+    #: the collective every worker of the node waits in now ("": one does not wait),
+    #: and since when (wall clock) the last of them does
+    waiting: str = ""
+    waiting_since: float = 0.0
+    at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Straggler:
+    """A node the leader names a straggler, with its scores."""
+
+    node_id: str
+    #: its compute time per step over the median of the other nodes'
+    relative: float
+    #: its compute time per step over its own best of the round
+    individual: float
+    #: seconds of compute per step
+    compute: float
+    #: when it was named (wall clock)
+    since: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerReport:
+    """The stragglers of the current round (c/stragglers), written by the leader when
+    its verdict changes."""
+
+    round: int
+    #: the median compute time per step of the round's nodes, in seconds
+    median: float
+    nodes: tuple[Straggler, ...] = ()
+    at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class LogLine:
     seq: int
     stream: str
@@ -707,7 +780,7 @@ class StacksRequest:
 Record = (
     NodeInfo | Round | RoundHead | RankShard | RestartRequest | Ping | Master | LeaderState | JobSpec | JobLaunch
     | DrainRequest | Departure | QuarantineTable | QuarantineEntry | NodeStatus | LogWindow | Event
-    | NodeStacks | StacksRequest
+    | NodeStacks | StacksRequest | StepReport | StragglerReport
 )
 R = TypeVar("R", bound=Record)
 
@@ -817,6 +890,8 @@ class JobRecords:
     departures: dict[str, Departure] = field(default_factory=dict)
     statuses: dict[str, NodeStatus] = field(default_factory=dict)
     events: dict[str, Event] = field(default_factory=dict)
+    steps: dict[str, StepReport] = field(default_factory=dict)
+    stragglers: StragglerReport | None = None
     #: `round`, put together once per change of the head or a shard
     _joined: tuple[Round | None] | None = field(default=None, repr=False, compare=False)
 
@@ -853,6 +928,10 @@ class JobRecords:
             _fold(self.statuses, key[len(keys.statuses):], NodeStatus, value)
         elif key.startswith(keys.events):
             _fold(self.events, key[len(keys.events):], Event, value)
+        elif key.startswith(keys.steps):
+            _fold(self.steps, key[len(keys.steps):], StepReport, value)
+        elif key == keys.stragglers:
+            self.stragglers = _read(StragglerReport, value)
         elif key == keys.round:
             self.head = _read(RoundHead, value)
             self._joined = None

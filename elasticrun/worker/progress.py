@@ -8,12 +8,17 @@ the hang. Without the variable (no watchdog, or not under elasticrun) it does no
 
 It costs at most one system call (a touch of the file) per half second, whatever the
 step rate, and never raises: progress reporting must not break training. No torch here.
+
+Each call also marks a step for the step timing (`elasticrun.worker.steptime`), which
+then counts steps from one call to the next: call it once per step.
 """
 
 from __future__ import annotations
 
 import os
 import time
+
+from elasticrun.worker.steptime import mark as mark_step
 
 #: the variable that names this worker's progress file
 PROGRESS_FILE_ENV = "ELASTICRUN_PROGRESS_FILE"
@@ -25,7 +30,14 @@ _last_at = float("-inf")
 
 
 def heartbeat() -> None:
-    """Tell the agent this worker is making progress (a no-op unless it watches)."""
+    """Tell the agent this worker is making progress (a no-op unless it watches), and
+    mark the end of a step for the step timing."""
+    mark_step("heartbeat")
+    touch()
+
+
+def touch() -> None:
+    """Touch the progress file (at most once per MIN_INTERVAL), if the agent gave one."""
     global _last_path, _last_at
     path = os.environ.get(PROGRESS_FILE_ENV)
     if not path:

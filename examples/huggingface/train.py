@@ -50,6 +50,8 @@ from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
+import elasticrun.worker.callbacks
+
 VOCAB, LENGTH = 64, 16
 
 
@@ -143,7 +145,11 @@ def main() -> None:
         bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
     )
     model = GPT2LMHeadModel(config)
-    trainer = Trainer(model=model, args=training, train_dataset=CountingSequences(), callbacks=[Report(args.step_time)])
+    # elasticrun's callback: each step is progress (--progress-timeout) and a step for the straggler check
+    heartbeat = elasticrun.worker.callbacks.huggingface()
+    trainer = Trainer(
+        model=model, args=training, train_dataset=CountingSequences(), callbacks=[Report(args.step_time), heartbeat]
+    )
     trainer.remove_callback(PrinterCallback)  # its per-step dicts; Report prints one line instead
     resume = last_complete_checkpoint(output_dir) if output_dir.is_dir() else None
     trainer.train(resume_from_checkpoint=resume)

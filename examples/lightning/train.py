@@ -41,6 +41,8 @@ from pytorch_lightning.plugins import TorchCheckpointIO
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
+import elasticrun.worker.callbacks
+
 DIM = 16
 
 
@@ -146,7 +148,8 @@ def main() -> None:
         num_nodes=world // local,
         strategy="ddp",
         max_steps=args.max_steps,
-        callbacks=[Report(args.step_time), checkpoints],
+        # elasticrun's: each batch is progress (--progress-timeout) and a step for the straggler check
+        callbacks=[Report(args.step_time), checkpoints, elasticrun.worker.callbacks.lightning()],
         plugins=[RenamedCheckpointIO()],
         logger=False,
         enable_progress_bar=False,

@@ -4,17 +4,25 @@ Real agent, real worker (tests/workers/fault_hang_worker.py): the worker heartbe
 every step, then stops making progress without exiting. With --progress-timeout the
 agent stops the group, restarts it (spending one of --max-restarts), and the failure
 report names the hang as the root cause; the restarted worker finishes.
+
+And a plain gloo script that never calls heartbeat() (tests/workers/straggler_worker.py):
+its optimizer steps are its progress; when one node's worker stops in Python, the
+other node's, waiting for it in all_reduce, is found hung, with where it waits.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.elastic_cluster import RDZV_CONF, Cluster, run_id
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "fault_hang_worker.py"
 
@@ -44,3 +52,67 @@ def test_a_hung_worker_is_restarted_and_named_as_a_hang(tmp_path: Path, reliabil
         restarts=1,
         lost="the hung attempt's work since its last checkpoint",
     )
+
+
+STRAGGLER_WORKER = Path(__file__).resolve().parents[1] / "workers" / "straggler_worker.py"
+
+
+@pytest.mark.timeout(180)
+def test_a_plain_script_without_heartbeat_is_watched_and_the_hang_says_where_it_waits(
+    cluster: Cluster, c10d_store: str, tmp_path: Path, reliability
+) -> None:
+    hang_dir = tmp_path / "hang"
+    hang_dir.mkdir()
+    rid = run_id()
+
+    def agent(name: str, addr: int):
+        return cluster.agent(
+            name, backend="c10d", endpoint=c10d_store, run_id=rid, local_addr=f"127.0.0.{addr}", nnodes="2",
+            max_restarts=1, conf=RDZV_CONF + ",is_host=false", worker=STRAGGLER_WORKER,
+            extra=["--progress-timeout=15"], worker_args=["--hang-dir", str(hang_dir), "--hang-step", "3"],
+        )
+
+    a, b = agent("a", 2), agent("b", 3)
+    (hang_dir / f"{socket.gethostname()}_{b.pid}").touch()  # b's worker stops in Python after step 3
+    b.wait_for(r"hanging after step=3 rank=(\d+)")
+    started = time.monotonic()
+    # a's worker waits for it in the all_reduce of step 4: no step, so no progress
+    hung = a.wait_for(
+        r"worker rank (\d+) hung: no progress for (\d+)s \(waiting in all_reduce for (\d+)s\); restarting"
+    )
+    assert int(hung[2]) >= 15 and int(hung[3]) >= 10
+    # the job restarts (one of --max-restarts=1) and trains on
+    for p in (a, b):
+        p.wait_for(r"step=5 rank=\d+ world=2 round=2 ")
+    cluster.stop_training()
+    assert a.wait_exit() == 0 and b.wait_exit() == 0
+    cluster.assert_no_orphans()
+    reliability.record(
+        scenario="hung worker, no heartbeat() (plain script)",
+        injected="one node's worker of a plain gloo script stops in Python after step 3; --progress-timeout=15",
+        happened="the other node's watchdog, fed by its optimizer steps, found its worker silent and waiting in "
+        "all_reduce; the job restarted (1 of --max-restarts=1) and trained on",
+        recovery_s=time.monotonic() - started,
+        restarts=1,
+        lost="the hung attempt's work since its last checkpoint",
+    )
+
+
+@pytest.mark.timeout(180)
+def test_of_two_silent_workers_the_hang_is_the_one_outside_any_collective(tmp_path: Path) -> None:
+    """Rank 1 stops in Python; rank 0, on the same node, waits for it in all_reduce: both
+    are silent, and the one named is rank 1, the one that does not wait for a peer."""
+    hang_dir = tmp_path / "hang"
+    hang_dir.mkdir()
+    argv = [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+            "--progress-timeout=15", f"--log-dir={tmp_path / 'logs'}", str(STRAGGLER_WORKER),
+            "--hang-dir", str(hang_dir), "--hang-rank", "1", "--steps", "50"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"))
+    (hang_dir / f"{socket.gethostname()}_{proc.pid}").touch()  # the node id: before its workers' step 3
+    try:
+        out = proc.communicate(timeout=150)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "hanging after step=3 rank=1" in out, out[-4000:]
+    assert re.search(r"worker rank 1 hung: no progress for \d+s; no restarts left", out), out[-4000:]

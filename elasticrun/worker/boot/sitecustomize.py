@@ -12,6 +12,10 @@ What it installs, each only when the agent asked for it through the environment:
   signal, writes every thread's Python stack to that file when the agent sends the
   signal. It runs in C inside the signal handler, so it works while the main thread is
   blocked in a collective or holds the GIL in C code.
+- the step timing (`ELASTICRUN_STEPS_FILE`): `elasticrun.worker.steptime` records the
+  worker's compute time per step into that file, for the straggler check. It needs
+  elasticrun in this interpreter (without it, the worker runs untimed) and installs its
+  torch part only once the script imports torch.
 
 It stays standalone (the standard library only): the worker may run another Python,
 one without elasticrun installed. Then it hands over to the sitecustomize that would
@@ -29,6 +33,8 @@ import sys
 BOOT_ENV = "ELASTICRUN_BOOT"
 #: the worker's stack file; the agent reads what the dump appends to it
 STACKS_FILE_ENV = "ELASTICRUN_STACKS_FILE"
+#: the worker's step timing file (elasticrun.worker.steptime.STEPS_FILE_ENV)
+STEPS_FILE_ENV = "ELASTICRUN_STEPS_FILE"
 #: the signal the agent sends for a dump: a real-time one, which no framework handles
 #: (SIGUSR1 and SIGUSR2 are Slurm's and Lightning's requeue signals)
 STACKS_SIGNAL_OFFSET = 7
@@ -50,10 +56,20 @@ def _install_stack_dump(path: str) -> None:
     globals()["_stacks_file"] = f
 
 
+def _install_step_timing(path: str) -> None:
+    """Time this worker's steps, if elasticrun can be imported here."""
+    try:
+        steptime = importlib.import_module("elasticrun.worker.steptime")
+    except ImportError:
+        return
+    steptime.install(path)
+
+
 def _forget_boot(here: str) -> None:
     """Take the boot out of what this worker's own child processes inherit."""
     os.environ.pop(BOOT_ENV, None)
     os.environ.pop(STACKS_FILE_ENV, None)
+    os.environ.pop(STEPS_FILE_ENV, None)
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != here]
     if parts:
         os.environ["PYTHONPATH"] = os.pathsep.join(parts)
@@ -80,9 +96,12 @@ def _boot() -> None:
         _chain(here)  # on the path by someone else's doing: only stand aside
         return
     stacks = os.environ.get(STACKS_FILE_ENV)
+    steps = os.environ.get(STEPS_FILE_ENV)
     _forget_boot(here)
     if stacks:
         _install_stack_dump(stacks)
+    if steps:
+        _install_step_timing(steps)
     _chain(here)
 
 

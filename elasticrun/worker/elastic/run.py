@@ -35,6 +35,7 @@ import torch.distributed as dist
 from elasticrun.worker.elastic.link import AgentLink
 from elasticrun.worker.elastic.session import GroupSession, flag_device
 from elasticrun.worker.elastic.state import MembershipChanged, State
+from elasticrun.worker.steptime import new_round as count_steps_afresh
 
 R = TypeVar("R")
 
@@ -104,6 +105,7 @@ def _run_elastic(
             session.join()
             state._attach(functools.partial(_check_membership, link, assignment.round), assignment.round)
             state.sync()
+            count_steps_afresh()  # the step timing reports this round's steps
             return call()
         except MembershipChanged:
             pass  # noticed by commit(): the state is that commit

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from elasticrun.errors import StateTransferError
 from elasticrun.worker.elastic.session import flag_device
 from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
+from elasticrun.worker.steptime import mark as mark_step
 
 
 class MembershipChanged(BaseException):
@@ -155,8 +156,10 @@ class State:
         """Keep a copy of the state; then leave the loop if the membership changed.
 
         Cheap (an in-memory copy, plus one one-element all_reduce under the elastic
-        wrapper so that every rank notices a change at the same commit).
+        wrapper so that every rank notices a change at the same commit). Each commit
+        ends a step for the step timing (`elasticrun.worker.steptime`).
         """
+        mark_step("commit")
         for slot in self._slots.values():
             slot.snapshot()
         object.__setattr__(self, "commits", self.commits + 1)
