@@ -274,6 +274,36 @@ async def test_a_second_ctrl_c_kills_the_workers_at_once(tmp_path: Path) -> None
         await kill_and_reap(agent)
 
 
+_COUNTER = """
+import os, signal, sys, time
+got = []
+def on_term(signum, frame):
+    got.append(signum)
+signal.signal(signal.SIGTERM, on_term)
+print(f"ready pid {os.getpid()}", flush=True)
+while not got:
+    time.sleep(0.01)
+time.sleep(0.5)  # a second SIGTERM, had one been sent, has arrived by now
+print(f"SIGTERMs received: {len(got)}", flush=True)
+"""
+
+
+async def test_each_worker_gets_the_stop_signal_once(tmp_path: Path) -> None:
+    """Its session and its cgroup (where there is one) hold the same processes: a second
+    SIGTERM ran a worker's handler again, in the middle of its first run (a checkpoint)."""
+    script = write_script(tmp_path, "counter.py", _COUNTER)
+    agent = await start_agent_process(script, tmp_path / "logs", nproc=2)
+    try:
+        assert agent.stdout is not None
+        await read_lines_until(agent.stdout, 2, "<stdout>: ready")
+        agent.send_signal(signal.SIGTERM)
+        said = await read_lines_until(agent.stdout, 2, "SIGTERMs received")
+        assert await asyncio.wait_for(agent.wait(), 60) == 128 + signal.SIGTERM
+    finally:
+        await kill_and_reap(agent)
+    assert sorted(line.split(": ", 1)[1] for line in said) == ["SIGTERMs received: 1"] * 2
+
+
 async def test_workers_die_with_a_sigkilled_agent(tmp_path: Path) -> None:
     script = write_script(tmp_path, "saver.py", _SAVER.format(folder=str(tmp_path)))
     agent = await start_agent_process(script, tmp_path / "logs", nproc=2)

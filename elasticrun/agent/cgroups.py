@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,9 +70,9 @@ class Cgroup:
         except OSError:
             return []
 
-    def signal(self, sig: signal.Signals) -> None:
-        """Send `sig` to every process in it now."""
-        for pid in self.pids():
+    def signal(self, sig: signal.Signals, *, skip: Collection[int] = ()) -> None:
+        """Send `sig` to every process in it now, but those in `skip` (signalled already)."""
+        for pid in set(self.pids()) - set(skip):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 

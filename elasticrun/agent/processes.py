@@ -306,9 +306,9 @@ class WorkerGroup:
         cancelled = False
         started = time.monotonic()
         if any(not w.done() for w in watchers):
-            signal_sessions(self.sessions.values(), sig, self._warden.mark)
+            reached = signal_sessions(self.sessions.values(), sig, self._warden.mark)
             if self.cgroup is not None:  # what left the sessions and dropped the mark too
-                self.cgroup.signal(sig)
+                self.cgroup.signal(sig, skip=reached)
             try:
                 # asyncio.wait never cancels the watchers it waits on; first_of cancels the wait
                 await first_of(asyncio.wait(watchers, timeout=grace), *([hurry.wait()] if hurry else []))

@@ -192,13 +192,13 @@ def _pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
-def _signal_members(sessions: Iterable[Session], mark: Mark | None, sig: signal.Signals) -> list[int]:
-    """Send `sig` to every live process of `sessions` and `mark`; return pidfds of those
-    it reached.
+def _signal_members(sessions: Iterable[Session], mark: Mark | None, sig: signal.Signals) -> dict[int, int]:
+    """Send `sig` to every live process of `sessions` and `mark`; return the pidfds of
+    those it reached, by pid.
 
     The caller closes them.
     """
-    pidfds = []
+    pidfds: dict[int, int] = {}
     for member in _members(sessions, mark):
         try:
             pidfd = os.pidfd_open(member.pid)
@@ -211,7 +211,7 @@ def _signal_members(sessions: Iterable[Session], mark: Mark | None, sig: signal.
             except ProcessLookupError:
                 pass
             else:
-                pidfds.append(pidfd)
+                pidfds[member.pid] = pidfd
                 continue
         os.close(pidfd)
     return pidfds
@@ -222,10 +222,14 @@ def member_pids(sessions: Iterable[Session], mark: Mark | None = None) -> set[in
     return {member.pid for member in _members(sessions, mark)}
 
 
-def signal_sessions(sessions: Iterable[Session], sig: signal.Signals, mark: Mark | None = None) -> None:
-    """Send `sig` to every live process of `sessions` and `mark` (no wait)."""
-    for pidfd in _signal_members(sessions, mark, sig):
+def signal_sessions(sessions: Iterable[Session], sig: signal.Signals, mark: Mark | None = None) -> set[int]:
+    """Send `sig` to every live process of `sessions` and `mark` (no wait); the pids it
+    reached (a caller that signals others too must not signal these twice: a second
+    SIGTERM runs a worker's handler again, in the middle of its first run)."""
+    reached = _signal_members(sessions, mark, sig)
+    for pidfd in reached.values():
         os.close(pidfd)
+    return set(reached)
 
 
 def kill_sessions(sessions: Iterable[Session], limit: float, mark: Mark | None = None) -> list[int]:
@@ -239,7 +243,7 @@ def kill_sessions(sessions: Iterable[Session], limit: float, mark: Mark | None =
     sessions = list(sessions)
     deadline = time.monotonic() + limit
     while True:
-        pidfds = _signal_members(sessions, mark, signal.SIGKILL)
+        pidfds = list(_signal_members(sessions, mark, signal.SIGKILL).values())
         if not pidfds:
             return []
         try:
