@@ -116,7 +116,52 @@ def test_a_silent_worker_is_hung_once_the_timeout_has_passed_since_its_start(tmp
     clock.now = 109.9
     assert dog.check() is None
     clock.now = 110.0
-    assert dog.check() == Hang(local_rank=0, silent_for=10.0)  # both silent: the first
+    assert dog.check() == Hang(local_rank=0, silent_for=10.0, never=True)  # both silent: the first
+    assert dog.check().reason(global_rank=0) == (  # type: ignore[union-attr]
+        "worker rank 0 hung: no progress for 10s since it started: it never called elasticrun.worker.heartbeat() "
+        "and made no optimizer step"
+    )
+
+
+def test_a_slow_start_is_no_hang_within_the_start_timeout(tmp_path: Path) -> None:
+    """Imports, a model or a checkpoint loaded, compiling: the first progress may come
+    late (--progress-start-timeout); from then on the timeout applies."""
+    clock = FakeClock(100.0)
+    dog = ProgressWatchdog(10.0, tmp_path, [0, 1], clock=clock, start_timeout=60.0)
+    assert dog.next_check_at() == 110.0  # a look: a first step now would be due then
+    clock.now = 155.0
+    touch(Path(dog.env(0)["ELASTICRUN_PROGRESS_FILE"]))  # rank 0 made its first step at 155
+    assert dog.check() is None and dog.next_check_at() == pytest.approx(160.0, abs=0.5)  # rank 1 may start until 160
+    clock.now = 159.0
+    assert dog.check() is None
+    clock.now = 160.0
+    found = dog.check()
+    assert found is not None and (found.local_rank, found.never) == (1, True)
+    touch(Path(dog.env(1)["ELASTICRUN_PROGRESS_FILE"]))
+    assert dog.check() is None  # both started: 10 s from their latest progress now
+    assert dog.next_check_at() == pytest.approx(165.0, abs=0.5)  # rank 0's, 10 s after 155
+
+
+async def test_a_hang_soon_after_the_first_step_is_found_at_the_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start allowance ends with the first step: a worker that steps once at 103 and
+    then hangs is overdue a timeout after that step (dated, as any, no earlier than the
+    look that saw it: 110), not when the allowance (160) would have ended."""
+    clock = FakeClock(100.0)
+    dog = ProgressWatchdog(10.0, tmp_path, [0], clock=clock, start_timeout=60.0)
+
+    async def fake_sleep(seconds: float) -> None:
+        if clock.now < 103.0 <= clock.now + seconds:
+            clock.now = 103.0
+            touch(Path(dog.env(0)["ELASTICRUN_PROGRESS_FILE"]))
+            seconds -= 3.0
+        clock.now += seconds
+
+    monkeypatch.setattr(watchdog.asyncio, "sleep", fake_sleep)
+    found = await dog.hang()
+    assert (found.local_rank, found.never) == (0, False)
+    assert 113.0 <= clock.now <= 120.5 and found.silent_for >= 10.0
 
 
 def test_heartbeats_restart_the_clock_and_the_silent_one_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +187,7 @@ def test_a_file_of_an_earlier_attempt_is_no_progress(tmp_path: Path) -> None:
     touch(Path(first.env(0)["ELASTICRUN_PROGRESS_FILE"]))
     second = ProgressWatchdog(10.0, tmp_path, [0], clock=clock)  # the next attempt
     clock.now = 110.0
-    assert second.check() == Hang(local_rank=0, silent_for=10.0)
+    assert second.check() == Hang(local_rank=0, silent_for=10.0, never=True)
 
 
 def test_a_skewed_file_clock_never_makes_a_live_worker_look_hung(tmp_path: Path) -> None:
@@ -175,7 +220,7 @@ async def test_hang_sleeps_until_the_earliest_deadline(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(watchdog.asyncio, "sleep", fake_sleep)
     found = await dog.hang()
-    assert found == Hang(local_rank=1, silent_for=10.0)
+    assert found == Hang(local_rank=1, silent_for=10.0, never=True)
     assert sleeps == [10.0]  # one wait, to the first possible deadline; no polling
 
 
@@ -209,3 +254,6 @@ def test_the_hang_as_a_failure_report_root_cause() -> None:
     text = make_report([failure], title="job 'j' failed").text
     assert "hung: no progress for 61s (--progress-timeout=60s)" in text
     assert "waiting for rank 0" in text
+    # the agent stopped it: its SIGTERM is no cause of its own
+    assert "exit      : SIGTERM (-15), stopped by the progress watchdog" in text
+    assert "from outside the job" not in text

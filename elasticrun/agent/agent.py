@@ -576,7 +576,8 @@ class Agent:
             return None
         make_private_folder(self.run_dir / "progress")
         return ProgressWatchdog(
-            self.spec.progress_timeout, self.run_dir / "progress", range(self.spec.nproc_per_node)
+            self.spec.progress_timeout, self.run_dir / "progress", range(self.spec.nproc_per_node),
+            start_timeout=self.spec.progress_start_timeout,
         )
 
     async def _hung(self, dog: ProgressWatchdog, steps: StepTimes | None) -> tuple[Outcome, str]:
@@ -591,7 +592,7 @@ class Agent:
             stuck = [r for r, silent in silences.items() if silent >= dog.timeout / 2 and not steps.waiting_in(r)]
             if stuck:
                 rank = max(stuck, key=lambda r: (silences[r], -r))
-                hang = Hang(local_rank=rank, silent_for=silences[rank])
+                hang = Hang(local_rank=rank, silent_for=silences[rank], never=dog.never_progressed(rank))
             else:
                 hang = dataclasses.replace(hang, waiting=waiting)
         self._hang = hang

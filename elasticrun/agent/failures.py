@@ -32,15 +32,16 @@ _CHAINED = (
 )
 
 
-def describe_exit(returncode: int) -> str:
-    """`exit code 3`, or `SIGKILL (-9), often the out-of-memory killer`."""
+def describe_exit(returncode: int, stopped_by: str = "") -> str:
+    """`exit code 3`, or `SIGKILL (-9), often the out-of-memory killer`, or (a worker
+    the agent stopped itself) `SIGTERM (-15), stopped by the progress watchdog`."""
     if returncode >= 0:
         return f"exit code {returncode}"
     try:
         sig = signal.Signals(-returncode)
     except ValueError:
         return f"signal {-returncode} ({returncode})"
-    hint = _SIGNAL_HINTS.get(sig)
+    hint = f"stopped by {stopped_by}" if stopped_by else _SIGNAL_HINTS.get(sig)
     return f"{sig.name} ({returncode})" + (f", {hint}" if hint else "")
 
 
@@ -116,6 +117,8 @@ class WorkerFailure:
     #: where the traceback came from: the error file's path, or "stderr"
     traceback_source: str
     traceback: str
+    #: who stopped it, when the agent did (its exit is no cause of its own)
+    stopped_by: str = ""
 
 
 def make_failure(
@@ -174,7 +177,7 @@ def make_report(
         "Root cause (first failure):",
         f"  rank      : {root.global_rank} (local rank {root.local_rank})",
         f"  node      : {root.node_rank} ({root.node_id})",
-        f"  exit      : {describe_exit(root.returncode)}",
+        f"  exit      : {describe_exit(root.returncode, root.stopped_by)}",
         f"  pid       : {root.pid}",
         f"  time      : {_format_time(root.time)}",
         f"  traceback (from {root.traceback_source}):",
@@ -185,7 +188,7 @@ def make_report(
         lines += ["-" * 72, "Other failures:"]
         lines += [
             f"  rank {f.global_rank} (local rank {f.local_rank}, node {f.node_rank}): "
-            f"{describe_exit(f.returncode)} at {_format_time(f.time)}"
+            f"{describe_exit(f.returncode, f.stopped_by)} at {_format_time(f.time)}"
             for f in others
         ]
     if stacks:

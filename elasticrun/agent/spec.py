@@ -105,6 +105,9 @@ class WorkerSpec:
     #: opt-in hang watchdog: a worker that has not called `elasticrun.worker.heartbeat()`
     #: for this many seconds is hung (None: no watchdog)
     progress_timeout: float | None = None
+    #: --progress-start-timeout: the same before a worker's first progress (None: as
+    #: progress_timeout)
+    progress_start_timeout: float | None = None
     #: --forgive-progress heartbeat: a worker failure after every worker called
     #: `heartbeat()` since the previous failure spends no restart
     forgive_heartbeat: bool = False
@@ -133,5 +136,10 @@ class WorkerSpec:
             raise UsageError(f"the stop grace period must be >= 0, got {self.stop_grace}")
         if self.progress_timeout is not None and not 0 < self.progress_timeout < float("inf"):
             raise UsageError(f"--progress-timeout must be a positive number of seconds, got {self.progress_timeout:g}")
+        start = self.progress_start_timeout
+        if start is not None and not (0 < start < float("inf") and self.progress_timeout is not None):
+            raise UsageError(
+                f"--progress-start-timeout must be a positive number of seconds, with --progress-timeout; got {start:g}"
+            )
         if self.forgive_after is not None and not 0 < self.forgive_after < float("inf"):
             raise UsageError(f"--forgive-progress must be a positive number of seconds, got {self.forgive_after:g}")

@@ -39,11 +39,19 @@ class Hang:
     silent_for: float
     #: where it waits, when its step timing says (`waiting in all_reduce for 58s`)
     waiting: str = ""
+    #: it made no progress at all since it started: neither heartbeat() nor an
+    #: optimizer step (a script the watchdog cannot see into is no hung one)
+    never: bool = False
 
     def reason(self, global_rank: int) -> str:
         """The one-line cause: `worker rank 3 hung: no progress for 61s (waiting in
         all_reduce for 58s)`."""
         where = f" ({self.waiting})" if self.waiting else ""
+        if self.never:
+            return (
+                f"worker rank {global_rank} hung: no progress for {self.silent_for:.0f}s since it started{where}: it "
+                "never called elasticrun.worker.heartbeat() and made no optimizer step"
+            )
         return f"worker rank {global_rank} hung: no progress for {self.silent_for:.0f}s{where}"
 
 
@@ -69,10 +77,14 @@ class ProgressWatchdog:
         directory: Path,
         local_ranks: Iterable[int],
         clock: Callable[[], float] = time.monotonic,
+        start_timeout: float | None = None,
     ) -> None:
         if timeout is not None and not 0 < timeout < float("inf"):
             raise ValueError(f"the progress timeout must be a positive number of seconds, got {timeout}")
         self.timeout = timeout
+        #: how long a worker may take to its first progress (imports, loading a model or
+        #: a checkpoint, compiling); the timeout when not given
+        self.start_timeout = start_timeout if start_timeout is not None else timeout
         self.directory = Path(directory)
         self._clock = clock
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -112,9 +124,21 @@ class ProgressWatchdog:
         self._looked_at = now
         if not self._workers or self.timeout is None:
             return None
-        rank, worst = min(self._workers.items(), key=lambda kv: (kv[1].progress_at, kv[0]))
-        silent = now - worst.progress_at
-        return Hang(local_rank=rank, silent_for=silent) if silent >= self.timeout else None
+        rank, worst = min(self._workers.items(), key=lambda kv: (self._due(kv[1]), kv[0]))
+        if now < self._due(worst):
+            return None
+        return Hang(local_rank=rank, silent_for=now - worst.progress_at, never=self.never_progressed(rank))
+
+    def _due(self, watched: _Watched) -> float:
+        """When the worker is overdue: the timeout after its latest progress, or the
+        start timeout after the watchdog's start while it has made none."""
+        allowed = self.timeout if watched.mtime_ns is not None else self.start_timeout
+        assert allowed is not None  # only asked with a timeout
+        return watched.progress_at + allowed
+
+    def never_progressed(self, local_rank: int) -> bool:
+        """Whether the worker has made no progress at all since the watchdog was made."""
+        return self._workers[local_rank].mtime_ns is None
 
     def silences(self) -> dict[int, float]:
         """How long each worker had made no progress at the latest look (`check`)."""
@@ -124,7 +148,9 @@ class ProgressWatchdog:
         """The earliest moment (watchdog clock) a worker could be overdue."""
         if not self._workers or self.timeout is None:
             return None
-        return min(w.progress_at for w in self._workers.values()) + self.timeout
+        # A worker yet to make progress may make it any moment, and then be due a
+        # timeout later: look again by then, to see it (its start allowance is longer).
+        return min(min(self._due(w), self._looked_at + self.timeout) for w in self._workers.values())
 
     async def hang(self) -> Hang:
         """Return when a worker has made no progress for the timeout."""
@@ -158,8 +184,9 @@ def hang_failure(
     last stderr lines, which often say where it waited.
     """
     where = f", {hang.waiting}" if hang.waiting else ""
+    never = " since it started, never calling heartbeat() or stepping an optimizer" if hang.never else ""
     detail = (
-        f"hung: no progress for {hang.silent_for:.0f}s (--progress-timeout={timeout:g}s{where}); "
+        f"hung: no progress for {hang.silent_for:.0f}s{never} (--progress-timeout={timeout:g}s{where}); "
         "the agent stopped it"
     )
     tail = traceback_from_stderr(stderr_tail)
@@ -172,5 +199,6 @@ def hang_failure(
         returncode=returncode,
         time=time.time() if at is None else at,
         traceback_source="the progress watchdog",
+        stopped_by="the progress watchdog",
         traceback=f"{detail}\nlast stderr lines:\n{tail}" if tail.strip() else detail,
     )

@@ -673,8 +673,10 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     elif not (shutdown >= 0 and math.isfinite(shutdown)):
         raise UsageError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown:g}")
     within_max_seconds(shutdown, "--shutdown-timeout", f"{shutdown:g}")
-    if args.progress_timeout is not None:  # its lower bound is the worker spec's
-        within_max_seconds(args.progress_timeout, "--progress-timeout", f"{args.progress_timeout:g}")
+    for flag, value in (("--progress-timeout", args.progress_timeout),
+                        ("--progress-start-timeout", args.progress_start_timeout)):
+        if value is not None:  # its lower bound is the worker spec's
+            within_max_seconds(value, flag, f"{value:g}")
     filter_ranks = None
     if args.local_ranks_filter:
         try:
@@ -698,6 +700,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         forgive_progress=args.forgive_progress,
         elastic_mode=args.elastic_mode,
         progress_timeout=args.progress_timeout,
+        progress_start_timeout=args.progress_start_timeout,
         role=args.role,
         straggler=args.straggler,
         # rendezvous timings every node must share (secrets and local paths stay out)
@@ -911,6 +914,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         gpu_devices=host.gpu_devices,
         isolate_gpus=request.isolate_gpus,
         progress_timeout=spec.progress_timeout,
+        progress_start_timeout=spec.progress_start_timeout,
         forgive_heartbeat=spec.forgive_progress == "heartbeat",
         forgive_after=None if spec.forgive_progress in ("", "heartbeat") else float(spec.forgive_progress),
         in_process=spec.elastic_mode == "in-process",

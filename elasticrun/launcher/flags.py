@@ -235,6 +235,9 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "progress-timeout", type=float, default=None,
           help="opt-in hang watchdog (off by default): stop and restart the workers when one has made no progress "
                "for this many seconds: no optimizer step, no elasticrun.worker.heartbeat() call")
+    _flag(p, "progress-start-timeout", type=float, default=None,
+          help="with --progress-timeout: how long a worker may take to its first progress (imports, loading a "
+               "model or checkpoint, compiling); default: --progress-timeout")
     _flag(p, "straggler", default="report", choices=["off", "report", "replace"],
           help="a node whose compute time per step is well above the others': report it (status, events, "
                "metrics), replace it (quarantined; a spare or the elastic range takes over), or off (no step "

@@ -18,7 +18,7 @@ From the store, join takes only what can neither run code nor name a file on thi
 and the launcher's flag parser checks it as it checks a command line:
 - the job spec's numbers and names (`--nnodes`, `--nproc-per-node`, `--node-unit`,
   `--max-restarts`, `--forgive-progress`, `--elastic-mode`, `--progress-timeout`,
-  `--role`);
+  `--progress-start-timeout`, `--role`);
 - the shared rendezvous timings (`SHARED_RDZV_CONF`); a stored spec with any other
   `--rdzv-conf` key is refused, since no node of ours stores one;
 - the first node's own settings among `CARRIED_FLAGS` (`--shutdown-timeout`, `--gpus`,
@@ -170,6 +170,8 @@ async def job_argv(target: JobTarget, args: argparse.Namespace, environ: Mapping
         argv.append(f"--forgive-progress={spec.forgive_progress}")
     if spec.progress_timeout is not None:
         argv.append(f"--progress-timeout={spec.progress_timeout}")
+    if spec.progress_start_timeout is not None:
+        argv.append(f"--progress-start-timeout={spec.progress_start_timeout}")
     for flag in ("local_addr", "log_dir", "metrics_port", "health_check", "health_check_timeout"):
         if getattr(args, flag):
             argv.append(f"--{flag.replace('_', '-')}={getattr(args, flag)}")

@@ -423,6 +423,7 @@ class JobSpec:
     forgive_progress: str = ""
     elastic_mode: str = "restart"
     progress_timeout: float | None = None
+    progress_start_timeout: float | None = None
     role: str = "default"
     #: --straggler: what the leader does with a node slower than the others (off,
     #: report, replace)
