@@ -465,3 +465,74 @@ def test_migration_md_maps_every_torchrun_flag() -> None:
         if action.option_strings and action.dest != "help"
     }
     assert flags - named == set(), sorted(flags - named)
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces
+    to hyphens, `-1`, `-2`, ... after a repeat (headings inside code blocks do not count)."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        heading = None if in_code else re.match(r"#{1,6}\s+(.*)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_links_to_a_heading_find_it() -> None:
+    """A link to `page.md#anchor` (or `#anchor` on the same page) names a heading there."""
+    pages = [*sorted(DOCS.glob("*.md")), *(ROOT / name for name in ("README.md", "CONTRIBUTING.md", "BENCHMARKS.md"))]
+    broken, checked = [], 0
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            linked = (page.parent / target).resolve() if target else page
+            if "://" in target or linked.suffix != ".md":
+                continue
+            checked += 1
+            if anchor not in heading_anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)} -> {target}#{anchor}")
+    assert checked > 20, "the link scan found too little: is it broken?"
+    assert not broken, broken
+
+
+def test_the_anchor_check_can_fail(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n## Stacks (bench/x.py)\n```\n# not a heading\n```\n## Stacks (bench/x.py)\n")
+    assert heading_anchors(page) == {"title", "stacks-benchxpy", "stacks-benchxpy-1"}
+
+
+# --- README's demo output -------------------------------------------------------------------
+
+
+def test_readme_demo_output_is_one_run() -> None:
+    """README shows what `bash scripts/demo.sh` printed in one run (scripts/demo_output.py
+    writes it): the node ids agree throughout, the drained node is the one drained."""
+    from scripts.demo_output import demo_block, problems
+
+    block = demo_block((ROOT / "README.md").read_text())
+    assert block.count("$ elasticrun status") >= 4 and "drained " in block, block
+    assert problems(block) == []
+
+
+def test_the_one_run_check_can_fail() -> None:
+    """Pieces of two runs are caught: a drained node no table shows (as README once had),
+    a table from another run, a round that goes back, a run that did not end well."""
+    from scripts.demo_output import demo_block, problems
+
+    block = demo_block((ROOT / "README.md").read_text())
+    drained = re.search(r"drained (\S+) in", block)
+    assert drained
+    assert any("no status table shows" in p for p in problems(block.replace(drained.group(0), "drained vm_1 in")))
+    row = re.search(r"^ *(\S+) +healthy ", block, flags=re.M)  # the first table's first row
+    assert row
+    other_run = f"{block[:row.start(1)]}vm_1{block[row.end(1):]}"
+    assert any("the table shows" in p for p in problems(other_run))
+    rounds = re.findall(r"leader \S+: round (\d+)", block)
+    went_back = block.replace(f": round {rounds[-1]} running", ": round 1 running")
+    assert any("after round" in p for p in problems(went_back))
+    assert problems(block.rsplit("node-a exited", 1)[0]) != []
