@@ -536,3 +536,14 @@ def test_the_one_run_check_can_fail() -> None:
     went_back = block.replace(f": round {rounds[-1]} running", ": round 1 running")
     assert any("after round" in p for p in problems(went_back))
     assert problems(block.rsplit("node-a exited", 1)[0]) != []
+
+
+def test_the_first_hour_transcript_says_what_each_step_is_about() -> None:
+    """docs/troubleshooting.md's first hour is a real run (scripts/first_hour.py), and
+    still holds each step's line: a step whose words changed must be run again."""
+    from scripts.first_hour import missing, transcript
+
+    text = transcript((ROOT / "docs" / "troubleshooting.md").read_text())
+    assert text.count("\n$ elasticrun ") >= 9, text
+    assert missing(text) == []
+    assert missing(text.replace("did you mean join_timeout?", "")) == ["A misspelt --rdzv-conf key."]

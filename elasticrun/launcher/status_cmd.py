@@ -78,14 +78,18 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
     r = view.round
     low, high = view.min_max
     created = view.launch.created_at if view.launch else None
+    world, nodes = (r.world_size, f"{len(r.participants)} ({low}:{high})") if r else (0, f"0 ({low}:{high})")
+    if r is not None and r.closed:  # its members and spec are gone: what its nodes last reported
+        placed = [s for s in view.statuses.values() if s.node_rank >= 0]
+        world, nodes = max((s.world_size for s in placed), default=0), str(len(placed))
     job = [
         ["JOB", "STATE", "ROUND", "WORLD", "NODES", "RESTARTS", "DURATION"],
         [
             view.run_id,
             view.phase,
             str(r.number) if r else "-",
-            str(r.world_size) if r else "0",
-            f"{len(r.participants) if r else 0} ({low}:{high})",
+            str(world),
+            nodes,
             _restarts(r),
             age(now - created) if created else "-",
         ],
