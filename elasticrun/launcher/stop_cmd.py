@@ -23,6 +23,26 @@ class StopTimeoutError(ElasticrunError):
 
 
 async def stop(target: JobTarget, *, timeout: float, as_data: bool = False) -> int:
+    """Stop the job; 0 when it stopped, had ended already, or (c10d) nothing listens
+    where its store would be."""
+    try:
+        return await _stop(target, timeout=timeout, as_data=as_data)
+    except StoreUnavailableError as e:
+        if target.backend != "c10d" or "connection refused" not in e.cause:
+            raise
+        # Nothing listens there: no job runs on a store at that address (a store an
+        # agent hosted ended with its job, and the agents with it). Retrying cannot
+        # change that, so a scheduler's clean-up step must not be told to.
+        _say(
+            f"nothing listens at {e.endpoint}: no job runs on a store there (a store an agent hosted ends with "
+            "its job); nothing to stop. Check --rdzv-endpoint if the job should be running",
+            {"job": target.run_id, "stopped": False, "store_gone": True, "endpoint": e.endpoint},
+            as_data,
+        )
+        return 0
+
+
+async def _stop(target: JobTarget, *, timeout: float, as_data: bool) -> int:
     keys = target.keys
     async with target.open() as store:
         view = await read_job(store, target)
