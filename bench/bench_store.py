@@ -61,10 +61,10 @@ def _log_watch_sends(path: str) -> None:
     import atexit
     import inspect
 
-    from elasticrun.store import server as server_module
+    from elasticrun.store.kv_service import StoreService
 
     sent: list[tuple[int, int]] = []
-    original = server_module._StoreService.Watch
+    original = StoreService.Watch
 
     if inspect.isasyncgenfunction(original):  # replies yielded (older servers)
 
@@ -96,7 +96,7 @@ def _log_watch_sends(path: str) -> None:
         async def watch(self, request, context):  # type: ignore[no-untyped-def]
             await original(self, request, Context(context))
 
-    server_module._StoreService.Watch = watch  # type: ignore[method-assign]
+    StoreService.Watch = watch  # type: ignore[method-assign]
     atexit.register(lambda: Path(path).write_text(json.dumps(sent)))
 
 

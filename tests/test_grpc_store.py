@@ -30,7 +30,7 @@ from elasticrun.errors import (
 )
 from elasticrun.launcher import store_cmd
 from elasticrun.launcher.metrics_http import MetricsAddress
-from elasticrun.store import server as server_module
+from elasticrun.store import server_admission, server_limits
 from elasticrun.store.access import exposure_warning, parse_access
 from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
 from elasticrun.store.c10d_client import C10dClient
@@ -453,7 +453,7 @@ async def test_a_call_is_refused_from_its_headers(
     """No message is read, no slot spent, before the caller is known (issue 36): a call
     with no token is refused at once; an identity's calls count against its share from
     their headers; a call whose message does not come is ended after the deadline."""
-    monkeypatch.setattr(server_module, "MESSAGE_DEADLINE", 0.5)
+    monkeypatch.setattr(server_admission, "MESSAGE_DEADLINE", 0.5)
     server = StoreServer("127.0.0.1", 0, token=TOKEN, fair_share=FairShare(calls=2))
     await server.start()
     anonymous = await headers_only(server.endpoint, "/elasticrun.store.v1.C10dStore/Set", None)
@@ -494,16 +494,16 @@ async def test_c10d_key_lists_are_bounded(reliability: Reliability) -> None:
         client = C10dClient(server.endpoint, token=worker_credential(TOKEN, "job-a"), timeout=10)
         client.multi_set(["a", "b"], [b"1", b"2"])
         assert client.multi_get(["b", "a", "b", "b"], 5) == [b"2", b"1", b"2", b"2"]
-        assert client.check(["a"] * server_module.MAX_KEYS_PER_CALL) and not client.check(["a", "c"])
+        assert client.check(["a"] * server_limits.MAX_KEYS_PER_CALL) and not client.check(["a", "c"])
         client.wait(["a", "b", "a"], 5)
-        too_many = [f"k{i}" for i in range(server_module.MAX_KEYS_PER_CALL + 1)]
+        too_many = [f"k{i}" for i in range(server_limits.MAX_KEYS_PER_CALL + 1)]
         for call in (lambda: client.check(too_many), lambda: client.wait(too_many, 5),
                      lambda: client.multi_get(too_many, 5)):
-            with pytest.raises(StoreLimitError, match=f"at most {server_module.MAX_KEYS_PER_CALL} keys"):
+            with pytest.raises(StoreLimitError, match=f"at most {server_limits.MAX_KEYS_PER_CALL} keys"):
                 call()
         with pytest.raises(StoreLimitError, match="over the store's limit of 262144 bytes"):
             client.check(["a"] * 340_000)  # issue 36's list: 1 MiB, refused before it is parsed
-        with pytest.raises(StoreLimitError, match=f"at most {server_module.MAX_MULTI_SET_KEYS} keys"):
+        with pytest.raises(StoreLimitError, match=f"at most {server_limits.MAX_MULTI_SET_KEYS} keys"):
             client.multi_set(too_many[:2000], [b"x"] * 2000)
         with pytest.raises(StoreRequestError, match="must not be empty"):
             client.check(["a", ""])
@@ -515,10 +515,10 @@ async def test_c10d_key_lists_are_bounded(reliability: Reliability) -> None:
     reliability.record(
         part="security",
         scenario="c10d key lists past their bounds",
-        injected=f"check, wait and multi_get naming {server_module.MAX_KEYS_PER_CALL + 1} keys, a check of one key "
+        injected=f"check, wait and multi_get naming {server_limits.MAX_KEYS_PER_CALL + 1} keys, a check of one key "
         "340,000 times (1 MiB), a multi_set of 2,000 keys, duplicates and an empty key",
-        happened=f"refused (RESOURCE_EXHAUSTED naming the most: {server_module.MAX_KEYS_PER_CALL} keys, 256 KiB, "
-        f"{server_module.MAX_MULTI_SET_KEYS} keys for a multi_set; INVALID_ARGUMENT for the empty key), the 1 MiB "
+        happened=f"refused (RESOURCE_EXHAUSTED naming the most: {server_limits.MAX_KEYS_PER_CALL} keys, 256 KiB, "
+        f"{server_limits.MAX_MULTI_SET_KEYS} keys for a multi_set; INVALID_ARGUMENT for the empty key), the 1 MiB "
         "list before it was parsed; duplicates looked up once and answered in place",
         lost="nothing",
     )

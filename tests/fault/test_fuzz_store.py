@@ -47,7 +47,7 @@ from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.channel import grpc_target
 from elasticrun.store.api import MAX_LEASE_TTL
 from elasticrun.store.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
-from elasticrun.store.server import MAX_MULTI_SET_KEYS
+from elasticrun.store.server_limits import MAX_MULTI_SET_KEYS
 from tests.elastic_cluster import wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -41,7 +41,7 @@ from elasticrun.errors import StoreAuthError
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.client import GrpcStore
 from elasticrun.store.credentials import worker_prefix
-from elasticrun.store.server import MAX_STREAMS_PER_CONNECTION
+from elasticrun.store.server_limits import MAX_STREAMS_PER_CONNECTION
 from tests.agent_helpers import free_port
 from tests.certs import TestCa, write_pair
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
