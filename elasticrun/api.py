@@ -34,7 +34,8 @@ from typing import Any
 from elasticrun.agent.agent import AgentResult
 from elasticrun.agent.failures import FailureReport
 from elasticrun.errors import ElasticrunError, UsageError
-from elasticrun.launcher.config import LaunchConfig, build_config
+from elasticrun.launcher.assemble import build_config
+from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.flags import launch_parser
 from elasticrun.worker.call import PAYLOAD_ENV, RESULTS_ENV
 

@@ -22,17 +22,12 @@ import pytest
 
 from elasticrun.agent.spec import Std
 from elasticrun.errors import UsageError
+from elasticrun.launcher.assemble import assemble, build_config
 from elasticrun.launcher.cli import launch_parser
-from elasticrun.launcher.config import (
-    HostFacts,
-    LaunchConfig,
-    assemble,
-    build_config,
-    discover,
-    parse_launch,
-    parse_rdzv_conf,
-    torchrun_spelling,
-)
+from elasticrun.launcher.config import LaunchConfig
+from elasticrun.launcher.discover import HostFacts, discover
+from elasticrun.launcher.parsing import parse_launch
+from elasticrun.launcher.rdzv_conf import parse_rdzv_conf, torchrun_spelling
 from tests.agent_helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent

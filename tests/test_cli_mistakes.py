@@ -15,9 +15,9 @@ import pytest
 
 from elasticrun.agent.xpu import intel_xpus
 from elasticrun.launcher.cli import subcommand_parser
-from elasticrun.launcher.config import RDZV_CONF_KEYS
 from elasticrun.launcher.control import ACCESS_KEYS
 from elasticrun.launcher.flags import launch_parser
+from elasticrun.launcher.rdzv_conf import RDZV_CONF_KEYS
 from tests.elastic_cluster import Cluster, run_id, wait_until
 from tests.test_cli import SPEAK, clean_env, finish, run_cli, start_cli
 

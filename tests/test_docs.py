@@ -23,7 +23,12 @@ import pytest
 
 import elasticrun.errors as errors
 from elasticrun.launcher.cli import launch_parser, subcommand_parser
-from elasticrun.launcher.config import KEEP_ALIVE_ATTEMPTS, RDZV_CONF_ALIASES, RDZV_CONF_KEYS, RDZV_CONF_TORCHRUN_ONLY
+from elasticrun.launcher.rdzv_conf import (
+    KEEP_ALIVE_ATTEMPTS,
+    RDZV_CONF_ALIASES,
+    RDZV_CONF_KEYS,
+    RDZV_CONF_TORCHRUN_ONLY,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

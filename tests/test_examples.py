@@ -26,10 +26,11 @@ from unittest import mock
 
 import pytest
 
-from examples.elastic_demo import descendants, kill_tree
+from elasticrun.launcher.assemble import build_config
 from elasticrun.launcher.cli import SUBCOMMANDS, launch_parser, subcommand_parser
-from elasticrun.launcher.config import LaunchConfig, build_config
+from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.control import job_target, store_target
+from examples.elastic_demo import descendants, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

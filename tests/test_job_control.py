@@ -398,8 +398,8 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     --log-dir, --event-log-handler and working folder do not: they name files and code on
     the joining host, which only its operator chooses."""
     from elasticrun.launcher import join_cmd
+    from elasticrun.launcher.assemble import build_config
     from elasticrun.launcher.cli import subcommand_parser
-    from elasticrun.launcher.config import build_config
     from elasticrun.launcher.control import JobTarget
     from elasticrun.launcher.flags import launch_parser
     from elasticrun.rendezvous.elastic import ElasticRendezvous

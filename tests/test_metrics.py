@@ -200,7 +200,7 @@ def test_metrics_port_is_part_of_the_launch_configuration() -> None:
 
     code = (
         "import sys\n"
-        "from elasticrun.launcher.config import build_config\n"
+        "from elasticrun.launcher.assemble import build_config\n"
         "from elasticrun.launcher.flags import launch_parser\n"
         "args = launch_parser().parse_args(['--standalone', '--metrics-port', '127.0.0.1:9464', sys.argv[1]])\n"
         "print(build_config(args, {}).metrics, 'prometheus_client' in sys.modules)\n"

@@ -90,14 +90,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv and argv[0] in SUBCOMMANDS:
             args = subcommand_parser().parse_args(argv)
             if isinstance(getattr(args, "rdzv_id", None), str):
-                from elasticrun.launcher.config import check_run_id
+                from elasticrun.launcher.parsing import check_run_id
 
                 check_run_id(args.rdzv_id)
             run: Callable[[argparse.Namespace], int] = args.run
             return run(args)
         _check_not_a_misspelt_subcommand(argv)
         args = launch_parser().parse_args(argv)
-        from elasticrun.launcher.config import build_config
+        from elasticrun.launcher.assemble import build_config
         from elasticrun.launcher.launch import run_launch
         log_format.use(args.log_format)
         return run_launch(build_config(args, os.environ))

@@ -16,8 +16,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from elasticrun.errors import UsageError
-from elasticrun.launcher.config import BACKENDS, parse_rdzv_conf, settings_from_flags, within_max_seconds
+from elasticrun.launcher.flag_values import within_max_seconds
 from elasticrun.launcher.flags import rdzv_conf_keys
+from elasticrun.launcher.parsing import BACKENDS
+from elasticrun.launcher.rdzv_conf import parse_rdzv_conf, settings_from_flags
 from elasticrun.rendezvous.state import (
     JOBS_PREFIX,
     Event,

@@ -14,7 +14,8 @@ from typing import Any, NoReturn
 from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.config import DEFAULT_RUN_ID, RDZV_CONF_KEYS, FromEnvironment
+from elasticrun.launcher.parsing import DEFAULT_RUN_ID
+from elasticrun.launcher.rdzv_conf import RDZV_CONF_KEYS, FromEnvironment
 from elasticrun.launcher.spelling import did_you_mean
 
 

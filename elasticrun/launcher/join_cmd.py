@@ -41,13 +41,9 @@ from collections.abc import Mapping
 
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.config import (
-    CARRIED_FLAGS,
-    RUN_PATH_MODULE,
-    SHARED_RDZV_CONF,
-    worker_argv,
-)
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job, timeout_seconds
+from elasticrun.launcher.parsing import CARRIED_FLAGS, RUN_PATH_MODULE, worker_argv
+from elasticrun.launcher.rdzv_conf import SHARED_RDZV_CONF
 from elasticrun.rendezvous.state import JobSpec
 
 log = logging.getLogger("elasticrun")
@@ -185,7 +181,7 @@ async def job_argv(target: JobTarget, args: argparse.Namespace, environ: Mapping
 def _run(args: argparse.Namespace) -> int:
     target = job_target(args)
     argv = asyncio.run(job_argv(target, args, os.environ))
-    from elasticrun.launcher.config import build_config
+    from elasticrun.launcher.assemble import build_config
     from elasticrun.launcher.flags import launch_parser
     from elasticrun.launcher.launch import run_launch
 

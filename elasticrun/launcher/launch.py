@@ -25,9 +25,11 @@ from elasticrun.agent.health_check import CheckResult, HealthCheck
 from elasticrun.agent.undumpable import forbid_dumps
 from elasticrun.errors import GpuUnhealthyError, HealthCheckError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.config import DEFAULT_RUN_ID, LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
+from elasticrun.launcher.config import LaunchConfig, RendezvousConfig
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import serving
+from elasticrun.launcher.parsing import DEFAULT_RUN_ID
+from elasticrun.launcher.rdzv_conf import rdzv_flag, settings_from_flags
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous

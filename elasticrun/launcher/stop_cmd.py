@@ -10,8 +10,8 @@ import socket
 from collections.abc import Mapping
 
 from elasticrun.errors import ElasticrunError, StoreUnavailableError
-from elasticrun.launcher.config import MAX_SECONDS
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_nodes_gone
+from elasticrun.launcher.flag_values import MAX_SECONDS
 from elasticrun.rendezvous.leader import clear_job_records, close_round
 
 #: how long a stopped job stays closed to late agents when its spec does not say

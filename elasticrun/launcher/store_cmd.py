@@ -22,10 +22,10 @@ from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
 from elasticrun.launcher.closed_journal import journaled
-from elasticrun.launcher.config import parse_rdzv_conf, settings_from_flags
 from elasticrun.launcher.flags import Parser
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address, serving
+from elasticrun.launcher.rdzv_conf import parse_rdzv_conf, settings_from_flags
 from elasticrun.store.access import exposure_warning, parse_access, read_file, read_token, server_tls
 from elasticrun.store.credentials import reader_credential, worker_credential
 from elasticrun.store.memory import MemoryStore
