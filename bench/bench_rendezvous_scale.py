@@ -147,7 +147,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
 
     from elasticrun.rendezvous.decide import RendezvousSettings
     from elasticrun.rendezvous.elastic import ElasticRendezvous
-    from elasticrun.rendezvous.state import JobSpec, NodeInfo
+    from elasticrun.rendezvous.records import JobSpec, NodeInfo
 
     os.nice(5)  # the store first: in a cluster each node has its own host
     lost = collections.Counter()

@@ -30,7 +30,6 @@ import os
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -134,8 +133,10 @@ def overhead(rounds: int, steps: int) -> None:
 def leader_cost(nodes: int) -> None:
     """What one evaluation costs the leader at `nodes` nodes: decoding their reports (one
     read of c/steps/) and judging them."""
+    from elasticrun.rendezvous.codec import decode, encode
     from elasticrun.rendezvous.decide import RendezvousSettings
-    from elasticrun.rendezvous.state import Participant, Round, StepReport, decode, encode
+    from elasticrun.rendezvous.records import StepReport
+    from elasticrun.rendezvous.rounds import Participant, Round
     from elasticrun.rendezvous.stragglers import Judgement, judge
 
     names = [f"host{i:05d}_1234" for i in range(nodes)]

@@ -22,8 +22,10 @@ import pytest
 
 from elasticrun.errors import UsageError
 from elasticrun.launcher.closed_journal import JOURNAL_VERSION, ClosedJournal, journaled
+from elasticrun.rendezvous.codec import decode, encode
+from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.leader import close_round
-from elasticrun.rendezvous.state import Keys, RoundHead, decode, encode
+from elasticrun.rendezvous.rounds import RoundHead
 from elasticrun.store.client import GrpcStore
 from elasticrun.store.memory import MemoryStore
 from tests.agent_helpers import free_port, wait_until

@@ -5,14 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
-from elasticrun.rendezvous.state import (
-    NodeInfo,
-    Participant,
-    QuarantineEntry,
-    QuarantineTable,
-    RestartRequest,
-    Round,
-)
+from elasticrun.rendezvous.records import NodeInfo, QuarantineEntry, QuarantineTable, RestartRequest
+from elasticrun.rendezvous.rounds import Participant, Round
 
 SETTINGS = RendezvousSettings(run_id="job", min_nodes=2, max_nodes=3, last_call=1.0)
 

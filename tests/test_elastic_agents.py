@@ -231,7 +231,7 @@ async def _end_closed_window(rdzv: Rdzv, run_id: str) -> None:
     The test sets the window's end itself: with a short closed_ttl instead, a late agent
     that is slow to start (a loaded machine) would miss the window and start a new job.
     """
-    from elasticrun.rendezvous.state import Keys
+    from elasticrun.rendezvous.keys import Keys
     from elasticrun.store.api import EventType
 
     if rdzv.backend == "etcd":

@@ -205,7 +205,7 @@ def test_drain_of_an_agent_killed_while_it_stops_its_workers_ends_and_says_so(cl
     warden stops the worker."""
     import asyncio
 
-    from elasticrun.rendezvous.state import Keys
+    from elasticrun.rendezvous.keys import Keys
     from elasticrun.store.client import GrpcStore
 
     rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())
@@ -403,7 +403,7 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     from elasticrun.launcher.control import JobTarget
     from elasticrun.launcher.flags import launch_parser
     from elasticrun.rendezvous.elastic import ElasticRendezvous
-    from elasticrun.rendezvous.state import NodeInfo
+    from elasticrun.rendezvous.records import NodeInfo
     from elasticrun.store.memory import MemoryStore
 
     first_dir, join_dir = tmp_path / "first", tmp_path / "join"

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: One forbidden import per contract id: (module to write or extend, the import).
 BREAKS = {
-    "layers": ("elasticrun/store/throwaway.py", "from elasticrun.rendezvous import state"),
+    "layers": ("elasticrun/store/throwaway.py", "from elasticrun.rendezvous import records"),
     "launcher-on-top": ("elasticrun/worker/throwaway.py", "import elasticrun.launcher.cli"),
     "api-on-top": ("elasticrun/launcher/throwaway.py", "import elasticrun.api"),
     "store-interface": ("elasticrun/rendezvous/throwaway.py", "from elasticrun.store.memory import MemoryStore"),

@@ -7,9 +7,12 @@ import asyncio
 import time
 from dataclasses import replace
 
+from elasticrun.rendezvous.codec import decode
 from elasticrun.rendezvous.decide import RendezvousSettings
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import NodeInfo, StepReport
 from elasticrun.rendezvous.reports import Reporter
-from elasticrun.rendezvous.state import Keys, NodeInfo, Participant, Round, StepReport, decode
+from elasticrun.rendezvous.rounds import Participant, Round
 from elasticrun.rendezvous.stragglers import MIN_STEPS, Judgement, judge
 from elasticrun.store.memory import MemoryStore
 

@@ -30,8 +30,8 @@ from elasticrun.agent.watchdog import Hang
 from elasticrun.errors import UsageError
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import Assignment, RendezvousHandler
+from elasticrun.rendezvous.records import NodeStacks, RankStacks
 from elasticrun.rendezvous.stack_summary import one_line, render_ranks, summarise
-from elasticrun.rendezvous.state import NodeStacks, RankStacks
 
 logger = logging.getLogger("elasticrun.agent")
 

@@ -21,7 +21,7 @@ from elasticrun import __version__
 from elasticrun.agent.health_check import CheckResult
 from elasticrun.agent.spec import WorkerState
 from elasticrun.rendezvous.api import Assignment
-from elasticrun.rendezvous.state import StepReport
+from elasticrun.rendezvous.records import StepReport
 
 #: seconds from a change to running again: a membership change in place takes well
 #: under a second, a restart of big workers minutes

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from elasticrun.agent.runfolder import create_new, open_log
 from elasticrun.agent.sessions import Session, belongs, process_start
-from elasticrun.rendezvous.state import Frame, RankStacks, ThreadStack
+from elasticrun.rendezvous.records import Frame, RankStacks, ThreadStack
 
 #: the worker's variable naming its stack file (read by the worker boot)
 STACKS_FILE_ENV = "ELASTICRUN_STACKS_FILE"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticrun.rendezvous.api import Assignment
-from elasticrun.rendezvous.state import StepReport
+from elasticrun.rendezvous.records import StepReport
 
 #: the worker's variable naming its file (elasticrun.worker.steptime.STEPS_FILE_ENV)
 STEPS_FILE_ENV = "ELASTICRUN_STEPS_FILE"

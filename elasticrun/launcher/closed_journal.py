@@ -42,7 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticrun.errors import CompactedError, LeaseExpiredError, RendezvousError, UsageError
-from elasticrun.rendezvous.state import JOBS_PREFIX, Keys, RoundHead, decode
+from elasticrun.rendezvous.codec import decode
+from elasticrun.rendezvous.keys import JOBS_PREFIX, Keys
+from elasticrun.rendezvous.rounds import RoundHead
 from elasticrun.store.api import MAX_LEASE_TTL, EventType
 from elasticrun.store.memory import MemoryStore
 

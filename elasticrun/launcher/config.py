@@ -26,7 +26,7 @@ from elasticrun.agent.spec import WorkerSpec
 from elasticrun.launcher.flag_values import positive_seconds
 from elasticrun.launcher.metrics_http import MetricsAddress
 from elasticrun.rendezvous.decide import RendezvousSettings
-from elasticrun.rendezvous.state import JobSpec
+from elasticrun.rendezvous.records import JobSpec
 from elasticrun.store.access import StoreAccess
 
 

@@ -1,7 +1,7 @@
 """What every job-control subcommand shares: its flags, the store, and a job snapshot.
 
 Job control reads and writes the same store records the agents use (see
-`elasticrun.rendezvous.state`); it never hosts a store, it only connects to one.
+`elasticrun.rendezvous.records`); it never hosts a store, it only connects to one.
 """
 
 from __future__ import annotations
@@ -20,22 +20,21 @@ from elasticrun.launcher.flag_values import within_max_seconds
 from elasticrun.launcher.flags import rdzv_conf_keys
 from elasticrun.launcher.parsing import BACKENDS
 from elasticrun.launcher.rdzv_conf import parse_rdzv_conf, settings_from_flags
-from elasticrun.rendezvous.state import (
-    JOBS_PREFIX,
+from elasticrun.rendezvous.job_records import JobRecords
+from elasticrun.rendezvous.keys import JOBS_PREFIX, Keys
+from elasticrun.rendezvous.records import (
     Event,
     JobLaunch,
-    JobRecords,
     JobSpec,
-    Keys,
     LeaderState,
     NodeInfo,
     NodeStatus,
     QuarantineTable,
-    Round,
     StacksRequest,
     StepReport,
     StragglerReport,
 )
+from elasticrun.rendezvous.rounds import Round
 from elasticrun.store.access import StoreAccess, open_client, parse_access
 from elasticrun.store.api import EventType, Store
 from elasticrun.store.contact import first_contact

@@ -21,7 +21,7 @@ from elasticrun.errors import UsageError
 from elasticrun.launcher.flag_values import digits_only
 from elasticrun.launcher.parsing import RUN_PATH_MODULE, LaunchRequest, parse_endpoint
 from elasticrun.launcher.rdzv_conf import settings_from_flags
-from elasticrun.rendezvous.state import JobSpec
+from elasticrun.rendezvous.records import JobSpec
 from elasticrun.store.access import StoreAccess, parse_access
 
 

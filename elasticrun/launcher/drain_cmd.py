@@ -22,8 +22,10 @@ from typing import NoReturn
 from elasticrun.errors import ElasticrunError, UsageError
 from elasticrun.first_of import first_of
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_keys_gone
+from elasticrun.rendezvous.codec import encode
+from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.liveness import Verdict, probe
-from elasticrun.rendezvous.state import DrainRequest, Event, Keys, NodeInfo, encode
+from elasticrun.rendezvous.records import DrainRequest, Event, NodeInfo
 from elasticrun.store.api import Store
 
 #: how often `drain` looks at a drained node that left the job but has not said it is done

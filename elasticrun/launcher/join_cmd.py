@@ -44,7 +44,7 @@ from elasticrun.launcher import log_format
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job, timeout_seconds
 from elasticrun.launcher.parsing import CARRIED_FLAGS, RUN_PATH_MODULE, worker_argv
 from elasticrun.launcher.rdzv_conf import SHARED_RDZV_CONF
-from elasticrun.rendezvous.state import JobSpec
+from elasticrun.rendezvous.records import JobSpec
 
 log = logging.getLogger("elasticrun")
 

@@ -33,7 +33,8 @@ from elasticrun.launcher.rdzv_conf import rdzv_flag, settings_from_flags
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import Keys, NodeInfo
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import NodeInfo
 from elasticrun.rendezvous.static import StaticRendezvous
 from elasticrun.store.access import exposure_warning, open_client, serve_here
 from elasticrun.store.api import EventType, Store

@@ -14,7 +14,8 @@ import sys
 
 from elasticrun.errors import UsageError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job
-from elasticrun.rendezvous.state import LogWindow, decode
+from elasticrun.rendezvous.codec import decode
+from elasticrun.rendezvous.records import LogWindow
 from elasticrun.store.api import EventType
 
 

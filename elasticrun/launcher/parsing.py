@@ -29,7 +29,7 @@ from elasticrun.launcher.flag_values import (
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address
 from elasticrun.launcher.rdzv_conf import SHARED_RDZV_CONF, parse_rdzv_conf
 from elasticrun.rendezvous.decide import RendezvousSettings
-from elasticrun.rendezvous.state import JobSpec
+from elasticrun.rendezvous.records import JobSpec
 from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT
 
 #: the job id without --rdzv-id, torchrun's: every job on a store without one shares it

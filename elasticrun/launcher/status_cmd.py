@@ -12,8 +12,10 @@ from dataclasses import asdict, dataclass
 
 from elasticrun.errors import StoreUnavailableError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, job_view, read_records
+from elasticrun.rendezvous.job_records import JobRecords
+from elasticrun.rendezvous.records import StepReport, Straggler
+from elasticrun.rendezvous.rounds import Round
 from elasticrun.rendezvous.stack_summary import one_line
-from elasticrun.rendezvous.state import JobRecords, Round, StepReport, Straggler
 from elasticrun.store.api import EventType, WatchEvent
 
 #: a live view redraws at most this often

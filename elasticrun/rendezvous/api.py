@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from elasticrun.rendezvous.records import NodeStacks, StacksRequest, StepReport
 from elasticrun.rendezvous.stacks import JobStacks
-from elasticrun.rendezvous.state import NodeStacks, StacksRequest, StepReport
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,14 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
-from elasticrun.rendezvous.state import (
-    NodeInfo,
-    Participant,
-    QuarantineEntry,
-    QuarantineTable,
-    RestartRequest,
-    Round,
-)
+from elasticrun.rendezvous.records import NodeInfo, QuarantineEntry, QuarantineTable, RestartRequest
+from elasticrun.rendezvous.rounds import Participant, Round
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,33 +36,29 @@ from elasticrun.errors import (
 )
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
+from elasticrun.rendezvous.codec import decode, encode
 from elasticrun.rendezvous.decide import RendezvousSettings
+from elasticrun.rendezvous.job_records import JobRecords
+from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.leader import DETAIL_LIMIT, Leader, close_job
 from elasticrun.rendezvous.liveness import LivenessPort, Verdict, probe
 from elasticrun.rendezvous.ports import PortReservation
-from elasticrun.rendezvous.reports import Reporter
-from elasticrun.rendezvous.stacks import ANSWER_WAIT, JobStacks, answer, ask, conclude, gather, new_request
-from elasticrun.rendezvous.state import (
+from elasticrun.rendezvous.records import (
     Departure,
     JobLaunch,
-    JobRecords,
     JobSpec,
-    Keys,
     Master,
     NodeInfo,
     NodeStacks,
     Ping,
-    Placed,
     QuarantineEntry,
-    RankShard,
     RestartRequest,
-    RoundHead,
     StacksRequest,
     StepReport,
-    decode,
-    encode,
-    shard_of,
 )
+from elasticrun.rendezvous.reports import Reporter
+from elasticrun.rendezvous.rounds import Placed, RankShard, RoundHead, shard_of
+from elasticrun.rendezvous.stacks import ANSWER_WAIT, JobStacks, answer, ask, conclude, gather, new_request
 from elasticrun.store.api import EventType, RangeResult, Store
 
 log = logging.getLogger("elasticrun.rendezvous")

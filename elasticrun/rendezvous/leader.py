@@ -17,24 +17,21 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 
 from elasticrun.errors import RendezvousError, StoreError, StoreGoneError
+from elasticrun.rendezvous.codec import decode, encode
 from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
+from elasticrun.rendezvous.job_records import JobRecords
+from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.liveness import Verdict, probe
-from elasticrun.rendezvous.state import (
+from elasticrun.rendezvous.records import (
     Event,
-    JobRecords,
-    Keys,
     LeaderState,
     NodeInfo,
     Ping,
     QuarantineTable,
     RestartRequest,
-    Round,
-    RoundHead,
     StepReport,
-    decode,
-    encode,
-    split_round,
 )
+from elasticrun.rendezvous.rounds import Round, RoundHead, split_round
 from elasticrun.rendezvous.stragglers import Judgement, judge
 from elasticrun.store.api import EventType, RangeResult, Store, WatchEvent
 

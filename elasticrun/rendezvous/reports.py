@@ -19,7 +19,9 @@ from collections import deque
 
 from elasticrun.errors import StoreError
 from elasticrun.rendezvous.api import AgentStatus
-from elasticrun.rendezvous.state import Event, Keys, LogLine, LogWindow, NodeInfo, NodeStatus, StepReport, encode
+from elasticrun.rendezvous.codec import encode
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import Event, LogLine, LogWindow, NodeInfo, NodeStatus, StepReport
 from elasticrun.store.api import Store
 
 log = logging.getLogger("elasticrun.rendezvous")

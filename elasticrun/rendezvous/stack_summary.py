@@ -28,7 +28,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from elasticrun.rendezvous.state import Frame, RankStacks, ThreadStack
+from elasticrun.rendezvous.records import Frame, RankStacks, ThreadStack
 
 #: groups of at most this many ranks are named rank by rank, with their nodes
 NAMED = 3

@@ -28,8 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from elasticrun.errors import RendezvousError
+from elasticrun.rendezvous.codec import decode, encode
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import NodeStacks, RankStacks, StacksRequest, ThreadStack
 from elasticrun.rendezvous.stack_summary import is_library, summarise
-from elasticrun.rendezvous.state import Keys, NodeStacks, RankStacks, StacksRequest, ThreadStack, decode, encode
 from elasticrun.store.api import EventType, Store
 
 #: how long whoever asked waits for the nodes' answers

@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from elasticrun.rendezvous.decide import RendezvousSettings
-from elasticrun.rendezvous.state import Round, StepReport, Straggler, StragglerReport
+from elasticrun.rendezvous.records import StepReport, Straggler, StragglerReport
+from elasticrun.rendezvous.rounds import Round
 
 #: steps a node's workers must have made in the round before the node is scored: the
 #: first steps of a round carry its start (compilation, warm-up)

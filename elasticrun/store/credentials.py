@@ -122,7 +122,7 @@ def worker_job_of(key: str) -> str | None:
 
 
 #: The record (under a job's prefix) whose `RUN_FIELD` names the job's current run: the
-#: rendezvous's job launch record (`rendezvous/state.py`, `JobLaunch.run`).
+#: rendezvous's job launch record (`rendezvous/records.py`, `JobLaunch.run`).
 RUN_RECORD = "r/job/launch"
 RUN_FIELD = "run"
 

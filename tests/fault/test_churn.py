@@ -56,7 +56,9 @@ def node_id(p: Proc) -> str:
 
 
 async def _registered(endpoint: str, job: str) -> set[str]:
-    from elasticrun.rendezvous.state import Keys, NodeInfo, decode
+    from elasticrun.rendezvous.codec import decode
+    from elasticrun.rendezvous.keys import Keys
+    from elasticrun.rendezvous.records import NodeInfo
 
     return {decode(NodeInfo, kv.value).node_id for kv in await _keys(endpoint, Keys(job).nodes)}
 
@@ -190,7 +192,7 @@ def _churn(
     samples["end"] = _sample(watched)
     churned = time.monotonic() - began
     # the store holds nothing of the nodes that left but a bounded window of events
-    from elasticrun.rendezvous.state import Keys
+    from elasticrun.rendezvous.keys import Keys
 
     keys = Keys(churn.job)
     held = [kv.key for kv in asyncio.run(_keys(endpoint, keys.prefix))]

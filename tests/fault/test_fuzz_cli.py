@@ -47,7 +47,7 @@ from elasticrun.errors import EXIT_INFRASTRUCTURE, EXIT_TRAINING_FAILED, EXIT_US
 from elasticrun.launcher import cli, launch, store_cmd
 from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.rdzv_conf import RDZV_CONF_ALIASES, RDZV_CONF_KEYS, RDZV_CONF_TORCHRUN_ONLY
-from elasticrun.rendezvous.state import encode
+from elasticrun.rendezvous.codec import encode
 from elasticrun.store import channel
 from elasticrun.store import client as grpc_store
 from elasticrun.store import etcd as etcd_store

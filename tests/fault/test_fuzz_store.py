@@ -43,9 +43,9 @@ from hypothesis import strategies as st
 
 from elasticrun.errors import StoreSettingError
 from elasticrun.proto import store_pb2 as pb
+from elasticrun.store.api import MAX_LEASE_TTL
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.channel import grpc_target
-from elasticrun.store.api import MAX_LEASE_TTL
 from elasticrun.store.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
 from elasticrun.store.server_limits import MAX_MULTI_SET_KEYS
 from tests.elastic_cluster import wait_until

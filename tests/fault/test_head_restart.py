@@ -29,7 +29,7 @@ import pytest
 from elasticrun.errors import StoreGoneError
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import JobSpec, NodeInfo
+from elasticrun.rendezvous.records import JobSpec, NodeInfo
 from elasticrun.store.client import GrpcStore
 from elasticrun.store.server import StoreServer
 from tests.agent_helpers import free_port

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.rendezvous.state import JobLaunch, JobSpec, Keys, encode
+from elasticrun.rendezvous.codec import encode
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import JobLaunch, JobSpec
 from elasticrun.store.client import GrpcStore
 from tests.agent_helpers import free_port
 from tests.elastic_cluster import TAG_VAR, Proc

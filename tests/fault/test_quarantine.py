@@ -30,9 +30,11 @@ import pytest
 
 from elasticrun.launcher.control import JobTarget, read_job
 from elasticrun.launcher.status_cmd import as_json, render
+from elasticrun.rendezvous.codec import decode
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import JobSpec, Keys, NodeInfo, QuarantineEntry, QuarantineTable, decode
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import JobSpec, NodeInfo, QuarantineEntry, QuarantineTable
 from elasticrun.store.access import StoreAccess
 from elasticrun.store.memory import MemoryStore
 from tests.elastic_cluster import Cluster, Proc, run_id

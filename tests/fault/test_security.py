@@ -34,10 +34,10 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.launcher.control import JobTarget, JobView, read_job
-from elasticrun.rendezvous.state import Keys
-from elasticrun.store.access import parse_access
 from elasticrun.errors import StoreAuthError
+from elasticrun.launcher.control import JobTarget, JobView, read_job
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.store.access import parse_access
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.client import GrpcStore
 from elasticrun.store.credentials import worker_prefix

@@ -30,7 +30,9 @@ import pytest
 
 from elasticrun.errors import StoreAuthError, StoreLimitError, StorePermissionError
 from elasticrun.launcher.gc_settings import settle_gc
-from elasticrun.rendezvous.state import JobLaunch, JobSpec, Keys, encode
+from elasticrun.rendezvous.codec import encode
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import JobLaunch, JobSpec
 from elasticrun.store.c10d_client import C10dClient
 from elasticrun.store.callers import FairShare
 from elasticrun.store.client import GrpcStore
