@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from common import loadavg, machine, write_json  # noqa: E402
 
-from elasticrun.store.client import GrpcStore  # noqa: E402
+from elasticrun.store.client.grpc_store import GrpcStore
 
 WORKERS = REPO / "tests" / "workers"
 TOKEN = "bench-abuse-token"

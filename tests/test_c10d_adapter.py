@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from elasticrun.errors import StoreAuthError, StoreSettingError, StoreTimeoutError
 from elasticrun.store.credentials import worker_credential
-from elasticrun.store.server import StoreServer
+from elasticrun.store.server.store_server import StoreServer
 from elasticrun.worker.c10d_store import C10dStore
 from tests.certs import TestCa
 

@@ -26,8 +26,8 @@ from elasticrun.rendezvous.codec import decode, encode
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.leader import close_round
 from elasticrun.rendezvous.rounds import RoundHead
-from elasticrun.store.client import GrpcStore
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.client.grpc_store import GrpcStore
+from elasticrun.store.server.memory import MemoryStore
 from tests.agent_helpers import free_port, wait_until
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
 

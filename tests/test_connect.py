@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from elasticrun.errors import StoreUnavailableError
-from elasticrun.store.client import GrpcStore
-from elasticrun.store.contact import first_contact
+from elasticrun.store.client.first_contact import first_contact
+from elasticrun.store.client.grpc_store import GrpcStore
 from tests.elastic_cluster import Cluster, start_store_server
 from tests.test_cli import clean_env, free_port, run_cli, start_cli
 

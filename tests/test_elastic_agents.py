@@ -235,11 +235,11 @@ async def _end_closed_window(rdzv: Rdzv, run_id: str) -> None:
     from elasticrun.store.api import EventType
 
     if rdzv.backend == "etcd":
-        from elasticrun.store.access import open_client, parse_access
+        from elasticrun.store.settings import open_client, parse_access
 
         store = open_client(parse_access("etcd", rdzv.endpoint, {"store_timeout": "10"}, {}))
     else:
-        from elasticrun.store.client import GrpcStore
+        from elasticrun.store.client.grpc_store import GrpcStore
 
         store = GrpcStore(rdzv.endpoint, timeout=10)
     try:

@@ -27,9 +27,9 @@ from elasticrun.errors import (
     StoreSettingError,
     StoreUnavailableError,
 )
-from elasticrun.store.access import open_client, parse_access, parse_endpoints
 from elasticrun.store.api import EventType, Store, WatchEvent
-from elasticrun.store.etcd import EtcdStore
+from elasticrun.store.etcd.backend import EtcdStore
+from elasticrun.store.settings import open_client, parse_access, parse_endpoints
 from tests.etcd_support import AUTH_PASSWORD, AUTH_USER, EtcdCluster
 
 #: Bounds every wait for an event in these tests; far above any healthy latency.

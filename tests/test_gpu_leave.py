@@ -29,7 +29,7 @@ from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import Event, JobSpec, NodeInfo, QuarantineTable
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.server.memory import MemoryStore
 from tests.agent_helpers import eventually, make_spec, static_for, write_script
 from tests.test_gpu import FakeGpu, FakeNvml
 

@@ -30,15 +30,16 @@ from elasticrun.errors import (
 )
 from elasticrun.launcher import store_cmd
 from elasticrun.launcher.metrics_http import MetricsAddress
-from elasticrun.store import server_admission, server_limits
-from elasticrun.store.access import exposure_warning, parse_access
 from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
-from elasticrun.store.c10d_client import C10dClient
-from elasticrun.store.callers import FairShare
-from elasticrun.store.client import GrpcStore
+from elasticrun.store.client.c10d import C10dClient
+from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.credentials import reader_credential, worker_credential
-from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.server import admission as server_admission
+from elasticrun.store.server import limits as server_limits
+from elasticrun.store.server.callers import FairShare
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.server.store_server import StoreServer
+from elasticrun.store.settings import exposure_warning, parse_access
 from elasticrun.store.wire import TlsKeyPair
 from tests.agent_helpers import eventually
 from tests.certs import TestCa, write_pair
@@ -977,7 +978,8 @@ async def test_store_serve_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
 
 def test_store_modules_do_not_import_torch() -> None:
     code = (
-        "import sys; import elasticrun.store.server, elasticrun.store.client, elasticrun.store.c10d_client, "
+        "import sys; import elasticrun.store.server.store_server, elasticrun.store.client.grpc_store, "
+        "elasticrun.store.client.c10d, "
         "elasticrun.launcher.store_cmd; print('torch' in sys.modules)"
     )
     out = subprocess.run(
@@ -990,7 +992,7 @@ def test_store_modules_do_not_import_torch() -> None:
 def test_a_plain_connection_cut_in_its_handshake_is_worth_retrying_not_a_tls_failure() -> None:
     # Seen with 1,000 clients connecting at once to a plain server (bench_rendezvous_scale):
     # taken for a TLS failure, it ended the node's membership instead of being retried.
-    from elasticrun.store.channel import _is_tls_failure
+    from elasticrun.store.client.dial import _is_tls_failure
 
     assert not _is_tls_failure("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: handshaker shutdown")
     assert not _is_tls_failure("last error: UNAVAILABLE: ipv4:127.0.0.1:9: tcp handshaker shutdown")

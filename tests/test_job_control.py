@@ -206,7 +206,7 @@ def test_drain_of_an_agent_killed_while_it_stops_its_workers_ends_and_says_so(cl
     import asyncio
 
     from elasticrun.rendezvous.keys import Keys
-    from elasticrun.store.client import GrpcStore
+    from elasticrun.store.client.grpc_store import GrpcStore
 
     rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())
 
@@ -404,7 +404,7 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     from elasticrun.launcher.flags import launch_parser
     from elasticrun.rendezvous.elastic import ElasticRendezvous
     from elasticrun.rendezvous.records import NodeInfo
-    from elasticrun.store.memory import MemoryStore
+    from elasticrun.store.server.memory import MemoryStore
 
     first_dir, join_dir = tmp_path / "first", tmp_path / "join"
     for folder in (first_dir, join_dir):

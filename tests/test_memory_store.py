@@ -19,10 +19,10 @@ from elasticrun.errors import (
     StoreRequestError,
     StoreUnavailableError,
 )
-from elasticrun.store import memory as memory_store
 from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
 from elasticrun.store.credentials import worker_prefix
-from elasticrun.store.memory import MemoryStore, SpaceQuota
+from elasticrun.store.server import memory as memory_store
+from elasticrun.store.server.memory import MemoryStore, SpaceQuota
 
 #: Bounds every wait on the store in these tests; far above any healthy latency.
 EVENT_WAIT = 10.0

@@ -137,7 +137,7 @@ def test_grafana_dashboard_queries_only_documented_metrics() -> None:
 def test_the_store_counts_key_and_value_bytes_apart() -> None:
     """elasticrun_store_key_bytes counts the keys' UTF-8 bytes, _value_bytes the values':
     an overwrite changes only the value's, a delete takes both."""
-    from elasticrun.store.memory import MemoryStore
+    from elasticrun.store.server.memory import MemoryStore
 
     async def run() -> list[tuple[int, int]]:
         store, seen = MemoryStore(), []

@@ -26,7 +26,7 @@ from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.records import JOB_SPEC_VERSION, JobSpec, NodeInfo, QuarantineEntry, QuarantineTable
 from elasticrun.store.api import Store
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.server.memory import MemoryStore
 from tests.agent_helpers import eventually
 
 pytestmark = pytest.mark.timeout(30)

@@ -14,10 +14,10 @@ import pytest
 
 from elasticrun.errors import CompactedError, LeaseExpiredError, StoreError
 from elasticrun.store.api import EventType, Store, WatchEvent
-from elasticrun.store.client import GrpcStore
-from elasticrun.store.etcd import EtcdStore
-from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.client.grpc_store import GrpcStore
+from elasticrun.store.etcd.backend import EtcdStore
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.server.store_server import StoreServer
 
 STORE_KINDS = ["memory", "grpc", pytest.param("etcd", marks=pytest.mark.etcd)]
 #: Small enough that a test outruns it with a few dozen writes.

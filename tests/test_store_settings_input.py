@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.errors import StoreSettingError
-from elasticrun.store.access import MAX_SETTING_FILE_BYTES, open_client, parse_access, plaintext_warning, read_file
+from elasticrun.store.settings import MAX_SETTING_FILE_BYTES, open_client, parse_access, plaintext_warning, read_file
 
 REMOTE = "192.0.2.7:29400"
 

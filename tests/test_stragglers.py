@@ -14,7 +14,7 @@ from elasticrun.rendezvous.records import NodeInfo, StepReport
 from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.rounds import Participant, Round
 from elasticrun.rendezvous.stragglers import MIN_STEPS, Judgement, judge
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.server.memory import MemoryStore
 
 SETTINGS = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=8, straggler_relative=1.25, straggler_after=3)
 

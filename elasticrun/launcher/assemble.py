@@ -10,7 +10,7 @@ from elasticrun.agent.spec import Std, WorkerSpec
 from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.discover import HostFacts, discover
 from elasticrun.launcher.parsing import LaunchRequest, parse_launch
-from elasticrun.store.access import SECRET_ENV
+from elasticrun.store.settings import SECRET_ENV
 
 
 def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:

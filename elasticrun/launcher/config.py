@@ -9,7 +9,7 @@ It is made in three steps kept apart:
 - `discover` (`launcher/discover.py`) asks this host what only it can answer: whether
   the training script or command exists, its GPUs (through NVML) and CPUs, the address
   on the route to the store, the node id, a fresh id for a `--standalone` job, and the
-  store's settings with the files they name (`elasticrun.store.access`).
+  store's settings with the files they name (`elasticrun.store.settings`).
 - `assemble` (`launcher/assemble.py`) puts a request and its host's facts together,
   purely.
 
@@ -27,7 +27,7 @@ from elasticrun.launcher.flag_values import positive_seconds
 from elasticrun.launcher.metrics_http import MetricsAddress
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.records import JobSpec
-from elasticrun.store.access import StoreAccess
+from elasticrun.store.settings import StoreAccess
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from elasticrun.rendezvous.records import (
     StragglerReport,
 )
 from elasticrun.rendezvous.rounds import Round
-from elasticrun.store.access import StoreAccess, open_client, parse_access
 from elasticrun.store.api import EventType, Store
-from elasticrun.store.contact import first_contact
+from elasticrun.store.client.first_contact import first_contact
+from elasticrun.store.settings import StoreAccess, open_client, parse_access
 
 #: the --rdzv-conf keys job control reads: how to reach the store
 ACCESS_KEYS = (
@@ -88,7 +88,7 @@ class JobTarget:
     async def open(self) -> AsyncIterator[Store]:
         """A client of the job's store, once the store has answered: nothing listening
         there, or a name that does not resolve, is an error at once, and a connection
-        that takes longer than a second is said on stderr (see `store.contact`)."""
+        that takes longer than a second is said on stderr (see `store.client.first_contact`)."""
         async with open_client(self.access) as store:
             await first_contact(
                 store,

@@ -2,7 +2,7 @@
 
 Whether the training script or command exists, the GPUs (through NVML) and CPUs, the
 address on the route to the store, the node id, a fresh id for a `--standalone` job,
-and the store's settings with the files they name (`elasticrun.store.access`).
+and the store's settings with the files they name (`elasticrun.store.settings`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from elasticrun.launcher.flag_values import digits_only
 from elasticrun.launcher.parsing import RUN_PATH_MODULE, LaunchRequest, parse_endpoint
 from elasticrun.launcher.rdzv_conf import settings_from_flags
 from elasticrun.rendezvous.records import JobSpec
-from elasticrun.store.access import StoreAccess, parse_access
+from elasticrun.store.settings import StoreAccess, parse_access
 
 
 @dataclass(frozen=True)

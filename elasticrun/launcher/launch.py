@@ -36,14 +36,14 @@ from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import NodeInfo
 from elasticrun.rendezvous.static import StaticRendezvous
-from elasticrun.store.access import exposure_warning, open_client, serve_here
 from elasticrun.store.api import EventType, Store
-from elasticrun.store.contact import first_contact
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.client.first_contact import first_contact
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.settings import exposure_warning, open_client, serve_here
 
 if TYPE_CHECKING:  # loaded only when metrics are asked for
     from elasticrun.agent.metrics import AgentMetrics
-    from elasticrun.store.metrics import StoreMetrics
+    from elasticrun.store.server.metrics import StoreMetrics
 
 log = logging.getLogger("elasticrun")
 
@@ -81,7 +81,7 @@ async def run_node(config: LaunchConfig) -> AgentResult:
         metrics = store_metrics = None
         if metrics_at is not None:  # the library is loaded only when asked for
             from elasticrun.agent.metrics import AgentMetrics
-            from elasticrun.store.metrics import StoreMetrics
+            from elasticrun.store.server.metrics import StoreMetrics
 
             metrics = AgentMetrics(config.worker.run_id, config.worker.node_id, health_check=bool(config.health_check))
             store_metrics = StoreMetrics(metrics.registry)

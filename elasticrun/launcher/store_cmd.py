@@ -3,7 +3,7 @@
 - `serve` runs the built-in store server alone on a dedicated host;
 - `credential` prints a worker or reader credential derived from the store's token,
   for an operator to hand out (`store/credentials.py`);
-- `etcd-roles` creates etcd's users and roles for the same split (`store/etcd_roles.py`).
+- `etcd-roles` creates etcd's users and roles for the same split (`store/etcd/roles.py`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from elasticrun.launcher.flags import Parser
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address, serving
 from elasticrun.launcher.rdzv_conf import parse_rdzv_conf, settings_from_flags
-from elasticrun.store.access import exposure_warning, parse_access, read_file, read_token, server_tls
 from elasticrun.store.credentials import reader_credential, worker_credential
-from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.server.store_server import StoreServer
+from elasticrun.store.settings import exposure_warning, parse_access, read_file, read_token, server_tls
 from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV, TlsKeyPair
 
 log = logging.getLogger("elasticrun.store")
@@ -77,7 +77,7 @@ async def serve(config: ServeConfig) -> int:
         from prometheus_client import CollectorRegistry, Info
         from prometheus_client.process_collector import ProcessCollector
 
-        from elasticrun.store.metrics import StoreMetrics
+        from elasticrun.store.server.metrics import StoreMetrics
 
         metrics = StoreMetrics(CollectorRegistry(auto_describe=True))
         ProcessCollector(registry=metrics.registry)
@@ -146,8 +146,8 @@ def _print_credential(args: argparse.Namespace) -> int:
 
 
 def _etcd_roles(args: argparse.Namespace) -> int:
-    from elasticrun.store.etcd import EtcdStore
-    from elasticrun.store.etcd_roles import ADMIN, READER, set_up
+    from elasticrun.store.etcd.backend import EtcdStore
+    from elasticrun.store.etcd.roles import ADMIN, READER, set_up
 
     conf = parse_rdzv_conf(args.rdzv_conf, "etcd")
     with settings_from_flags():

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from elasticrun.errors import StoreSettingError
-from elasticrun.store.c10d_client import C10dClient
+from elasticrun.store.client.c10d import C10dClient
 from elasticrun.store.wire import DEFAULT_TIMEOUT, TOKEN_FILE_ENV, TlsKeyPair, is_loopback
 
 logger = logging.getLogger("elasticrun")

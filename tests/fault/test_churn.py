@@ -45,7 +45,7 @@ from tests.reliability_rows import Reliability
 #: how much a long-lived process may grow past its warm-up value
 FD_MARGIN = 8
 RSS_MARGIN_KIB = 24 * 1024
-#: the store also keeps a watch history of up to 64 MiB by design (elasticrun/store/memory.py)
+#: the store also keeps a watch history of up to 64 MiB by design (elasticrun/store/server/memory.py)
 STORE_HISTORY_KIB = 64 * 1024
 #: the events the leader keeps in the store (leader.EVENTS_KEPT), plus a few in flight
 EVENTS_BOUND = 200 + 20
@@ -64,7 +64,7 @@ async def _registered(endpoint: str, job: str) -> set[str]:
 
 
 async def _keys(endpoint: str, prefix: str) -> list:
-    from elasticrun.store.client import GrpcStore
+    from elasticrun.store.client.grpc_store import GrpcStore
 
     store = GrpcStore(endpoint, timeout=10)
     try:

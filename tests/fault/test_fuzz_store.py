@@ -44,10 +44,10 @@ from hypothesis import strategies as st
 from elasticrun.errors import StoreSettingError
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.store.api import MAX_LEASE_TTL
-from elasticrun.store.c10d_client import C10dClient
-from elasticrun.store.channel import grpc_target
-from elasticrun.store.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
-from elasticrun.store.server_limits import MAX_MULTI_SET_KEYS
+from elasticrun.store.client.c10d import C10dClient
+from elasticrun.store.client.dial import grpc_target
+from elasticrun.store.server.limits import MAX_MULTI_SET_KEYS
+from elasticrun.store.server.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
 from tests.elastic_cluster import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,8 +68,8 @@ CALL_TIMEOUT = 0.3
 #: a server with chosen limits (store serve has no flags for them), otherwise the same
 RUNNER = """
 import asyncio, json, sys
-from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.server.store_server import StoreServer
 
 async def main():
     engine = MemoryStore(**json.loads(sys.argv[1]))

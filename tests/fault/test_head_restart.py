@@ -30,8 +30,8 @@ from elasticrun.errors import StoreGoneError
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.records import JobSpec, NodeInfo
-from elasticrun.store.client import GrpcStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.client.grpc_store import GrpcStore
+from elasticrun.store.server.store_server import StoreServer
 from tests.agent_helpers import free_port
 from tests.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id, wait_until
 from tests.fault.conftest import FaultCluster, check_no_line_lost, check_steps_never_go_back, step_pattern

@@ -26,7 +26,7 @@ import pytest
 from elasticrun.rendezvous.codec import encode
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import JobLaunch, JobSpec
-from elasticrun.store.client import GrpcStore
+from elasticrun.store.client.grpc_store import GrpcStore
 from tests.agent_helpers import free_port
 from tests.elastic_cluster import TAG_VAR, Proc
 

@@ -35,8 +35,8 @@ from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import JobSpec, NodeInfo, QuarantineEntry, QuarantineTable
-from elasticrun.store.access import StoreAccess
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.settings import StoreAccess
 from tests.elastic_cluster import Cluster, Proc, run_id
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "train_worker.py"

@@ -37,11 +37,11 @@ import pytest
 from elasticrun.errors import StoreAuthError
 from elasticrun.launcher.control import JobTarget, JobView, read_job
 from elasticrun.rendezvous.keys import Keys
-from elasticrun.store.access import parse_access
-from elasticrun.store.c10d_client import C10dClient
-from elasticrun.store.client import GrpcStore
+from elasticrun.store.client.c10d import C10dClient
+from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.credentials import worker_prefix
-from elasticrun.store.server_limits import MAX_STREAMS_PER_CONNECTION
+from elasticrun.store.server.limits import MAX_STREAMS_PER_CONNECTION
+from elasticrun.store.settings import parse_access
 from tests.agent_helpers import free_port
 from tests.certs import TestCa, write_pair
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
@@ -367,7 +367,7 @@ def test_an_anonymous_headers_flood_stalls_no_one(job: Job, reliability) -> None
 KEY_WRITER = """\
 import os, sys, time
 from pathlib import Path
-from elasticrun.store.c10d_client import C10dClient
+from elasticrun.store.client.c10d import C10dClient
 
 stop, endpoint = Path(sys.argv[1]), os.environ["KEY_WRITER_STORE"]
 credential = Path(os.environ["ELASTICRUN_STORE_TOKEN_FILE"]).read_text().strip()

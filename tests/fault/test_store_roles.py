@@ -33,13 +33,13 @@ from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.rendezvous.codec import encode
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import JobLaunch, JobSpec
-from elasticrun.store.c10d_client import C10dClient
-from elasticrun.store.callers import FairShare
-from elasticrun.store.client import GrpcStore
+from elasticrun.store.client.c10d import C10dClient
+from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.credentials import reader_credential, worker_credential, worker_prefix
-from elasticrun.store.etcd import EtcdStore
-from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.etcd.backend import EtcdStore
+from elasticrun.store.server.callers import FairShare
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.server.store_server import StoreServer
 from tests.certs import TestCa
 from tests.etcd_support import AUTH_PASSWORD, AUTH_USER, EtcdCluster
 from tests.reliability_rows import Reliability

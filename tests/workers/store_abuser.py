@@ -20,7 +20,7 @@ import signal
 import sys
 
 from elasticrun.errors import ElasticrunError
-from elasticrun.store.client import GrpcStore
+from elasticrun.store.client.grpc_store import GrpcStore
 
 CONNECTIONS = 8
 

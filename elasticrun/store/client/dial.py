@@ -1,6 +1,6 @@
 """What the two clients of the built-in store server share: the connection and its errors.
 
-`GrpcStore` (async, `store/client.py`) and `C10dClient` (blocking, `store/c10d_client.py`)
+`GrpcStore` (async, `store/client/grpc_store.py`) and `C10dClient` (blocking, `store/client/c10d.py`)
 dial the server the same way (endpoint check, channel options, TLS, the token header),
 retry the same failures with the same backoff, and turn a gRPC status into our errors
 through one table, so both report an unreachable or refusing server alike. Kept apart

@@ -3,7 +3,7 @@
 `Cluster` keeps one channel per member and the current one, fails over on a transient
 error (`_Attempts`: one operation's tries, its deadline, the pauses between), fetches a
 user's token lazily and again when a member no longer knows it, and maps a final
-failure to our error (`store/etcd_errors.py`). `EtcdStore` (`store/etcd.py`) drives it
+failure to our error (`store/etcd/error_table.py`). `EtcdStore` (`store/etcd/backend.py`) drives it
 from asyncio.
 """
 
@@ -19,8 +19,8 @@ import grpc
 from pyetcd import etcdrpc
 
 from elasticrun.errors import StoreError, StoreUnavailableError
-from elasticrun.store.channel import plain_cause
-from elasticrun.store.etcd_errors import WRONG_ENDPOINT, Kind, classify, rpc_facts, store_error
+from elasticrun.store.client.dial import plain_cause
+from elasticrun.store.etcd.error_table import WRONG_ENDPOINT, Kind, classify, rpc_facts, store_error
 from elasticrun.store.wire import TlsKeyPair
 
 _T = TypeVar("_T")

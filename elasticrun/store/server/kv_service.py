@@ -17,12 +17,12 @@ from elasticrun.errors import CompactedError, ElasticrunError, LeaseExpiredError
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
 from elasticrun.store.api import EventType, KeyValue, WatchEvent
-from elasticrun.store.server_admission import CALLER, encode
-from elasticrun.store.server_limits import PAGE_BYTES, PAGE_KEYS
-from elasticrun.store.server_status import status_of, unary
+from elasticrun.store.server.admission import CALLER, encode
+from elasticrun.store.server.limits import PAGE_BYTES, PAGE_KEYS
+from elasticrun.store.server.status_codes import status_of, unary
 
 if TYPE_CHECKING:
-    from elasticrun.store.server import StoreServer
+    from elasticrun.store.server.store_server import StoreServer
 
 def _kv_message(kv: KeyValue) -> pb.KeyValue:
     return pb.KeyValue(

@@ -10,9 +10,9 @@ constant time, never logged), or gets UNAUTHENTICATED; with a certificate and ke
 server speaks TLS only; with a CA for clients (`client_ca`) as well, it takes only
 connections whose client certificate chains to that CA (mutual TLS), and the
 certificate may name a role too. Each call is attributed to its caller once, before its
-handler runs (`store/callers.py`): a call its role may not make gets PERMISSION_DENIED,
+handler runs (`store/server/callers.py`): a call its role may not make gets PERMISSION_DENIED,
 one past its identity's fair share RESOURCE_EXHAUSTED; all of that from the call's headers,
-before its message is read (`store/server_admission.py`), and the message must come within
+before its message is read (`store/server/admission.py`), and the message must come within
 `MESSAGE_DEADLINE`. A worker's c10d keys live in its
 job's own namespace (`/elasticrun/<job>/w/`), so a torch process group runs unchanged
 and sees nothing else. State lives in memory and is never pickled.
@@ -43,8 +43,10 @@ from elasticrun.errors import (
     StoreUnavailableError,
 )
 from elasticrun.proto import store_pb2 as pb
-from elasticrun.store.c10d_service import C10dService
-from elasticrun.store.callers import (
+from elasticrun.store.credentials import JOBS_PREFIX, RUN_RECORD, Grant, run_of_launch, worker_prefix
+from elasticrun.store.server.admission import CALLER, add_c10d_service, add_store_service, encode
+from elasticrun.store.server.c10d_service import C10dService
+from elasticrun.store.server.callers import (
     DEFAULT_FAIR_SHARE,
     Caller,
     Counter,
@@ -54,11 +56,9 @@ from elasticrun.store.callers import (
     permits,
     refusal,
 )
-from elasticrun.store.credentials import JOBS_PREFIX, RUN_RECORD, Grant, run_of_launch, worker_prefix
-from elasticrun.store.kv_service import StoreService
-from elasticrun.store.memory import MemoryStore, SpaceQuota
-from elasticrun.store.server_admission import CALLER, add_c10d_service, add_store_service, encode
-from elasticrun.store.server_limits import DEFAULT_MAX_CALLS, DEFAULT_STOP_GRACE, SERVER_OPTIONS
+from elasticrun.store.server.kv_service import StoreService
+from elasticrun.store.server.limits import DEFAULT_MAX_CALLS, DEFAULT_STOP_GRACE, SERVER_OPTIONS
+from elasticrun.store.server.memory import MemoryStore, SpaceQuota
 from elasticrun.store.wire import (
     BEARER_PREFIX,
     CLIENT_CA_NEEDS_TLS,
@@ -69,7 +69,7 @@ from elasticrun.store.wire import (
 )
 
 if TYPE_CHECKING:  # imported by `store serve` and the launcher only when metrics are asked for
-    from elasticrun.store.metrics import ServerLoad, StoreMetrics
+    from elasticrun.store.server.metrics import ServerLoad, StoreMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ class StoreServer:
 
     def load(self) -> ServerLoad:
         """What the server holds now (sizes only: safe from the metrics thread)."""
-        from elasticrun.store.metrics import ServerLoad
+        from elasticrun.store.server.metrics import ServerLoad
 
         return ServerLoad(
             connections=len(self._connections), calls=self._calls_total, watches=self._watches_total,

@@ -1,6 +1,6 @@
 """The built-in store server's limits, each with the reason for its value.
 
-The server (`store/server.py`), its services and its call admission read them; tests
+The server (`store/server/store_server.py`), its services and its call admission read them; tests
 and `store serve` take their defaults from here.
 """
 

@@ -21,18 +21,18 @@ from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
 from elasticrun.store.api import EventType, KeyValue
 from elasticrun.store.credentials import Role, worker_prefix
-from elasticrun.store.memory import SpaceQuota
-from elasticrun.store.server_admission import CALLER, encode
-from elasticrun.store.server_limits import (
+from elasticrun.store.server.admission import CALLER, encode
+from elasticrun.store.server.limits import (
     KEY_LIST_LOOP_SHARE,
     MAX_KEYS_PER_CALL,
     MAX_MULTI_GET_BYTES,
     MAX_MULTI_SET_KEYS,
 )
-from elasticrun.store.server_status import unary
+from elasticrun.store.server.memory import SpaceQuota
+from elasticrun.store.server.status_codes import unary
 
 if TYPE_CHECKING:
-    from elasticrun.store.server import StoreServer
+    from elasticrun.store.server.store_server import StoreServer
 
 class C10dService(pb_grpc.C10dStoreServicer):
     """torch.distributed.Store semantics over the engine.

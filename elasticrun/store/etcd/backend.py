@@ -4,7 +4,7 @@ It speaks the etcd v3 gRPC API through the generated stubs that `etcd-sdk-python
 (`pyetcd`) ships. We do not use pyetcd's client object: it authenticates once, on one
 endpoint, at construction, never renews an expired token, leaves retries to the caller,
 and replaces gRPC errors with detail-less exceptions. What this module adds instead
-(with `store/etcd_cluster.py`, the members' blocking side, and `store/etcd_errors.py`):
+(with `store/etcd/cluster.py`, the members' blocking side, and `store/etcd/error_table.py`):
 
 - failover: an operation that finds its endpoint unavailable moves on to the next one,
   until the store's `timeout` runs out (then StoreUnavailableError naming every endpoint
@@ -28,7 +28,7 @@ and replaces gRPC errors with detail-less exceptions. What this module adds inst
   re-created from the next undelivered revision on another endpoint when it breaks.
 
 Its settings (TLS material, user and password) come read and checked from
-`elasticrun.store.access`; the password never appears in a message.
+`elasticrun.store.settings`; the password never appears in a message.
 
 Leases: etcd counts TTLs in whole seconds (`grant_lease` rounds up) and raises any TTL
 below its minimum, 1.5 election timeouts rounded up to a second (2 s with etcd's
@@ -64,7 +64,7 @@ from elasticrun.store.api import (
     WatchEvent,
     check_lease_ttl,
 )
-from elasticrun.store.etcd_cluster import (
+from elasticrun.store.etcd.cluster import (
     CHANNEL_OPTIONS,
     FIRST_ATTEMPT_TIMEOUT,
     Cluster,
@@ -72,7 +72,7 @@ from elasticrun.store.etcd_cluster import (
     Stubs,
     channel_credentials,
 )
-from elasticrun.store.etcd_errors import StreamFailure, classify_cancel, rpc_facts
+from elasticrun.store.etcd.error_table import StreamFailure, classify_cancel, rpc_facts
 from elasticrun.store.wire import DEFAULT_TIMEOUT, TlsKeyPair
 
 _T = TypeVar("_T")

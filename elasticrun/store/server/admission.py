@@ -20,12 +20,12 @@ import grpc
 
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
-from elasticrun.store.callers import Caller
-from elasticrun.store.server_limits import MAX_KEY_LIST_BYTES, MAX_KEYS_PER_CALL, MESSAGE_DEADLINE
+from elasticrun.store.server.callers import Caller
+from elasticrun.store.server.limits import MAX_KEY_LIST_BYTES, MAX_KEYS_PER_CALL, MESSAGE_DEADLINE
 
 if TYPE_CHECKING:
-    from elasticrun.store.c10d_service import C10dService
-    from elasticrun.store.kv_service import StoreService
+    from elasticrun.store.server.c10d_service import C10dService
+    from elasticrun.store.server.kv_service import StoreService
 
 #: The caller of the call in progress, set once per call before its handler runs (each
 #: call has a task, and so a context, of its own).

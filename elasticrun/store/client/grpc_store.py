@@ -16,8 +16,8 @@ new store at the same endpoint (the agent restarted there) is the rendezvous's c
 client's TLS (`channel.tls_refusal`: a plaintext client of a TLS server, a client
 certificate the server does not take): StoreAuthError at once.
 
-The blocking client of the c10d operations is `store/c10d_client.py`; what both share
-(endpoint check, channel options, error translation) is `store/channel.py`.
+The blocking client of the c10d operations is `store/client/c10d.py`; what both share
+(endpoint check, channel options, error translation) is `store/client/dial.py`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from elasticrun.store.api import (
     Store,
     WatchEvent,
 )
-from elasticrun.store.channel import (
+from elasticrun.store.client.dial import (
     CLIENT_OPTIONS,
     ETCD_STATUS_METHOD,
     FIRST_BACKOFF,

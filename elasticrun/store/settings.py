@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from elasticrun.errors import NotAStoreError, StoreAddressError, StoreSettingError, StoreUnavailableError
 from elasticrun.loglines import HEADLINE
 from elasticrun.store.api import MAX_LEASE_TTL, Store
-from elasticrun.store.contact import first_contact
+from elasticrun.store.client.first_contact import first_contact
 from elasticrun.store.wire import (
     CLIENT_CA_NEEDS_TLS,
     DEFAULT_C10D_PORT,
@@ -43,8 +43,8 @@ from elasticrun.store.wire import (
 )
 
 if TYPE_CHECKING:
-    from elasticrun.store.metrics import StoreMetrics
-    from elasticrun.store.server import StoreServer
+    from elasticrun.store.server.metrics import StoreMetrics
+    from elasticrun.store.server.store_server import StoreServer
 
 log = logging.getLogger("elasticrun")
 
@@ -313,7 +313,7 @@ def open_client(access: StoreAccess) -> Store:
         _WARNED_PLAINTEXT.add(access.endpoint)
         log.warning("%s", warning)
     if access.backend == "etcd":
-        from elasticrun.store.etcd import EtcdStore
+        from elasticrun.store.etcd.backend import EtcdStore
 
         return EtcdStore(
             access.endpoints,
@@ -323,7 +323,7 @@ def open_client(access: StoreAccess) -> Store:
             password=access.password,
             timeout=access.timeout,
         )
-    from elasticrun.store.client import GrpcStore
+    from elasticrun.store.client.grpc_store import GrpcStore
 
     return GrpcStore(
         access.endpoint,
@@ -404,7 +404,7 @@ async def serve_here(access: StoreAccess, probe_key: str, metrics: StoreMetrics 
     it, and anything else there is an error (StoreAddressError), not a store to wait
     for. The caller stops the server.
     """
-    from elasticrun.store.server import StoreServer
+    from elasticrun.store.server.store_server import StoreServer
 
     if access.backend != "c10d" or access.is_host is False:
         return None

@@ -2,7 +2,7 @@
 
 A store raises `StoreError`s; a unary handler wrapped in `unary` answers them with the
 status code `status_of` gives and the error's message, which the clients map back
-(`store/channel.py`).
+(`store/client/dial.py`).
 """
 
 from __future__ import annotations
