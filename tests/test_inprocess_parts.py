@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticrun.agent import channel as agent_channel
-from elasticrun.agent.channel import WorkerChannel
+from elasticrun.agent import worker_link as agent_link
+from elasticrun.agent.worker_link import WorkerChannel
 from elasticrun.worker.elastic import MembershipChanged, State
 from elasticrun.worker.elastic import link as worker_link
 from elasticrun.worker.elastic.link import AgentGoneError, AgentLink, WorkerAssignment
@@ -33,7 +33,7 @@ WORKERS = Path(__file__).parent / "workers"
 
 def test_both_ends_name_the_same_variable() -> None:
     # the worker side must not import agent code (DESIGN.md), so the name is written twice
-    assert agent_channel.SOCKET_VAR == worker_link.SOCKET_VAR
+    assert agent_link.SOCKET_VAR == worker_link.SOCKET_VAR
 
 
 async def test_assign_ready_change_interrupt_and_broken_travel_over_the_line() -> None:

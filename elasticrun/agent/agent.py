@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elasticrun.agent.channel import WorkerChannel
 from elasticrun.agent.env import round_env, worker_env
 from elasticrun.agent.failures import (
     FailureReport,
@@ -41,6 +40,7 @@ from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
 from elasticrun.agent.steptimes import READ_INTERVAL, StepTimes
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
+from elasticrun.agent.worker_link import WorkerChannel
 from elasticrun.errors import (
     EXIT_INFRASTRUCTURE,
     EXIT_TRAINING_FAILED,

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from elasticrun.agent.boot import boot_env
-from elasticrun.agent.channel import SOCKET_VAR
 from elasticrun.agent.gpu import worker_gpu_env
 from elasticrun.agent.spec import WorkerSpec
+from elasticrun.agent.worker_link import SOCKET_VAR
 from elasticrun.errors import UsageError
 from elasticrun.rendezvous.api import Assignment
 from elasticrun.store.wire import TOKEN_FILE_ENV

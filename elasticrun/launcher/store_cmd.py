@@ -21,11 +21,11 @@ from pathlib import Path
 from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.closed_journal import journaled
 from elasticrun.launcher.flags import Parser
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address, serving
 from elasticrun.launcher.rdzv_conf import parse_rdzv_conf, settings_from_flags
+from elasticrun.launcher.store_state_dir import journaled
 from elasticrun.store.credentials import reader_credential, worker_credential
 from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.server.store_server import StoreServer
@@ -42,7 +42,7 @@ class ServeConfig:
     tls: TlsKeyPair | None
     client_ca: bytes | None
     metrics: MetricsAddress | None = None
-    #: --state-dir: where the ended jobs are kept across restarts (closed_journal)
+    #: --state-dir: where the ended jobs are kept across restarts (store_state_dir.py)
     state_dir: Path | None = None
 
 

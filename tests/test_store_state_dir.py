@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.errors import UsageError
-from elasticrun.launcher.closed_journal import JOURNAL_VERSION, ClosedJournal, journaled
+from elasticrun.launcher.store_state_dir import JOURNAL_VERSION, ClosedJournal, journaled
 from elasticrun.rendezvous.codec import decode, encode
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.leader import close_round
