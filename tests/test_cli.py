@@ -27,7 +27,7 @@ from elasticrun.launcher.cli import launch_parser
 from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.discover import HostFacts, discover
 from elasticrun.launcher.parsing import parse_launch
-from elasticrun.launcher.rdzv_conf import parse_rdzv_conf, torchrun_spelling
+from elasticrun.launcher.rdzv_conf import RDZV_CONF, ConfKey, parse_rdzv_conf, torchrun_spelling
 from tests.agent_helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -405,6 +405,22 @@ def test_the_straggler_check_is_on_by_default_its_keys_are_shared_and_off_times_
                          ("straggler_interval=-1", "must be a positive number of seconds")):
         with pytest.raises(UsageError, match=message):
             config(*base, "--rdzv-conf", bad, str(SPEAK))
+
+
+@pytest.mark.parametrize("key", [k for k in RDZV_CONF if k.field is not None], ids=lambda k: k.name)
+def test_each_rdzv_conf_key_sets_its_settings_field_and_defaults_to_it(key: ConfKey) -> None:
+    """The key table is what parsing reads: a key given sets the field it names; not
+    given, the field has the default the table shows (heartbeat_timeout's grows with MAX)."""
+    assert key.field is not None
+    given = config("--standalone", "--rdzv-conf", f"{key.name}=2", str(SPEAK)).rdzv.settings
+    assert getattr(given, key.field) == 2
+    plain = config("--rdzv-backend=c10d", "--rdzv-endpoint=localhost:1", "--nnodes=1:4000", str(SPEAK)).rdzv.settings
+    if key.name == "heartbeat_timeout":
+        assert plain.heartbeat_ttl == 4000 / 400
+    elif key.plain_default is not None:
+        assert f"{getattr(plain, key.field):g}" == key.plain_default
+    else:  # heartbeat_interval: 0, a third of the TTL
+        assert (getattr(plain, key.field), key.shown) == (0.0, "a third of heartbeat_timeout")
 
 
 def test_torchruns_own_rdzv_conf_keys_are_accepted(caplog: pytest.LogCaptureFixture) -> None:

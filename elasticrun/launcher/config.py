@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from elasticrun.agent.spec import WorkerSpec
-from elasticrun.launcher.flag_values import positive_seconds
 from elasticrun.launcher.metrics_http import MetricsAddress
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.records import JobSpec
@@ -46,9 +45,6 @@ class RendezvousConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-
-    def conf_float(self, key: str, default: float) -> float:
-        return positive_seconds(self.conf.get(key), f"--rdzv-conf {key}", default)
 
 
 @dataclass(frozen=True)

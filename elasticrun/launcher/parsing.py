@@ -19,16 +19,12 @@ from elasticrun.agent.spec import Std
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import RendezvousConfig
 from elasticrun.launcher.flag_values import (
-    count_from_one,
     digits_only,
     positive_seconds,
-    ratio_above_one,
-    whole_number,
     within_max_seconds,
 )
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address
-from elasticrun.launcher.rdzv_conf import SHARED_RDZV_CONF, parse_rdzv_conf
-from elasticrun.rendezvous.decide import RendezvousSettings
+from elasticrun.launcher.rdzv_conf import SHARED_RDZV_CONF, parse_rdzv_conf, rendezvous_settings
 from elasticrun.rendezvous.records import JobSpec
 from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT
 
@@ -310,31 +306,10 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     # c10d and etcd without --local-addr: the address on the route to the store, which
     # `discover` finds (an empty --local-addr, an address of no use, counts as none)
     local_addr = args.local_addr or {"standalone": "localhost", "static": "127.0.0.1"}.get(backend, "")
-    probe = RendezvousConfig(backend, endpoint, RendezvousSettings(run_id, 1, 1), conf)
-    settings = RendezvousSettings(
-        run_id=run_id,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        last_call=probe.conf_float("last_call_timeout", 1.0),
-        join_timeout=probe.conf_float("join_timeout", 600.0),
-        store_host_grace=probe.conf_float("store_host_grace", 30.0),
-        heartbeat_ttl=probe.conf_float("heartbeat_timeout", RendezvousSettings.default_heartbeat_ttl(max_nodes)),
-        closed_ttl=probe.conf_float("closed_ttl", 60.0),
-        heartbeat_interval=probe.conf_float("heartbeat_interval", 0.0),
-        quarantine_after=whole_number(conf.get("quarantine_after"), "--rdzv-conf quarantine_after", 3),
-        quarantine_cooldown=probe.conf_float("quarantine_cooldown", 60.0),
-        quarantine_cooldown_max=probe.conf_float("quarantine_cooldown_max", 3600.0),
-        node_unit=args.node_unit,
+    settings = rendezvous_settings(
+        conf, run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, node_unit=args.node_unit,
         straggler=args.straggler,
-        straggler_relative=ratio_above_one(conf.get("straggler_relative"), "--rdzv-conf straggler_relative", 1.25),
-        straggler_after=count_from_one(conf.get("straggler_after"), "--rdzv-conf straggler_after", 3),
-        straggler_interval=probe.conf_float("straggler_interval", 5.0),
     )
-    if settings.keep_alive_interval >= settings.heartbeat_ttl:
-        raise UsageError(
-            f"--rdzv-conf heartbeat_interval ({settings.keep_alive_interval:g}s) must be shorter than "
-            f"heartbeat_timeout ({settings.heartbeat_ttl:g}s)"
-        )
     rdzv = RendezvousConfig(
         backend=backend,
         endpoint=endpoint,

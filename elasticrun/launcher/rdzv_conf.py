@@ -8,64 +8,128 @@ names the flag of a store setting that cannot work.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from elasticrun.errors import StoreSettingError, UsageError
-from elasticrun.launcher.flag_values import digits_only, positive_seconds
+from elasticrun.launcher.flag_values import (
+    count_from_one,
+    digits_only,
+    positive_seconds,
+    ratio_above_one,
+    whole_number,
+)
 from elasticrun.launcher.spelling import closest
+from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.store.wire import DEFAULT_TIMEOUT, TOKEN_ENV
 
-#: --rdzv-conf keys that hold seconds: checked when parsed (job control reads some too)
-TIMING_RDZV_CONF = (
-    "join_timeout", "last_call_timeout", "heartbeat_timeout", "heartbeat_interval", "closed_ttl", "store_timeout",
-    "store_host_grace", "straggler_interval",
-)
+Reader = Callable[[str | None, str, Any], Any]
+"""How a key's value is read and checked: (the value or None, its flag, the default) -> the value."""
 
-#: --rdzv-conf keys that are part of the job spec: every node must use the same
-SHARED_RDZV_CONF = (
-    "last_call_timeout", "heartbeat_timeout", "heartbeat_interval", "closed_ttl",
-    "quarantine_after", "quarantine_cooldown", "quarantine_cooldown_max",
-    "straggler_relative", "straggler_after", "straggler_interval",
-)
+#: the defaults of the rendezvous's settings: a key that sets one has its default
+_SETTINGS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RendezvousSettings)}
 
-#: --rdzv-conf keys, with what they mean (shown in the error for an unknown key)
-RDZV_CONF_KEYS = {
-    "join_timeout": "seconds a node waits for a round before giving up (default 600)",
-    "last_call_timeout": "seconds to wait for more nodes once min are there (default 1)",
-    "heartbeat_timeout": "lease TTL: seconds until a silent node is dropped (default 5, or max nodes / 400 if longer)",
-    "heartbeat_interval": "seconds between lease renewals (default: a third of heartbeat_timeout)",
-    "closed_ttl": "seconds a finished job stays closed to late agents (default 60)",
-    "quarantine_after": (
-        "failures of one node (worker failures, drops out of a round) before it is kept out for a while "
-        "(default 3; 0: never)"
-    ),
-    "quarantine_cooldown": "seconds of a node's first quarantine; each further one lasts twice as long (default 60)",
-    "quarantine_cooldown_max": "the longest quarantine, in seconds; a node quiet this long is forgiven (default 3600)",
-    "straggler_relative": (
-        "a node is slow when its compute time per step is this many times the other nodes' median (default 1.25)"
-    ),
-    "straggler_after": "evaluations in a row that find a node slow before it is named a straggler (default 3)",
-    "straggler_interval": "seconds between straggler evaluations, and between a node's step reports (default 5)",
-    "is_host": "c10d: this agent hosts the store (true/false; default: when the endpoint is local)",
-    "token_file": f"c10d: file with the store's token (default: ${TOKEN_ENV})",
-    "require_token": "c10d: refuse to run without a store token (true/false; default false)",
-    "tls_ca": "c10d: CA certificate (PEM) to reach the store over TLS",
-    "tls_cert": "c10d: certificate (PEM) of the store this agent hosts",
-    "tls_key": "c10d: private key (PEM) of the store this agent hosts",
-    "client_ca": (
-        "c10d: CA certificate (PEM) the store this agent hosts requires client certificates to chain to "
-        "(mutual TLS; needs tls_cert, tls_key)"
-    ),
-    "store_timeout": f"seconds a store call may take, retries included (default {DEFAULT_TIMEOUT:g})",
-    "store_host_grace": "c10d: seconds to wait for a new store when the agent hosting it is gone (default 30)",
-    "ca_cert": "etcd: CA certificate (PEM)",
-    "client_cert": "c10d and etcd: this client's certificate (PEM), for a store that requires one",
-    "client_key": "c10d and etcd: private key (PEM) of client_cert",
-    "user": "etcd: user name",
-    "password_file": "etcd: file holding the password",
-    "password_env": "etcd: environment variable holding the password",
-}
+
+@dataclass(frozen=True)
+class ConfKey:
+    """One `--rdzv-conf` key: the one place its meaning, default, type and destination are written.
+
+    Parsing (`parse_rdzv_conf`, `rendezvous_settings`), `--help` and the key tables of
+    docs/cli.md and README.md (checked by tests/test_docs.py) all come from it.
+    """
+
+    name: str
+    #: what it means, for --help (`described` adds its default)
+    help: str
+    #: the backends that read it ("c10d", "etcd", "c10d and etcd"; "" for the rendezvous's
+    #: own, which every backend reads)
+    scope: str = ""
+    #: the `RendezvousSettings` field it sets, whose default is the key's; None for the
+    #: store's settings, read by `elasticrun.store.settings`
+    field: str | None = None
+    #: how a value is read and checked (None: text, read by the store's settings)
+    read: Reader | None = None
+    #: the default of a key that sets no field
+    default: float | bool | None = None
+    #: the default in words, where the plain value does not say it all (words that begin
+    #: with the plain value and a comma still have it)
+    shown: str | None = None
+    #: part of the job spec: every node of a job must give the same value
+    shared: bool = False
+
+    @property
+    def plain_default(self) -> str | None:
+        """The default as a plain value (`600`, `1.25`, `false`), which the default column
+        of a docs table begins with; None when only words say it."""
+        value = _SETTINGS_DEFAULTS[self.field] if self.field is not None else self.default
+        if value is None:
+            return None
+        text = str(value).lower() if isinstance(value, bool) else f"{value:g}"
+        return text if self.shown is None or self.shown.startswith(f"{text},") else None
+
+    def described(self) -> str:
+        """The key, the backends that read it, what it means and its default: its line in --help."""
+        name = f"{self.name} ({self.scope})" if self.scope else self.name
+        default = self.shown or self.plain_default
+        return f"{name}: {self.help}" + (f" (default {default})" if default is not None else "")
+
+
+#: Every --rdzv-conf key, in the order --help and the docs list them.
+RDZV_CONF: tuple[ConfKey, ...] = (
+    ConfKey("join_timeout", "seconds a node waits for a round before giving up", field="join_timeout",
+            read=positive_seconds),
+    ConfKey("last_call_timeout", "seconds to wait for more nodes once min are there", field="last_call",
+            read=positive_seconds, shared=True),
+    ConfKey("heartbeat_timeout", "lease TTL: seconds until a silent node is dropped", field="heartbeat_ttl",
+            read=positive_seconds, shown=f"{_SETTINGS_DEFAULTS['heartbeat_ttl']:g}, or max nodes / 400 if longer",
+            shared=True),
+    ConfKey("heartbeat_interval", "seconds between lease renewals", field="heartbeat_interval", read=positive_seconds,
+            shown="a third of heartbeat_timeout", shared=True),
+    ConfKey("closed_ttl", "seconds a finished job stays closed to late agents", field="closed_ttl",
+            read=positive_seconds, shared=True),
+    ConfKey("quarantine_after",
+            "failures of one node (worker failures, drops out of a round) before it is kept out for a while; 0: never",
+            field="quarantine_after", read=whole_number, shared=True),
+    ConfKey("quarantine_cooldown", "seconds of a node's first quarantine; each further one lasts twice as long",
+            field="quarantine_cooldown", read=positive_seconds, shared=True),
+    ConfKey("quarantine_cooldown_max", "the longest quarantine, in seconds; a node quiet this long is forgiven",
+            field="quarantine_cooldown_max", read=positive_seconds, shared=True),
+    ConfKey("straggler_relative",
+            "a node is slow when its compute time per step is this many times the other nodes' median",
+            field="straggler_relative", read=ratio_above_one, shared=True),
+    ConfKey("straggler_after", "evaluations in a row that find a node slow before it is named a straggler",
+            field="straggler_after", read=count_from_one, shared=True),
+    ConfKey("straggler_interval", "seconds between straggler evaluations, and between a node's step reports",
+            field="straggler_interval", read=positive_seconds, shared=True),
+    ConfKey("is_host", "true: this agent hosts the store; false: it never does", "c10d",
+            shown="when the endpoint is local"),
+    ConfKey("token_file", "file with the store's token", "c10d", shown=f"${TOKEN_ENV}"),
+    ConfKey("require_token", "true: refuse to run without a store token", "c10d", default=False),
+    ConfKey("tls_ca", "CA certificate (PEM) to reach the store over TLS", "c10d"),
+    ConfKey("tls_cert", "certificate (PEM) of the store this agent hosts", "c10d"),
+    ConfKey("tls_key", "private key (PEM) of the store this agent hosts", "c10d"),
+    ConfKey("client_ca", "CA certificate (PEM) the store this agent hosts requires client certificates to chain to "
+            "(mutual TLS; needs tls_cert, tls_key)", "c10d"),
+    ConfKey("store_timeout", "seconds a store call may take, retries included", read=positive_seconds,
+            default=DEFAULT_TIMEOUT),
+    ConfKey("store_host_grace", "seconds to wait for a new store when the agent hosting it is gone", "c10d",
+            field="store_host_grace", read=positive_seconds),
+    ConfKey("ca_cert", "CA certificate (PEM)", "etcd"),
+    ConfKey("client_cert", "this client's certificate (PEM), for a store that requires one", "c10d and etcd"),
+    ConfKey("client_key", "private key (PEM) of client_cert", "c10d and etcd"),
+    ConfKey("user", "user name", "etcd"),
+    ConfKey("password_file", "file holding the password", "etcd"),
+    ConfKey("password_env", "environment variable holding the password", "etcd"),
+)
+#: the keys by name
+RDZV_CONF_KEYS = {key.name: key for key in RDZV_CONF}
+#: the keys that hold seconds: checked when parsed (job control reads some too)
+TIMING_RDZV_CONF = tuple(key.name for key in RDZV_CONF if key.read is positive_seconds)
+#: the keys that are part of the job spec: every node must use the same
+SHARED_RDZV_CONF = tuple(key.name for key in RDZV_CONF if key.shared)
 
 #: torchrun's names for keys of ours: its rendezvous timings and its etcd backends' TLS files
 RDZV_CONF_ALIASES = {
@@ -175,6 +239,29 @@ def parse_rdzv_conf(values: list[str], backend: str = "c10d") -> dict[str, str]:
         interval = float(conf.setdefault("heartbeat_interval", "5"))
         conf.setdefault("heartbeat_timeout", f"{interval * int(attempts or 3):g}")
     return conf
+
+
+def rendezvous_settings(
+    conf: Mapping[str, str], *, run_id: str, min_nodes: int, max_nodes: int, node_unit: int, straggler: str
+) -> RendezvousSettings:
+    """The rendezvous settings of a job: each key of `conf` that sets one, read as its
+    `ConfKey` says, the others at their defaults."""
+    values: dict[str, Any] = {
+        key.field: key.read(conf.get(key.name), f"--rdzv-conf {key.name}", _SETTINGS_DEFAULTS[key.field])
+        for key in RDZV_CONF
+        if key.field is not None and key.read is not None
+    }
+    if "heartbeat_timeout" not in conf:  # its default grows with the job
+        values["heartbeat_ttl"] = RendezvousSettings.default_heartbeat_ttl(max_nodes)
+    settings = RendezvousSettings(
+        run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, node_unit=node_unit, straggler=straggler, **values
+    )
+    if settings.keep_alive_interval >= settings.heartbeat_ttl:
+        raise UsageError(
+            f"--rdzv-conf heartbeat_interval ({settings.keep_alive_interval:g}s) must be shorter than "
+            f"heartbeat_timeout ({settings.heartbeat_ttl:g}s)"
+        )
+    return settings
 
 
 def _alias_again(named: str, earlier: str, key: str, had: str | None, val: str, backend: str) -> bool:
