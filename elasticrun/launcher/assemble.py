@@ -9,7 +9,7 @@ from dataclasses import replace
 from elasticrun.agent.spec import Std, WorkerSpec
 from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.discover import HostFacts, discover
-from elasticrun.launcher.parsing import LaunchRequest, parse_launch
+from elasticrun.launcher.parsing import LaunchRequest, forgiveness, parse_launch
 from elasticrun.store.settings import SECRET_ENV
 
 
@@ -21,6 +21,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
     )
     spec = request.job_spec
     store = host.store
+    forgive_heartbeat, forgive_after = forgiveness(spec.forgive_progress)
     worker = WorkerSpec(
         run_id=host.run_id,
         entrypoint=request.entrypoint,
@@ -41,8 +42,8 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         gpu_devices=host.gpu_devices,
         isolate_gpus=request.isolate_gpus,
         progress_timeout=spec.progress_timeout,
-        forgive_heartbeat=spec.forgive_progress == "heartbeat",
-        forgive_after=None if spec.forgive_progress in ("", "heartbeat") else float(spec.forgive_progress),
+        forgive_heartbeat=forgive_heartbeat,
+        forgive_after=forgive_after,
         in_process=spec.elastic_mode == "in-process",
         step_timing=spec.straggler != "off",
         # the store's secrets stay in the agent; its workers get the token in a file

@@ -238,8 +238,9 @@ def carried_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(flags)
 
 
-def _forgiveness(value: str) -> tuple[bool, float | None]:
-    """--forgive-progress: heartbeat, a positive number of seconds, or off ("")."""
+def forgiveness(value: str) -> tuple[bool, float | None]:
+    """--forgive-progress: heartbeat, a positive number of seconds, or off (""), as
+    (forgive on a heartbeat, forgive after this many seconds)."""
     if value in ("", "heartbeat"):
         return value == "heartbeat", None
     try:
@@ -252,8 +253,58 @@ def _forgiveness(value: str) -> tuple[bool, float | None]:
 
 
 def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchRequest:
-    """Every flag of a launch, checked: the one place flags become typed configuration."""
+    """Every flag of a launch, checked: the one place flags become typed configuration.
+
+    The checks run in the order of the steps below, so that of two mistakes on one
+    command line the same one is always reported.
+    """
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    backend = _backend(args, min_nodes, max_nodes)
+    _check_job_shape(args, min_nodes, max_nodes)
+    rdzv = _rendezvous(args, backend, min_nodes, max_nodes)
+    argv = worker_argv(args, environ)
+    nproc_request = _nproc_request(str(args.nproc_per_node))
+    stop_grace = _stop_grace(args.shutdown_timeout, environ)
+    if args.progress_timeout is not None:  # its lower bound is the worker spec's
+        within_max_seconds(args.progress_timeout, "--progress-timeout", f"{args.progress_timeout:g}")
+    local_ranks = _local_ranks(args.local_ranks_filter)
+    job_spec = _job_spec(args, argv, nproc_request, min_nodes, max_nodes, rdzv.conf)
+    _check_health_flags(args)
+    return LaunchRequest(
+        rdzv=rdzv,
+        job_spec=job_spec,
+        entrypoint=argv,
+        gpus=args.gpus,
+        stop_grace=stop_grace,
+        signals_to_handle=parse_signals(args.signals_to_handle),
+        redirects=parse_std(args.redirects, "--redirects"),
+        tee=parse_std(args.tee, "--tee"),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        local_ranks_filter=local_ranks,
+        isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
+        health_interval=args.health_interval,
+        health_check=args.health_check or None,
+        health_check_timeout=args.health_check_timeout,
+        carried_flags=carried_flags(args),
+        event_log_handler=args.event_log_handler or "null",
+        logs_specs=args.logs_specs or None,
+        std_flags=(args.redirects, args.tee),
+        metrics=metrics_address(args.metrics_port),
+        log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "") if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
+        else None,
+        numa_binding=args.numa_binding,
+        duplicate_filters={
+            stream: comma_list(value)
+            for stream, value in (("stdout", args.duplicate_stdout_filters), ("stderr", args.duplicate_stderr_filters))
+            if value
+        },
+    )
+
+
+def _backend(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> str:
+    """--rdzv-backend as ours ("standalone" with --standalone), checked against the other
+    flags it needs or rules out."""
     backend = "standalone" if args.standalone else BACKENDS.get(args.rdzv_backend)
     if backend is None:
         raise UsageError(
@@ -267,15 +318,24 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         raise UsageError("--rdzv-backend=static runs a fixed number of nodes: give --nnodes=N")
     if backend == "static" and not 0 <= args.node_rank < max_nodes:
         raise UsageError(f"--node-rank must be within 0..{max_nodes - 1}, got {args.node_rank}")
+    return backend
+
+
+def _check_job_shape(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> None:
+    """--max-restarts, --forgive-progress and --node-unit (of which MIN and MAX are multiples)."""
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    forgive_heartbeat, forgive_after = _forgiveness(args.forgive_progress)
+    forgiveness(args.forgive_progress)
     if args.node_unit < 1:
         raise UsageError(f"--node-unit must be >= 1, got {args.node_unit}")
     if min_nodes % args.node_unit or max_nodes % args.node_unit:
         raise UsageError(
             f"--nnodes={args.nnodes}: MIN and MAX must be multiples of --node-unit={args.node_unit}"
         )
+
+
+def _rendezvous(args: argparse.Namespace, backend: str, min_nodes: int, max_nodes: int) -> RendezvousConfig:
+    """Where and how this node meets the others: the endpoint, the job id, --rdzv-conf."""
     conf = parse_rdzv_conf(args.rdzv_conf, args.rdzv_backend)
     run_id = args.rdzv_id
     endpoint = args.rdzv_endpoint
@@ -302,57 +362,66 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         parse_endpoint(endpoint, DEFAULT_C10D_PORT)
     if backend != "standalone":
         check_run_id(run_id)
-
-    # c10d and etcd without --local-addr: the address on the route to the store, which
-    # `discover` finds (an empty --local-addr, an address of no use, counts as none)
-    local_addr = args.local_addr or {"standalone": "localhost", "static": "127.0.0.1"}.get(backend, "")
     settings = rendezvous_settings(
         conf, run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, node_unit=args.node_unit,
         straggler=args.straggler,
     )
-    rdzv = RendezvousConfig(
+    return RendezvousConfig(
         backend=backend,
         endpoint=endpoint,
         settings=settings,
         conf=conf,
-        local_addr=local_addr,
+        # c10d and etcd without --local-addr: the address on the route to the store, which
+        # `discover` finds (an empty --local-addr, an address of no use, counts as none)
+        local_addr=args.local_addr or {"standalone": "localhost", "static": "127.0.0.1"}.get(backend, ""),
         node_rank=args.node_rank,
         master_addr=master_addr,
         master_port=master_port,
     )
 
-    argv = worker_argv(args, environ)
-    nproc_request = str(args.nproc_per_node)
-    if not (digits_only(nproc_request) and int(nproc_request) > 0) and nproc_request not in (
-        "cpu", "gpu", "xpu", "auto"
-    ):
-        raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu, xpu or auto; got {nproc_request!r}")
-    if digits_only(nproc_request) and int(nproc_request) > MAX_NPROC_PER_NODE:
+
+def _nproc_request(value: str) -> str:
+    """--nproc-per-node as given, checked: a number, cpu, gpu, xpu or auto."""
+    if not (digits_only(value) and int(value) > 0) and value not in ("cpu", "gpu", "xpu", "auto"):
+        raise UsageError(f"--nproc-per-node must be a positive number, cpu, gpu, xpu or auto; got {value!r}")
+    if digits_only(value) and int(value) > MAX_NPROC_PER_NODE:
         raise UsageError(
-            f"--nproc-per-node allows at most {MAX_NPROC_PER_NODE} workers per node, got {nproc_request!r}"
+            f"--nproc-per-node allows at most {MAX_NPROC_PER_NODE} workers per node, got {value!r}"
         )
-    shutdown = args.shutdown_timeout
+    return value
+
+
+def _stop_grace(shutdown: float | None, environ: Mapping[str, str]) -> float:
+    """--shutdown-timeout, else $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s (as torchrun)."""
     if shutdown is None:
         shutdown = positive_seconds(
             environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0
         )
     elif not (shutdown >= 0 and math.isfinite(shutdown)):
         raise UsageError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown:g}")
-    within_max_seconds(shutdown, "--shutdown-timeout", f"{shutdown:g}")
-    if args.progress_timeout is not None:  # its lower bound is the worker spec's
-        within_max_seconds(args.progress_timeout, "--progress-timeout", f"{args.progress_timeout:g}")
-    filter_ranks = None
-    if args.local_ranks_filter:
-        try:
-            filter_ranks = frozenset(int(r) for r in args.local_ranks_filter.split(","))
-            if min(filter_ranks) < 0:
-                raise ValueError
-        except ValueError:
-            raise UsageError(
-                f"--local-ranks-filter takes local ranks like 0,1,2; got {args.local_ranks_filter!r}"
-            ) from None
+    return within_max_seconds(shutdown, "--shutdown-timeout", f"{shutdown:g}")
+
+
+def _local_ranks(value: str | None) -> frozenset[int] | None:
+    """--local-ranks-filter: the local ranks whose output is shown (None: all)."""
+    if not value:
+        return None
+    try:
+        ranks = frozenset(int(r) for r in value.split(","))
+        if min(ranks) < 0:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--local-ranks-filter takes local ranks like 0,1,2; got {value!r}") from None
+    return ranks
+
+
+def _job_spec(
+    args: argparse.Namespace, argv: tuple[str, ...], nproc_request: str, min_nodes: int, max_nodes: int,
+    conf: Mapping[str, str],
+) -> JobSpec:
+    """What every node of the job must agree on, as this node's flags say it."""
     no_python = bool(args.no_python and not args.run_path)
-    job_spec = JobSpec(
+    return JobSpec(
         # without --no-python, argv starts with this node's interpreter and -u
         command=argv if no_python else argv[2:],
         no_python=no_python,
@@ -369,6 +438,10 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         # rendezvous timings every node must share (secrets and local paths stay out)
         rdzv_conf={k: v for k, v in conf.items() if k in SHARED_RDZV_CONF},
     )
+
+
+def _check_health_flags(args: argparse.Namespace) -> None:
+    """--health-interval and --health-check-timeout: positive numbers of seconds."""
     if not (args.health_interval > 0 and math.isfinite(args.health_interval)):
         raise UsageError(f"--health-interval must be a positive number of seconds, got {args.health_interval}")
     within_max_seconds(args.health_interval, "--health-interval", f"{args.health_interval:g}")
@@ -377,33 +450,3 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
             f"--health-check-timeout must be a positive number of seconds, got {args.health_check_timeout}"
         )
     within_max_seconds(args.health_check_timeout, "--health-check-timeout", f"{args.health_check_timeout:g}")
-    return LaunchRequest(
-        rdzv=rdzv,
-        job_spec=job_spec,
-        entrypoint=argv,
-        gpus=args.gpus,
-        stop_grace=shutdown,
-        signals_to_handle=parse_signals(args.signals_to_handle),
-        redirects=parse_std(args.redirects, "--redirects"),
-        tee=parse_std(args.tee, "--tee"),
-        log_dir=Path(args.log_dir) if args.log_dir else None,
-        local_ranks_filter=filter_ranks,
-        isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
-        health_interval=args.health_interval,
-        health_check=args.health_check or None,
-        health_check_timeout=args.health_check_timeout,
-        carried_flags=carried_flags(args),
-        event_log_handler=args.event_log_handler or "null",
-        logs_specs=args.logs_specs or None,
-        std_flags=(args.redirects, args.tee),
-        metrics=metrics_address(args.metrics_port),
-        log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
-        file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "") if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
-        else None,
-        numa_binding=args.numa_binding,
-        duplicate_filters={
-            stream: comma_list(value)
-            for stream, value in (("stdout", args.duplicate_stdout_filters), ("stderr", args.duplicate_stderr_filters))
-            if value
-        },
-    )
