@@ -76,16 +76,16 @@ class Cgroup:
                 os.kill(pid, sig)
 
     def kill(self) -> None:
-        """SIGKILL everything in it at once (`cgroup.kill`; where the kernel has none,
-        before 5.14, each process it lists)."""
+        """SIGKILL everything in it at once (`cgroup.kill`).
+
+        Where the kernel has none (before 5.14), each process it lists."""
         try:
             (self.path / "cgroup.kill").write_text("1")
         except OSError:
             self.signal(signal.SIGKILL)
 
     def remove(self, timeout: float) -> bool:
-        """Kill what is in it, wait up to `timeout` s for it to empty, remove it; whether
-        it is gone."""
+        """Kill what is in it, wait up to `timeout` s for it to empty, remove it; whether it is gone."""
         deadline = time.monotonic() + timeout
         while True:
             self.kill()
@@ -101,8 +101,9 @@ class Cgroup:
 
 
 def own_cgroup() -> Path | None:
-    """The folder of this process's cgroup in the unified (v2) hierarchy, None where
-    there is none mounted (or this process is in none of it)."""
+    """The folder of this process's cgroup in the unified (v2) hierarchy, or None.
+
+    None where there is none mounted, or where this process is in none of it."""
     mount = _cgroup2_mount()
     if mount is None:
         return None

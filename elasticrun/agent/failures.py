@@ -87,8 +87,9 @@ def read_error_file(path: Path) -> ErrorFile | None:
 
 
 def traceback_from_stderr(lines: Sequence[str]) -> str:
-    """The last Python traceback in these stderr lines (with the exceptions chained to
-    it), or their last lines when there is none."""
+    """The last Python traceback in these stderr lines, or their last lines when there is none.
+
+    The traceback comes with the exceptions chained to it."""
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most")]
     if not starts:
         return "\n".join(lines[-_PLAIN_TAIL_LINES:])

@@ -41,8 +41,7 @@ class Hang:
     waiting: str = ""
 
     def reason(self, global_rank: int) -> str:
-        """The one-line cause: `worker rank 3 hung: no progress for 61s (waiting in
-        all_reduce for 58s)`."""
+        """The one-line cause: `worker rank 3 hung: no progress for 61s (waiting in all_reduce for 58s)`."""
         where = f" ({self.waiting})" if self.waiting else ""
         return f"worker rank {global_rank} hung: no progress for {self.silent_for:.0f}s{where}"
 
@@ -93,8 +92,10 @@ class ProgressWatchdog:
             raise ValueError(f"local rank {local_rank} is not watched (watching {sorted(self._workers)})") from None
 
     def progressed(self) -> bool:
-        """Whether every worker has called `heartbeat()` since the watchdog was made
-        (--forgive-progress heartbeat): an earlier attempt's files were removed then."""
+        """Whether every worker has called `heartbeat()` since the watchdog was made.
+
+        That is --forgive-progress heartbeat; an earlier attempt's files were removed
+        then."""
         return all(w.path.exists() for w in self._workers.values())
 
     def check(self) -> Hang | None:

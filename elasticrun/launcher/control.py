@@ -86,9 +86,11 @@ class JobTarget:
 
     @contextlib.asynccontextmanager
     async def open(self) -> AsyncIterator[Store]:
-        """A client of the job's store, once the store has answered: nothing listening
-        there, or a name that does not resolve, is an error at once, and a connection
-        that takes longer than a second is said on stderr (see `store.client.first_contact`)."""
+        """A client of the job's store, once the store has answered.
+
+        Nothing listening there, or a name that does not resolve, is an error at once,
+        and a connection that takes longer than a second is said on stderr (see
+        `store.client.first_contact`)."""
         async with open_client(self.access) as store:
             await first_contact(
                 store,
@@ -179,8 +181,10 @@ async def read_job(store: Store, target: JobTarget) -> JobView:
 
 
 async def read_records(store: Store, target: JobTarget) -> tuple[JobRecords, int]:
-    """The job's records as the store holds them now, and the revision they were read
-    at (for a watch that keeps them current); a job that is not there is a usage error."""
+    """The job's records as the store holds them now, and the revision they were read at.
+
+    The revision is for a watch that keeps them current; a job that is not there is a
+    usage error."""
     snapshot = await store.get_prefix(target.keys.prefix)
     records = JobRecords(target.keys)
     for kv in snapshot.kvs:
@@ -239,8 +243,9 @@ async def wait_nodes_gone(store: Store, keys: Keys, node_ids: set[str], timeout:
 
 
 async def wait_keys_gone(store: Store, prefix: str, wanted: set[str], timeout: float) -> set[str]:
-    """Wait until none of the keys `wanted` (all under `prefix`) exists; return those
-    still there after `timeout` seconds."""
+    """Wait until none of the keys `wanted` (all under `prefix`) exists.
+
+    Return those still there after `timeout` seconds."""
     snapshot = await store.get_prefix(prefix)
     left = wanted & {kv.key for kv in snapshot.kvs}
     if not left:

@@ -130,9 +130,10 @@ def route_addr(host: str) -> str:
 def resolve_workers(
     value: str, gpus_flag: str | None, environ: Mapping[str, str]
 ) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
-    """--nproc-per-node (N, `cpu`, `gpu`: every usable GPU, `xpu`: every Intel GPU,
-    `auto`: GPUs, else XPUs, else CPUs, as torchrun) and --gpus -> (workers, their GPUs
-    in local-rank order, the GPUs' names)."""
+    """--nproc-per-node and --gpus -> (workers, their GPUs in local-rank order, the GPUs' names).
+
+    --nproc-per-node is N, `cpu`, `gpu` (every usable GPU), `xpu` (every Intel GPU) or
+    `auto` (GPUs, else XPUs, else CPUs, as torchrun)."""
     from elasticrun.agent.gpu import open_gpus
     from elasticrun.agent.xpu import intel_xpus
 

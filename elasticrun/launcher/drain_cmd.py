@@ -92,9 +92,10 @@ async def drain(
 
 
 async def _reap_ended(store: Store, keys: Keys, nodes: Mapping[str, NodeInfo], ended: list[str]) -> NoReturn:
-    """Delete the drain request of each drained node whose agent ended before it was done
-    (it left the job, so its registration is gone, yet it never deleted the request), and
-    note it in `ended`. Runs until cancelled (or a store error ends it, and the wait).
+    """Delete the drain request of each drained node whose agent ended first, and note it in `ended`.
+
+    Such an agent left the job, so its registration is gone, yet it never deleted the
+    request. Runs until cancelled (or a store error ends it, and the wait).
 
     Ended means its liveness port refused a connection twice, LOOK_EVERY apart: a live
     agent closes that port just before it deletes its request, and a port that cannot be

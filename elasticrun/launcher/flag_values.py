@@ -36,8 +36,9 @@ def within_max_seconds(seconds: float, flag: str, shown: str) -> float:
 
 
 def digits_only(text: str) -> bool:
-    """Whether int() reads `text` as a plain decimal: ASCII digits only (str.isdigit()
-    also takes '²', which int() refuses)."""
+    """Whether int() reads `text` as a plain decimal.
+
+    ASCII digits only (str.isdigit() also takes '²', which int() refuses)."""
     return text.isascii() and text.isdigit()
 
 

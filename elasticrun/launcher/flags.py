@@ -21,8 +21,10 @@ from elasticrun.launcher.spelling import did_you_mean
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError (one line at the edge) instead of exiting, and
-    names the flag or choice closest to a misspelt one."""
+    """argparse that raises UsageError instead of exiting, and names the closest flag to a misspelt one.
+
+    The error becomes one line at the edge; a misspelt choice gets its closest choice
+    too."""
 
     def error(self, message: str) -> NoReturn:
         if "training_script" in message:
@@ -46,8 +48,10 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
     def _misspelt(self, argv: list[str], candidates: list[str]) -> None:
-        """Raise the usage error for the first of `candidates` that is no flag of this
-        command (or of the subcommand `argv` names) but close to one."""
+        """Raise the usage error for the first of `candidates` that is misspelt.
+
+        That is, no flag of this command (or of the subcommand `argv` names) but close
+        to one."""
         known = self._known_flags(argv)
         unknown = [c for c in candidates if c.startswith("-") and c.split("=", 1)[0] not in known]
         for flag in unknown:
@@ -84,8 +88,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def rdzv_conf_keys(keys: Iterable[str]) -> str:
-    """`keys` of --rdzv-conf for a help text, grouped by the backends that read them, as
-    the one table of keys (`rdzv_conf.RDZV_CONF`) says: every key, and none twice."""
+    """`keys` of --rdzv-conf for a help text, grouped by the backends that read them.
+
+    As the one table of keys (`rdzv_conf.RDZV_CONF`) says: every key, and none twice."""
     groups: dict[str, list[str]] = {"": [], "c10d": [], "c10d and etcd": [], "etcd": []}
     for key in keys:
         groups[RDZV_CONF_KEYS[key].scope].append(key)
@@ -152,8 +157,10 @@ _HELP_WIDTH = 78
 
 
 def _paragraphs(*texts: str) -> str:
-    """`texts` wrapped for a help text, each a paragraph; a line of one that starts with
-    two spaces is an item of a list, wrapped on its own with a hanging indent."""
+    """`texts` wrapped for a help text, each a paragraph.
+
+    A line of one that starts with two spaces is an item of a list, wrapped on its own
+    with a hanging indent."""
     out = []
     for text in texts:
         lines = text.split("\n")

@@ -125,9 +125,11 @@ def carried(view: JobView) -> list[str]:
 
 
 def join_conf(view: JobView, spec: JobSpec, target: JobTarget, timeout: float | None) -> dict[str, str]:
-    """The --rdzv-conf of the joining agent: the job's timings, then this command's own
-    settings (store access, or a timing, which the spec check then holds to the job's),
-    then the join timeout. One merge, each key once."""
+    """The --rdzv-conf of the joining agent.
+
+    The job's timings, then this command's own settings (store access, or a timing,
+    which the spec check then holds to the job's), then the join timeout. One merge,
+    each key once."""
     conf = {**shared_conf(view, spec), **target.conf}
     if timeout is not None:
         if "join_timeout" in target.conf:
@@ -137,8 +139,10 @@ def join_conf(view: JobView, spec: JobSpec, target: JobTarget, timeout: float | 
 
 
 async def job_argv(target: JobTarget, args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
-    """The launcher command line that joins the job, from join's own flags and command
-    and what of the stored job may come from the store."""
+    """The launcher command line that joins the job.
+
+    Made from join's own flags and command, and what of the stored job may come from the
+    store."""
     timeout = timeout_seconds(args.timeout) if args.timeout is not None else None
     mine = own_command(args, environ)
     async with target.open() as store:

@@ -68,6 +68,7 @@ def run_launch(config: LaunchConfig) -> int:
 
 async def run_node(config: LaunchConfig) -> AgentResult:
     """This node's part of the job, to its end (the CLI's and `elasticrun.launch`'s).
+
     With `config.metrics`, it serves the agent's Prometheus metrics (and the hosted
     store's) there."""
     metrics_at = config.metrics
@@ -143,8 +144,10 @@ def gpu_watches(gpus: Gpus, devices: tuple[int, ...], interval: float) -> list[W
 
 
 def gpu_reclaim(gpus: Gpus, devices: tuple[int, ...], limit: float) -> Reclaim:
-    """Before workers start again: wait (at most `limit` s) until the stopped workers'
-    memory on these GPUs is free; past that, the GPU counts as sick and the node leaves."""
+    """Before workers start again.
+
+    Wait (at most `limit` s) until the stopped workers' memory on these GPUs is free;
+    past that, the GPU counts as sick and the node leaves."""
     async def reclaim(pids: Set[int]) -> str:
         problem = await gpus.wait_released(devices, pids, limit, lambda line: log.info("%s", line, extra=HEADLINE))
         return "" if problem is None else f"GPU problem, leaving the job: {problem.reason}"

@@ -239,8 +239,9 @@ def carried_flags(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def forgiveness(value: str) -> tuple[bool, float | None]:
-    """--forgive-progress: heartbeat, a positive number of seconds, or off (""), as
-    (forgive on a heartbeat, forgive after this many seconds)."""
+    """--forgive-progress as (forgive on a heartbeat, forgive after this many seconds).
+
+    It is heartbeat, a positive number of seconds, or off ("")."""
     if value in ("", "heartbeat"):
         return value == "heartbeat", None
     try:
@@ -303,8 +304,9 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
 
 
 def _backend(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> str:
-    """--rdzv-backend as ours ("standalone" with --standalone), checked against the other
-    flags it needs or rules out."""
+    """--rdzv-backend as ours ("standalone" with --standalone), checked against the other flags.
+
+    The flags it needs, or rules out."""
     backend = "standalone" if args.standalone else BACKENDS.get(args.rdzv_backend)
     if backend is None:
         raise UsageError(

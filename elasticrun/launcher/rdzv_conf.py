@@ -62,8 +62,9 @@ class ConfKey:
 
     @property
     def plain_default(self) -> str | None:
-        """The default as a plain value (`600`, `1.25`, `false`), which the default column
-        of a docs table begins with; None when only words say it."""
+        """The default as a plain value (`600`, `1.25`, `false`), or None when only words say it.
+
+        The default column of a docs table begins with it."""
         value = _SETTINGS_DEFAULTS[self.field] if self.field is not None else self.default
         if value is None:
             return None
@@ -173,8 +174,10 @@ RDZV_CONF_TORCHRUN_ONLY = frozenset({
 
 
 class FromEnvironment(str):
-    """A flag's value that came from its PET_<NAME> variable: a default the command
-    line may override, where a value given twice on the command line is a mistake."""
+    """A flag's value that came from its PET_<NAME> variable.
+
+    A default the command line may override, where a value given twice on the command
+    line is a mistake."""
 
 
 def parse_rdzv_conf(values: list[str], backend: str = "c10d") -> dict[str, str]:
@@ -244,8 +247,10 @@ def parse_rdzv_conf(values: list[str], backend: str = "c10d") -> dict[str, str]:
 def rendezvous_settings(
     conf: Mapping[str, str], *, run_id: str, min_nodes: int, max_nodes: int, node_unit: int, straggler: str
 ) -> RendezvousSettings:
-    """The rendezvous settings of a job: each key of `conf` that sets one, read as its
-    `ConfKey` says, the others at their defaults."""
+    """The rendezvous settings of a job.
+
+    Each key of `conf` that sets one, read as its `ConfKey` says, the others at their
+    defaults."""
     values: dict[str, Any] = {
         key.field: key.read(conf.get(key.name), f"--rdzv-conf {key.name}", _SETTINGS_DEFAULTS[key.field])
         for key in RDZV_CONF
@@ -265,8 +270,9 @@ def rendezvous_settings(
 
 
 def _alias_again(named: str, earlier: str, key: str, had: str | None, val: str, backend: str) -> bool:
-    """`named` came as `earlier` (value `had`) and now as its other name `key` (`val`):
-    whether the earlier value stays. Equal values are one; of two, torchrun's wins."""
+    """`named` came as `earlier` (value `had`) and now as its other name `key` (`val`).
+
+    Whether the earlier value stays. Equal values are one; of two, torchrun's wins."""
     keeps = torchrun_spelling(named, backend) != key
     if had is not None and had != val:
         chosen, chosen_value = (earlier, had) if keeps else (key, val)

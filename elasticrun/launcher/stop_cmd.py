@@ -51,8 +51,10 @@ async def stop(target: JobTarget, *, timeout: float, as_data: bool = False) -> i
 
 
 def _ended(run_id: str, outcome: str, detail: str, as_data: bool) -> int:
-    """`stop` of a job that has ended already: done, as asked (a scheduler's clean-up
-    step that stops every job it started must not fail on one that finished)."""
+    """`stop` of a job that has ended already.
+
+    Done, as asked (a scheduler's clean-up step that stops every job it started must not
+    fail on one that finished)."""
     how = f"{outcome}: {detail}" if detail else outcome or "ended"
     _say(
         f"job '{run_id}' had already ended ({how}): nothing to stop",
@@ -63,8 +65,9 @@ def _ended(run_id: str, outcome: str, detail: str, as_data: bool) -> int:
 
 
 def _closed_ttl(conf: Mapping[str, str]) -> float:
-    """The job's closed_ttl as its stored spec says, or the default where it says no
-    valid timing: the store's records are input, not the checked flags they came from."""
+    """The job's closed_ttl as its stored spec says, or the default where it says no valid timing.
+
+    The store's records are input, not the checked flags they came from."""
     try:
         ttl = float(conf.get("closed_ttl", _DEFAULT_CLOSED_TTL))
     except (TypeError, ValueError):

@@ -51,8 +51,9 @@ _SERVE_SETTINGS = ("token_file", "require_token", "tls_cert", "tls_key", "client
 
 
 def _flag_of(setting: str) -> str:
-    """The flag of a setting in these commands (`token_file` is --token-file); a variable
-    (`$ELASTICRUN_STORE_TOKEN`) stays as it is."""
+    """The flag of a setting in these commands (`token_file` is --token-file).
+
+    A variable (`$ELASTICRUN_STORE_TOKEN`) stays as it is."""
     return "--" + setting.replace("_", "-") if setting.isidentifier() and setting.islower() else setting
 
 
@@ -198,8 +199,9 @@ def _no_command(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add `store serve`, `store credential` and `store etcd-roles` to the CLI; the
-    parsed args carry `run(args) -> int`."""
+    """Add `store serve`, `store credential` and `store etcd-roles` to the CLI.
+
+    The parsed args carry `run(args) -> int`."""
     store = subparsers.add_parser("store", help="the built-in key-value store")
     store.set_defaults(run=_no_command)
     commands = store.add_subparsers(dest="store_command", metavar="COMMAND", parser_class=Parser)

@@ -92,8 +92,9 @@ def _build(kind: type, body: dict[str, Any]) -> Any:
 
 @functools.cache
 def _converters(kind: type) -> dict[str, Callable[[Any], Any]]:
-    """How each field of a record type that is not plain JSON (a tuple, a record) is
-    made from its JSON value, worked out once per type from its annotations (strings):
+    """How each field of a record type that is not plain JSON is made from its JSON value.
+
+    A tuple or a record is not. Worked out once per type from its annotations (strings):
     decoding is most of what a large job's nodes and leader spend their CPU on (a
     round's shard holds 64 records), and resolving type hints per value tripled it."""
     hints = typing.get_type_hints(kind)
@@ -101,8 +102,9 @@ def _converters(kind: type) -> dict[str, Callable[[Any], Any]]:
 
 
 def _converter(hint: Any) -> Callable[[Any], Any] | None:
-    """A list as a tuple (of what its items' type says), an object as a record; None
-    for a value that JSON gives as the field holds it."""
+    """A list as a tuple (of what its items' type says), an object as a record.
+
+    None for a value that JSON gives as the field holds it."""
     if typing.get_origin(hint) is tuple:
         item = _converter(typing.get_args(hint)[0])
         if item is None:

@@ -80,8 +80,9 @@ class JobRecords:
 
     @property
     def round(self) -> Round | None:
-        """The current round with its members, once its head and every shard are read
-        (a closed round: with the members still at hand, if any)."""
+        """The current round with its members, once its head and every shard are read.
+
+        A closed round comes with its members still at hand, if any."""
         if self._joined is None:
             head = self.head
             self._joined = (None if head is None else join_round(head, self.shards.get(head.ranks, {})),)

@@ -79,8 +79,9 @@ class JobSpec:
         return f"{self.min_nodes}:{self.max_nodes}"
 
     def differences(self, mine: JobSpec) -> list[str]:
-        """`field: job has X, this node Y` for each field where this node's spec differs;
-        min_nodes and max_nodes as one `nnodes`, the flag the user gave them with."""
+        """`field: job has X, this node Y` for each field where this node's spec differs.
+
+        Min_nodes and max_nodes as one `nnodes`, the flag the user gave them with."""
         found = []
         for f in fields(self):
             name, theirs, ours = f.name, getattr(self, f.name), getattr(mine, f.name)
@@ -144,11 +145,13 @@ class LeaderState:
 
 @dataclass(frozen=True, slots=True)
 class JobLaunch:
-    """Facts about the job that nodes need not agree on: where and when it started, and
-    the first node's own launcher settings (`--gpus`, `--tee`, `--shutdown-timeout`, ...),
-    which `elasticrun join` repeats where they can neither run code nor name a file
-    (`CARRIED_FLAGS`): nodes may differ in them, so they are no part of the spec, but a
-    joining node starts like the first unless told otherwise. `cwd` is only shown."""
+    """Facts about the job that nodes need not agree on.
+
+    Where and when it started, and the first node's own launcher settings (`--gpus`,
+    `--tee`, `--shutdown-timeout`, ...), which `elasticrun join` repeats where they can
+    neither run code nor name a file (`CARRIED_FLAGS`): nodes may differ in them, so
+    they are no part of the spec, but a joining node starts like the first unless told
+    otherwise. `cwd` is only shown."""
 
     cwd: str
     created_at: float
@@ -301,8 +304,7 @@ class Straggler:
 
 @dataclass(frozen=True, slots=True)
 class StragglerReport:
-    """The stragglers of the current round (c/stragglers), written by the leader when
-    its verdict changes."""
+    """The stragglers of the current round (c/stragglers), written by the leader when its verdict changes."""
 
     round: int
     #: the median compute time per step of the round's nodes, in seconds
@@ -395,8 +397,10 @@ class NodeStacks:
 
 @dataclass(frozen=True, slots=True)
 class StacksRequest:
-    """Every node of the round is asked for its workers' stacks (r/job/stacks); whoever
-    asked writes the record again with the summary once the answers are in (`done`)."""
+    """Every node of the round is asked for its workers' stacks (r/job/stacks).
+
+    Whoever asked writes the record again with the summary once the answers are in
+    (`done`)."""
 
     id: str
     #: who asked: a node id, or user@host for `elasticrun stacks`

@@ -50,9 +50,10 @@ class Round:
     forgiven: int = 0
 
     def node_ranks(self) -> dict[str, int]:
-        """Each participant's node rank, by node id: built once by a caller that looks
-        up many nodes (a lookup per node that scanned the members was O(N^2) a round,
-        seconds of the leader's loop at 10,000 nodes)."""
+        """Each participant's node rank, by node id.
+
+        Built once by a caller that looks up many nodes (a lookup per node that scanned
+        the members was O(N^2) a round, seconds of the leader's loop at 10,000 nodes)."""
         return {p.node_id: rank for rank, p in enumerate(self.participants)}
 
     @property
@@ -119,8 +120,10 @@ _HEAD_FIELDS = tuple(f.name for f in fields(Round) if f.name != "participants")
 def split_round(
     new: Round, leader: str, before: RoundHead | None, previous: Round | None
 ) -> tuple[RoundHead, list[RankShard]]:
-    """`new` as stored by `leader`: its head and its shards. `before` and `previous` are
-    the round it follows (head and members), for `kept_since`."""
+    """`new` as stored by `leader`: its head and its shards.
+
+    `before` and `previous` are the round it follows (head and members), for
+    `kept_since`."""
     count = len(new.participants)
     shards = math.ceil(count / SHARD_SIZE)
     members = {p.node_id for p in new.participants}

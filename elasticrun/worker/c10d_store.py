@@ -42,8 +42,10 @@ def _as_bytes(value: str | bytes) -> bytes:
 
 
 def agent_token() -> str | None:
-    """The store credential the agent left for its workers: the content of the file
-    `$ELASTICRUN_STORE_TOKEN_FILE` names; None when it names none (a store without a token)."""
+    """The store credential the agent left for its workers.
+
+    The content of the file `$ELASTICRUN_STORE_TOKEN_FILE` names; None when it names
+    none (a store without a token)."""
     path = os.environ.get(TOKEN_FILE_ENV)
     if not path:
         return None

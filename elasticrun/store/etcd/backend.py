@@ -101,8 +101,10 @@ def _watch_events(
     *,
     first: bool,
 ) -> tuple[WatchEvent, ...]:
-    """A watch response's events; advances `request` past them, so a watch re-created
-    from it (on whichever member is up) loses and repeats nothing."""
+    """A watch response's events.
+
+    Advances `request` past them, so a watch re-created from it (on whichever member is
+    up) loses and repeats nothing."""
     if response.compact_revision:
         raise CompactedError(request.start_revision, response.compact_revision)
     if response.canceled or (first and not response.created):
@@ -255,8 +257,10 @@ class EtcdStore(Store):
             await asyncio.sleep(cluster.recover(stubs, code, details, attempts, lease=lease))
 
     async def auth(self, method: str, request: object) -> Any:
-        """One call of etcd's Auth service (`RoleAdd`, `UserGrantRole`, ...) with this
-        client's failover and credentials: how `etcd_roles` sets up users and roles."""
+        """One call of etcd's Auth service (`RoleAdd`, `UserGrantRole`, ...), with failover and credentials.
+
+        This client's failover and credentials: how `etcd_roles` sets up users and
+        roles."""
         return await self._run(lambda s, t, m: getattr(s.auth, method).future(request, timeout=t, metadata=m))
 
     async def get(self, key: str) -> KeyValue | None:

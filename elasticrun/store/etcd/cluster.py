@@ -104,8 +104,9 @@ class _Attempts:
         return left
 
     def failed(self, endpoint: str, details: str, *, timed_out: bool) -> float:
-        """Note the failure; the pause before the next try: once every endpoint failed
-        in a row (bounded, growing), else none."""
+        """Note the failure; return the pause before the next try.
+
+        A pause only once every endpoint failed in a row (bounded, growing); else none."""
         self.causes[endpoint] = plain_cause(details)
         if timed_out:
             self.attempt_timeout *= 2
@@ -169,11 +170,12 @@ class Cluster:
         *,
         lease: int = 0,
     ) -> float:
-        """Get ready for the next attempt after a failure on `stubs`, or raise; returns
-        how long to pause first. It never blocks: the async callers pause on their
-        loop, since a pause on the store's few threads queued every other operation's
-        recovery behind it (10,000 nodes' keep-alives timing out at once waited for
-        minutes there, and their leases lapsed)."""
+        """Get ready for the next attempt after a failure on `stubs`, or raise.
+
+        Returns how long to pause first. It never blocks: the async callers pause on
+        their loop, since a pause on the store's few threads queued every other
+        operation's recovery behind it (10,000 nodes' keep-alives timing out at once
+        waited for minutes there, and their leases lapsed)."""
         kind = classify(code, details)
         if kind in WRONG_ENDPOINT:
             attempts.wrong[stubs.endpoint] = self.error(kind, details, stubs.endpoint)

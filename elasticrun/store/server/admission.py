@@ -1,5 +1,7 @@
-"""How a call reaches its handler: its caller known from its headers before its
-message is read, a request that does not decode refused in one line.
+"""How a call reaches its handler.
+
+Its caller known from its headers before its message is read, a request that does not
+decode refused in one line.
 
 `add_store_service` and `add_c10d_service` register the generated services' handlers,
 each wrapped by `_guarded`, so that nothing is spent on a call before its caller is
@@ -97,9 +99,11 @@ def add_c10d_service(servicer: C10dService, server: grpc.aio.Server, count: _Cal
 
 
 def _encoded_by_handler(handlers: dict[str, grpc.RpcMethodHandler], service: str) -> dict[str, grpc.RpcMethodHandler]:
-    """The generated handlers, but those of `_ENCODED_BY_HANDLER` with no response
-    serializer (their replies go out as the bytes the handler made), and those of
-    `_PARSED_BY_HANDLER` with a request deserializer that only bounds the bytes."""
+    """The generated handlers, some with no response serializer or a request deserializer that only bounds.
+
+    Those of `_ENCODED_BY_HANDLER` have no response serializer (their replies go out as
+    the bytes the handler made), and those of `_PARSED_BY_HANDLER` a request
+    deserializer that only bounds the bytes."""
     handlers = dict(handlers)
     for method, parse in _ENCODED_BY_HANDLER[service].items():
         handler = handlers[method]
@@ -120,8 +124,9 @@ def _encoded_by_handler(handlers: dict[str, grpc.RpcMethodHandler], service: str
 
 
 def _bytes_within(method: str, limit: int | None) -> Callable[[bytes], object]:
-    """A request deserializer that keeps the bytes (the handler parses them), refusing
-    more than `limit` of them unparsed."""
+    """A request deserializer that keeps the bytes for the handler, refusing more than `limit` of them.
+
+    The handler parses them; more than `limit` are refused unparsed."""
 
     def take(data: bytes) -> object:
         if limit is not None and len(data) > limit:
@@ -151,8 +156,9 @@ def _register(
 
 
 class _Refused:
-    """A request refused as it was read (its bytes did not decode: INVALID_ARGUMENT, or
-    there were too many of them); its handler answers `code` with `why`."""
+    """A request refused as it was read; its handler answers `code` with `why`.
+
+    Its bytes did not decode (INVALID_ARGUMENT), or there were too many of them."""
 
     __slots__ = ("code", "why")
 
@@ -175,10 +181,11 @@ async def _refuse(request: _Refused, context: grpc.aio.ServicerContext) -> None:
 
 
 def _guarded(handler: grpc.RpcMethodHandler, count: _Counter) -> grpc.RpcMethodHandler:
-    """The same method, served so that nothing is spent on a call before its caller is
-    known: the call is attributed to its caller from its headers (`count`, which
-    refuses a caller that may not make it and counts the call against its share while
-    it runs), and only then is its request message read, within `MESSAGE_DEADLINE`.
+    """The same method, served so that nothing is spent on a call before its caller is known.
+
+    The call is attributed to its caller from its headers (`count`, which refuses a
+    caller that may not make it and counts the call against its share while it runs),
+    and only then is its request message read, within `MESSAGE_DEADLINE`.
 
     gRPC reads a unary call's message before it runs the handler, and counts the call
     against the server's limit from its headers: a client that opens calls and never
@@ -224,9 +231,11 @@ def _guarded(handler: grpc.RpcMethodHandler, count: _Counter) -> grpc.RpcMethodH
 
 
 async def _message(context: grpc.aio.ServicerContext) -> object:
-    """The call's one request message, once its caller is known; a call whose message
-    does not come within `MESSAGE_DEADLINE` of its headers is ended (DEADLINE_EXCEEDED),
-    so that a caller cannot hold its calls open without sending anything."""
+    """The call's one request message, once its caller is known.
+
+    A call whose message does not come within `MESSAGE_DEADLINE` of its headers is ended
+    (DEADLINE_EXCEEDED), so that a caller cannot hold its calls open without sending
+    anything."""
     try:
         async with asyncio.timeout(MESSAGE_DEADLINE):
             # read, not the request iterator: its generator would keep the message

@@ -67,12 +67,12 @@ class C10dService(pb_grpc.C10dStoreServicer):
 
     @contextlib.asynccontextmanager
     async def _turn(self) -> AsyncIterator[None]:
-        """The caller's turn (`Shares.turn`; admin: at once) for a step whose work grows
-        with a key list: one such step of an identity's at a time, and after each, a
-        pause in its turn so that its steps take at most KEY_LIST_LOOP_SHARE of the
-        loop's time, however many of its calls wait. (A step is a few milliseconds; a
-        put takes a few passes of the loop, so steps back to back would delay each of
-        them by one.)"""
+        """The caller's turn (`Shares.turn`; admin: at once) for a step whose work grows with a key list.
+
+        One such step of an identity's at a time, and after each, a pause in its turn so
+        that its steps take at most KEY_LIST_LOOP_SHARE of the loop's time, however many
+        of its calls wait. (A step is a few milliseconds; a put takes a few passes of
+        the loop, so steps back to back would delay each of them by one.)"""
         caller = CALLER.get()
         async with self._server.shares.turn(caller):
             start = time.perf_counter()
@@ -81,9 +81,10 @@ class C10dService(pb_grpc.C10dStoreServicer):
                 await asyncio.sleep((time.perf_counter() - start) * (1 / KEY_LIST_LOOP_SHARE - 1))
 
     def _key_list(self, names: list[str], what: str) -> list[str]:
-        """The engine's keys for the c10d keys `names`, each once, in first-named order;
-        a list longer than MAX_KEYS_PER_CALL is refused. (C loops only: a list of
-        10,000 keys takes about a millisecond.)"""
+        """The engine's keys for the c10d keys `names`, each once, in first-named order.
+
+        A list longer than MAX_KEYS_PER_CALL is refused. (C loops only: a list of 10,000
+        keys takes about a millisecond.)"""
         if len(names) > MAX_KEYS_PER_CALL:
             raise StoreLimitError(
                 f"a c10d {what} may name at most {MAX_KEYS_PER_CALL} keys, this one names {len(names)}: "
@@ -98,8 +99,9 @@ class C10dService(pb_grpc.C10dStoreServicer):
         self, keys: list[str], timeout: float, context: grpc.aio.ServicerContext, *, in_turn: bool = True
     ) -> list[KeyValue] | None:
         """The keys' entries once they all exist, None past `timeout` (0: no limit).
-        Each look at them all is one pass with no suspension (a consistent snapshot),
-        in the caller's turn when `in_turn`."""
+
+        Each look at them all is one pass with no suspension (a consistent snapshot), in
+        the caller's turn when `in_turn`."""
         async with self._server._long_call(context):
             try:
                 async with asyncio.timeout(timeout if timeout > 0 else None):
@@ -245,8 +247,10 @@ def _parse(kind: type[_M], data: bytes) -> _M:
 
 @dataclass(frozen=True, slots=True)
 class _Keys:
-    """Where a c10d caller's keys live: the engine's own (admin), or a job's worker
-    namespace (`prefix`), with the quota its writes keep to."""
+    """Where a c10d caller's keys live.
+
+    The engine's own (admin), or a job's worker namespace (`prefix`), with the quota its
+    writes keep to."""
 
     prefix: str = ""
     quota: SpaceQuota | None = None

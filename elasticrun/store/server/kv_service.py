@@ -39,8 +39,9 @@ _EVENT_TYPES = {EventType.PUT: pb.WatchEvent.PUT, EventType.DELETE: pb.WatchEven
 
 
 def _pages(kvs: Sequence[KeyValue]) -> Iterator[Sequence[KeyValue]]:
-    """`kvs` in reply pages (one, empty, for none), each found when it is asked for:
-    the work of each step is that of one page, however many keys there are."""
+    """`kvs` in reply pages (one, empty, for none), each found when it is asked for.
+
+    The work of each step is that of one page, however many keys there are."""
     start = 0
     while True:
         end, size = start, 0

@@ -221,9 +221,10 @@ class StoreServer:
     async def counted_call(
         self, context: grpc.aio.ServicerContext, service: str = "", method: str = ""
     ) -> AsyncIterator[None]:
-        """Attribute the call to its caller (refusing it if the caller may not make
-        it), count it against the caller's share for as long as it runs, and (with
-        metrics) by its status code once it ends."""
+        """Attribute the call to its caller, and count it while it runs and (with metrics) once it ends.
+
+        The call is refused if the caller may not make it; it counts against the
+        caller's share for as long as it runs, and in the metrics by its status code."""
         code = "OK"
         try:
             caller = await self._caller(context, service, method)
@@ -254,8 +255,10 @@ class StoreServer:
                 self.metrics.calls.labels(service, method, code).inc()
 
     async def _caller(self, context: grpc.aio.ServicerContext, service: str, method: str) -> Caller:
-        """Who makes this call; the call is refused (UNAUTHENTICATED, PERMISSION_DENIED)
-        when its credential is wrong or its role may not make it."""
+        """Who makes this call.
+
+        The call is refused (UNAUTHENTICATED, PERMISSION_DENIED) when its credential is
+        wrong or its role may not make it."""
         given = None
         for key, value in context.invocation_metadata() or ():
             if key == TOKEN_METADATA_KEY:
@@ -289,10 +292,11 @@ class StoreServer:
         return caller
 
     async def _check_run(self, grant: Grant) -> str | None:
-        """Why a worker credential of one run of a job is refused (that run is not the
-        job's current one), or None. The first call of a run that this server sees
-        deletes the job's worker keys that earlier runs left (a job that ended without
-        closing, agents killed, keys written after the close)."""
+        """Why a worker credential of one run of a job is refused, or None.
+
+        It is when that run is not the job's current one. The first call of a run that
+        this server sees deletes the job's worker keys that earlier runs left (a job
+        that ended without closing, agents killed, keys written after the close)."""
         kv = await self.engine.get(f"{JOBS_PREFIX}{grant.job}/{RUN_RECORD}")
         revision = kv.mod_revision if kv is not None else 0
         cached = self._launches.get(grant.job)
