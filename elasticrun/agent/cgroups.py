@@ -3,7 +3,7 @@
 Why: sessions.py finds what the workers started by their session, the agent's mark in
 their environment, and parenthood. A process that leaves its worker's session
 (`setsid()`), replaces its environment (`env -i`) and whose parent is gone has none of
-the three: it outlived its agent (issue 36). A cgroup is kept across all of that: every
+the three: it outlived its agent. A cgroup is kept across all of that: every
 process a member forks is a member, and `cgroup.kill` SIGKILLs all of them at once,
 whatever they did. So where a cgroup v2 hierarchy is mounted and the agent may make a
 cgroup below its own (root, or a delegated subtree: systemd's `Delegate=yes`, a

@@ -616,8 +616,7 @@ class ElasticRendezvous(RendezvousHandler):
         if self._liveness is None:
             self._liveness = await LivenessPort.open(self._me.addr)
         # Renewed from the moment it exists: under load the node key's put may take
-        # longer than the TTL, and a lease lapsed before it was ever renewed made the
-        # node register again, and the load worse (seen at 5,000 nodes).
+        # longer than the TTL (docs/architecture.md, Design notes, "Leases under load").
         self._lease = await self._store.grant_lease(self._settings.heartbeat_ttl)
         self._spawn(self._keep_alive(self._lease), "keep-alive")
         ran = self._ran

@@ -371,11 +371,9 @@ class EtcdStore(Store):
                 self._drop_lease_stream(lease)
                 raise LeaseExpiredError(lease)
 
-        # A renewal's first try may take a third of the TTL, not the usual second: on a
-        # busy host (10,000 simulated nodes on two cores) answers came late, each try
-        # cut short was sent again on a new stream, more load, and leases lapsed with
-        # their renewals in flight. A third still leaves a silent member time to be
-        # failed over before the lease runs out.
+        # A renewal's first try may take a third of the TTL, not the usual second, which
+        # still leaves a silent member time to be failed over before the lease runs out
+        # (docs/architecture.md, Design notes, "Leases under load").
         first = max(FIRST_ATTEMPT_TIMEOUT, self._lease_ttls.get(lease, 0.0) / 3)
         lock = self._lease_locks.setdefault(lease, asyncio.Lock())
         async with lock:  # one renewal at a time on a lease's stream

@@ -173,9 +173,9 @@ class Cluster:
         """Get ready for the next attempt after a failure on `stubs`, or raise.
 
         Returns how long to pause first. It never blocks: the async callers pause on
-        their loop, since a pause on the store's few threads queued every other
-        operation's recovery behind it (10,000 nodes' keep-alives timing out at once
-        waited for minutes there, and their leases lapsed)."""
+        their loop, not on the store's few threads, where a pause queued every other
+        operation's recovery behind it (docs/architecture.md, Design notes, "Leases
+        under load")."""
         kind = classify(code, details)
         if kind in WRONG_ENDPOINT:
             attempts.wrong[stubs.endpoint] = self.error(kind, details, stubs.endpoint)

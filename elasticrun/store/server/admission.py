@@ -187,14 +187,14 @@ def _guarded(handler: grpc.RpcMethodHandler, count: _Counter) -> grpc.RpcMethodH
     caller that may not make it and counts the call against its share while it runs),
     and only then is its request message read, within `MESSAGE_DEADLINE`.
 
-    gRPC reads a unary call's message before it runs the handler, and counts the call
-    against the server's limit from its headers: a client that opens calls and never
-    sends their message held a slot each, with no token (issue 36). So every method is
-    registered as a bidirectional stream, which gRPC hands to its handler at once with
-    the messages still unread; on the wire a unary call and a stream that carries one
-    message each way are the same, so clients see no difference. A request that does
-    not decode gets INVALID_ARGUMENT (grpc itself would answer UNKNOWN and log a
-    traceback for each: a log flood on demand)."""
+    - every method is registered as a bidirectional stream, which gRPC hands to its
+      handler at once with the message still unread; on the wire a unary call is such a
+      stream, so clients see no difference;
+    - a request that does not decode gets INVALID_ARGUMENT, where gRPC would answer
+      UNKNOWN and log a traceback for each.
+
+    Why, and why not `grpc.aio.ServerInterceptor`: docs/architecture.md, Design notes,
+    "A call's caller is known before its message is read"."""
     parse = _tolerant(handler.request_deserializer)
     if handler.request_streaming:
         if not handler.response_streaming:

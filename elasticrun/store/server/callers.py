@@ -84,7 +84,7 @@ def _token_identity(grant: Grant, host: str) -> str:
 
     A store has one of each but the workers', one per job. Every reader holds the one
     reader credential, so a reader's share is counted by its host as well: one `status
-    --watch` user's abuse takes its own host's share, not every reader's (issue 36)."""
+    --watch` user's abuse takes its own host's share, not every reader's."""
     if grant.role is Role.WORKER:
         return f"worker credential of job {grant.job!r}"
     return "admin token" if grant.role is Role.ADMIN else f"reader credential on host {host}"

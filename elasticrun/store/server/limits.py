@@ -27,7 +27,7 @@ MAX_MULTI_GET_BYTES = 4 << 20
 #: keeps history and wakes watchers: ~10 µs a key). Their requests are parsed, bounded
 #: and looked up by the handler, in the caller's turn (`Shares.turn`): one such call of
 #: a worker's at a time, each a few milliseconds of the loop at most. Unbounded, a 1 MiB
-#: list of one key 340,000 times held the loop 150 ms a call (issue 36).
+#: list of one key 340,000 times held the loop 150 ms a call.
 MAX_KEYS_PER_CALL = 10_000
 MAX_KEY_LIST_BYTES = 256 << 10
 MAX_MULTI_SET_KEYS = 1_024

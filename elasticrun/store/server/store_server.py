@@ -17,13 +17,9 @@ before its message is read (`store/server/admission.py`), and the message must c
 job's own namespace (`/elasticrun/<job>/w/`), so a torch process group runs unchanged
 and sees nothing else. State lives in memory and is never pickled.
 
-No request holds the loop for long: a prefix read is sent in pages of at most 256 keys or
-about 256 KiB (`RangePages`), read at one revision, each page encoded as it goes out
-(about a millisecond); a caller other than admin has one reply in the making at a time
-(`Shares.turn`), so however many reads and watches it runs, the others wait for one of
-its pages at most, not for all of them. (The pages are encoded on the loop, not on a
-worker thread: protobuf holds the GIL while it copies, so a thread would stall the loop
-as long, plus the GIL's switch interval.)
+No request holds the loop for long: a prefix read goes out in pages (`RangePages`), and
+a caller other than admin has one reply in the making at a time (`Shares.turn`). Why on
+the loop, not on a thread: docs/architecture.md, Design notes, "The store server's loop".
 """
 
 from __future__ import annotations
@@ -77,18 +73,18 @@ logger = logging.getLogger(__name__)
 class StoreServer:
     """The gRPC store server, run in the caller's event loop.
 
-    It serves `engine` when given (and leaves it open on stop, so a new server can
-    serve the same history) or a `MemoryStore` of its own (closed on stop).
-    `hosted_by_agent` tells the clients (in every watch reply) that this server lives
-    and dies with a launcher agent: a refused connection then means its records are gone
-    with it, so the clients stop waiting for it at once instead of after their timeout
-    (the rendezvous then waits `store_host_grace` for a new store at the endpoint, the
-    head's replacement, and registers there anew).
-    `max_calls` bounds the calls in progress from all clients, `fair_share` what each
-    identity other than admin may take of them, of watches and of the engine's keys and
-    bytes, and what all those identities may take together. `token` is the admin token
-    (worker and reader credentials are derived from it). `client_ca` (PEM, with `tls`
-    only) makes it require and verify a client certificate on every connection.
+    - `engine`: served, and left open on stop so that a new server can serve the same
+      history; without one, a `MemoryStore` of its own, closed on stop.
+    - `hosted_by_agent`: this server lives and dies with a launcher agent, which every
+      watch reply tells the clients: a refused connection then means its records are
+      gone, so they stop waiting for it at once (the rendezvous then waits
+      `store_host_grace` for a new store at the endpoint).
+    - `max_calls`: the calls in progress from all clients; `fair_share`: what each
+      identity other than admin may take of them, of watches and of the engine's keys and
+      bytes, and what all those identities may take together.
+    - `token`: the admin token (worker and reader credentials are derived from it).
+    - `client_ca` (PEM, with `tls` only): every connection must present a client
+      certificate that chains to it.
     """
 
     def __init__(

@@ -11,7 +11,7 @@ a survivor, never from disk, and survivors move nothing among themselves.
 
 Each commit carries its lineage: how many commits led to it and the round it was made
 in. Two ranks hold the same state only if their lineages are equal; a count alone is
-not enough (issue 36): a node that froze just after committing one step more than the
+not enough: a node that froze just after committing one step more than the
 others, and came back when the others had committed as often in a later round without
 it, holds another state under the same count. `sync()` thus copies to every rank whose
 lineage is not the newest, whatever its count.
