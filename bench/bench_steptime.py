@@ -1,4 +1,4 @@
-"""Step timing (issue 35): what it costs a step, and how many steps a straggler takes to name.
+"""Step timing: what it costs a step, and how many steps a straggler takes to name.
 
     python bench/bench_steptime.py overhead     # ~1 minute: the cost on a 50 ms step
     python bench/bench_steptime.py detect       # ~6 minutes: real agents, a 1.5x and a 3x node

@@ -348,7 +348,7 @@ def test_repeated_rdzv_conf_flags_merge_and_a_key_is_given_once() -> None:
 
 
 def test_a_rdzv_conf_key_and_its_torchrun_name_take_torchruns_choice(caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 36: PyTorch's own launcher tests write a key and its torchrun alias with one
+    """PyTorch's own launcher tests write a key and its torchrun alias with one
     value; with two, torchrun's backend reads one of them, and so does elasticrun."""
     issue = config("--standalone", "--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'", str(SPEAK))
     assert issue.rdzv.conf == {"join_timeout": "5", "last_call_timeout": "1"} and not caplog.records
@@ -670,7 +670,7 @@ BAD_INPUT = {
     "store serve requiring a token it lacks": (
         ["store", "serve", "--host", "127.0.0.1", "--port", "0", "--require-token"],
         ["--require-token, --token-file: no store token is set"]),
-    # issue 29: past a sane bound, refused at the edge instead of failing deep (or after the job)
+    # Past a sane bound, refused at the edge instead of failing deep (or after the job)
     "nproc-per-node past the bound": (["--nproc-per-node", "999999999999", S],
                                       ["--nproc-per-node", "at most 1024", "'999999999999'"]),
     "nnodes past the bound": (["--nnodes", "1:100000000000000000000", S], ["--nnodes", "at most 100000"]),

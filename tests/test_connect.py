@@ -3,7 +3,7 @@ says what it connects to when that takes longer, and knows an etcd server or ano
 program at a c10d endpoint for what it is; an agent whose store port on this host is
 held by another program says so.
 
-The one-second bound is asked for by issue 30 and asserted here (on the first contact
+The one-second bound is asserted here (on the first contact
 itself, without the interpreter's start-up); names under the reserved `.invalid` TLD
 resolve nowhere. Everything a user sees is checked on real `python -m elasticrun`
 processes, line for line.
@@ -100,7 +100,7 @@ def _reason(name: str) -> str:
 
 
 def test_a_refused_port_and_an_unknown_name_are_answered_within_a_second(refused_port: int) -> None:
-    """The bound issue 30 asks for, with a store timeout of 10 s that the old client waited out."""
+    """The one-second bound, with a store timeout of 10 s that the old client waited out."""
     took, error = _first_contact_seconds(f"127.0.0.1:{refused_port}")
     assert took < 1.0 and "connection refused" in str(error)
     took, error = _first_contact_seconds(f"{UNRESOLVABLE}:29400")

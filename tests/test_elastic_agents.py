@@ -2,7 +2,7 @@
 127.0.0.x, real training workers (tests/workers/train_worker.py; their collective:
 tests/workers/collective.py), a real store: a
 standalone `elasticrun store serve` for c10d (so killing an agent never kills it) or
-the session's etcd server, each scenario on both backends. Issue 5's etcd cluster
+the session's etcd server, each scenario on both backends. The etcd cluster
 scenarios (member, leader and majority loss) run against a 3-member etcd.
 
 Every wait is for an event (a line in an agent's output, a process exit), bounded by a
@@ -89,7 +89,7 @@ def kill_node(agent: Proc, worker_pid: int, *, worker_too: bool = True) -> None:
     wait_until(lambda: not pid_alive(worker_pid), what=f"worker {worker_pid} of {agent.name} to go")
 
 
-# --- issue 4, scenario 1: scale up ------------------------------------------------------
+# --- scale up ------------------------------------------------------------------------
 
 
 def test_scale_up_two_to_three_keeps_node_ranks(cluster: Cluster, rdzv: Rdzv) -> None:
@@ -322,7 +322,7 @@ def test_c10d_agent_hosts_the_store(cluster: Cluster) -> None:
     finish(cluster, host, guest)
 
 
-# --- issue 5: the agents' etcd cluster loses members ------------------------------------
+# --- the agents' etcd cluster loses members -------------------------------------------
 
 #: the member test's heartbeat timeout: etcd fails over well within it
 TRIO_HEARTBEAT = 3

@@ -1,4 +1,4 @@
-"""A restart budget that forgives progress (--forgive-progress, issue 22): a worker
+"""A restart budget that forgives progress (--forgive-progress): a worker
 failure spends a restart only when the workers made no progress since the previous one.
 
 The agent with real worker processes, on the static rendezvous and on the elastic one

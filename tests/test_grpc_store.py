@@ -451,7 +451,7 @@ async def status_of(call: grpc.aio.Call) -> grpc.StatusCode:
 async def test_a_call_is_refused_from_its_headers(
     monkeypatch: pytest.MonkeyPatch, reliability: Reliability
 ) -> None:
-    """No message is read, no slot spent, before the caller is known (issue 36): a call
+    """No message is read, no slot spent, before the caller is known: a call
     with no token is refused at once; an identity's calls count against its share from
     their headers; a call whose message does not come is ended after the deadline."""
     monkeypatch.setattr(server_admission, "MESSAGE_DEADLINE", 0.5)
@@ -486,7 +486,7 @@ async def test_a_call_is_refused_from_its_headers(
 
 @pytest.mark.security
 async def test_c10d_key_lists_are_bounded(reliability: Reliability) -> None:
-    """Issue 36: a key list is refused past its bounds (a long one unparsed), a key
+    """A key list is refused past its bounds (a long one unparsed), a key
     named twice is looked up once and answered twice, a multi_set has a most."""
     server = StoreServer("127.0.0.1", 0, token=TOKEN)
     await server.start()
@@ -503,7 +503,7 @@ async def test_c10d_key_lists_are_bounded(reliability: Reliability) -> None:
             with pytest.raises(StoreLimitError, match=f"at most {server_limits.MAX_KEYS_PER_CALL} keys"):
                 call()
         with pytest.raises(StoreLimitError, match="over the store's limit of 262144 bytes"):
-            client.check(["a"] * 340_000)  # issue 36's list: 1 MiB, refused before it is parsed
+            client.check(["a"] * 340_000)  # the abusive list: 1 MiB, refused before it is parsed
         with pytest.raises(StoreLimitError, match=f"at most {server_limits.MAX_MULTI_SET_KEYS} keys"):
             client.multi_set(too_many[:2000], [b"x"] * 2000)
         with pytest.raises(StoreRequestError, match="must not be empty"):
@@ -873,7 +873,7 @@ def test_serve_config_checks_flags(tmp_path: Path) -> None:
     args = parser.parse_args(["store", "serve"])
     assert store_cmd.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "env"}).token == "env"
     assert store_cmd.serve_config(args, {}).token is None
-    # issue 36: metrics by port alone listen where the store does, not on every address
+    # Metrics by port alone listen where the store does, not on every address
     local = parser.parse_args(["store", "serve", "--host", "127.0.0.1", "--metrics-port", "9464"])
     assert store_cmd.serve_config(local, {}).metrics == MetricsAddress("127.0.0.1", 9464)
     elsewhere = parser.parse_args(["store", "serve", "--host", "127.0.0.1", "--metrics-port", "0.0.0.0:9464"])

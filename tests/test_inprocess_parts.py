@@ -257,7 +257,7 @@ def test_sync_moves_state_only_to_newcomers_spread_over_survivors(tmp_path: Path
 
 @pytest.mark.timeout(90)
 def test_sync_copies_to_a_node_that_froze_with_another_state_under_the_same_count(tmp_path: Path) -> None:
-    # Issue 36: rank 2 committed one step more than ranks 0 and 1 just before they went on
+    # Rank 2 committed one step more than ranks 0 and 1 just before they went on
     # without it; they then committed once in the next round. All hold 2 commits, rank 2
     # another state; when it comes back, it must get theirs, not keep its own.
     proc = subprocess.Popen([sys.executable, str(WORKERS / "sync_worker.py"), str(free_port()), "frozen",

@@ -309,7 +309,7 @@ def test_stop_ends_the_job_everywhere(cluster, rdzv, job):
     cluster.assert_no_orphans()
     after = status(rdzv)
     assert after["job"]["state"] == "stopped"
-    # again, as a scheduler's clean-up step would: done already, said in one line (issue 36)
+    # again, as a scheduler's clean-up step would: done already, said in one line
     again = ctl(rdzv, "stop", "--timeout", "30")
     assert again.returncode == 0 and again.stderr == "", again
     assert re.fullmatch(r"job '\S+' had already ended \(stopped: stopped by \S+\): nothing to stop\n", again.stdout)

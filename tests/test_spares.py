@@ -1,4 +1,4 @@
-"""Issue 22 end to end: spares and node units, with real agents as nodes on 127.0.0.x,
+"""End to end: spares and node units, with real agents as nodes on 127.0.0.x,
 real training workers (tests/workers/collective.py) and a real store (both backends).
 
 A spare is a registered agent that no round takes (the job runs at MAX, or the nodes

@@ -1,4 +1,4 @@
-"""The store's settings as bad input meets them (issue 29): the files they name are read
+"""The store's settings as bad input meets them: the files they name are read
 up to a bound, and a secret about to travel in plaintext to another host is warned of.
 
 No traffic leaves this host: the non-loopback address is one of RFC 5737's documentation

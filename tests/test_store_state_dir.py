@@ -1,5 +1,5 @@
 """A job that ended stays ended across a restart of `elasticrun store serve --state-dir`
-(issue 29), and only as long as its closed record would have lived without one.
+and only as long as its closed record would have lived without one.
 
 In-process, over a real `MemoryStore` and the real `close_round`: the journal follows a
 job's end into its folder, puts it back into a new store for the time it had left, drops
@@ -119,7 +119,7 @@ def test_a_folder_or_record_that_is_not_its_own_is_refused(tmp_path: Path) -> No
     journal.file_of(Keys("job").round).write_text("{not json")
     with pytest.raises(UsageError, match="is not a closed-job record of this version"):
         ClosedJournal.open(folder)
-    # issue 36: an absurd expiry stopped `store serve` at the restore, naming no file
+    # An absurd expiry stopped `store serve` at the restore, naming no file
     for absurd in ("1e300", "Infinity", "NaN"):
         path = journal.file_of(Keys("job").round)
         path.write_text(f'{{"version":{JOURNAL_VERSION},"key":"{Keys("job").round}","record":"x","expires_at":{absurd}}}')

@@ -1,4 +1,4 @@
-"""The files an agent writes are private and never follow a link (issue 29).
+"""The files an agent writes are private and never follow a link.
 
 - A link planted where a worker's log or the event log goes: the agent refuses to start
   (a UsageError in one line naming the path), and what the link points at is untouched.
@@ -152,7 +152,7 @@ with open({str(report)!r}, "w") as f:
 async def test_a_relative_log_dir_gives_workers_absolute_paths(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 36: with a relative --log-dir the token file's path was relative too, wrong
+    """With a relative --log-dir the token file's path was relative too, wrong
     for a worker that changes its directory."""
     report = tmp_path / "report"
     code = f"""

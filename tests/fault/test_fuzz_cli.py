@@ -1,4 +1,4 @@
-"""Fuzzing the command line (issue 10, "Input and security").
+"""Fuzzing the command line.
 
 Arbitrary and adversarial argv — unknown flags, bad and huge numbers, NaN and infinity,
 odd unicode (non-ASCII digits, surrogate escapes of undecodable bytes, control and

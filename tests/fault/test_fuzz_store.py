@@ -1,4 +1,4 @@
-"""Fuzzing the built-in store server (issue 10, "Input and security").
+"""Fuzzing the built-in store server.
 
 A real server process — `python -m elasticrun store serve` with a token, logging at
 DEBUG — on loopback gets, through plain gRPC channels with identity serializers:

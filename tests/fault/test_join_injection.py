@@ -1,4 +1,4 @@
-"""`elasticrun join` executes only what its operator gave it (issue 29).
+"""`elasticrun join` executes only what its operator gave it.
 
 Whoever can write the store (any worker of any job holding the token, anyone at all on a
 loopback store without one) can put a job spec under an id. These tests do that on a

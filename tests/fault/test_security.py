@@ -1,4 +1,4 @@
-"""Job-level security and spec checks with real agents (issue 10, "Input and security").
+"""Job-level security and spec checks with real agents.
 
 One running job on a standalone, token-protected store (`elasticrun store serve
 --token-file`); then, against the same --rdzv-id:
@@ -325,7 +325,7 @@ async def victim_puts(endpoint: str, token: str, seconds: float) -> list[float]:
 
 
 def test_an_anonymous_headers_flood_stalls_no_one(job: Job, reliability) -> None:
-    """Issue 36: calls opened with no token and no message, as fast as the store takes
+    """Calls opened with no token and no message, as fast as the store takes
     them over 8 connections, while a 2-node job runs and a third node joins."""
     a, b = job.agent("a", nnodes="2:3"), job.agent("b", nnodes="2:3")
     for agent in (a, b):
@@ -381,7 +381,7 @@ while not stop.exists():
 
 
 def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Path, reliability) -> None:
-    """Issue 36: after `stop`, the job's worker keys are gone; the credential a worker
+    """After `stop`, the job's worker keys are gone; the credential a worker
     of that run held is refused once the job runs again under the same id."""
     writer = tmp_path / "writer.py"
     writer.write_text(KEY_WRITER)
@@ -452,7 +452,7 @@ def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Pat
 def test_a_store_restart_starts_a_new_run_of_worker_keys_and_credentials(
     job: Job, tmp_path: Path, reliability
 ) -> None:
-    """Issue 36: the store restarted empty under a running job; its agents form it
+    """The store restarted empty under a running job; its agents form it
     anew, a new run: the old run's worker credential is refused, and the worker keys
     are the new run's only."""
     writer = tmp_path / "writer.py"

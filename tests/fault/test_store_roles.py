@@ -6,7 +6,7 @@
   name roles the same way, and with a token as well the lesser role wins.
 - A worker credential fills at most its share of the keys, and workers together at most
   their part of the store: an agent still registers.
-- A reader running the range and watch abuse of issue 29 (large prefix reads in a loop,
+- A reader running the range and watch abuse (large prefix reads in a loop,
   as many prefix watches as it can open) from its own process stalls no one: a victim
   client's put p99 stays within 100 ms (the bound the issue asks for, asserted here) and
   its lease is never lost.
@@ -513,7 +513,7 @@ class LoopHolds:
 @pytest.mark.security
 @pytest.mark.timeout(180)
 async def test_a_workers_key_list_abuse_stalls_no_one(reliability: Reliability) -> None:
-    """Issue 36: c10d check, wait and multi_get with a 1 MiB list of one key (and with
+    """The c10d check, wait and multi_get with a 1 MiB list of one key (and with
     the longest list still taken), 16 in flight from another process: no call holds the
     store's loop over 20 ms, and a victim's put p99 stays within 50 ms."""
     server = StoreServer("127.0.0.1", 0, token=TOKEN)

@@ -1,4 +1,4 @@
-"""A slow node (issue 35): found by its workers' compute time per step, reported, and with
+"""A slow node: found by its workers' compute time per step, reported, and with
 --straggler=replace taken out for a spare.
 
 Real agents as nodes on 127.0.0.x, a real store, and a plain gloo training script
