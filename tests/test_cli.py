@@ -28,7 +28,7 @@ from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.discover import HostFacts, discover
 from elasticrun.launcher.parsing import parse_launch
 from elasticrun.launcher.rdzv_conf import RDZV_CONF, ConfKey, parse_rdzv_conf, torchrun_spelling
-from tests.agent_helpers import wait_until
+from tests.helpers import ELASTICRUN, free_port, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
@@ -122,12 +122,6 @@ def read_probes(out: Path) -> dict[int, dict[str, str]]:
         int(p.stem.removeprefix("rank")): json.loads(p.read_text())
         for p in sorted(out.glob("rank*.json"))
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gpu_count() -> int:
@@ -875,7 +869,7 @@ def test_a_progress_bar_redrawn_with_cr_is_live_on_a_terminal(tmp_path: Path) ->
     leader, follower = pty.openpty()
     go = tmp_path / "go"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "elasticrun", "--standalone", str(WORKERS / "cli_progress_bar.py"), str(go)],
+        [*ELASTICRUN, "--standalone", str(WORKERS / "cli_progress_bar.py"), str(go)],
         stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=clean_env(), start_new_session=True,
     )
     os.close(follower)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import http.server
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +25,8 @@ from elasticrun.errors import StoreUnavailableError
 from elasticrun.store.client.first_contact import first_contact
 from elasticrun.store.client.grpc_store import GrpcStore
 from tests.elastic_cluster import Cluster, start_store_server
-from tests.test_cli import clean_env, free_port, run_cli, start_cli
+from tests.helpers import free_port
+from tests.test_cli import clean_env, run_cli, start_cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -228,7 +228,7 @@ def test_an_agent_waits_for_a_store_that_starts_late_and_says_so(cluster: Cluste
     endpoint = f"127.0.0.1:{port}"
     (tmp_path / "stop").touch()
     argv = _agent_argv(endpoint, tmp_path / "stop", ",is_host=false,store_timeout=30")
-    agent = cluster.start("agent", [sys.executable, "-m", "elasticrun", *argv])
+    agent = cluster.launch("agent", *argv)
     agent.wait_for(
         rf"connecting to the store at {endpoint} \(connection refused: nothing listens on port {port} of "
         r"127\.0\.0\.1\); trying again until store_timeout \(30 s\)$"

@@ -20,8 +20,8 @@ import socket
 
 import pytest
 
-from tests.agent_helpers import free_port
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, pid_alive, run_id, wait_until
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, pid_alive, run_id
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -30,7 +30,8 @@ from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import Event, JobSpec, NodeInfo, QuarantineTable
 from elasticrun.store.server.memory import MemoryStore
-from tests.agent_helpers import eventually, make_spec, static_for, write_script
+from tests.agent_helpers import make_spec, static_for, write_script
+from tests.helpers import eventually
 from tests.test_gpu import FakeGpu, FakeNvml
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,7 +7,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -30,7 +29,7 @@ from elasticrun.errors import (
 )
 from elasticrun.launcher import store_cmd
 from elasticrun.launcher.metrics_http import MetricsAddress
-from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
+from elasticrun.store.api import MAX_LEASE_TTL, EventType
 from elasticrun.store.client.c10d import C10dClient
 from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.credentials import reader_credential, worker_credential
@@ -41,8 +40,8 @@ from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.server.store_server import StoreServer
 from elasticrun.store.settings import exposure_warning, parse_access
 from elasticrun.store.wire import TlsKeyPair
-from tests.agent_helpers import eventually
 from tests.certs import TestCa, write_pair
+from tests.helpers import eventually, free_port, next_events
 from tests.reliability_rows import Reliability
 
 EVENT_WAIT = 10.0
@@ -55,18 +54,6 @@ async def server() -> AsyncIterator[StoreServer]:
     await s.start()
     yield s
     await s.stop()
-
-
-async def next_events(it: AsyncIterator[WatchEvent], n: int) -> list[WatchEvent]:
-    async with asyncio.timeout(EVENT_WAIT):
-        return [await anext(it) for _ in range(n)]
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- many clients -------------------------------------------------------------------

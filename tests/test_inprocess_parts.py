@@ -24,7 +24,7 @@ from elasticrun.worker.elastic import MembershipChanged, State
 from elasticrun.worker.elastic import link as worker_link
 from elasticrun.worker.elastic.link import AgentGoneError, AgentLink, WorkerAssignment
 from elasticrun.worker.elastic.session import GroupSession, SupersededError, _shut_down, _socket_inodes
-from tests.agent_helpers import free_port, wait_until
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,8 +24,9 @@ import pytest
 
 from elasticrun.agent.cgroups import Cgroup
 from elasticrun.agent.sessions import MARK_VAR, Mark, Session, kill_sessions, process_start
-from tests.agent_helpers import REPO, kill_and_reap, read_lines_until, wait_pid_gone, wait_until, write_script
+from tests.agent_helpers import REPO, kill_and_reap, read_lines_until, wait_pid_gone, write_script
 from tests.elastic_cluster import pid_alive
+from tests.helpers import ELASTICRUN, wait_until
 from tests.reliability_rows import Reliability
 
 # The worker starts a grandchild, a shell pipeline (its shell and two members), a daemon
@@ -76,7 +76,7 @@ async def _agent_with_tree(
     script = write_script(tmp_path, "tree.py", tree)
     with (tmp_path / "agent.log").open("wb") as log:
         agent = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=1",
+            *ELASTICRUN, "--standalone", "--nproc-per-node=1",
             f"--log-dir={tmp_path / 'logs'}", str(script), mode,
             stdout=asyncio.subprocess.PIPE, stderr=log, env=dict(os.environ, PYTHONPATH=str(REPO)),
         )

@@ -27,7 +27,7 @@ from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.records import JOB_SPEC_VERSION, JobSpec, NodeInfo, QuarantineEntry, QuarantineTable
 from elasticrun.store.api import Store
 from elasticrun.store.server.memory import MemoryStore
-from tests.agent_helpers import eventually
+from tests.helpers import eventually
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,7 +15,6 @@ import asyncio
 import os
 import re
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,8 +27,8 @@ from elasticrun.rendezvous.leader import close_round
 from elasticrun.rendezvous.rounds import RoundHead
 from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.server.memory import MemoryStore
-from tests.agent_helpers import free_port, wait_until
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -134,21 +133,19 @@ KEPT, FRESH = "ended-kept", "ended-fresh"
 
 
 def serve(cluster: Cluster, name: str, port: int, state: Path) -> Proc:
-    store = cluster.start(name, [
-        sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", str(port),
+    store = cluster.launch(name, "store", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--state-dir", str(state),
-    ])
+    )
     store.wait_for(r"serving on")
     return store
 
 
 def start_once(cluster: Cluster, name: str, endpoint: str, job: str, closed_ttl: str, script: Path) -> Proc:
     """One agent of a one-node job that counts its runs in runs-<job>."""
-    return cluster.start(name, [
-        sys.executable, "-m", "elasticrun", "--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+    return cluster.launch(name, "--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={job}", f"--rdzv-conf={RDZV_CONF},is_host=false,closed_ttl={closed_ttl}",
         "--local-addr=127.0.0.1", str(script), str(cluster.tmp / f"runs-{job}"),
-    ])
+    )
 
 
 def succeeded(*procs: Proc) -> None:

@@ -33,7 +33,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +51,7 @@ from elasticrun.store.api import Store
 from elasticrun.store.client import dial as channel
 from elasticrun.store.client import grpc_store
 from elasticrun.store.etcd import backend as etcd_store
-from tests.agent_helpers import wait_until
+from tests.helpers import ELASTICRUN, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -525,7 +524,7 @@ def run_real(argv: Sequence[str | bytes], cwd: Path, timeout: float = 40.0) -> s
     # stores that do not answer and jobs that do not form are given up quickly
     env["PET_RDZV_CONF"] = "store_timeout=1,join_timeout=5,last_call_timeout=0.1"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "elasticrun", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [*ELASTICRUN, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True,
     )
     try:
@@ -590,7 +589,7 @@ def test_store_serve_refuses_a_host_it_cannot_bind(in_process: None, host: str) 
 
 def test_store_serve_runs_until_sigterm_and_leaves_nothing(in_process: None) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", "0"],
+        [*ELASTICRUN, "store", "serve", "--host", "127.0.0.1", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     try:

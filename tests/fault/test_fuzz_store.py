@@ -48,7 +48,7 @@ from elasticrun.store.client.c10d import C10dClient
 from elasticrun.store.client.dial import grpc_target
 from elasticrun.store.server.limits import MAX_MULTI_SET_KEYS
 from elasticrun.store.server.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
-from tests.elastic_cluster import wait_until
+from tests.helpers import ELASTICRUN, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -135,7 +135,7 @@ def start_server(tmp: Path, *, limits: dict[str, int] | None = None, max_calls: 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
     env.update(LOGLEVEL="DEBUG", ELASTICRUN_STORE_TOKEN="")
     if limits is None:
-        argv = [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", "0",
+        argv = [*ELASTICRUN, "store", "serve", "--host", "127.0.0.1", "--port", "0",
                 "--token-file", str(token_file)]
     else:
         argv = [sys.executable, "-c", RUNNER, json.dumps(limits), token, str(max_calls)]

@@ -42,9 +42,9 @@ from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.credentials import worker_prefix
 from elasticrun.store.server.limits import MAX_STREAMS_PER_CONNECTION
 from elasticrun.store.settings import parse_access
-from tests.agent_helpers import free_port
 from tests.certs import TestCa, write_pair
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
+from tests.helpers import ELASTICRUN, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,10 +83,10 @@ class Job:
 
     def serve(self, name: str = "store") -> Proc:
         """`elasticrun store serve` on the job's port, once it serves."""
-        store = self.cluster.start(
+        store = self.cluster.launch(
             name,
-            [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), "--token-file", str(self.token_file)],
+            "store", "serve", "--host", "127.0.0.1",
+             "--port", str(self.port), "--token-file", str(self.token_file),
         )
         store.wait_for(r"serving on")
         return store
@@ -96,7 +96,7 @@ class Job:
         token_file = self.token_file if token_file == "default" else token_file
         conf = f"{RDZV_CONF},is_host=false{conf}" + (f",token_file={token_file}" if token_file else "")
         argv = [
-            sys.executable, "-m", "elasticrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            *ELASTICRUN, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", f"--max-restarts={max_restarts}",
             "--shutdown-timeout=5", f"--log-dir={self.tmp / 'logs'}",
@@ -259,16 +259,15 @@ def test_mutual_tls_on_the_store_an_agent_hosts(cluster: Cluster, tmp_path: Path
     script.write_text(TICKER)
 
     def agent(name: str, conf: str) -> Proc:
-        return cluster.start(name, [
-            sys.executable, "-m", "elasticrun", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        return cluster.launch(name, "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--rdzv-conf={RDZV_CONF},{conf}",
             "--local-addr=127.0.0.1", "--shutdown-timeout=5", f"--log-dir={tmp_path / 'logs'}",
             str(script), str(stop_file),
-        ])
+        )
 
     def status(conf: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "elasticrun", "status", "--json", "--rdzv-backend=c10d",
+            [*ELASTICRUN, "status", "--json", "--rdzv-backend=c10d",
              f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--rdzv-conf={conf}"],
             capture_output=True, text=True, timeout=60, env=cluster._env,
         )
@@ -401,7 +400,7 @@ def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Pat
     assert len(asyncio.run(worker_keys())) == 5
     leaked = next((tmp_path / "logs").glob("*/store_token")).read_text().strip()  # a worker's, copied out
     stop = subprocess.run(
-        [sys.executable, "-m", "elasticrun", "stop", "--rdzv-id", job.run_id, "--rdzv-backend=c10d",
+        [*ELASTICRUN, "stop", "--rdzv-id", job.run_id, "--rdzv-backend=c10d",
          f"--rdzv-endpoint={job.endpoint}", f"--rdzv-conf=token_file={job.token_file}"],
         capture_output=True, text=True, timeout=60, env=job.cluster._env,
     )

@@ -42,6 +42,7 @@ from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.server.store_server import StoreServer
 from tests.certs import TestCa
 from tests.etcd_support import AUTH_PASSWORD, AUTH_USER, EtcdCluster
+from tests.helpers import ELASTICRUN
 from tests.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(120)
@@ -204,7 +205,7 @@ async def test_a_reader_reads_and_never_writes(server: StoreServer, reliability:
 
 def elasticrun(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "elasticrun", *argv], capture_output=True, text=True, timeout=60, cwd=cwd,
+        [*ELASTICRUN, *argv], capture_output=True, text=True, timeout=60, cwd=cwd,
         env={k: v for k, v in os.environ.items() if k != "ELASTICRUN_STORE_TOKEN"},
     )
 
@@ -357,7 +358,7 @@ async def stopped(proc: asyncio.subprocess.Process) -> str:
 @pytest.mark.timeout(180)
 async def test_a_readers_range_and_watch_abuse_stalls_no_one(tmp_path: Path, reliability: Reliability) -> None:
     (tmp_path / "token").write_text(TOKEN)
-    server = await start(sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", "0",
+    server = await start(*ELASTICRUN, "store", "serve", "--host", "127.0.0.1", "--port", "0",
                          "--token-file", str(tmp_path / "token"))
     abuser = None
     try:
