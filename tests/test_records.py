@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from elasticrun.errors import RendezvousError
-from elasticrun.rendezvous.codec import FORMAT_VERSION, Record, decode, encode
+from elasticrun.rendezvous.codec import FORMAT_VERSION, decode, encode
 from elasticrun.rendezvous.job_records import JobRecords
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import (
@@ -27,6 +27,7 @@ from elasticrun.rendezvous.records import (
     Ping,
     QuarantineEntry,
     QuarantineTable,
+    Record,
     RestartRequest,
 )
 from elasticrun.rendezvous.rounds import Participant, Round, RoundHead, shard_of, split_round

@@ -18,37 +18,10 @@ from dataclasses import asdict
 from typing import Any, TypeVar
 
 from elasticrun.errors import RendezvousError, SpecMismatchError
-from elasticrun.rendezvous.records import (
-    JOB_SPEC_VERSION,
-    Departure,
-    DrainRequest,
-    Event,
-    JobLaunch,
-    JobSpec,
-    LeaderState,
-    LogWindow,
-    Master,
-    NodeInfo,
-    NodeStacks,
-    NodeStatus,
-    Ping,
-    QuarantineEntry,
-    QuarantineTable,
-    RestartRequest,
-    StacksRequest,
-    StepReport,
-    StragglerReport,
-)
-from elasticrun.rendezvous.rounds import RankShard, Round, RoundHead
+from elasticrun.rendezvous.records import JOB_SPEC_VERSION, JobSpec, Record
 
 FORMAT_VERSION = 1
 
-#: every record kept in the store
-Record = (
-    NodeInfo | Round | RoundHead | RankShard | RestartRequest | Ping | Master | LeaderState | JobSpec | JobLaunch
-    | DrainRequest | Departure | QuarantineTable | QuarantineEntry | NodeStatus | LogWindow | Event
-    | NodeStacks | StacksRequest | StepReport | StragglerReport
-)
 R = TypeVar("R", bound=Record)
 
 

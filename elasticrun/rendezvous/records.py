@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
+from elasticrun.rendezvous.rounds import RankShard, Round, RoundHead
+
 #: the job spec's own version, bumped whenever what a spec holds changes: a node whose
 #: spec has another version is refused as a mismatch, never compared field by field
 JOB_SPEC_VERSION = 3
@@ -417,3 +419,11 @@ class StacksRequest:
     #: the job-wide summary (stack_summary.summarise), once done
     summary: tuple[str, ...] = ()
     done: bool = False
+
+
+#: every record kept in the store
+Record = (
+    NodeInfo | Round | RoundHead | RankShard | RestartRequest | Ping | Master | LeaderState | JobSpec | JobLaunch
+    | DrainRequest | Departure | QuarantineTable | QuarantineEntry | NodeStatus | LogWindow | Event
+    | NodeStacks | StacksRequest | StepReport | StragglerReport
+)
