@@ -31,13 +31,13 @@ def agent(
     cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str = "1:3", *worker_args: str,
     shutdown_timeout: float = 5, env: dict[str, str] | None = None,
 ) -> Proc:
-    argv = [
-        *ELASTICRUN, f"--nnodes={nnodes}", "--nproc-per-node=1",
+    return cluster.launch(
+        name, f"--nnodes={nnodes}", "--nproc-per-node=1",
         f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
         f"--rdzv-conf={rdzv.conf}", f"--local-addr=127.0.0.{addr}", f"--shutdown-timeout={shutdown_timeout:g}",
         f"--log-dir={cluster.tmp / 'logs'}", str(TICKER), "--stop-file", str(cluster.stop_file), *worker_args,
-    ]
-    return cluster.start(name, argv, env)
+        env=env,
+    )
 
 
 def ctl(

@@ -27,13 +27,12 @@ EXIT_WITHIN = 30.0
 
 
 def agent(cluster: Cluster, name: str, addr: int, endpoint: str, job: str, nnodes: str, script: Path) -> Proc:
-    argv = [
-        *ELASTICRUN, f"--nnodes={nnodes}", "--nproc-per-node=1",
+    return cluster.launch(
+        name, f"--nnodes={nnodes}", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", f"--rdzv-conf={CONF}",
         f"--local-addr=127.0.0.{addr}", "--max-restarts=0", "--shutdown-timeout=5",
         f"--log-dir={cluster.tmp / 'logs'}", str(script), "--stop-file", str(cluster.stop_file),
-    ]
-    return cluster.start(name, argv)
+    )
 
 
 def failing_script(cluster: Cluster, rank: int) -> Path:

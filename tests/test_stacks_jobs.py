@@ -190,11 +190,12 @@ def test_a_worker_without_the_boot_is_reported_and_not_killed(
         "    time.sleep(0.1)\n"
     )
     job = run_id()
-    argv = [*ELASTICRUN, "--nnodes=1", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={job}", f"--rdzv-conf={RDZV_CONF},is_host=false",
-            "--local-addr=127.0.0.1", f"--log-dir={tmp_path / 'logs'}", "--no-python", sys.executable, "-I",
-            str(script)]
-    agent = cluster.start("agent", argv, {"STOP_FILE": str(cluster.stop_file)})
+    agent = cluster.launch(
+        "agent", "--nnodes=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={job}", f"--rdzv-conf={RDZV_CONF},is_host=false",
+        "--local-addr=127.0.0.1", f"--log-dir={tmp_path / 'logs'}", "--no-python", sys.executable, "-I",
+        str(script), env={"STOP_FILE": str(cluster.stop_file)},
+    )
     first = agent.wait_for(r"step=2 pid=(\d+)")
     out = control(cluster, "stacks", f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={job}")
     assert out.returncode == 0, out.stderr

@@ -95,14 +95,13 @@ class Job:
               max_restarts: int = 0, token_file: Path | None | str = "default", conf: str = "") -> Proc:
         token_file = self.token_file if token_file == "default" else token_file
         conf = f"{RDZV_CONF},is_host=false{conf}" + (f",token_file={token_file}" if token_file else "")
-        argv = [
-            *ELASTICRUN, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+        return self.cluster.launch(
+            name, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", f"--max-restarts={max_restarts}",
             "--shutdown-timeout=5", f"--log-dir={self.tmp / 'logs'}",
             str(script or self.script), str(self.stop_file),
-        ]
-        return self.cluster.start(name, argv)
+        )
 
     def view(self) -> JobView:
         async def read() -> JobView:
