@@ -4,14 +4,14 @@
     python bench/bench_abuse.py --before-ref HEAD~5 --seconds 10 --json out.json
     python bench/bench_abuse.py --only headers keylists
 
-The abuses are issue 29's, done by tests/workers/store_abuser.py from a process of its own
+The abuses are an abusive reader's, done by tests/workers/store_abuser.py from a process of its own
 (8 connections):
 
 - range: 4 loops reading 64 values of 1 MiB whole, again and again;
 - watch: 2,000 prefix watches of everything, woken by each of the victim's writes;
 - both at once;
 
-and issue 36's:
+and an unauthenticated or abusive worker's:
 
 - headers: tests/workers/headers_flood.py, 8 TCP connections of raw HTTP/2 HEADERS
   frames opening calls with no token and no message, as fast as the store takes them,
@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from common import loadavg, machine, write_json  # noqa: E402
 
-from elasticrun.store.client import GrpcStore  # noqa: E402
+from elasticrun.store.client.grpc_store import GrpcStore
 
 WORKERS = REPO / "tests" / "workers"
 TOKEN = "bench-abuse-token"

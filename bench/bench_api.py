@@ -1,5 +1,5 @@
 """The Python API with a function entrypoint: `elasticrun.launch(fn)` against torch's
-`elastic_launch(LaunchConfig(...), fn)()`, side by side, in one run (issue 19).
+`elastic_launch(LaunchConfig(...), fn)()`, side by side, in one run.
 
     python bench/bench_api.py                  # N=5 per launcher, ~1 minute
     python bench/bench_api.py --reps 3 --json /tmp/api.json

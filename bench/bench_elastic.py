@@ -1,4 +1,4 @@
-"""Elastic behaviour: elasticrun against torchrun, side by side, in one run (issue 4).
+"""Elastic behaviour: elasticrun against torchrun, side by side, in one run.
 
     python bench/bench_elastic.py --cap 90               # 3 repetitions, ~21 minutes on 2 cores
     python bench/bench_elastic.py --reps 1 --only rdzv  # a quick look
@@ -293,7 +293,7 @@ def run_kill(job: Job, cap: float) -> dict[str, object]:
 
 
 def run_spare(job: Job, cap: float) -> dict[str, object]:
-    """--nnodes=3 with a fourth agent waiting (issue 22): SIGKILL of a participant ->
+    """--nnodes=3 with a fourth agent waiting: SIGKILL of a participant ->
     the first step at world 3 again, the waiting agent in the dead one's place."""
     result: dict[str, object] = {}
     if not _form_three(job, result, cap):

@@ -1,4 +1,4 @@
-"""The etcd backend: elasticrun against c10d and against torchrun's etcd backends (issue 5).
+"""The etcd backend: elasticrun against c10d and against torchrun's etcd backends.
 
     python bench/bench_etcd.py                      # a, b, c; 2 repetitions
     python bench/bench_etcd.py --only agents torch  # without the 1,000-node simulation

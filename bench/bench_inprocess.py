@@ -1,4 +1,4 @@
-"""In-process elasticity against restart mode and torchrun, side by side, in one run (issue 8).
+"""In-process elasticity against restart mode and torchrun, side by side, in one run.
 
     python bench/bench_inprocess.py                 # 3 repetitions, ~15 minutes on 2 cores
     python bench/bench_inprocess.py --reps 1        # a quick look

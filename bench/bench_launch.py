@@ -1,4 +1,4 @@
-"""Launcher overhead: elasticrun against torchrun, side by side, in one run (issue 2).
+"""Launcher overhead: elasticrun against torchrun, side by side, in one run.
 
     python bench/bench_launch.py                 # N=5 per launcher and job, ~1-2 minutes
     python bench/bench_launch.py --reps 3 --json /tmp/launch.json

@@ -77,8 +77,8 @@ CAP_S = 60.0  # --cap
 def role_serve(profile: str) -> None:
     """A StoreServer over a MemoryStore that counts what the requests do, collecting
     garbage as `elasticrun store serve` does (unless --default-gc)."""
-    from elasticrun.store.memory import MemoryStore
-    from elasticrun.store.server import StoreServer
+    from elasticrun.store.server.memory import MemoryStore
+    from elasticrun.store.server.store_server import StoreServer
 
     counts: collections.Counter[str] = collections.Counter()
 
@@ -147,7 +147,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
 
     from elasticrun.rendezvous.decide import RendezvousSettings
     from elasticrun.rendezvous.elastic import ElasticRendezvous
-    from elasticrun.rendezvous.state import JobSpec, NodeInfo
+    from elasticrun.rendezvous.records import JobSpec, NodeInfo
 
     os.nice(5)  # the store first: in a cluster each node has its own host
     lost = collections.Counter()
@@ -177,11 +177,11 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
 
     def make_store():  # type: ignore[no-untyped-def]
         if backend == "grpc":
-            from elasticrun.store.client import GrpcStore
+            from elasticrun.store.client.grpc_store import GrpcStore
 
             store = GrpcStore(endpoint, timeout=cap)
         else:
-            from elasticrun.store.etcd import EtcdStore
+            from elasticrun.store.etcd.backend import EtcdStore
 
             store = EtcdStore([endpoint], timeout=cap)
         renew = store.keep_alive

@@ -1,4 +1,4 @@
-"""Stacks (issue 35): time from a hang to its summary, and what a capture costs.
+"""Stacks: time from a hang to its summary, and what a capture costs.
 
     python bench/bench_stacks.py                        # all scenarios, 3 repetitions
     python bench/bench_stacks.py --only hang --nodes 2 --reps 1

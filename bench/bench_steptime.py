@@ -1,4 +1,4 @@
-"""Step timing (issue 35): what it costs a step, and how many steps a straggler takes to name.
+"""Step timing: what it costs a step, and how many steps a straggler takes to name.
 
     python bench/bench_steptime.py overhead     # ~1 minute: the cost on a 50 ms step
     python bench/bench_steptime.py detect       # ~6 minutes: real agents, a 1.5x and a 3x node
@@ -30,7 +30,6 @@ import os
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -134,8 +133,10 @@ def overhead(rounds: int, steps: int) -> None:
 def leader_cost(nodes: int) -> None:
     """What one evaluation costs the leader at `nodes` nodes: decoding their reports (one
     read of c/steps/) and judging them."""
+    from elasticrun.rendezvous.codec import decode, encode
     from elasticrun.rendezvous.decide import RendezvousSettings
-    from elasticrun.rendezvous.state import Participant, Round, StepReport, decode, encode
+    from elasticrun.rendezvous.records import StepReport
+    from elasticrun.rendezvous.rounds import Participant, Round
     from elasticrun.rendezvous.stragglers import Judgement, judge
 
     names = [f"host{i:05d}_1234" for i in range(nodes)]

@@ -61,10 +61,10 @@ def _log_watch_sends(path: str) -> None:
     import atexit
     import inspect
 
-    from elasticrun.store import server as server_module
+    from elasticrun.store.server.kv_service import StoreService
 
     sent: list[tuple[int, int]] = []
-    original = server_module._StoreService.Watch
+    original = StoreService.Watch
 
     if inspect.isasyncgenfunction(original):  # replies yielded (older servers)
 
@@ -96,12 +96,12 @@ def _log_watch_sends(path: str) -> None:
         async def watch(self, request, context):  # type: ignore[no-untyped-def]
             await original(self, request, Context(context))
 
-    server_module._StoreService.Watch = watch  # type: ignore[method-assign]
+    StoreService.Watch = watch  # type: ignore[method-assign]
     atexit.register(lambda: Path(path).write_text(json.dumps(sent)))
 
 
 def role_serve_ours(profile: str | None) -> None:
-    from elasticrun.store.server import StoreServer
+    from elasticrun.store.server.store_server import StoreServer
 
     settle_gc()
     if os.environ.get("BENCH_SEND_LOG"):
@@ -129,7 +129,7 @@ def role_serve_tcp() -> None:
 
 def _client(kind: str, port: int):  # type: ignore[no-untyped-def]
     if kind == "ours":
-        from elasticrun.store.c10d_client import C10dClient
+        from elasticrun.store.client.c10d import C10dClient
 
         return C10dClient(f"{HOST}:{port}")
     from torch.distributed import TCPStore
@@ -165,7 +165,7 @@ def role_ops(kind: str, port: int, op: str, seconds: float, ident: int) -> None:
 
 def role_hold(port: int, clients: int, start: int) -> None:
     """`clients` async clients, each a lease kept alive at 1 Hz and a watch on `round`."""
-    from elasticrun.store.client import GrpcStore
+    from elasticrun.store.client.grpc_store import GrpcStore
 
     os.nice(10)  # the server and the probe first: in a cluster each client has its own host
     settle_gc()  # each client stands for an agent
@@ -267,7 +267,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def watch_latency_ours(port: int, samples: int) -> list[float]:
-    from elasticrun.store.client import GrpcStore
+    from elasticrun.store.client.grpc_store import GrpcStore
 
     async def run() -> list[float]:
         writer, watcher = GrpcStore(f"{HOST}:{port}"), GrpcStore(f"{HOST}:{port}")
@@ -326,7 +326,7 @@ def scale(
     """The 1,000-client part. With `split` > 1, that many independent servers, the
     client processes spread over them and every change written to all at once: what a
     store whose fan-out were spread perfectly over `split` processes could do at best."""
-    from elasticrun.store.client import GrpcStore
+    from elasticrun.store.client.grpc_store import GrpcStore
 
     send_logs = [Path(f"/tmp/bench_store_sends.{os.getpid()}.{k}.json") for k in range(split)]
     servers = [start_server("ours", profile, str(log)) for log in send_logs]

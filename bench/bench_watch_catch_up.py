@@ -1,4 +1,4 @@
-"""How long a watch that catches up through a long history holds the store's loop (issue 17).
+"""How long a watch that catches up through a long history holds the store's loop.
 
     python bench/bench_watch_catch_up.py                  # 300,000 writes, ~10 s
     python bench/bench_watch_catch_up.py --writes 100000 --json /tmp/catch_up.json
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from common import add_default_gc_flag, apply_default_gc_flag, settle_gc, write_json  # noqa: E402
 
-from elasticrun.store.memory import MemoryStore  # noqa: E402
+from elasticrun.store.server.memory import MemoryStore
 
 QUIET_KEYS = 10
 

@@ -1,4 +1,4 @@
-"""Starting and stopping one node's worker group of 8 (issue 29: what finding every
+"""Starting and stopping one node's worker group of 8 (what finding every
 descendant costs), this tree against another source tree of elasticrun, interleaved.
 
     python bench/bench_worker_group.py                                   # this tree, ~1 minute

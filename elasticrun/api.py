@@ -34,7 +34,8 @@ from typing import Any
 from elasticrun.agent.agent import AgentResult
 from elasticrun.agent.failures import FailureReport
 from elasticrun.errors import ElasticrunError, UsageError
-from elasticrun.launcher.config import LaunchConfig, build_config
+from elasticrun.launcher.assemble import build_config
+from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.flags import launch_parser
 from elasticrun.worker.call import PAYLOAD_ENV, RESULTS_ENV
 
@@ -50,8 +51,10 @@ _CALL_MODULE = "elasticrun.worker.call"
 
 
 class LaunchFailed(ElasticrunError):
-    """This node's part of the job did not finish: `exit_code` is what the CLI would
-    have exited with (docs/cli.md#exit-codes), `message` why."""
+    """This node's part of the job did not finish.
+
+    `exit_code` is what the CLI would have exited with (docs/cli.md#exit-codes),
+    `message` why."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
@@ -60,8 +63,10 @@ class LaunchFailed(ElasticrunError):
 
 
 class WorkersFailed(LaunchFailed):
-    """The workers failed beyond `max_restarts`; `report` names the root cause (the
-    first failure: its rank, exit and traceback) and the others."""
+    """The workers failed beyond `max_restarts`.
+
+    `report` names the root cause (the first failure: its rank, exit and traceback) and
+    the others."""
 
     def __init__(self, message: str, exit_code: int, report: FailureReport | None) -> None:
         super().__init__(f"{message}\n{report.text}" if report is not None else message, exit_code)
@@ -170,8 +175,10 @@ def _argv(entrypoint: str, args: tuple[str, ...], flags: Mapping[str, Any]) -> l
 
 
 def _run(config: LaunchConfig) -> AgentResult:
-    """The node's run, on this thread when it may handle signals, else on its own thread
-    without them (a notebook's running event loop, a caller's thread)."""
+    """The node's run, on this thread when it may handle signals, else on a thread of its own.
+
+    On its own thread it handles none: a notebook's running event loop, a caller's
+    thread."""
     from elasticrun.launcher.launch import run_node
 
     try:

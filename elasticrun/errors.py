@@ -61,8 +61,7 @@ class StoreUnavailableError(StoreError):
 
 
 class StoreGoneError(StoreUnavailableError):
-    """The store an agent hosted refuses connections: that agent is gone, and the
-    store's records with it.
+    """The store an agent hosted refuses connections: that agent is gone, and the store's records with it.
 
     Retrying the call until its deadline cannot bring them back, so the call fails at
     once; the rendezvous then waits `store_host_grace` for a new store at the endpoint.
@@ -76,13 +75,16 @@ class StoreAuthError(StoreError):
 
 
 class StorePermissionError(StoreAuthError):
-    """The store took our credential, but its role may not do this: a reader writing, a
-    worker reading a job's records (the built-in store's roles, etcd's key permissions)."""
+    """The store took our credential, but its role may not do this.
+
+    A reader writing, a worker reading a job's records (the built-in store's roles,
+    etcd's key permissions)."""
 
 
 class StoreSettingError(StoreError):
-    """A store setting that cannot work: an unreadable file, a malformed endpoint,
-    credentials that do not go together.
+    """A store setting that cannot work.
+
+    An unreadable file, a malformed endpoint, credentials that do not go together.
 
     `settings` name the setting, or those that do not go together, as the store knows
     them (`token_file`, `ca_cert`, `endpoint`); the command that took them from the user
@@ -98,16 +100,18 @@ class StoreSettingError(StoreError):
 
 
 class StoreAddressError(StoreError):
-    """The store server cannot listen where it was asked: the port is taken, or the
-    address is not one of this host's."""
+    """The store server cannot listen where it was asked.
+
+    The port is taken, or the address is not one of this host's."""
 
     exit_code = EXIT_USAGE
 
 
 class NotAStoreError(StoreError):
-    """Something answers at the endpoint, but not as the store the backend expects: an
-    etcd server at a c10d endpoint, another gRPC service, a program that does not speak
-    gRPC at all. Retrying cannot help: the endpoint (or the backend) is wrong.
+    """Something answers at the endpoint, but not as the store the backend expects.
+
+    An etcd server at a c10d endpoint, another gRPC service, a program that does not
+    speak gRPC at all. Retrying cannot help: the endpoint (or the backend) is wrong.
 
     `what` says what answers there, in a few words ("an etcd server").
     """
@@ -121,8 +125,9 @@ class NotAStoreError(StoreError):
 
 
 class StoreRequestError(StoreError):
-    """The store refused a request as malformed (a TTL that is no duration, adding to a
-    value that is no integer): retrying it cannot help."""
+    """The store refused a request as malformed: retrying it cannot help.
+
+    A TTL that is no duration, say, or adding to a value that is no integer."""
 
     exit_code = EXIT_TRAINING_FAILED
 
@@ -203,8 +208,10 @@ class SpecMismatchError(RendezvousError):
 
 
 class StateTransferError(ElasticrunError):
-    """In-process mode: a state's structure cannot be sent (a value of a type the format
-    does not carry), or what a peer sent is not one (malformed, too big, or a pickle)."""
+    """In-process mode: a state's structure cannot be sent, or what a peer sent is not one.
+
+    A value of a type the format does not carry cannot be sent; what came may be
+    malformed, too big, or a pickle."""
 
 
 class WorkerStartError(ElasticrunError):

@@ -1,6 +1,8 @@
-"""Waiting on several things at once, the first to finish deciding: shared by the agent
-(a round, a signal, a drain, a watch) and the job-control commands, so that every such
-wait cancels and awaits the rest the same way (no task left running unobserved)."""
+"""Waiting on several things at once, the first to finish deciding.
+
+Shared by the agent (a round, a signal, a drain, a watch) and the job-control commands,
+so that every such wait cancels and awaits the rest the same way (no task left running
+unobserved)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ T = TypeVar("T")
 
 
 async def first_of(*awaitables: Awaitable[T]) -> T:
-    """The result of whichever awaitable finishes first (or its exception); the others
-    are cancelled and awaited.
+    """The result of whichever awaitable finishes first (or its exception).
+
+    The others are cancelled and awaited.
 
     When several finish together, the earliest in argument order wins.
     """

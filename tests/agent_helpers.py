@@ -6,11 +6,8 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 import textwrap
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,32 +17,6 @@ from elasticrun.rendezvous.static import StaticRendezvous
 REPO = Path(__file__).resolve().parent.parent
 
 T = TypeVar("T")
-
-
-def wait_until(predicate: Callable[[], T], timeout: float = 60.0, what: str = "a condition", interval: float = 0.05) -> T:
-    """Poll `predicate` until it returns something truthy (returned) or fail after `timeout`.
-
-    For conditions with no event to wait on (a file appears, a process is gone); the
-    one polling loop of the tests.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
-
-
-async def eventually(predicate: Callable[[], object], timeout: float, interval: float = 0.01) -> None:
-    """`wait_until` inside an event loop: the loop keeps running while it waits.
-
-    Raises TimeoutError after `timeout`.
-    """
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(interval)
 
 
 def write_script(tmp_path: Path, name: str, code: str) -> Path:
@@ -73,12 +44,6 @@ def static_for(spec: WorkerSpec, *, node_rank: int = 0, nnodes: int = 1,
         master_addr="127.0.0.1",
         master_port=master_port,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # An agent in its own process, configured by one JSON argument, exiting with the agent's

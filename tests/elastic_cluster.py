@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent_helpers import free_port, wait_until
+from tests.helpers import ELASTICRUN, free_port, wait_until
 
 WORKER = Path(__file__).resolve().parent / "workers" / "train_worker.py"
 TAG_VAR = "ELASTICRUN_TEST_TAG"
@@ -143,7 +142,7 @@ def start_store_server(port: int, log: Path) -> Proc:
     env = {k: v for k, v in os.environ.items() if k != TAG_VAR}
     proc = Proc(
         "store",
-        [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        [*ELASTICRUN, "store", "serve", "--host", "127.0.0.1", "--port", str(port)],
         log,
         env,
     )
@@ -180,6 +179,24 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
+    def launch(
+        self, name: str, *flags: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+    ) -> Proc:
+        """`python -m elasticrun <flags>` as one of the test's processes: an agent, `join`,
+        `store serve`; `prefix` runs it under e.g. `ip netns exec NS` (which execs, so the
+        PID is the launcher's). The one way the tests start the launcher."""
+        return self.start(name, [*prefix, *ELASTICRUN, *flags], env)
+
+    def control(
+        self, *argv: str, timeout: float = WAIT, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `python -m elasticrun <argv>` (status, drain, stop, ...) to its end, in the
+        cluster's environment (`env` added)."""
+        return subprocess.run(
+            [*ELASTICRUN, *argv], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
+            env={**self._env, **(env or {})},
+        )
+
     def agent(
         self,
         name: str,
@@ -197,16 +214,16 @@ class Cluster:
         env: dict[str, str] | None = None,
     ) -> Proc:
         """An agent running `worker` (with --stop-file); `env` adds to the cluster's environment."""
-        argv = [
-            sys.executable, "-m", "elasticrun",
+        return self.launch(
+            name,
             f"--nnodes={nnodes}", "--nproc-per-node=1",
             f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
             f"--rdzv-conf={conf}", f"--local-addr={local_addr}",
             f"--max-restarts={max_restarts}", "--shutdown-timeout=5",
             f"--log-dir={self.tmp / 'logs'}", *extra,
             str(worker), "--stop-file", str(self.stop_file), *worker_args,
-        ]
-        return self.start(name, argv, env)
+            env=env,
+        )
 
     def stop_training(self) -> None:
         self.stop_file.touch()

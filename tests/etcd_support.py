@@ -31,7 +31,7 @@ import grpc
 import pytest
 from pyetcd import etcdrpc
 
-from tests.agent_helpers import wait_until
+from tests.helpers import wait_until
 
 ETCD_BINARY = shutil.which("etcd")
 #: Raft timings for members on one loopback interface (etcd's defaults: 100 and 1000).

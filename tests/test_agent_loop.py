@@ -15,7 +15,6 @@ from elasticrun.agent.agent import Action, Agent, AgentResult, Outcome, decide
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.errors import EXIT_INFRASTRUCTURE, RendezvousClosedError, WorkerStartError
 from tests.agent_helpers import (
-    free_port,
     kill_and_reap,
     make_spec,
     read_lines_until,
@@ -24,6 +23,7 @@ from tests.agent_helpers import (
     wait_pid_gone,
     write_script,
 )
+from tests.helpers import free_port
 
 
 @pytest.mark.parametrize(

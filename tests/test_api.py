@@ -11,7 +11,8 @@ import pytest
 import elasticrun
 from elasticrun.errors import EXIT_TRAINING_FAILED, UsageError
 from tests import api_targets
-from tests.test_cli import SPEAK, clean_env, free_port
+from tests.helpers import free_port
+from tests.test_cli import SPEAK, clean_env
 
 pytestmark = pytest.mark.timeout(90)
 

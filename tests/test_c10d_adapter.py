@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from elasticrun.errors import StoreAuthError, StoreSettingError, StoreTimeoutError
 from elasticrun.store.credentials import worker_credential
-from elasticrun.store.server import StoreServer
+from elasticrun.store.server.store_server import StoreServer
 from elasticrun.worker.c10d_store import C10dStore
 from tests.certs import TestCa
 
@@ -153,7 +153,7 @@ async def test_a_worker_reaches_a_store_that_requires_client_certificates() -> N
 
 @pytest.mark.security
 def test_a_credential_sent_in_plaintext_to_another_host_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 36: the agents warn when their token would cross the network in plaintext;
+    """The agents warn when their token would cross the network in plaintext;
     a worker's C10dStore did not. (No call is made: the stores are built and closed.)"""
     remote = C10dStore("192.0.2.1:29400", token="a-credential")  # TEST-NET-1: never reached here
     remote.close()

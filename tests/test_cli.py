@@ -22,18 +22,13 @@ import pytest
 
 from elasticrun.agent.spec import Std
 from elasticrun.errors import UsageError
+from elasticrun.launcher.assemble import assemble, build_config
 from elasticrun.launcher.cli import launch_parser
-from elasticrun.launcher.config import (
-    HostFacts,
-    LaunchConfig,
-    assemble,
-    build_config,
-    discover,
-    parse_launch,
-    parse_rdzv_conf,
-    torchrun_spelling,
-)
-from tests.agent_helpers import wait_until
+from elasticrun.launcher.config import LaunchConfig
+from elasticrun.launcher.discover import HostFacts, discover
+from elasticrun.launcher.parsing import parse_launch
+from elasticrun.launcher.rdzv_conf import RDZV_CONF, ConfKey, parse_rdzv_conf, torchrun_spelling
+from tests.helpers import ELASTICRUN, free_port, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
@@ -127,12 +122,6 @@ def read_probes(out: Path) -> dict[int, dict[str, str]]:
         int(p.stem.removeprefix("rank")): json.loads(p.read_text())
         for p in sorted(out.glob("rank*.json"))
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gpu_count() -> int:
@@ -353,7 +342,7 @@ def test_repeated_rdzv_conf_flags_merge_and_a_key_is_given_once() -> None:
 
 
 def test_a_rdzv_conf_key_and_its_torchrun_name_take_torchruns_choice(caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 36: PyTorch's own launcher tests write a key and its torchrun alias with one
+    """PyTorch's own launcher tests write a key and its torchrun alias with one
     value; with two, torchrun's backend reads one of them, and so does elasticrun."""
     issue = config("--standalone", "--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'", str(SPEAK))
     assert issue.rdzv.conf == {"join_timeout": "5", "last_call_timeout": "1"} and not caplog.records
@@ -410,6 +399,22 @@ def test_the_straggler_check_is_on_by_default_its_keys_are_shared_and_off_times_
                          ("straggler_interval=-1", "must be a positive number of seconds")):
         with pytest.raises(UsageError, match=message):
             config(*base, "--rdzv-conf", bad, str(SPEAK))
+
+
+@pytest.mark.parametrize("key", [k for k in RDZV_CONF if k.field is not None], ids=lambda k: k.name)
+def test_each_rdzv_conf_key_sets_its_settings_field_and_defaults_to_it(key: ConfKey) -> None:
+    """The key table is what parsing reads: a key given sets the field it names; not
+    given, the field has the default the table shows (heartbeat_timeout's grows with MAX)."""
+    assert key.field is not None
+    given = config("--standalone", "--rdzv-conf", f"{key.name}=2", str(SPEAK)).rdzv.settings
+    assert getattr(given, key.field) == 2
+    plain = config("--rdzv-backend=c10d", "--rdzv-endpoint=localhost:1", "--nnodes=1:4000", str(SPEAK)).rdzv.settings
+    if key.name == "heartbeat_timeout":
+        assert plain.heartbeat_ttl == 4000 / 400
+    elif key.plain_default is not None:
+        assert f"{getattr(plain, key.field):g}" == key.plain_default
+    else:  # heartbeat_interval: 0, a third of the TTL
+        assert (getattr(plain, key.field), key.shown) == (0.0, "a third of heartbeat_timeout")
 
 
 def test_torchruns_own_rdzv_conf_keys_are_accepted(caplog: pytest.LogCaptureFixture) -> None:
@@ -659,7 +664,7 @@ BAD_INPUT = {
     "store serve requiring a token it lacks": (
         ["store", "serve", "--host", "127.0.0.1", "--port", "0", "--require-token"],
         ["--require-token, --token-file: no store token is set"]),
-    # issue 29: past a sane bound, refused at the edge instead of failing deep (or after the job)
+    # Past a sane bound, refused at the edge instead of failing deep (or after the job)
     "nproc-per-node past the bound": (["--nproc-per-node", "999999999999", S],
                                       ["--nproc-per-node", "at most 1024", "'999999999999'"]),
     "nnodes past the bound": (["--nnodes", "1:100000000000000000000", S], ["--nnodes", "at most 100000"]),
@@ -864,7 +869,7 @@ def test_a_progress_bar_redrawn_with_cr_is_live_on_a_terminal(tmp_path: Path) ->
     leader, follower = pty.openpty()
     go = tmp_path / "go"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "elasticrun", "--standalone", str(WORKERS / "cli_progress_bar.py"), str(go)],
+        [*ELASTICRUN, "--standalone", str(WORKERS / "cli_progress_bar.py"), str(go)],
         stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=clean_env(), start_new_session=True,
     )
     os.close(follower)

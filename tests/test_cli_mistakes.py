@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 from elasticrun.agent.xpu import intel_xpus
 from elasticrun.launcher.cli import subcommand_parser
-from elasticrun.launcher.config import RDZV_CONF_KEYS
 from elasticrun.launcher.control import ACCESS_KEYS
 from elasticrun.launcher.flags import launch_parser
-from tests.elastic_cluster import Cluster, run_id, wait_until
+from elasticrun.launcher.rdzv_conf import RDZV_CONF_KEYS
+from tests.elastic_cluster import Cluster, run_id
+from tests.helpers import wait_until
 from tests.test_cli import SPEAK, clean_env, finish, run_cli, start_cli
 
 pytestmark = pytest.mark.timeout(60)
@@ -83,11 +83,10 @@ def test_logs_of_a_rank_that_is_not_there_or_has_printed_nothing(cluster: Cluste
     script = cluster.tmp / "quiet.py"
     script.write_text(QUIET_RANK)
     rid = run_id()
-    agent = cluster.start("agent", [
-        sys.executable, "-m", "elasticrun", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
+    agent = cluster.launch("agent", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={rid}", "--rdzv-conf=is_host=false,last_call_timeout=0.1",
         str(script), str(cluster.stop_file),
-    ])
+    )
     job = [f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={rid}"]
     wait_until(lambda: "[0]<stdout>: rank 0 speaks" in run_cli(["logs", *job]).stdout, what="rank 0's line")
     missing = run_cli(["logs", *job, "--rank", "7"])

@@ -5,14 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
-from elasticrun.rendezvous.state import (
-    NodeInfo,
-    Participant,
-    QuarantineEntry,
-    QuarantineTable,
-    RestartRequest,
-    Round,
-)
+from elasticrun.rendezvous.records import NodeInfo, QuarantineEntry, QuarantineTable, RestartRequest
+from elasticrun.rendezvous.rounds import Participant, Round
 
 SETTINGS = RendezvousSettings(run_id="job", min_nodes=2, max_nodes=3, last_call=1.0)
 
@@ -452,7 +446,7 @@ def test_forming_leaves_quarantined_nodes_out_unless_needed():
     assert members(d) == ["a", "c"] and "kept c despite the quarantine" in d.reason
 
 
-# --- spares and node units (issue 22) ------------------------------------------------------
+# --- spares and node units ------------------------------------------------------
 
 UNITS = RendezvousSettings(run_id="job", min_nodes=2, max_nodes=6, last_call=1.0, node_unit=2)
 
@@ -522,7 +516,7 @@ def test_units_restart_after_a_worker_failure_keeps_whole_units():
     assert members(d) == ["a", "b"] and d.dead == ("d",)
 
 
-# --- a restart budget that forgives progress (issue 22) --------------------------------------
+# --- a restart budget that forgives progress --------------------------------------
 
 
 def test_a_forgiven_restart_counts_as_a_restart_but_not_against_the_budget():
@@ -547,7 +541,7 @@ def test_forgiven_restarts_survive_a_store_that_restarted_empty():
     assert d.round is not None and (d.round.restart_count, d.round.forgiven) == (4, 3)
 
 
-# --- a death noticed in about a second (issue 22) ----------------------------------------------
+# --- a death noticed in about a second ----------------------------------------------
 
 
 def test_a_member_whose_liveness_port_refused_is_dead_at_once_the_others_wait_for_the_ttl():
@@ -564,7 +558,7 @@ def test_a_member_whose_liveness_port_refused_is_dead_at_once_the_others_wait_fo
     assert decide(stopped, SETTINGS, now=10.2).round is None  # a stopped node: the TTL judges
 
 
-# --- stragglers taken out (--straggler=replace, issue 35) -------------------------------------
+# --- stragglers taken out (--straggler=replace) -------------------------------------
 
 SLOW = (("b", "compute 600ms a step, 3.0x the other nodes' median (200ms)"),)
 

@@ -2,7 +2,8 @@
 
 - docs/cli.md documents every flag that `--help` of the launcher and of each subcommand
   lists, in that command's section, with the parser's default; and it names no flag
-  (anywhere) that does not exist. The `--rdzv-conf` key table matches the known keys.
+  (anywhere) that does not exist. Its `--rdzv-conf` key table, and README.md's, list the
+  keys of `rdzv_conf.RDZV_CONF` with their defaults.
 - docs/troubleshooting.md quotes every error message a user can see: the fixed text of
   every error raised in elasticrun/ (found in the source), save a few internal ones, and
   of every warning logged; and every message it quotes (by its stated convention) is
@@ -23,7 +24,12 @@ import pytest
 
 import elasticrun.errors as errors
 from elasticrun.launcher.cli import launch_parser, subcommand_parser
-from elasticrun.launcher.config import KEEP_ALIVE_ATTEMPTS, RDZV_CONF_ALIASES, RDZV_CONF_KEYS, RDZV_CONF_TORCHRUN_ONLY
+from elasticrun.launcher.rdzv_conf import (
+    KEEP_ALIVE_ATTEMPTS,
+    RDZV_CONF_ALIASES,
+    RDZV_CONF_KEYS,
+    RDZV_CONF_TORCHRUN_ONLY,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -123,13 +129,53 @@ def test_cli_md_names_no_flag_that_does_not_exist() -> None:
     assert named - known == set(), f"cli.md names flags that do not exist: {sorted(named - known)}"
 
 
-def test_cli_md_lists_every_rdzv_conf_key() -> None:
-    text = (DOCS / "cli.md").read_text()
-    table = sections(text)
-    part = text[text.index("### `--rdzv-conf` keys"):]
-    part = part[: part.index("\n### ")]
-    keys = {k for row in table_rows(part)[1:] for k in re.findall(r"`(\w+)`", row[0])}
-    assert table and keys == set(RDZV_CONF_KEYS), f"missing {set(RDZV_CONF_KEYS) - keys}, unknown {keys - set(RDZV_CONF_KEYS)}"
+def rdzv_conf_table(page: Path, heading: str) -> list[list[str]]:
+    """The rows of the `--rdzv-conf` key table under `heading` (up to the next heading)."""
+    text = page.read_text()
+    part = text[text.index(heading) + len(heading):]
+    part = part[: m.start()] if (m := re.search(r"^#", part, flags=re.M)) else part
+    return table_rows(part)[1:]
+
+
+@pytest.mark.parametrize(
+    ("page", "heading"),
+    [(DOCS / "cli.md", "### `--rdzv-conf` keys"), (ROOT / "README.md", "## Rendezvous settings")],
+    ids=["cli.md", "README.md"],
+)
+def test_rdzv_conf_tables_say_what_the_key_table_says(page: Path, heading: str) -> None:
+    """Every key of `RDZV_CONF` once, and its default as the table has it: a plain value
+    (a number, true or false) leads the default column, a default in words is there in
+    the page's own words, and a key without one has none."""
+    rows = rdzv_conf_table(page, heading)
+    named = [(k, row[1].replace("`", "")) for row in rows for k in re.findall(r"`(\w+)`", row[0])]
+    keys = [k for k, _ in named]
+    assert sorted(keys) == sorted(RDZV_CONF_KEYS), f"missing {set(RDZV_CONF_KEYS) - set(keys)}, unknown or twice: " \
+        f"{sorted(k for k in keys if k not in RDZV_CONF_KEYS or keys.count(k) > 1)}"
+    for key, default in named:
+        conf_key = RDZV_CONF_KEYS[key]
+        if conf_key.plain_default is not None:
+            assert re.match(rf"{re.escape(conf_key.plain_default)}(?![\w.])", default), (key, default)
+        elif conf_key.shown is not None:
+            assert default, key
+        else:
+            assert not default, (key, default)
+
+
+def test_the_rdzv_conf_check_can_fail(tmp_path: Path) -> None:
+    """A wrong default, a missing key and a default where there is none are each caught."""
+    page = tmp_path / "page.md"
+    right = {k: key.plain_default or ("in words" if key.shown else "") for k, key in RDZV_CONF_KEYS.items()}
+
+    def check(defaults: dict[str, str]) -> None:
+        table = "\n".join(f"| `{k}` | {v} | what it means |" for k, v in defaults.items())
+        page.write_text(f"## Keys\n\n| key | default | meaning |\n|---|---|---|\n{table}\n")
+        test_rdzv_conf_tables_say_what_the_key_table_says(page, "## Keys")
+
+    check(right)
+    missing = {k: v for k, v in right.items() if k != "closed_ttl"}
+    for wrong in ({**right, "join_timeout": "6000"}, {**right, "tls_ca": "1"}, {**right, "is_host": ""}, missing):
+        with pytest.raises(AssertionError):
+            check(wrong)
 
 
 def test_cli_md_lists_every_torchrun_rdzv_conf_key() -> None:

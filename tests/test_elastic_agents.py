@@ -2,7 +2,7 @@
 127.0.0.x, real training workers (tests/workers/train_worker.py; their collective:
 tests/workers/collective.py), a real store: a
 standalone `elasticrun store serve` for c10d (so killing an agent never kills it) or
-the session's etcd server, each scenario on both backends. Issue 5's etcd cluster
+the session's etcd server, each scenario on both backends. The etcd cluster
 scenarios (member, leader and majority loss) run against a 3-member etcd.
 
 Every wait is for an event (a line in an agent's output, a process exit), bounded by a
@@ -20,8 +20,8 @@ import socket
 
 import pytest
 
-from tests.agent_helpers import free_port
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, pid_alive, run_id, wait_until
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, pid_alive, run_id
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -89,7 +89,7 @@ def kill_node(agent: Proc, worker_pid: int, *, worker_too: bool = True) -> None:
     wait_until(lambda: not pid_alive(worker_pid), what=f"worker {worker_pid} of {agent.name} to go")
 
 
-# --- issue 4, scenario 1: scale up ------------------------------------------------------
+# --- scale up ------------------------------------------------------------------------
 
 
 def test_scale_up_two_to_three_keeps_node_ranks(cluster: Cluster, rdzv: Rdzv) -> None:
@@ -231,15 +231,15 @@ async def _end_closed_window(rdzv: Rdzv, run_id: str) -> None:
     The test sets the window's end itself: with a short closed_ttl instead, a late agent
     that is slow to start (a loaded machine) would miss the window and start a new job.
     """
-    from elasticrun.rendezvous.state import Keys
+    from elasticrun.rendezvous.keys import Keys
     from elasticrun.store.api import EventType
 
     if rdzv.backend == "etcd":
-        from elasticrun.store.access import open_client, parse_access
+        from elasticrun.store.settings import open_client, parse_access
 
         store = open_client(parse_access("etcd", rdzv.endpoint, {"store_timeout": "10"}, {}))
     else:
-        from elasticrun.store.client import GrpcStore
+        from elasticrun.store.client.grpc_store import GrpcStore
 
         store = GrpcStore(rdzv.endpoint, timeout=10)
     try:
@@ -322,7 +322,7 @@ def test_c10d_agent_hosts_the_store(cluster: Cluster) -> None:
     finish(cluster, host, guest)
 
 
-# --- issue 5: the agents' etcd cluster loses members ------------------------------------
+# --- the agents' etcd cluster loses members -------------------------------------------
 
 #: the member test's heartbeat timeout: etcd fails over well within it
 TRIO_HEARTBEAT = 3

@@ -12,7 +12,7 @@ import http.server
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,18 +27,14 @@ from elasticrun.errors import (
     StoreSettingError,
     StoreUnavailableError,
 )
-from elasticrun.store.access import open_client, parse_access, parse_endpoints
-from elasticrun.store.api import EventType, Store, WatchEvent
-from elasticrun.store.etcd import EtcdStore
+from elasticrun.store.api import EventType, Store
+from elasticrun.store.etcd.backend import EtcdStore
+from elasticrun.store.settings import open_client, parse_access, parse_endpoints
 from tests.etcd_support import AUTH_PASSWORD, AUTH_USER, EtcdCluster
+from tests.helpers import next_events
 
 #: Bounds every wait for an event in these tests; far above any healthy latency.
 EVENT_WAIT = 30.0
-
-
-async def next_events(it: AsyncIterator[WatchEvent], n: int) -> list[WatchEvent]:
-    async with asyncio.timeout(EVENT_WAIT):
-        return [await anext(it) for _ in range(n)]
 
 
 @pytest.fixture
@@ -119,7 +115,7 @@ async def test_failover_keeps_writes_and_the_watch_going(etcd_trio: EtcdCluster)
     async with store, writer:
         start = await store.put("fo/00", b"0")
         watch = store.watch("fo/", start_revision=start, prefix=True)
-        assert [e.key for e in await next_events(watch, 1)] == ["fo/00"]
+        assert [e.key for e in await next_events(watch, 1, EVENT_WAIT)] == ["fo/00"]
 
         async def write(keys: range, via: EtcdStore) -> None:
             for i in keys:
@@ -137,7 +133,7 @@ async def test_failover_keeps_writes_and_the_watch_going(etcd_trio: EtcdCluster)
         lease = await store.grant_lease(5)
         await store.keep_alive(lease)
 
-        events = await next_events(watch, 30)
+        events = await next_events(watch, 30, EVENT_WAIT)
         assert [(e.type, e.key, e.value) for e in events] == [
             (EventType.PUT, f"fo/{i:02}", str(i).encode()) for i in range(1, 31)
         ]
@@ -150,7 +146,7 @@ async def test_majority_lost_is_reported_as_unavailable(etcd_trio: EtcdCluster) 
     async with EtcdStore(etcd_trio.endpoints, timeout=2.0) as store:
         start = await store.put("ml/key", b"before")
         watch = store.watch("ml/", start_revision=start, prefix=True)
-        await next_events(watch, 1)
+        await next_events(watch, 1, EVENT_WAIT)
 
         await asyncio.to_thread(etcd_trio.stop_member, 1)
         await asyncio.to_thread(etcd_trio.stop_member, 2)
@@ -161,7 +157,7 @@ async def test_majority_lost_is_reported_as_unavailable(etcd_trio: EtcdCluster) 
         for endpoint in etcd_trio.endpoints:
             assert endpoint in str(info.value)
         with pytest.raises(StoreUnavailableError):
-            await next_events(watch, 1)
+            await next_events(watch, 1, EVENT_WAIT)
 
 
 # --- TLS and auth ----------------------------------------------------------------------
@@ -174,7 +170,7 @@ async def test_tls_with_the_right_ca_and_client_certificate(etcd_tls: EtcdCluste
     async with etcd_store_from_conf(",".join(etcd_tls.endpoints), conf) as store:
         revision = await store.put("tls/key", b"v")
         watch = store.watch("tls/key", start_revision=revision)
-        assert [e.value for e in await next_events(watch, 1)] == [b"v"]
+        assert [e.value for e in await next_events(watch, 1, EVENT_WAIT)] == [b"v"]
         await watch.aclose()
 
 
@@ -219,9 +215,9 @@ async def test_auth_with_the_right_password(
             lease = await store.grant_lease(5)
             revision = await store.put("auth/key", b"v", lease=lease)
             watch = store.watch("auth/key", start_revision=revision)
-            assert [e.value for e in await next_events(watch, 1)] == [b"v"]
+            assert [e.value for e in await next_events(watch, 1, EVENT_WAIT)] == [b"v"]
             await store.revoke_lease(lease)
-            assert [e.type for e in await next_events(watch, 1)] == [EventType.DELETE]
+            assert [e.type for e in await next_events(watch, 1, EVENT_WAIT)] == [EventType.DELETE]
             await watch.aclose()
 
 

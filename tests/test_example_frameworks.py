@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from examples.elastic_demo import descendants
-from tests.elastic_cluster import Cluster, Proc, pid_alive, run_id, wait_until
+from tests.elastic_cluster import Cluster, Proc, pid_alive, run_id
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -96,22 +96,20 @@ EXAMPLE_CASES = {
 
 def node(cluster: Cluster, name: str, addr: int, endpoint: str, job: str, command: list[str]) -> Proc:
     """An agent of the job on 127.0.0.`addr`."""
-    return cluster.start(name, [
-        sys.executable, "-m", "elasticrun", "--nnodes=1:2", "--nproc-per-node=1",
+    return cluster.launch(name, "--nnodes=1:2", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", f"--rdzv-conf={CONF}",
         f"--local-addr=127.0.0.{addr}", "--max-restarts=0", "--shutdown-timeout=5",
         f"--log-dir={cluster.tmp / 'logs'}", *command,
-    ])
+    )
 
 
 def join(cluster: Cluster, name: str, addr: int, endpoint: str, job: str, command: list[str]) -> Proc:
     """`elasticrun join` on 127.0.0.`addr`, running `command` (the job's own: join runs
     only the command its operator gives, and it must match the stored one)."""
-    return cluster.start(name, [
-        sys.executable, "-m", "elasticrun", "join", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+    return cluster.launch(name, "join", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={job}", "--rdzv-conf=is_host=false", f"--local-addr=127.0.0.{addr}", "--timeout=60",
         "--", *command,
-    ])
+    )
 
 
 def worker_pids(agent: Proc, script: Path) -> list[int]:

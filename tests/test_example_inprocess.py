@@ -7,7 +7,6 @@ etcd path of the same mode is tests/test_inprocess.py's."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,13 +23,12 @@ LOSS = re.compile(r"Step #(\d+)  Loss: ([\d.]+)  \(world size (\d+)\)")
 
 
 def node(cluster: Cluster, rdzv: Rdzv, name: str, addr: int) -> Proc:
-    return cluster.start(name, [
-        sys.executable, "-m", "elasticrun", "--elastic-mode=in-process",
+    return cluster.launch(name, "--elastic-mode=in-process",
         "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--rdzv-conf={rdzv.conf}",
         f"--local-addr=127.0.0.{addr}", "--shutdown-timeout=5", f"--log-dir={cluster.tmp / 'logs'}",
         str(EXAMPLE), "--steps", "1000000", "--step-time", "0.05",
-    ])
+    )
 
 
 def loss_at(world: int) -> str:

@@ -18,7 +18,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,10 +25,12 @@ from unittest import mock
 
 import pytest
 
-from examples.elastic_demo import descendants, kill_tree
+from elasticrun.launcher.assemble import build_config
 from elasticrun.launcher.cli import SUBCOMMANDS, launch_parser, subcommand_parser
-from elasticrun.launcher.config import LaunchConfig, build_config
+from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.control import job_target, store_target
+from examples.elastic_demo import descendants, kill_tree
+from tests.helpers import ELASTICRUN
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -107,7 +108,7 @@ def test_train_elastic_resumes_from_its_checkpoint_after_a_kill(tmp_path: Path, 
     ckpt = tmp_path / "ckpt"
     steps, every = 30, 4
     argv = [
-        sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=2",
+        *ELASTICRUN, "--standalone", "--nproc-per-node=2",
         str(EXAMPLES / "train_elastic.py"), f"--steps={steps}", f"--checkpoint-every={every}",
         f"--checkpoint-dir={ckpt}", "--step-time=0.05",
     ]

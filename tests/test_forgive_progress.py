@@ -1,4 +1,4 @@
-"""A restart budget that forgives progress (--forgive-progress, issue 22): a worker
+"""A restart budget that forgives progress (--forgive-progress): a worker
 failure spends a restart only when the workers made no progress since the previous one.
 
 The agent with real worker processes, on the static rendezvous and on the elastic one
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from elasticrun.agent.agent import Action, Agent, Outcome, decide
 from elasticrun.agent.spec import WorkerState
 from tests.agent_helpers import make_spec, static_for, write_script
+from tests.helpers import ELASTICRUN
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,7 +75,7 @@ async def test_a_window_of_running_counts_as_progress(tmp_path: Path) -> None:
 
 
 def _standalone(tmp_path: Path, script: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "elasticrun", "--standalone", "--max-restarts=1", f"--log-dir={tmp_path / 'logs'}",
+    argv = [*ELASTICRUN, "--standalone", "--max-restarts=1", f"--log-dir={tmp_path / 'logs'}",
             *flags, str(script)]
     # LOGLEVEL=INFO: the leader's reasons (a forgiven restart) are not headlines
     return subprocess.run(argv, capture_output=True, text=True, timeout=100, env={**os.environ, "LOGLEVEL": "INFO"})

@@ -24,11 +24,14 @@ from elasticrun.agent.gpu import open_gpus
 from elasticrun.agent.spec import WorkerSpec, WorkerState
 from elasticrun.errors import EXIT_INFRASTRUCTURE, GpuUnhealthyError
 from elasticrun.launcher.launch import gpu_reclaim, gpu_watches
+from elasticrun.rendezvous.codec import decode
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import Event, JobSpec, Keys, NodeInfo, QuarantineTable, decode
-from elasticrun.store.memory import MemoryStore
-from tests.agent_helpers import eventually, make_spec, static_for, write_script
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import Event, JobSpec, NodeInfo, QuarantineTable
+from elasticrun.store.server.memory import MemoryStore
+from tests.agent_helpers import make_spec, static_for, write_script
+from tests.helpers import eventually
 from tests.test_gpu import FakeGpu, FakeNvml
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,7 +7,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -30,18 +29,19 @@ from elasticrun.errors import (
 )
 from elasticrun.launcher import store_cmd
 from elasticrun.launcher.metrics_http import MetricsAddress
-from elasticrun.store import server as server_module
-from elasticrun.store.access import exposure_warning, parse_access
-from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
-from elasticrun.store.c10d_client import C10dClient
-from elasticrun.store.callers import FairShare
-from elasticrun.store.client import GrpcStore
+from elasticrun.store.api import MAX_LEASE_TTL, EventType
+from elasticrun.store.client.c10d import C10dClient
+from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.credentials import reader_credential, worker_credential
-from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.server import admission as server_admission
+from elasticrun.store.server import limits as server_limits
+from elasticrun.store.server.callers import FairShare
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.server.store_server import StoreServer
+from elasticrun.store.settings import exposure_warning, parse_access
 from elasticrun.store.wire import TlsKeyPair
-from tests.agent_helpers import eventually
 from tests.certs import TestCa, write_pair
+from tests.helpers import eventually, free_port, next_events
 from tests.reliability_rows import Reliability
 
 EVENT_WAIT = 10.0
@@ -54,18 +54,6 @@ async def server() -> AsyncIterator[StoreServer]:
     await s.start()
     yield s
     await s.stop()
-
-
-async def next_events(it: AsyncIterator[WatchEvent], n: int) -> list[WatchEvent]:
-    async with asyncio.timeout(EVENT_WAIT):
-        return [await anext(it) for _ in range(n)]
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- many clients -------------------------------------------------------------------
@@ -450,10 +438,10 @@ async def status_of(call: grpc.aio.Call) -> grpc.StatusCode:
 async def test_a_call_is_refused_from_its_headers(
     monkeypatch: pytest.MonkeyPatch, reliability: Reliability
 ) -> None:
-    """No message is read, no slot spent, before the caller is known (issue 36): a call
+    """No message is read, no slot spent, before the caller is known: a call
     with no token is refused at once; an identity's calls count against its share from
     their headers; a call whose message does not come is ended after the deadline."""
-    monkeypatch.setattr(server_module, "MESSAGE_DEADLINE", 0.5)
+    monkeypatch.setattr(server_admission, "MESSAGE_DEADLINE", 0.5)
     server = StoreServer("127.0.0.1", 0, token=TOKEN, fair_share=FairShare(calls=2))
     await server.start()
     anonymous = await headers_only(server.endpoint, "/elasticrun.store.v1.C10dStore/Set", None)
@@ -485,7 +473,7 @@ async def test_a_call_is_refused_from_its_headers(
 
 @pytest.mark.security
 async def test_c10d_key_lists_are_bounded(reliability: Reliability) -> None:
-    """Issue 36: a key list is refused past its bounds (a long one unparsed), a key
+    """A key list is refused past its bounds (a long one unparsed), a key
     named twice is looked up once and answered twice, a multi_set has a most."""
     server = StoreServer("127.0.0.1", 0, token=TOKEN)
     await server.start()
@@ -494,16 +482,16 @@ async def test_c10d_key_lists_are_bounded(reliability: Reliability) -> None:
         client = C10dClient(server.endpoint, token=worker_credential(TOKEN, "job-a"), timeout=10)
         client.multi_set(["a", "b"], [b"1", b"2"])
         assert client.multi_get(["b", "a", "b", "b"], 5) == [b"2", b"1", b"2", b"2"]
-        assert client.check(["a"] * server_module.MAX_KEYS_PER_CALL) and not client.check(["a", "c"])
+        assert client.check(["a"] * server_limits.MAX_KEYS_PER_CALL) and not client.check(["a", "c"])
         client.wait(["a", "b", "a"], 5)
-        too_many = [f"k{i}" for i in range(server_module.MAX_KEYS_PER_CALL + 1)]
+        too_many = [f"k{i}" for i in range(server_limits.MAX_KEYS_PER_CALL + 1)]
         for call in (lambda: client.check(too_many), lambda: client.wait(too_many, 5),
                      lambda: client.multi_get(too_many, 5)):
-            with pytest.raises(StoreLimitError, match=f"at most {server_module.MAX_KEYS_PER_CALL} keys"):
+            with pytest.raises(StoreLimitError, match=f"at most {server_limits.MAX_KEYS_PER_CALL} keys"):
                 call()
         with pytest.raises(StoreLimitError, match="over the store's limit of 262144 bytes"):
-            client.check(["a"] * 340_000)  # issue 36's list: 1 MiB, refused before it is parsed
-        with pytest.raises(StoreLimitError, match=f"at most {server_module.MAX_MULTI_SET_KEYS} keys"):
+            client.check(["a"] * 340_000)  # the abusive list: 1 MiB, refused before it is parsed
+        with pytest.raises(StoreLimitError, match=f"at most {server_limits.MAX_MULTI_SET_KEYS} keys"):
             client.multi_set(too_many[:2000], [b"x"] * 2000)
         with pytest.raises(StoreRequestError, match="must not be empty"):
             client.check(["a", ""])
@@ -515,10 +503,10 @@ async def test_c10d_key_lists_are_bounded(reliability: Reliability) -> None:
     reliability.record(
         part="security",
         scenario="c10d key lists past their bounds",
-        injected=f"check, wait and multi_get naming {server_module.MAX_KEYS_PER_CALL + 1} keys, a check of one key "
+        injected=f"check, wait and multi_get naming {server_limits.MAX_KEYS_PER_CALL + 1} keys, a check of one key "
         "340,000 times (1 MiB), a multi_set of 2,000 keys, duplicates and an empty key",
-        happened=f"refused (RESOURCE_EXHAUSTED naming the most: {server_module.MAX_KEYS_PER_CALL} keys, 256 KiB, "
-        f"{server_module.MAX_MULTI_SET_KEYS} keys for a multi_set; INVALID_ARGUMENT for the empty key), the 1 MiB "
+        happened=f"refused (RESOURCE_EXHAUSTED naming the most: {server_limits.MAX_KEYS_PER_CALL} keys, 256 KiB, "
+        f"{server_limits.MAX_MULTI_SET_KEYS} keys for a multi_set; INVALID_ARGUMENT for the empty key), the 1 MiB "
         "list before it was parsed; duplicates looked up once and answered in place",
         lost="nothing",
     )
@@ -872,7 +860,7 @@ def test_serve_config_checks_flags(tmp_path: Path) -> None:
     args = parser.parse_args(["store", "serve"])
     assert store_cmd.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "env"}).token == "env"
     assert store_cmd.serve_config(args, {}).token is None
-    # issue 36: metrics by port alone listen where the store does, not on every address
+    # Metrics by port alone listen where the store does, not on every address
     local = parser.parse_args(["store", "serve", "--host", "127.0.0.1", "--metrics-port", "9464"])
     assert store_cmd.serve_config(local, {}).metrics == MetricsAddress("127.0.0.1", 9464)
     elsewhere = parser.parse_args(["store", "serve", "--host", "127.0.0.1", "--metrics-port", "0.0.0.0:9464"])
@@ -977,7 +965,8 @@ async def test_store_serve_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
 
 def test_store_modules_do_not_import_torch() -> None:
     code = (
-        "import sys; import elasticrun.store.server, elasticrun.store.client, elasticrun.store.c10d_client, "
+        "import sys; import elasticrun.store.server.store_server, elasticrun.store.client.grpc_store, "
+        "elasticrun.store.client.c10d, "
         "elasticrun.launcher.store_cmd; print('torch' in sys.modules)"
     )
     out = subprocess.run(
@@ -990,7 +979,7 @@ def test_store_modules_do_not_import_torch() -> None:
 def test_a_plain_connection_cut_in_its_handshake_is_worth_retrying_not_a_tls_failure() -> None:
     # Seen with 1,000 clients connecting at once to a plain server (bench_rendezvous_scale):
     # taken for a TLS failure, it ended the node's membership instead of being retried.
-    from elasticrun.store.channel import _is_tls_failure
+    from elasticrun.store.client.dial import _is_tls_failure
 
     assert not _is_tls_failure("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: handshaker shutdown")
     assert not _is_tls_failure("last error: UNAVAILABLE: ipv4:127.0.0.1:9: tcp handshaker shutdown")

@@ -10,15 +10,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from elasticrun.agent.health_check import REASON_LIMIT, CheckResult, HealthCheck, Verdict, last_line
 from elasticrun.errors import EXIT_INFRASTRUCTURE
-from tests.agent_helpers import eventually, wait_until
 from tests.elastic_cluster import RDZV_CONF, Cluster, pid_alive, run_id
+from tests.helpers import ELASTICRUN, eventually, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,17 +161,16 @@ async def test_the_mount_example(tmp_path: Path) -> None:
 
 def status(endpoint: str, rid: str, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "elasticrun", "status", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rid}", *flags],
+        [*ELASTICRUN, "status", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rid}", *flags],
         capture_output=True, text=True, timeout=60,
     )
 
 
 def test_a_failing_check_keeps_the_node_out_before_it_joins(cluster: Cluster) -> None:
-    agent = cluster.start("agent", [
-        sys.executable, "-m", "elasticrun", "--standalone",
+    agent = cluster.launch("agent", "--standalone",
         "--health-check=echo checking /scratch; echo '/scratch is read-only' >&2; exit 1",
         str(TICKER), "--stop-file", str(cluster.stop_file),
-    ])
+    )
     assert agent.wait_exit() == EXIT_INFRASTRUCTURE
     assert agent.text().rstrip().endswith(
         "elasticrun: error: this node does not join: health check failed (exit code 1): /scratch is read-only"
@@ -186,13 +184,12 @@ def test_a_check_that_starts_failing_makes_its_node_leave_and_stay_out(cluster: 
     sick = "health check failed (exit code 1): eth0 is down"
 
     def agent(name: str, addr: int, health_check: str):
-        return cluster.start(name, [
-            sys.executable, "-m", "elasticrun", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        return cluster.launch(name, "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={rid}", f"--rdzv-conf={RDZV_CONF},is_host=false",
             f"--local-addr=127.0.0.{addr}", "--shutdown-timeout=5", f"--log-dir={cluster.tmp / 'logs'}",
             f"--health-check={health_check}", "--health-interval=0.2",
             str(TICKER), "--stop-file", str(cluster.stop_file), "--every", "0.05",
-        ])
+        )
 
     a = agent("a", 2, "true")
     b = agent("b", 3, f"test ! -e {down} || {{ echo checking eth0; echo 'eth0 is down'; exit 1; }}")
@@ -220,10 +217,9 @@ def test_a_check_that_starts_failing_makes_its_node_leave_and_stay_out(cluster: 
 
 
 def test_health_check_timeout_is_checked(cluster: Cluster) -> None:
-    agent = cluster.start("agent", [
-        sys.executable, "-m", "elasticrun", "--standalone", "--health-check=true", "--health-check-timeout=0",
+    agent = cluster.launch("agent", "--standalone", "--health-check=true", "--health-check-timeout=0",
         str(TICKER), "--stop-file", str(cluster.stop_file),
-    ])
+    )
     assert agent.wait_exit() == 2
     assert "elasticrun: error: --health-check-timeout must be a positive number of seconds, got 0.0" in agent.text()
     wait_until(lambda: not cluster.alive(), 30, "the agent's end")

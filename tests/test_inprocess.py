@@ -14,13 +14,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from tests.elastic_cluster import Cluster, Proc, Rdzv
+from tests.helpers import ELASTICRUN
 from tests.test_elastic_agents import finish, kill_node, start
 
 pytestmark = pytest.mark.timeout(180)
@@ -149,7 +149,7 @@ def test_script_without_the_api_fails_at_start_with_a_clear_error(tmp_path: Path
     """train_worker.py reads RANK from its environment; in this mode it gets no RANK
     (values that change between rounds come from the agent) and fails at once."""
     proc = subprocess.run(
-        [sys.executable, "-m", "elasticrun", "--standalone", "--elastic-mode=in-process",
+        [*ELASTICRUN, "--standalone", "--elastic-mode=in-process",
          str(Path(__file__).parent / "workers" / "train_worker.py"), "--steps", "1"],
         capture_output=True, text=True, timeout=120,
     )

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticrun.agent import channel as agent_channel
-from elasticrun.agent.channel import WorkerChannel
+from elasticrun.agent import worker_link as agent_link
+from elasticrun.agent.worker_link import WorkerChannel
 from elasticrun.worker.elastic import MembershipChanged, State
 from elasticrun.worker.elastic import link as worker_link
 from elasticrun.worker.elastic.link import AgentGoneError, AgentLink, WorkerAssignment
 from elasticrun.worker.elastic.session import GroupSession, SupersededError, _shut_down, _socket_inodes
-from tests.agent_helpers import free_port, wait_until
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -33,7 +33,7 @@ WORKERS = Path(__file__).parent / "workers"
 
 def test_both_ends_name_the_same_variable() -> None:
     # the worker side must not import agent code (DESIGN.md), so the name is written twice
-    assert agent_channel.SOCKET_VAR == worker_link.SOCKET_VAR
+    assert agent_link.SOCKET_VAR == worker_link.SOCKET_VAR
 
 
 async def test_assign_ready_change_interrupt_and_broken_travel_over_the_line() -> None:
@@ -257,7 +257,7 @@ def test_sync_moves_state_only_to_newcomers_spread_over_survivors(tmp_path: Path
 
 @pytest.mark.timeout(90)
 def test_sync_copies_to_a_node_that_froze_with_another_state_under_the_same_count(tmp_path: Path) -> None:
-    # Issue 36: rank 2 committed one step more than ranks 0 and 1 just before they went on
+    # Rank 2 committed one step more than ranks 0 and 1 just before they went on
     # without it; they then committed once in the next round. All hold 2 commits, rank 2
     # another state; when it comes back, it must get theirs, not keep its own.
     proc = subprocess.Popen([sys.executable, str(WORKERS / "sync_worker.py"), str(free_port()), "frozen",

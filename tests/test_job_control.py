@@ -13,15 +13,14 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from tests.agent_helpers import free_port
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id, wait_until
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
+from tests.helpers import ELASTICRUN, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,13 +31,13 @@ def agent(
     cluster: Cluster, rdzv: Rdzv, name: str, addr: int, nnodes: str = "1:3", *worker_args: str,
     shutdown_timeout: float = 5, env: dict[str, str] | None = None,
 ) -> Proc:
-    argv = [
-        sys.executable, "-m", "elasticrun", f"--nnodes={nnodes}", "--nproc-per-node=1",
+    return cluster.launch(
+        name, f"--nnodes={nnodes}", "--nproc-per-node=1",
         f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
         f"--rdzv-conf={rdzv.conf}", f"--local-addr=127.0.0.{addr}", f"--shutdown-timeout={shutdown_timeout:g}",
         f"--log-dir={cluster.tmp / 'logs'}", str(TICKER), "--stop-file", str(cluster.stop_file), *worker_args,
-    ]
-    return cluster.start(name, argv, env)
+        env=env,
+    )
 
 
 def ctl(
@@ -46,7 +45,7 @@ def ctl(
 ) -> subprocess.CompletedProcess[str]:
     """Run one job-control command to its end (`command`: join's, after every flag)."""
     argv = [
-        sys.executable, "-m", "elasticrun", *args,
+        *ELASTICRUN, *args,
         f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}",
         f"--rdzv-id={run_id or rdzv.run_id}",
     ]
@@ -100,12 +99,11 @@ def test_status_table_and_json_before_and_after_scale_out(cluster, rdzv, job):
     events = lines[lines.index(next(line for line in lines if line.startswith("EVENTS"))) + 1:]
     assert any(e.split()[1] == "round" and "world size 2" in e for e in events), events
 
-    joined = cluster.start("c", [
-        sys.executable, "-m", "elasticrun", "join", f"--rdzv-backend={rdzv.backend}",
+    joined = cluster.launch("c", "join", f"--rdzv-backend={rdzv.backend}",
         f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", "--local-addr=127.0.0.3",
         "--timeout=30", *(["--rdzv-conf=is_host=false"] if rdzv.backend == "c10d" else []),
         *ticker_command(cluster),
-    ])
+    )
     after = wait_world(rdzv, 3)
     ranks = {n["node_id"]: n["node_rank"] for n in after["nodes"]}
     assert sorted(ranks.values()) == [0, 1, 2]
@@ -126,10 +124,9 @@ def test_logs_tail_shows_every_rank_and_follow_sees_new_lines(cluster, rdzv, job
     tail = ctl(rdzv, "logs", "--tail", "3")
     per_rank = [line for line in tail.stdout.splitlines() if line.startswith("[1]<stdout>: tick=")]
     assert 1 <= len(per_rank) <= 3
-    follow = cluster.start("follow", [
-        sys.executable, "-m", "elasticrun", "logs", "--follow", "--tail", "0", "--rank", "0",
+    follow = cluster.launch("follow", "logs", "--follow", "--tail", "0", "--rank", "0",
         f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
-    ])
+    )
     first = follow.wait_for(r"^\[0\]<stdout>: tick=(\d+) rank=0")
     later = follow.wait_for(rf"^\[0\]<stdout>: tick={int(first.group(1)) + 3} rank=0")
     assert later and "[1]<stdout>" not in follow.text()
@@ -205,8 +202,8 @@ def test_drain_of_an_agent_killed_while_it_stops_its_workers_ends_and_says_so(cl
     warden stops the worker."""
     import asyncio
 
-    from elasticrun.rendezvous.state import Keys
-    from elasticrun.store.client import GrpcStore
+    from elasticrun.rendezvous.keys import Keys
+    from elasticrun.store.client.grpc_store import GrpcStore
 
     rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())
 
@@ -215,7 +212,7 @@ def test_drain_of_an_agent_killed_while_it_stops_its_workers_ends_and_says_so(cl
     wait_world(rdzv, 2)
     b_id = f"{socket.gethostname()}_{b.pid}"
     command = subprocess.Popen(
-        [sys.executable, "-m", "elasticrun", "drain", "--node", b_id, "--timeout", "100", "--json",
+        [*ELASTICRUN, "drain", "--node", b_id, "--timeout", "100", "--json",
          f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", "--rdzv-conf=store_timeout=3"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -254,7 +251,7 @@ def test_a_piped_status_watch_prints_a_page_only_when_it_changed(cluster, c10d_s
     # of the job, so the watch starts once it has settled
     wait_until(lambda: "round 1 running with 2 nodes" in ctl(rdzv, "status").stdout, what="the leader's settled line")
     watch = subprocess.Popen(
-        [sys.executable, "-m", "elasticrun", "status", "--watch", f"--rdzv-endpoint={rdzv.endpoint}",
+        [*ELASTICRUN, "status", "--watch", f"--rdzv-endpoint={rdzv.endpoint}",
          f"--rdzv-id={rdzv.run_id}"],
         stdout=subprocess.PIPE, text=True)
     out: list[str] = []
@@ -309,7 +306,7 @@ def test_stop_ends_the_job_everywhere(cluster, rdzv, job):
     cluster.assert_no_orphans()
     after = status(rdzv)
     assert after["job"]["state"] == "stopped"
-    # again, as a scheduler's clean-up step would: done already, said in one line (issue 36)
+    # again, as a scheduler's clean-up step would: done already, said in one line
     again = ctl(rdzv, "stop", "--timeout", "30")
     assert again.returncode == 0 and again.stderr == "", again
     assert re.fullmatch(r"job '\S+' had already ended \(stopped: stopped by \S+\): nothing to stop\n", again.stdout)
@@ -326,14 +323,14 @@ def test_unknown_job_and_bad_endpoint_give_one_line(cluster, rdzv):
         f"elasticrun: error: no job 'no-such-job' at {rdzv.endpoint} ({rdzv.backend}): check --rdzv-id and --rdzv-endpoint"
     ]
     bad = subprocess.run(
-        [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint=host:abc", "--rdzv-id=x"],
+        [*ELASTICRUN, "status", "--rdzv-endpoint=host:abc", "--rdzv-id=x"],
         capture_output=True, text=True, timeout=30,
     )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
 
 
 def list_jobs(rdzv: Rdzv, *flags: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "elasticrun", "list", *flags,
+    argv = [*ELASTICRUN, "list", *flags,
             f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}"]
     if rdzv.backend == "c10d":
         argv.append("--rdzv-conf=store_timeout=3")
@@ -356,7 +353,7 @@ def test_list_shows_every_job_on_the_store_and_json_results(cluster, rdzv, job):
     assert [line.split()[:2] for line in table if line.startswith(rdzv.run_id)] == [[rdzv.run_id, "running"]]
 
     watch = subprocess.Popen(
-        [sys.executable, "-m", "elasticrun", "status", "--watch", f"--rdzv-backend={rdzv.backend}",
+        [*ELASTICRUN, "status", "--watch", f"--rdzv-backend={rdzv.backend}",
          f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}"],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -398,13 +395,13 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     --log-dir, --event-log-handler and working folder do not: they name files and code on
     the joining host, which only its operator chooses."""
     from elasticrun.launcher import join_cmd
+    from elasticrun.launcher.assemble import build_config
     from elasticrun.launcher.cli import subcommand_parser
-    from elasticrun.launcher.config import build_config
     from elasticrun.launcher.control import JobTarget
     from elasticrun.launcher.flags import launch_parser
     from elasticrun.rendezvous.elastic import ElasticRendezvous
-    from elasticrun.rendezvous.state import NodeInfo
-    from elasticrun.store.memory import MemoryStore
+    from elasticrun.rendezvous.records import NodeInfo
+    from elasticrun.store.server.memory import MemoryStore
 
     first_dir, join_dir = tmp_path / "first", tmp_path / "join"
     for folder in (first_dir, join_dir):
@@ -476,9 +473,8 @@ def test_a_watch_draws_the_last_page_when_the_store_goes_with_the_job(cluster):
     agents = [agent(cluster, host, "a", 1, "2"), agent(cluster, rdzv, "b", 2, "2")]
     for proc in agents:
         proc.wait_for(r"tick=\d+ rank=\d world=2")
-    watch = cluster.start("watch", [
-        sys.executable, "-m", "elasticrun", "status", "--watch", f"--rdzv-endpoint={rdzv.endpoint}",
-        f"--rdzv-id={rdzv.run_id}", "--rdzv-conf=store_timeout=3"])
+    watch = cluster.launch("watch", "status", "--watch", f"--rdzv-endpoint={rdzv.endpoint}",
+        f"--rdzv-id={rdzv.run_id}", "--rdzv-conf=store_timeout=3")
     watch.wait_for(r"JOB\s+STATE")
     cluster.stop_training()
     for proc in agents:

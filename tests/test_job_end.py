@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.agent_helpers import free_port
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id
+from tests.helpers import ELASTICRUN, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,13 +27,12 @@ EXIT_WITHIN = 30.0
 
 
 def agent(cluster: Cluster, name: str, addr: int, endpoint: str, job: str, nnodes: str, script: Path) -> Proc:
-    argv = [
-        sys.executable, "-m", "elasticrun", f"--nnodes={nnodes}", "--nproc-per-node=1",
+    return cluster.launch(
+        name, f"--nnodes={nnodes}", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", f"--rdzv-conf={CONF}",
         f"--local-addr=127.0.0.{addr}", "--max-restarts=0", "--shutdown-timeout=5",
         f"--log-dir={cluster.tmp / 'logs'}", str(script), "--stop-file", str(cluster.stop_file),
-    ]
-    return cluster.start(name, argv)
+    )
 
 
 def failing_script(cluster: Cluster, rank: int) -> Path:
@@ -94,7 +92,7 @@ def test_stop_ends_a_job_whose_store_an_agent_hosts(cluster: Cluster) -> None:
     for proc in (host, guest):
         proc.wait_for(r"tick=2 rank=\d world=2")
     done = subprocess.run(
-        [sys.executable, "-m", "elasticrun", "stop", "--timeout", "30", "--rdzv-backend=c10d",
+        [*ELASTICRUN, "stop", "--timeout", "30", "--rdzv-backend=c10d",
          f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", "--rdzv-conf=store_timeout=3"],
         capture_output=True, text=True, timeout=60,
     )

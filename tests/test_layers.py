@@ -20,12 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: One forbidden import per contract id: (module to write or extend, the import).
 BREAKS = {
-    "layers": ("elasticrun/store/throwaway.py", "from elasticrun.rendezvous import state"),
+    "layers": ("elasticrun/store/throwaway.py", "from elasticrun.rendezvous import records"),
     "launcher-on-top": ("elasticrun/worker/throwaway.py", "import elasticrun.launcher.cli"),
     "api-on-top": ("elasticrun/launcher/throwaway.py", "import elasticrun.api"),
-    "store-interface": ("elasticrun/rendezvous/throwaway.py", "from elasticrun.store.memory import MemoryStore"),
-    "client-not-server": ("elasticrun/store/c10d_client.py", "from elasticrun.store import server"),
-    "worker-client-only": ("elasticrun/worker/throwaway.py", "from elasticrun.store.etcd import EtcdStore"),
+    "store-interface": ("elasticrun/rendezvous/throwaway.py", "from elasticrun.store.server.memory import MemoryStore"),
+    "client-not-server": ("elasticrun/store/client/c10d.py", "from elasticrun.store.server.callers import Caller"),
+    "worker-client-only": ("elasticrun/worker/throwaway.py", "from elasticrun.store.etcd.backend import EtcdStore"),
 }
 
 

@@ -1,4 +1,4 @@
-"""A dead agent noticed in about a second, a stopped one judged by its lease (issue 22).
+"""A dead agent noticed in about a second, a stopped one judged by its lease.
 
 The liveness port (elasticrun/rendezvous/liveness.py) on its own, then end to end with
 real agents on both backends: with a lease TTL far longer than any wait of the test, a

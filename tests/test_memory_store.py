@@ -19,14 +19,14 @@ from elasticrun.errors import (
     StoreRequestError,
     StoreUnavailableError,
 )
-from elasticrun.store import memory as memory_store
 from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
 from elasticrun.store.credentials import worker_prefix
-from elasticrun.store.memory import MemoryStore, SpaceQuota
+from elasticrun.store.server import memory as memory_store
+from elasticrun.store.server.memory import MemoryStore, SpaceQuota
 
 #: Bounds every wait on the store in these tests; far above any healthy latency.
 EVENT_WAIT = 10.0
-#: Issue 17's history: enough writes that reading them one by one took seconds.
+#: A long history: enough writes that reading them one by one took seconds.
 LONG_HISTORY = 300_000
 
 
@@ -96,7 +96,7 @@ async def fill(store: MemoryStore, writes: int, every_tenth: str = "other") -> N
 
 
 async def test_a_watch_from_revision_1_on_a_long_history_lets_the_loop_run() -> None:
-    """Issue 17: a watch from revision 1 read every revision kept without suspending:
+    """A watch from revision 1 read every revision kept without suspending:
     after 300,000 writes one such 22-byte request held the loop for seconds (leases
     expired meanwhile)."""
     store = MemoryStore()

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import elasticrun
-from tests.agent_helpers import free_port
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id, wait_until
+from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id
+from tests.helpers import ELASTICRUN, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,21 +48,19 @@ def at_world(samples: Samples, world: int) -> Samples | None:
 
 
 def agent(cluster: Cluster, endpoint: str, rid: str, name: str, addr: int, port: int) -> Proc:
-    return cluster.start(name, [
-        sys.executable, "-m", "elasticrun", "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
+    return cluster.launch(name, "--nnodes=2:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rid}", f"--rdzv-conf={RDZV_CONF},is_host=false",
         f"--local-addr=127.0.0.{addr}", "--shutdown-timeout=5", f"--log-dir={cluster.tmp / 'logs'}",
         f"--metrics-port=127.0.0.1:{port}", "--health-check=echo ib0 up", "--health-interval=0.2",
         str(TICKER), "--stop-file", str(cluster.stop_file),
-    ])
+    )
 
 
 def test_metrics_move_during_a_scale_up(cluster: Cluster) -> None:
     store_port, store_metrics = free_port(), free_port()
-    store = cluster.start("store", [
-        sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", str(store_port),
+    store = cluster.launch("store", "store", "serve", "--host", "127.0.0.1", "--port", str(store_port),
         "--metrics-port", f"127.0.0.1:{store_metrics}",
-    ])
+    )
     store.wait_for(r"serving on")
     endpoint, rid = f"127.0.0.1:{store_port}", run_id()
     ports = {name: free_port() for name in "abc"}
@@ -137,7 +135,7 @@ def test_grafana_dashboard_queries_only_documented_metrics() -> None:
 def test_the_store_counts_key_and_value_bytes_apart() -> None:
     """elasticrun_store_key_bytes counts the keys' UTF-8 bytes, _value_bytes the values':
     an overwrite changes only the value's, a delete takes both."""
-    from elasticrun.store.memory import MemoryStore
+    from elasticrun.store.server.memory import MemoryStore
 
     async def run() -> list[tuple[int, int]]:
         store, seen = MemoryStore(), []
@@ -200,7 +198,7 @@ def test_metrics_port_is_part_of_the_launch_configuration() -> None:
 
     code = (
         "import sys\n"
-        "from elasticrun.launcher.config import build_config\n"
+        "from elasticrun.launcher.assemble import build_config\n"
         "from elasticrun.launcher.flags import launch_parser\n"
         "args = launch_parser().parse_args(['--standalone', '--metrics-port', '127.0.0.1:9464', sys.argv[1]])\n"
         "print(build_config(args, {}).metrics, 'prometheus_client' in sys.modules)\n"
@@ -209,7 +207,7 @@ def test_metrics_port_is_part_of_the_launch_configuration() -> None:
     out = subprocess.run([sys.executable, "-c", code, str(script)], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "MetricsAddress(host='127.0.0.1', port=9464) False", out.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "elasticrun", "--standalone", "--metrics-port", "99999", str(script)],
+        [*ELASTICRUN, "--standalone", "--metrics-port", "99999", str(script)],
         capture_output=True, text=True, timeout=60,
     )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [

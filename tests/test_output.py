@@ -29,6 +29,7 @@ from tests.agent_helpers import (
     wait_pid_gone,
     write_script,
 )
+from tests.helpers import ELASTICRUN
 
 
 @given(st.lists(st.binary(max_size=200), max_size=20))
@@ -208,7 +209,7 @@ def test_the_launcher_tees_what_it_also_redirects(tmp_path: Path) -> None:
     script.write_text('#!/bin/sh\necho "out $RANK"\necho "err $RANK" >&2\n')
     script.chmod(0o755)
     done = subprocess.run(
-        [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=2", "--no-python",
+        [*ELASTICRUN, "--standalone", "--nproc-per-node=2", "--no-python",
          "--redirects=3", "--tee=3", f"--log-dir={tmp_path / 'logs'}", str(script)],
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )

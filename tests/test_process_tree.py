@@ -4,7 +4,7 @@ session of its own (setsid()), and a daemon that double-forked into a session of
 own, whether the agent is SIGKILLed, SIGTERMed, or ends normally after its worker
 exited; and a session whose id was reused is left alone.
 
-Issue 29 asks for a bound: what escaped the worker's session (setsid) is gone within
+The bound: what escaped the worker's session (setsid) is gone within
 3 s of the agent's SIGKILL, and of a normal stop. The SIGKILL test asserts it; after a
 stop, the agent exits only once everything is gone, so the tests check that nothing is
 left the moment it has exited."""
@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,8 +24,9 @@ import pytest
 
 from elasticrun.agent.cgroups import Cgroup
 from elasticrun.agent.sessions import MARK_VAR, Mark, Session, kill_sessions, process_start
-from tests.agent_helpers import REPO, kill_and_reap, read_lines_until, wait_pid_gone, wait_until, write_script
+from tests.agent_helpers import REPO, kill_and_reap, read_lines_until, wait_pid_gone, write_script
 from tests.elastic_cluster import pid_alive
+from tests.helpers import ELASTICRUN, wait_until
 from tests.reliability_rows import Reliability
 
 # The worker starts a grandchild, a shell pipeline (its shell and two members), a daemon
@@ -76,7 +76,7 @@ async def _agent_with_tree(
     script = write_script(tmp_path, "tree.py", tree)
     with (tmp_path / "agent.log").open("wb") as log:
         agent = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=1",
+            *ELASTICRUN, "--standalone", "--nproc-per-node=1",
             f"--log-dir={tmp_path / 'logs'}", str(script), mode,
             stdout=asyncio.subprocess.PIPE, stderr=log, env=dict(os.environ, PYTHONPATH=str(REPO)),
         )
@@ -120,7 +120,7 @@ async def test_a_sigkilled_agent_leaves_nothing_of_its_workers_trees(tmp_path: P
         assert await asyncio.wait_for(agent.wait(), 60) == -signal.SIGKILL
         await _all_gone(pids)
         gone = clock()
-    assert gone < 3.0, f"the tree took {gone} s to go"  # issue 29's bound
+    assert gone < 3.0, f"the tree took {gone} s to go"  # the bound
     reliability.record(
         part="security",
         scenario="an agent SIGKILLed under its workers",
@@ -221,7 +221,7 @@ def test_what_left_the_session_is_found_by_the_mark_or_its_parent() -> None:
             proc.wait()
 
 
-# The escape sessions.py cannot see (issue 36): a daemon that double-forks, calls
+# The escape sessions.py cannot see: a daemon that double-forks, calls
 # setsid() and replaces its environment with an empty one (no mark), its parent gone.
 # The worker prints its pid once it runs the new program.
 _ESCAPE = """

@@ -9,34 +9,28 @@ from dataclasses import replace
 import pytest
 
 from elasticrun.errors import RendezvousError
-from elasticrun.rendezvous.state import (
-    FORMAT_VERSION,
+from elasticrun.rendezvous.codec import FORMAT_VERSION, decode, encode
+from elasticrun.rendezvous.job_records import JobRecords
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import (
     Departure,
     DrainRequest,
     Event,
     JobLaunch,
-    JobRecords,
     JobSpec,
-    Keys,
     LeaderState,
     LogLine,
     LogWindow,
     Master,
     NodeInfo,
     NodeStatus,
-    Participant,
     Ping,
     QuarantineEntry,
     QuarantineTable,
     Record,
     RestartRequest,
-    Round,
-    RoundHead,
-    decode,
-    encode,
-    shard_of,
-    split_round,
 )
+from elasticrun.rendezvous.rounds import Participant, Round, RoundHead, shard_of, split_round
 
 KEYS = Keys("job")
 NODE = NodeInfo("a", "host", "10.0.0.1", 2, 7, 1.5, gpus=("H100", "H100"), ran_round=3, ran_restarts=1)

@@ -19,22 +19,15 @@ import time
 import pytest
 
 from elasticrun.errors import LeaseExpiredError, RendezvousClosedError, RendezvousTimeoutError, SpecMismatchError
+from elasticrun.rendezvous.codec import FORMAT_VERSION, decode
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
+from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.ports import PortReservation
-from elasticrun.rendezvous.state import (
-    FORMAT_VERSION,
-    JOB_SPEC_VERSION,
-    JobSpec,
-    Keys,
-    NodeInfo,
-    QuarantineEntry,
-    QuarantineTable,
-    decode,
-)
+from elasticrun.rendezvous.records import JOB_SPEC_VERSION, JobSpec, NodeInfo, QuarantineEntry, QuarantineTable
 from elasticrun.store.api import Store
-from elasticrun.store.memory import MemoryStore
-from tests.agent_helpers import eventually
+from elasticrun.store.server.memory import MemoryStore
+from tests.helpers import eventually
 
 pytestmark = pytest.mark.timeout(30)
 

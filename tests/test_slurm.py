@@ -23,13 +23,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.agent_helpers import free_port, wait_until
+from tests.helpers import ELASTICRUN, free_port, wait_until
 from tests.slurm_cluster import SlurmCluster, why_unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,7 +125,7 @@ def test_a_second_allocation_joins_an_elastic_job_and_both_complete(slurm: Slurm
     first_out.wait_for(r"start at step \d+: world size 2")
     first_out.wait_for(r"Step #\d+ .*\(world size 2\)")
     stop = subprocess.run(
-        [sys.executable, "-m", "elasticrun", "stop", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=slurm-{first}",
+        [*ELASTICRUN, "stop", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=slurm-{first}",
          f"--rdzv-conf=token_file={ckpt / 'store.token'}"],
         capture_output=True, text=True, timeout=WAIT,
     )

@@ -1,4 +1,4 @@
-"""Issue 22 end to end: spares and node units, with real agents as nodes on 127.0.0.x,
+"""End to end: spares and node units, with real agents as nodes on 127.0.0.x,
 real training workers (tests/workers/collective.py) and a real store (both backends).
 
 A spare is a registered agent that no round takes (the job runs at MAX, or the nodes
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from tests.elastic_cluster import Cluster, Rdzv
+from tests.helpers import ELASTICRUN
 from tests.test_elastic_agents import finish, kill_node, node_id, start, step
 
 pytestmark = pytest.mark.timeout(240)
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(240)
 def status(rdzv: Rdzv) -> dict:
     """`elasticrun status --json` of the test's job."""
     argv = [
-        sys.executable, "-m", "elasticrun", "status", "--json",
+        *ELASTICRUN, "status", "--json",
         f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
     ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
@@ -60,7 +60,7 @@ def test_fixed_size_a_spare_steps_in_for_a_killed_participant(cluster: Cluster, 
 
     # a spare is drained like any node: it leaves, exits 0, and the job runs on
     drain = subprocess.run(
-        [sys.executable, "-m", "elasticrun", "drain", "--node", node_id(later), "--timeout", "30",
+        [*ELASTICRUN, "drain", "--node", node_id(later), "--timeout", "30",
          f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}"],
         capture_output=True, text=True, timeout=60,
     )

@@ -36,6 +36,8 @@ from elasticrun.agent.stacks import (
     prepare_file,
     stacks_env,
 )
+from elasticrun.rendezvous.codec import decode, encode
+from elasticrun.rendezvous.records import Frame, NodeStacks, RankStacks, ThreadStack
 from elasticrun.rendezvous.stack_summary import (
     groups,
     one_line,
@@ -46,7 +48,6 @@ from elasticrun.rendezvous.stack_summary import (
     where,
 )
 from elasticrun.rendezvous.stacks import bounded, left_out
-from elasticrun.rendezvous.state import Frame, NodeStacks, RankStacks, ThreadStack, decode, encode
 
 pytestmark = pytest.mark.timeout(60)
 

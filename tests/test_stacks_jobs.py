@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from elasticrun.store.credentials import reader_credential
-from tests.agent_helpers import wait_until
 from tests.elastic_cluster import RDZV_CONF, TAG_VAR, Cluster, Proc, run_id
+from tests.helpers import ELASTICRUN, wait_until
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 STUCK = WORKERS / "stuck_rank_worker.py"
@@ -43,7 +43,7 @@ def node_id(agent: Proc) -> str:
 
 def control(cluster: Cluster, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "elasticrun", *argv], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        [*ELASTICRUN, *argv], stdin=subprocess.DEVNULL, capture_output=True, text=True,
         timeout=timeout, env=cluster._env,
     )
 
@@ -114,7 +114,7 @@ def test_stacks_returns_every_rank_of_a_healthy_job_and_a_reader_sees_the_latest
     token, reader = tmp_path / "token", tmp_path / "reader"
     token.write_text("stacks-admin-token")
     reader.write_text(reader_credential("stacks-admin-token"))
-    store = Proc("store", [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1",
+    store = Proc("store", [*ELASTICRUN, "store", "serve", "--host", "127.0.0.1",
                            "--port", "0", "--token-file", str(token)],
                  tmp_path / "store.log", {k: v for k, v in os.environ.items() if k != TAG_VAR})
     store.tagged = False
@@ -190,11 +190,12 @@ def test_a_worker_without_the_boot_is_reported_and_not_killed(
         "    time.sleep(0.1)\n"
     )
     job = run_id()
-    argv = [sys.executable, "-m", "elasticrun", "--nnodes=1", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={job}", f"--rdzv-conf={RDZV_CONF},is_host=false",
-            "--local-addr=127.0.0.1", f"--log-dir={tmp_path / 'logs'}", "--no-python", sys.executable, "-I",
-            str(script)]
-    agent = cluster.start("agent", argv, {"STOP_FILE": str(cluster.stop_file)})
+    agent = cluster.launch(
+        "agent", "--nnodes=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={job}", f"--rdzv-conf={RDZV_CONF},is_host=false",
+        "--local-addr=127.0.0.1", f"--log-dir={tmp_path / 'logs'}", "--no-python", sys.executable, "-I",
+        str(script), env={"STOP_FILE": str(cluster.stop_file)},
+    )
     first = agent.wait_for(r"step=2 pid=(\d+)")
     out = control(cluster, "stacks", f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={job}")
     assert out.returncode == 0, out.stderr

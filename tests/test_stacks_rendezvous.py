@@ -16,9 +16,10 @@ import pytest
 
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import Frame, JobSpec, NodeInfo, NodeStacks, RankStacks, ThreadStack
 from elasticrun.rendezvous.stacks import answer, ask, gather, new_request
-from elasticrun.rendezvous.state import Frame, JobSpec, Keys, NodeInfo, NodeStacks, RankStacks, ThreadStack
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.server.memory import MemoryStore
 
 pytestmark = pytest.mark.timeout(30)
 

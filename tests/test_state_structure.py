@@ -14,7 +14,7 @@ import torch
 
 from elasticrun.errors import StateTransferError
 from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
-from tests.agent_helpers import free_port
+from tests.helpers import free_port
 from tests.reliability_rows import Reliability
 
 WORKERS = Path(__file__).parent / "workers"

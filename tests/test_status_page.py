@@ -6,7 +6,8 @@ import re
 
 from elasticrun.launcher.control import JobView
 from elasticrun.launcher.status_cmd import render
-from elasticrun.rendezvous.state import NodeInfo, NodeStatus, Participant, Round
+from elasticrun.rendezvous.records import NodeInfo, NodeStatus
+from elasticrun.rendezvous.rounds import Participant, Round
 
 
 def _status(node_id: str, round_number: int, node_rank: int, ranks: str) -> NodeStatus:

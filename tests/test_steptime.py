@@ -23,7 +23,7 @@ from elasticrun.agent.steptimes import STEPS_FILE_ENV, StepTimes
 from elasticrun.rendezvous.api import Assignment
 from elasticrun.worker import steptime
 from elasticrun.worker.steptime import Recorder
-from tests.agent_helpers import free_port
+from tests.helpers import free_port
 
 WORKER = Path(__file__).resolve().parent / "workers" / "straggler_worker.py"
 

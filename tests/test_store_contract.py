@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from elasticrun.errors import CompactedError, LeaseExpiredError, StoreError
-from elasticrun.store.api import EventType, Store, WatchEvent
-from elasticrun.store.client import GrpcStore
-from elasticrun.store.etcd import EtcdStore
-from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.api import EventType, Store
+from elasticrun.store.client.grpc_store import GrpcStore
+from elasticrun.store.etcd.backend import EtcdStore
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.server.store_server import StoreServer
+from tests.helpers import next_events
 
 STORE_KINDS = ["memory", "grpc", pytest.param("etcd", marks=pytest.mark.etcd)]
 #: Small enough that a test outruns it with a few dozen writes.
@@ -71,12 +72,6 @@ def compact_history(
             await store.put("filler", b"x" * 1024 + str(i).encode())
 
     return outrun_ring
-
-
-async def next_events(it: AsyncIterator[WatchEvent], n: int) -> list[WatchEvent]:
-    """The next `n` events of a watch, or a test failure if they do not come."""
-    async with asyncio.timeout(EVENT_WAIT):
-        return [await anext(it) for _ in range(n)]
 
 
 # --- reads and writes ------------------------------------------------------------

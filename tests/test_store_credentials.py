@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from elasticrun.store.callers import identify, permits
 from elasticrun.store.credentials import (
     ADMIN,
     NOTHING,
@@ -18,6 +17,7 @@ from elasticrun.store.credentials import (
     worker_job_of,
     worker_prefix,
 )
+from elasticrun.store.server.callers import identify, permits
 
 TOKEN = "the-admin-token"
 

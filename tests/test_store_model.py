@@ -36,10 +36,10 @@ from pyetcd import etcdrpc
 
 from elasticrun.errors import LeaseExpiredError, StoreError, StoreRequestError
 from elasticrun.store.api import EventType, KeyValue, RangeResult, Store, WatchEvent
-from elasticrun.store.client import GrpcStore
-from elasticrun.store.etcd import EtcdStore
-from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.client.grpc_store import GrpcStore
+from elasticrun.store.etcd.backend import EtcdStore
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.server.store_server import StoreServer
 from tests.etcd_support import EtcdCluster
 
 #: Bounds every wait on the store; far above any healthy latency.

@@ -1,4 +1,4 @@
-"""The store's settings as bad input meets them (issue 29): the files they name are read
+"""The store's settings as bad input meets them: the files they name are read
 up to a bound, and a secret about to travel in plaintext to another host is warned of.
 
 No traffic leaves this host: the non-loopback address is one of RFC 5737's documentation
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.errors import StoreSettingError
-from elasticrun.store.access import MAX_SETTING_FILE_BYTES, open_client, parse_access, plaintext_warning, read_file
+from elasticrun.store.settings import MAX_SETTING_FILE_BYTES, open_client, parse_access, plaintext_warning, read_file
 
 REMOTE = "192.0.2.7:29400"
 

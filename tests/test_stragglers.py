@@ -7,11 +7,14 @@ import asyncio
 import time
 from dataclasses import replace
 
+from elasticrun.rendezvous.codec import decode
 from elasticrun.rendezvous.decide import RendezvousSettings
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import NodeInfo, StepReport
 from elasticrun.rendezvous.reports import Reporter
-from elasticrun.rendezvous.state import Keys, NodeInfo, Participant, Round, StepReport, decode
+from elasticrun.rendezvous.rounds import Participant, Round
 from elasticrun.rendezvous.stragglers import MIN_STEPS, Judgement, judge
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.server.memory import MemoryStore
 
 SETTINGS = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=8, straggler_relative=1.25, straggler_after=3)
 

@@ -12,9 +12,9 @@ import pytest
 
 from elasticrun.rendezvous import leader as leader_module
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import Keys
+from elasticrun.rendezvous.keys import Keys
 from elasticrun.store.api import WatchEvent
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.server.memory import MemoryStore
 from tests.test_rendezvous import make_node, settings
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,4 +1,4 @@
-"""The agent closes itself to its user's other processes (issue 36): its workers run as
+"""The agent closes itself to its user's other processes: its workers run as
 its user, and /proc/<agent>/environ held the store's admin token for any of them."""
 
 from __future__ import annotations

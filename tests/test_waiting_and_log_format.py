@@ -23,13 +23,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.agent_helpers import free_port
 from tests.elastic_cluster import RDZV_CONF, WORKER, Cluster, Proc, Rdzv, run_id
+from tests.helpers import ELASTICRUN, free_port
 from tests.test_elastic_agents import node_id, start
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,7 +71,7 @@ def walker(cluster: Cluster, name: str, addr: int, endpoint: str, job: str, nnod
 
 def control(command: str, endpoint: str, job: str, *args: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "elasticrun", command, *args, "--rdzv-backend=c10d",
+        [*ELASTICRUN, command, *args, "--rdzv-backend=c10d",
          f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", "--timeout=60"],
         capture_output=True, text=True, timeout=90,
     )
@@ -235,7 +234,7 @@ def test_a_job_that_goes_well_says_little(tmp_path: Path) -> None:
     def run(*flags: str, **env: str) -> subprocess.CompletedProcess[str]:
         clean = {k: v for k, v in os.environ.items() if k not in ("LOGLEVEL", "ELASTICRUN_LOG_FORMAT")}
         return subprocess.run(
-            [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=2", *flags, str(script)],
+            [*ELASTICRUN, "--standalone", "--nproc-per-node=2", *flags, str(script)],
             capture_output=True, text=True, timeout=60, env={**clean, **env},
         )
 

@@ -16,14 +16,14 @@ import json
 import re
 import secrets
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
 from elasticrun.store.credentials import Role, grant_of_token
-from tests.agent_helpers import free_port, write_script
+from tests.agent_helpers import write_script
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
+from tests.helpers import free_port
 from tests.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,14 +48,12 @@ NO_TOKEN = r"has no token: anyone who can reach that port can join the job"
 
 
 def agent(cluster: Cluster, name: str, endpoint: str, script: Path, *args: str, conf: str = RDZV_CONF) -> Proc:
-    return cluster.start(
+    return cluster.launch(
         name,
-        [
-            sys.executable, "-m", "elasticrun", "--nnodes=1", "--nproc-per-node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=sec-{secrets.token_hex(4)}",
-            f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", "--shutdown-timeout=5",
-            f"--log-dir={cluster.tmp / 'logs'}", str(script), *args,
-        ],
+        "--nnodes=1", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=sec-{secrets.token_hex(4)}",
+        f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", "--shutdown-timeout=5",
+        f"--log-dir={cluster.tmp / 'logs'}", str(script), *args,
     )
 
 
@@ -101,8 +99,8 @@ def test_workers_get_no_secret_but_a_private_token_file(cluster: Cluster, tmp_pa
 
 def _serve(cluster: Cluster, name: str, host: str) -> str:
     """Run `store serve` on `host` without a token until it serves; stop it; its output."""
-    store = cluster.start(
-        name, [sys.executable, "-m", "elasticrun", "store", "serve", "--host", host, "--port", "0"]
+    store = cluster.launch(
+        name, "store", "serve", "--host", host, "--port", "0"
     )
     store.wait_for(r"serving on")
     if host == "0.0.0.0":

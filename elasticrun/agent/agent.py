@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elasticrun.agent.channel import WorkerChannel
 from elasticrun.agent.env import round_env, worker_env
 from elasticrun.agent.failures import (
     FailureReport,
@@ -41,6 +40,7 @@ from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
 from elasticrun.agent.steptimes import READ_INTERVAL, StepTimes
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
+from elasticrun.agent.worker_link import WorkerChannel
 from elasticrun.errors import (
     EXIT_INFRASTRUCTURE,
     EXIT_TRAINING_FAILED,
@@ -78,7 +78,8 @@ Reclaim = Callable[[Set[int]], Awaitable[str]]
 
 @dataclass(frozen=True, slots=True)
 class StatusEvent:
-    """A worker's or the agent's status change, in torchrun's terms (its event log):
+    """A worker's or the agent's status change, in torchrun's terms (its event log).
+
     `state` START, SUCCEEDED, FAILED or TERMINATED for a worker; RENDEZVOUS and
     ASSIGN_WORKER_RANKS (a round came), SUCCEEDED or FAILED for the agent, whose
     `global_rank` is None."""
@@ -309,8 +310,10 @@ class Agent:
                 loop.remove_signal_handler(sig)
 
     def _make_run_folder(self) -> None:
-        """Make the run folder, private, and open its event log (elasticrun.agent.runfolder:
-        a folder of someone else's, or a link where a file goes, is refused)."""
+        """Make the run folder, private, and open its event log.
+
+        A folder of someone else's, or a link where a file goes, is refused
+        (elasticrun.agent.runfolder)."""
         try:
             self.run_dir.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -321,9 +324,10 @@ class Agent:
         self._event_log = open_log(self.run_dir / "events.jsonl", truncate=False)
 
     def _write_token_file(self, run: str) -> Path | None:
-        """Write the workers' store credential for run `run` of the job (again when the
-        run changed), for their store clients, readable by this user only; None when
-        the store has no token.
+        """Write the workers' store credential for run `run` of the job, readable by this user only.
+
+        It is written again when the run changed, for the workers' store clients; None
+        when the store has no token.
 
         The credential is a worker's of this run of this job (`worker_credential`),
         never the store's token: it reaches the c10d operations on this job's worker
@@ -559,8 +563,9 @@ class Agent:
         return await self._reclaim(stopped)
 
     def _forgiveness(self) -> str:
-        """Why this worker failure spends no restart ("": it does), by the progress
-        made since the previous one (--forgive-progress); the count starts again."""
+        """Why this worker failure spends no restart ("": it does), by the progress made since the last one.
+
+        That is --forgive-progress; the count starts again."""
         spec, why = self.spec, ""
         if spec.forgive_heartbeat and self._heartbeat_since_failure:
             why = "every worker made progress (heartbeat) since the previous failure"
@@ -570,8 +575,10 @@ class Agent:
         return why
 
     def _watchdog(self) -> ProgressWatchdog | None:
-        """A progress watchdog whose clock starts now (with --progress-timeout, or for
-        --forgive-progress heartbeat: then it only keeps the progress files)."""
+        """A progress watchdog whose clock starts now.
+
+        With --progress-timeout it watches; for --forgive-progress heartbeat alone it
+        only keeps the progress files."""
         if self.spec.progress_timeout is None and not self.spec.forgive_heartbeat:
             return None
         make_private_folder(self.run_dir / "progress")
@@ -611,8 +618,10 @@ class Agent:
                     self.metrics.steps(report)
 
     async def _warm_up(self, channel: WorkerChannel) -> None:
-        """In-process mode: start the workers before joining, so the job does not wait
-        for their imports, model building and data loading when the round forms.
+        """In-process mode: start the workers before joining.
+
+        So the job does not wait for their imports, model building and data loading when
+        the round forms.
 
         The worker API connects when the script imports it, so a script that does not
         use it is found here, before this node joins: it exits (it finds no RANK) or

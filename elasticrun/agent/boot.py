@@ -19,7 +19,8 @@ BOOT_ENV = "ELASTICRUN_BOOT"
 
 
 def boot_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables that make a worker with environment `env` load the boot first
-    (any PYTHONPATH it had stays behind it; the boot takes itself out again)."""
+    """The variables that make a worker with environment `env` load the boot first.
+
+    Any PYTHONPATH it had stays behind it; the boot takes itself out again."""
     before = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(BOOT_DIR)]
     return {BOOT_ENV: str(BOOT_DIR), "PYTHONPATH": os.pathsep.join([str(BOOT_DIR), *before])}

@@ -3,7 +3,7 @@
 Why: sessions.py finds what the workers started by their session, the agent's mark in
 their environment, and parenthood. A process that leaves its worker's session
 (`setsid()`), replaces its environment (`env -i`) and whose parent is gone has none of
-the three: it outlived its agent (issue 36). A cgroup is kept across all of that: every
+the three: it outlived its agent. A cgroup is kept across all of that: every
 process a member forks is a member, and `cgroup.kill` SIGKILLs all of them at once,
 whatever they did. So where a cgroup v2 hierarchy is mounted and the agent may make a
 cgroup below its own (root, or a delegated subtree: systemd's `Delegate=yes`, a
@@ -77,16 +77,16 @@ class Cgroup:
                 os.kill(pid, sig)
 
     def kill(self) -> None:
-        """SIGKILL everything in it at once (`cgroup.kill`; where the kernel has none,
-        before 5.14, each process it lists)."""
+        """SIGKILL everything in it at once (`cgroup.kill`).
+
+        Where the kernel has none (before 5.14), each process it lists."""
         try:
             (self.path / "cgroup.kill").write_text("1")
         except OSError:
             self.signal(signal.SIGKILL)
 
     def remove(self, timeout: float) -> bool:
-        """Kill what is in it, wait up to `timeout` s for it to empty, remove it; whether
-        it is gone."""
+        """Kill what is in it, wait up to `timeout` s for it to empty, remove it; whether it is gone."""
         deadline = time.monotonic() + timeout
         while True:
             self.kill()
@@ -102,8 +102,9 @@ class Cgroup:
 
 
 def own_cgroup() -> Path | None:
-    """The folder of this process's cgroup in the unified (v2) hierarchy, None where
-    there is none mounted (or this process is in none of it)."""
+    """The folder of this process's cgroup in the unified (v2) hierarchy, or None.
+
+    None where there is none mounted, or where this process is in none of it."""
     mount = _cgroup2_mount()
     if mount is None:
         return None

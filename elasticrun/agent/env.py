@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from elasticrun.agent.boot import boot_env
-from elasticrun.agent.channel import SOCKET_VAR
 from elasticrun.agent.gpu import worker_gpu_env
 from elasticrun.agent.spec import WorkerSpec
+from elasticrun.agent.worker_link import SOCKET_VAR
 from elasticrun.errors import UsageError
 from elasticrun.rendezvous.api import Assignment
 from elasticrun.store.wire import TOKEN_FILE_ENV
@@ -87,8 +87,10 @@ def worker_env(
 
 
 def _virtual_local_rank_env(spec: WorkerSpec, local_rank: int, base_env: Mapping[str, str]) -> dict[str, str]:
-    """--isolate-gpus (torchrun's --virtual-local-rank): each worker sees one GPU, as
-    cuda:0, with LOCAL_RANK=0 so that `set_device(LOCAL_RANK)` finds it.
+    """--isolate-gpus (torchrun's --virtual-local-rank).
+
+    Each worker sees one GPU, as cuda:0, with LOCAL_RANK=0 so that
+    `set_device(LOCAL_RANK)` finds it.
 
     Its real local rank stays in ELASTICRUN_LOCAL_RANK (the in-process link needs it).
     Without GPUs known to NVML, as torchrun: the local rank's entry of the agent's own

@@ -33,8 +33,10 @@ _CHAINED = (
 
 
 def describe_exit(returncode: int, stopped_by: str = "") -> str:
-    """`exit code 3`, or `SIGKILL (-9), often the out-of-memory killer`, or (a worker
-    the agent stopped itself) `SIGTERM (-15), stopped by the progress watchdog`."""
+    """How a worker ended, for people: `exit code 3`, `SIGKILL (-9), often the out-of-memory killer`.
+
+    A worker the agent stopped itself says who did: `SIGTERM (-15), stopped by the progress watchdog`.
+    """
     if returncode >= 0:
         return f"exit code {returncode}"
     try:
@@ -88,8 +90,9 @@ def read_error_file(path: Path) -> ErrorFile | None:
 
 
 def traceback_from_stderr(lines: Sequence[str]) -> str:
-    """The last Python traceback in these stderr lines (with the exceptions chained to
-    it), or their last lines when there is none."""
+    """The last Python traceback in these stderr lines, or their last lines when there is none.
+
+    The traceback comes with the exceptions chained to it."""
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most")]
     if not starts:
         return "\n".join(lines[-_PLAIN_TAIL_LINES:])

@@ -133,8 +133,10 @@ class FileTail:
         self._end: int | None = None
 
     async def read(self, n: int) -> bytes:
-        """Up to `n` more bytes, waiting while there are none; b"" at the end (after
-        `finish()`), as a pipe's reader returns when the pipe closes."""
+        """Up to `n` more bytes, waiting while there are none.
+
+        B"" at the end (after `finish()`), as a pipe's reader returns when the pipe
+        closes."""
         while True:
             # Cleared before reading: a write after this read sets it again.
             self._grown.clear()

@@ -74,8 +74,9 @@ def _what_is_at(path: Path) -> str:
 
 
 def _open_fifo(path: Path) -> tuple[int, os.stat_result] | None:
-    """Open the FIFO at `path`, never through a link; None when no FIFO is there (the
-    one just made was replaced)."""
+    """Open the FIFO at `path`, never through a link.
+
+    None when no FIFO is there (the one just made was replaced)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -111,8 +112,9 @@ class FileTimerServer:
     """The timers of this node's workers, fed through the FIFO at `path`."""
 
     def __init__(self, path: Path, sessions: Callable[[], tuple[int, ...]]) -> None:
-        """`sessions()` is the pids of the running workers: a timer's pid is signalled
-        only when its session is one of theirs."""
+        """`sessions()` is the pids of the running workers.
+
+        A timer's pid is signalled only when its session is one of theirs."""
         self.path = path
         self._sessions = sessions
         #: pid -> the timer that had it signalled, for the failure report's reason

@@ -105,8 +105,10 @@ class Nvml(Protocol):
         ...
 
     def compute_processes(self, index: int) -> tuple[tuple[int, int | None], ...]:
-        """The processes with a compute context on the device: (pid, bytes of its memory
-        there, None where NVML cannot tell). The pids are of NVML's PID namespace."""
+        """The processes with a compute context on the device.
+
+        (pid, bytes of its memory there, None where NVML cannot tell). The pids are of
+        NVML's PID namespace."""
         ...
 
 
@@ -467,9 +469,11 @@ class Gpus:
     async def wait_released(
         self, devices: Sequence[int], pids: Set[int], limit: float, say: Callable[[str], None]
     ) -> GpuProblem | None:
-        """Wait until no process of `pids` (stopped workers and what they started)
-        holds memory on these devices, by NVML's process list, for `limit` seconds at
-        most; then the memory counts as lost: the problem says where and whose.
+        """Wait until no process of `pids` holds memory on these devices, for `limit` seconds at most.
+
+        `pids` are the stopped workers and what they started, looked for in NVML's
+        process list. Past `limit` the memory counts as lost: the problem says where and
+        whose.
 
         A killed process's memory is freed by the driver as it tears the context down,
         which may take a while (or forever, for a process stuck in the driver): workers

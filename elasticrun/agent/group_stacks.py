@@ -30,8 +30,8 @@ from elasticrun.agent.watchdog import Hang
 from elasticrun.errors import UsageError
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import Assignment, RendezvousHandler
+from elasticrun.rendezvous.records import NodeStacks, RankStacks
 from elasticrun.rendezvous.stack_summary import one_line, render_ranks, summarise
-from elasticrun.rendezvous.state import NodeStacks, RankStacks
 
 logger = logging.getLogger("elasticrun.agent")
 
@@ -99,9 +99,10 @@ class GroupStacks:
             await self._handler.answer_stacks(replace(mine, request=request.id))
 
     async def of_hang(self, assignment: Assignment, hang: Hang, node_id: str) -> tuple[list[str], Path | None]:
-        """Where every rank of the job was when this node's watchdog found `hang`: the
-        summary (logged), and the file that keeps it with this node's stacks (and, when
-        this node asked, every node's)."""
+        """Where every rank of the job was when this node's watchdog found `hang`.
+
+        The summary (logged), and the file that keeps it with this node's stacks (and,
+        when this node asked, every node's)."""
         reason = hang.reason(assignment.rank_offset + hang.local_rank)
         started = time.monotonic()
         mine = await self.capture(assignment, reason, CAPTURE_LIMIT)

@@ -73,8 +73,9 @@ class HealthCheck:
     env: Mapping[str, str]
 
     async def run(self) -> CheckResult:
-        """Run the check once, to its end or its timeout; never raises but for
-        cancellation (which kills what it started)."""
+        """Run the check once, to its end or its timeout.
+
+        Never raises but for cancellation (which kills what it started)."""
         started = time.monotonic()
         # Our own pipe, not asyncio's: its Process.wait() also waits for the pipes to
         # close, which a process the check left behind (a daemon) may never let happen.
@@ -119,8 +120,9 @@ class HealthCheck:
         return CheckResult(Verdict.FAILED, reason, seconds)
 
     async def watch(self, interval: float, seen: Callable[[CheckResult], None]) -> CheckResult:
-        """Run the check every `interval` seconds (after the last run ended); return the
-        first run that fails. `seen` is told of every run (metrics, a log line)."""
+        """Run the check every `interval` seconds (after the last run ended); return the first run that fails.
+
+        `seen` is told of every run (metrics, a log line)."""
         while True:
             await asyncio.sleep(interval)
             result = await self.run()
@@ -130,9 +132,10 @@ class HealthCheck:
 
 
 def _read_into(fd: int, tail: bytearray, loop: asyncio.AbstractEventLoop | None, reads: int) -> None:
-    """Read from the check's output pipe, at most `reads` times (a check writing without
-    end must not hold the loop), keeping the last `_TAIL` bytes; at the pipe's end, stop
-    watching it (`loop`: the loop that watches it)."""
+    """Read from the check's output pipe, keeping the last `_TAIL` bytes.
+
+    At most `reads` times (a check writing without end must not hold the loop); at the
+    pipe's end, stop watching it (`loop`: the loop that watches it)."""
     for _ in range(reads):
         try:
             chunk = os.read(fd, 1 << 16)

@@ -21,7 +21,7 @@ from elasticrun import __version__
 from elasticrun.agent.health_check import CheckResult
 from elasticrun.agent.spec import WorkerState
 from elasticrun.rendezvous.api import Assignment
-from elasticrun.rendezvous.state import StepReport
+from elasticrun.rendezvous.records import StepReport
 
 #: seconds from a change to running again: a membership change in place takes well
 #: under a second, a restart of big workers minutes
@@ -107,8 +107,9 @@ class AgentMetrics:
         self.quarantined.set_function(lambda: float(count()))
 
     def stragglers_from(self, scores: Callable[[], Mapping[str, tuple[float, float, bool]]]) -> None:
-        """Read the leader's straggler scores from `scores` at each scrape (node id ->
-        relative, individual, named; empty on an agent that does not lead)."""
+        """Read the leader's straggler scores from `scores` at each scrape.
+
+        Node id -> relative, individual, named; empty on an agent that does not lead."""
         self.stragglers.set_function(lambda: float(sum(named for *_, named in scores().values())))
         self.registry.register(_StragglerScores(scores))
 
@@ -129,8 +130,10 @@ class AgentMetrics:
             self.worker_state.labels(each.value).set(1.0 if each is state else 0.0)
 
     def round_over(self, *, failure: str = "") -> None:
-        """This node's round ended: by a change elsewhere, or (`failure`: its cause)
-        by a failure of its own workers, which it restarts."""
+        """This node's round ended.
+
+        By a change elsewhere, or (`failure`: its cause) by a failure of its own
+        workers, which it restarts."""
         self._ended_at = time.monotonic()
         if failure:
             self.restarts.labels(failure).inc()
@@ -163,8 +166,10 @@ class AgentMetrics:
 
 
 class _StragglerScores:
-    """`elasticrun_straggler_score{node_id, score}`: one series per scored node and score,
-    on the leader's agent, made at each scrape from the leader's latest verdict."""
+    """`elasticrun_straggler_score{node_id, score}`.
+
+    One series per scored node and score, on the leader's agent, made at each scrape
+    from the leader's latest verdict."""
 
     def __init__(self, scores: Callable[[], Mapping[str, tuple[float, float, bool]]]) -> None:
         self._scores = scores

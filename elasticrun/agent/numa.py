@@ -112,8 +112,10 @@ def _groups(cpus: set[int], key: Callable[[int], int]) -> list[set[int]]:
 
 
 def cpus_near(mode: str, gpu: int, bus_ids: Sequence[str], topo: Topology) -> frozenset[int]:
-    """The CPUs a worker on NVML device `gpu` is bound to; `bus_ids` holds every GPU's
-    PCI address by NVML index (for the modes that share a node among its GPUs)."""
+    """The CPUs a worker on NVML device `gpu` is bound to.
+
+    `bus_ids` holds every GPU's PCI address by NVML index (for the modes that share a
+    node among its GPUs)."""
     node = topo.node_of_gpu(bus_ids[gpu])
     if mode == "node":
         cpus = topo.node_cpus(node)

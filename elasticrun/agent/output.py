@@ -90,8 +90,10 @@ def plan_streams(
 def worker_stdio(
     plans: Mapping[int, Mapping[Std, StreamPlan]],
 ) -> Iterator[dict[int, tuple[int, int]]]:
-    """Per local rank, the (stdout, stderr) to start the worker with: the descriptor of
-    the stream's log file, or asyncio.subprocess.PIPE where it has none.
+    """Per local rank, the (stdout, stderr) to start the worker with.
+
+    The descriptor of the stream's log file, or asyncio.subprocess.PIPE where it has
+    none.
 
     The files are opened here, before any worker starts, so a log folder we cannot write
     to fails the start, and so does a link planted where one goes (it is never followed,
@@ -120,9 +122,11 @@ def _open_log(path: Path | None, opened: contextlib.ExitStack) -> int:
 
 
 class Duplicates:
-    """torchrun's --duplicate-stdout-filters and --duplicate-stderr-filters: the lines of
-    the tee'd streams (--tee) that contain one of a stream's filters, copied with their
-    console prefix to `<attempt folder>/filtered_stdout.log` (or `filtered_stderr.log`)."""
+    """torchrun's --duplicate-stdout-filters and --duplicate-stderr-filters.
+
+    The lines of the tee'd streams (--tee) that contain one of a stream's filters,
+    copied with their console prefix to `<attempt folder>/filtered_stdout.log` (or
+    `filtered_stderr.log`)."""
 
     def __init__(self, attempt_dir: Path, filters: Mapping[str, tuple[str, ...]]) -> None:
         self._filters = {stream: needles for stream, needles in filters.items() if needles}
@@ -211,8 +215,10 @@ class WorkerOutput:
             task.add_done_callback(functools.partial(self._copy_ended, stream))
 
     def _copy_ended(self, stream: str, task: asyncio.Task[None]) -> None:
-        """A copy that fails is said at once: the worker runs on (a log file still takes
-        its output), but the stream no longer reaches the console, the tail or status."""
+        """A copy that fails is said at once.
+
+        The worker runs on (a log file still takes its output), but the stream no longer
+        reaches the console, the tail or status."""
         if not task.cancelled() and task.exception() is not None:
             logger.warning(
                 "rank %d: its %s is no longer followed: %r", self.global_rank, stream, task.exception()
@@ -240,8 +246,10 @@ class WorkerOutput:
         return pipe
 
     async def drain(self, timeout: float) -> None:
-        """Read what is left, once the worker has exited: each log file to its end as
-        of now, each pipe until it closes (the worker and its children are gone).
+        """Read what is left, once the worker has exited.
+
+        Each log file to its end as of now, each pipe until it closes (the worker and
+        its children are gone).
 
         A grandchild that escaped the worker's process group may write on: to a log
         file, what it writes from now on is in the file only; a pipe it may hold open
@@ -267,8 +275,10 @@ async def _copy(
     console: BinaryIO | None,
     sink: Callable[[list[str]], None],
 ) -> None:
-    """Read one stream to its end: whole prefixed lines to the console, decoded lines
-    to the sink; on a terminal, the frames of a line that redraws itself as they come."""
+    """Read one stream to its end.
+
+    Whole prefixed lines to the console, decoded lines to the sink; on a terminal, the
+    frames of a line that redraws itself as they come."""
     partial = b""
     live = _Terminal.of(console)
     me = object()  # this stream, as the owner of the terminal's open line
@@ -293,9 +303,10 @@ async def _copy(
 
 
 class _Terminal:
-    """A console that is a terminal, and which stream's line is open on it (a frame of
-    a redrawn line, without its newline yet): another stream's output starts below it,
-    and the owner's next frame or line replaces it."""
+    """A console that is a terminal, and which stream's line is open on it.
+
+    An open line is a frame of a redrawn line, without its newline yet: another stream's
+    output starts below it, and the owner's next frame or line replaces it."""
 
     _known: dict[int, _Terminal | None] = {}
 

@@ -275,8 +275,9 @@ class WorkerGroup:
         )
 
     def tree(self) -> set[int]:
-        """The workers' pids and those of every live process they started: what may
-        hold their GPU memory. Scans /proc."""
+        """The workers' pids and those of every live process they started: what may hold their GPU memory.
+
+        Scans /proc."""
         return {proc.pid for proc in self.procs.values()} | member_pids(self.sessions.values(), self._warden.mark)
 
     async def wait(self) -> list[WorkerExit]:
@@ -294,8 +295,9 @@ class WorkerGroup:
     async def stop(
         self, sig: signal.Signals = signal.SIGTERM, *, grace: float, hurry: asyncio.Event | None = None
     ) -> None:
-        """Send `sig` to every worker's session, SIGKILL them after `grace` s (or as soon
-        as `hurry` is set: a second Ctrl-C), reap.
+        """Send `sig` to every worker's session, SIGKILL them after `grace` s, reap.
+
+        The SIGKILL comes sooner as soon as `hurry` is set (a second Ctrl-C).
 
         What exited workers left behind in their sessions is killed too: stop() returns
         once every worker is reaped and nothing of their sessions is left. Runs to the

@@ -29,8 +29,9 @@ _WRITE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def make_private_folder(path: Path) -> None:
-    """Make folder `path` private to this user (0700), or check that the one there is a
-    real folder this user owns and make it private. Its parent must exist."""
+    """Make folder `path` private to this user (0700), making it if it is not there.
+
+    A folder already there must be a real folder this user owns. Its parent must exist."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -61,8 +62,9 @@ def make_private_folder(path: Path) -> None:
 
 
 def open_log(path: Path, *, truncate: bool) -> int:
-    """Open `path` for appending (emptied first when `truncate`), created 0600 if missing;
-    never through a link. Returns the descriptor (close-on-exec)."""
+    """Open `path` for appending (emptied first when `truncate`), created 0600 if missing.
+
+    Never through a link. Returns the descriptor (close-on-exec)."""
     return _open(path, _WRITE | os.O_APPEND | (os.O_TRUNC if truncate else 0), "log file")
 
 

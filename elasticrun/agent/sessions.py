@@ -115,8 +115,9 @@ def _stat(pid: int) -> _Stat | None:
 
 
 def _read(path: str, limit: int) -> bytes | None:
-    """The file's first `limit` bytes, or None when it cannot be read (a process gone,
-    or one whose files this user may not read)."""
+    """The file's first `limit` bytes, or None when it cannot be read.
+
+    It cannot when the process is gone, or its files are not this user's to read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -134,8 +135,10 @@ def _read(path: str, limit: int) -> bytes | None:
 
 
 def belongs(pid: int, session: Session) -> bool:
-    """Whether live process `pid` is one of `session`'s: in it, or descended from one
-    of its processes (a wrapper's child that moved to a session of its own).
+    """Whether live process `pid` is one of `session`'s.
+
+    In it, or descended from one of its processes (a wrapper's child that moved to a
+    session of its own).
 
     A process with the leader's pid counts only with the leader's start time. One
     with the session's id is in it: the kernel gives no new process that number while
@@ -162,8 +165,9 @@ def _carries(pid: int, mark: Mark) -> bool:
 
 
 def _members(sessions: Iterable[Session], mark: Mark | None = None) -> list[_Stat]:
-    """The live processes of `sessions` or with `mark`, and their descendants; a session
-    whose id was reused is skipped."""
+    """The live processes of `sessions` or with `mark`, and their descendants.
+
+    A session whose id was reused is skipped."""
     stats = [s for s in map(_stat, _pids()) if s is not None]
     by_pid = {s.pid: s for s in stats}
     ours = set()
@@ -193,8 +197,7 @@ def _pids() -> list[int]:
 
 
 def _signal_members(sessions: Iterable[Session], mark: Mark | None, sig: signal.Signals) -> dict[int, int]:
-    """Send `sig` to every live process of `sessions` and `mark`; return the pidfds of
-    those it reached, by pid.
+    """Send `sig` to every live process of `sessions` and `mark`; return the pidfds of those it reached, by pid.
 
     The caller closes them.
     """
@@ -223,9 +226,11 @@ def member_pids(sessions: Iterable[Session], mark: Mark | None = None) -> set[in
 
 
 def signal_sessions(sessions: Iterable[Session], sig: signal.Signals, mark: Mark | None = None) -> set[int]:
-    """Send `sig` to every live process of `sessions` and `mark` (no wait); the pids it
-    reached (a caller that signals others too must not signal these twice: a second
-    SIGTERM runs a worker's handler again, in the middle of its first run)."""
+    """Send `sig` to every live process of `sessions` and `mark` (no wait); return the pids it reached.
+
+    A caller that signals others too must not signal these twice: a second SIGTERM runs a
+    worker's handler again, in the middle of its first run.
+    """
     reached = _signal_members(sessions, mark, sig)
     for pidfd in reached.values():
         os.close(pidfd)
@@ -233,8 +238,7 @@ def signal_sessions(sessions: Iterable[Session], sig: signal.Signals, mark: Mark
 
 
 def kill_sessions(sessions: Iterable[Session], limit: float, mark: Mark | None = None) -> list[int]:
-    """SIGKILL every process of `sessions` and `mark` until none is left; blocks, for
-    `limit` s at most.
+    """SIGKILL every process of `sessions` and `mark` until none is left; blocks, for `limit` s at most.
 
     Scans again after each round of kills has ended, since a process may have forked
     while the scan ran. Returns the pids still alive at the limit (a process stuck in

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from elasticrun.agent.runfolder import create_new, open_log
 from elasticrun.agent.sessions import Session, belongs, process_start
-from elasticrun.rendezvous.state import Frame, RankStacks, ThreadStack
+from elasticrun.rendezvous.records import Frame, RankStacks, ThreadStack
 
 #: the worker's variable naming its stack file (read by the worker boot)
 STACKS_FILE_ENV = "ELASTICRUN_STACKS_FILE"
@@ -75,8 +75,7 @@ def stacks_env(path: Path) -> dict[str, str]:
 
 
 def prepare_file(path: Path) -> None:
-    """Create the worker's stack file empty, 0600 (never through a link): the boot
-    appends to it."""
+    """Create the worker's stack file empty, 0600 (never through a link): the boot appends to it."""
     os.close(open_log(path, truncate=True))
 
 
@@ -91,8 +90,9 @@ def _is_thread_start(thread: ThreadStack) -> bool:
 
 
 def parse_dump(text: str) -> tuple[tuple[ThreadStack, ...], int]:
-    """faulthandler's all-threads dump as thread stacks, the main thread first; and how
-    many threads it left out (it writes 100 at most).
+    """faulthandler's all-threads dump as thread stacks, the main thread first.
+
+    And how many threads it left out (it writes 100 at most).
 
     faulthandler lists the threads newest first and does not say which one is the main
     thread: it is the oldest (last) one that threading did not start."""
@@ -144,9 +144,10 @@ def marked_pid(text: str) -> int | None:
 
 
 def _status(path: str) -> dict[str, str]:
-    """The fields of a /proc status file that a capture reads (empty when it cannot be
-    read: the process is gone). Read as bytes and searched: a capture reads one per
-    thread, again and again while it waits, and parsing each whole was most of its cost."""
+    """The fields of a /proc status file that a capture reads (empty when the process is gone).
+
+    Read as bytes and searched: a capture reads one per thread, again and again while it
+    waits, and parsing each whole was most of its cost."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -182,9 +183,11 @@ def _threads_blocking(pid: int, sig: int) -> set[str]:
 
 
 def _handled(pid: int, sig: int, blocking_before: set[str]) -> bool | None:
-    """Whether `sig`, sent to `pid`, has been handled: pending in no thread nor the
-    process, and blocked by no thread that did not block it before (a thread blocks a
-    signal while it runs its handler). None: the process is gone."""
+    """Whether `sig`, sent to `pid`, has been handled.
+
+    Pending in no thread nor the process, and blocked by no thread that did not block it
+    before (a thread blocks a signal while it runs its handler). None: the process is
+    gone."""
     status = _status(f"/proc/{pid}/status")
     if not status:
         return None
@@ -259,8 +262,9 @@ class StackCapture:
         self._marks: dict[Path, tuple[int, int | None]] = {}
 
     def capture(self, targets: Sequence[Target], limit: float) -> tuple[RankStacks, ...]:
-        """Every target's stacks, or why there are none; waits `limit` s at most for
-        the dumps. Blocks: run it in a thread."""
+        """Every target's stacks, or why there are none; waits `limit` s at most for the dumps.
+
+        Blocks: run it in a thread."""
         with self._lock:
             self._marks = {t.file: self._marks[t.file] for t in targets if t.file in self._marks}
             results: dict[int, RankStacks] = {}
@@ -391,8 +395,7 @@ def _read_from(path: Path, offset: int) -> bytes:
 
 
 def keep(path: Path, reason: str, lines: Sequence[str]) -> None:
-    """Write one capture's text to `path`, a new file in the run folder (0600, never
-    through a link)."""
+    """Write one capture's text to `path`, a new file in the run folder (0600, never through a link)."""
     stamp = datetime.now().astimezone().isoformat(timespec="milliseconds")
     with os.fdopen(create_new(path, "stacks file"), "w") as f:
         f.write(f"captured {stamp}: {reason}\n\n" + "\n".join(lines) + "\n")

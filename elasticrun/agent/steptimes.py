@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticrun.rendezvous.api import Assignment
-from elasticrun.rendezvous.state import StepReport
+from elasticrun.rendezvous.records import StepReport
 
 #: the worker's variable naming its file (elasticrun.worker.steptime.STEPS_FILE_ENV)
 STEPS_FILE_ENV = "ELASTICRUN_STEPS_FILE"
@@ -53,8 +53,9 @@ class StepTimes:
     """The step timing files of one node's workers."""
 
     def __init__(self, directory: Path, local_ranks: Iterable[int], *, keep: bool = False) -> None:
-        """Watch `directory`; an earlier attempt's files are removed unless `keep` (the
-        workers outlive attempts: in-process mode)."""
+        """Watch `directory`; an earlier attempt's files are removed unless `keep`.
+
+        `keep` is for workers that outlive attempts (in-process mode)."""
         self.directory = Path(directory)
         self._files = {rank: self.directory / f"rank_{rank}.json" for rank in local_ranks}
         if not keep:
@@ -108,8 +109,9 @@ class StepTimes:
         )
 
     def waiting_in(self, local_rank: int, now: float | None = None) -> str:
-        """Where worker `local_rank` waits, as the hang's report says it: `waiting in
-        all_reduce for 58s`; "" when it does not (or its file does not say)."""
+        """Where worker `local_rank` waits, as the hang's report says it.
+
+        `waiting in all_reduce for 58s`; "" when it does not (or its file does not say)."""
         steps = self.read().get(local_rank)
         if steps is None or not steps.waiting:
             return ""

@@ -29,8 +29,10 @@ PR_GET_DUMPABLE = 3
 
 
 def forbid_dumps() -> bool:
-    """Make this process non-dumpable; whether it now is (False off Linux, or where
-    the call is refused: then it says so once, and the process goes on as before)."""
+    """Make this process non-dumpable.
+
+    Whether it now is (False off Linux, or where the call is refused: then it says so
+    once, and the process goes on as before)."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl  # the C library this process runs on
     except (OSError, AttributeError):  # no prctl: not Linux

@@ -1,6 +1,7 @@
-"""The warden: one small process per agent that, once the agent has ended, however it
-ended (SIGKILL included), removes the agent's secret files and kills everything its
-workers started.
+"""The warden: one small process per agent that cleans up once the agent has ended.
+
+However the agent ended (SIGKILL included), it removes the agent's secret files and
+kills everything its workers started.
 
 Each worker dies with its agent by itself (PR_SET_PDEATHSIG, see processes.py), but
 what it spawned does not: a grandchild `sleep`, a shell pipeline, a data-preparation
@@ -76,8 +77,10 @@ def cgroup_line(cgroup: Cgroup, *, gone: bool = False) -> bytes:
 
 
 def remove_line(path: Path, made: os.stat_result) -> bytes:
-    """The line that has the warden remove `path` should the agent die, if it is still
-    the file `made` describes (its device and inode): never another file by that name."""
+    """The line that has the warden remove `path` should the agent die.
+
+    Only if it is still the file `made` describes (its device and inode): never another
+    file by that name."""
     return f"remove {made.st_dev} {made.st_ino} {os.fsencode(path).hex()}\n".encode()
 
 

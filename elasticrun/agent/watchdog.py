@@ -44,8 +44,7 @@ class Hang:
     never: bool = False
 
     def reason(self, global_rank: int) -> str:
-        """The one-line cause: `worker rank 3 hung: no progress for 61s (waiting in
-        all_reduce for 58s)`."""
+        """The one-line cause: `worker rank 3 hung: no progress for 61s (waiting in all_reduce for 58s)`."""
         where = f" ({self.waiting})" if self.waiting else ""
         if self.never:
             return (
@@ -105,8 +104,10 @@ class ProgressWatchdog:
             raise ValueError(f"local rank {local_rank} is not watched (watching {sorted(self._workers)})") from None
 
     def progressed(self) -> bool:
-        """Whether every worker has called `heartbeat()` since the watchdog was made
-        (--forgive-progress heartbeat): an earlier attempt's files were removed then."""
+        """Whether every worker has called `heartbeat()` since the watchdog was made.
+
+        That is --forgive-progress heartbeat; an earlier attempt's files were removed
+        then."""
         return all(w.path.exists() for w in self._workers.values())
 
     def check(self) -> Hang | None:
@@ -130,8 +131,11 @@ class ProgressWatchdog:
         return Hang(local_rank=rank, silent_for=now - worst.progress_at, never=self.never_progressed(rank))
 
     def _due(self, watched: _Watched) -> float:
-        """When the worker is overdue: the timeout after its latest progress, or the
-        start timeout after the watchdog's start while it has made none."""
+        """When the worker is overdue (watchdog clock).
+
+        The timeout after its latest progress; while it has made none, the start timeout
+        after the watchdog's start.
+        """
         allowed = self.timeout if watched.mtime_ns is not None else self.start_timeout
         assert allowed is not None  # only asked with a timeout
         return watched.progress_at + allowed

@@ -61,16 +61,20 @@ def _quiet_grpc() -> None:
 
 
 def _one_line(message: str) -> str:
-    """The message as one printable line: a newline or a terminal escape that came in
-    with the user's input is shown escaped, never acted on."""
+    """The message as one printable line.
+
+    A newline or a terminal escape that came in with the user's input is shown escaped,
+    never acted on."""
     if message.isprintable():
         return message
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 def _check_not_a_misspelt_subcommand(argv: Sequence[str]) -> None:
-    """`elasticrun stauts ...`: a first word that names no file here but is close to a
-    subcommand is a misspelt subcommand, not a training script that is missing."""
+    """`elasticrun stauts ...`.
+
+    A first word that names no file here but is close to a subcommand is a misspelt
+    subcommand, not a training script that is missing."""
     first = argv[0] if argv else "-"
     if first.startswith("-") or os.path.exists(first):
         return
@@ -90,14 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv and argv[0] in SUBCOMMANDS:
             args = subcommand_parser().parse_args(argv)
             if isinstance(getattr(args, "rdzv_id", None), str):
-                from elasticrun.launcher.config import check_run_id
+                from elasticrun.launcher.parsing import check_run_id
 
                 check_run_id(args.rdzv_id)
             run: Callable[[argparse.Namespace], int] = args.run
             return run(args)
         _check_not_a_misspelt_subcommand(argv)
         args = launch_parser().parse_args(argv)
-        from elasticrun.launcher.config import build_config
+        from elasticrun.launcher.assemble import build_config
         from elasticrun.launcher.launch import run_launch
         log_format.use(args.log_format)
         return run_launch(build_config(args, os.environ))

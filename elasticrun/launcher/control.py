@@ -1,7 +1,7 @@
 """What every job-control subcommand shares: its flags, the store, and a job snapshot.
 
 Job control reads and writes the same store records the agents use (see
-`elasticrun.rendezvous.state`); it never hosts a store, it only connects to one.
+`elasticrun.rendezvous.records`); it never hosts a store, it only connects to one.
 """
 
 from __future__ import annotations
@@ -16,27 +16,28 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from elasticrun.errors import UsageError
-from elasticrun.launcher.config import BACKENDS, parse_rdzv_conf, settings_from_flags, within_max_seconds
+from elasticrun.launcher.flag_values import within_max_seconds
 from elasticrun.launcher.flags import rdzv_conf_keys
-from elasticrun.rendezvous.state import (
-    JOBS_PREFIX,
+from elasticrun.launcher.parsing import BACKENDS
+from elasticrun.launcher.rdzv_conf import parse_rdzv_conf, settings_from_flags
+from elasticrun.rendezvous.job_records import JobRecords
+from elasticrun.rendezvous.keys import JOBS_PREFIX, Keys
+from elasticrun.rendezvous.records import (
     Event,
     JobLaunch,
-    JobRecords,
     JobSpec,
-    Keys,
     LeaderState,
     NodeInfo,
     NodeStatus,
     QuarantineTable,
-    Round,
     StacksRequest,
     StepReport,
     StragglerReport,
 )
-from elasticrun.store.access import StoreAccess, open_client, parse_access
+from elasticrun.rendezvous.rounds import Round
 from elasticrun.store.api import EventType, Store
-from elasticrun.store.contact import first_contact
+from elasticrun.store.client.first_contact import first_contact
+from elasticrun.store.settings import StoreAccess, open_client, parse_access
 
 #: the --rdzv-conf keys job control reads: how to reach the store
 ACCESS_KEYS = (
@@ -85,9 +86,11 @@ class JobTarget:
 
     @contextlib.asynccontextmanager
     async def open(self) -> AsyncIterator[Store]:
-        """A client of the job's store, once the store has answered: nothing listening
-        there, or a name that does not resolve, is an error at once, and a connection
-        that takes longer than a second is said on stderr (see `store.contact`)."""
+        """A client of the job's store, once the store has answered.
+
+        Nothing listening there, or a name that does not resolve, is an error at once,
+        and a connection that takes longer than a second is said on stderr (see
+        `store.client.first_contact`)."""
         async with open_client(self.access) as store:
             await first_contact(
                 store,
@@ -178,8 +181,10 @@ async def read_job(store: Store, target: JobTarget) -> JobView:
 
 
 async def read_records(store: Store, target: JobTarget) -> tuple[JobRecords, int]:
-    """The job's records as the store holds them now, and the revision they were read
-    at (for a watch that keeps them current); a job that is not there is a usage error."""
+    """The job's records as the store holds them now, and the revision they were read at.
+
+    The revision is for a watch that keeps them current; a job that is not there is a
+    usage error."""
     snapshot = await store.get_prefix(target.keys.prefix)
     records = JobRecords(target.keys)
     for kv in snapshot.kvs:
@@ -238,8 +243,9 @@ async def wait_nodes_gone(store: Store, keys: Keys, node_ids: set[str], timeout:
 
 
 async def wait_keys_gone(store: Store, prefix: str, wanted: set[str], timeout: float) -> set[str]:
-    """Wait until none of the keys `wanted` (all under `prefix`) exists; return those
-    still there after `timeout` seconds."""
+    """Wait until none of the keys `wanted` (all under `prefix`) exists.
+
+    Return those still there after `timeout` seconds."""
     snapshot = await store.get_prefix(prefix)
     left = wanted & {kv.key for kv in snapshot.kvs}
     if not left:

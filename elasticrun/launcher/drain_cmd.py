@@ -22,8 +22,10 @@ from typing import NoReturn
 from elasticrun.errors import ElasticrunError, UsageError
 from elasticrun.first_of import first_of
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_keys_gone
+from elasticrun.rendezvous.codec import encode
+from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.liveness import Verdict, probe
-from elasticrun.rendezvous.state import DrainRequest, Event, Keys, NodeInfo, encode
+from elasticrun.rendezvous.records import DrainRequest, Event, NodeInfo
 from elasticrun.store.api import Store
 
 #: how often `drain` looks at a drained node that left the job but has not said it is done
@@ -90,9 +92,10 @@ async def drain(
 
 
 async def _reap_ended(store: Store, keys: Keys, nodes: Mapping[str, NodeInfo], ended: list[str]) -> NoReturn:
-    """Delete the drain request of each drained node whose agent ended before it was done
-    (it left the job, so its registration is gone, yet it never deleted the request), and
-    note it in `ended`. Runs until cancelled (or a store error ends it, and the wait).
+    """Delete the drain request of each drained node whose agent ended first, and note it in `ended`.
+
+    Such an agent left the job, so its registration is gone, yet it never deleted the
+    request. Runs until cancelled (or a store error ends it, and the wait).
 
     Ended means its liveness port refused a connection twice, LOOK_EVERY apart: a live
     agent closes that port just before it deletes its request, and a port that cannot be

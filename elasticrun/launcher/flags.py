@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.config import DEFAULT_RUN_ID, RDZV_CONF_KEYS, FromEnvironment
+from elasticrun.launcher.parsing import DEFAULT_RUN_ID
+from elasticrun.launcher.rdzv_conf import RDZV_CONF, RDZV_CONF_KEYS, FromEnvironment
 from elasticrun.launcher.spelling import did_you_mean
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError (one line at the edge) instead of exiting, and
-    names the flag or choice closest to a misspelt one."""
+    """argparse that raises UsageError instead of exiting, and names the closest flag to a misspelt one.
+
+    The error becomes one line at the edge; a misspelt choice gets its closest choice
+    too."""
 
     def error(self, message: str) -> NoReturn:
         if "training_script" in message:
@@ -44,8 +48,10 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
     def _misspelt(self, argv: list[str], candidates: list[str]) -> None:
-        """Raise the usage error for the first of `candidates` that is no flag of this
-        command (or of the subcommand `argv` names) but close to one."""
+        """Raise the usage error for the first of `candidates` that is misspelt.
+
+        That is, no flag of this command (or of the subcommand `argv` names) but close
+        to one."""
         known = self._known_flags(argv)
         unknown = [c for c in candidates if c.startswith("-") and c.split("=", 1)[0] not in known]
         for flag in unknown:
@@ -81,17 +87,13 @@ class Parser(argparse.ArgumentParser):
         return super()._get_values(action, arg_strings)
 
 
-#: the backends a --rdzv-conf key's meaning may start with ("c10d: ..."), most specific first
-_KEY_SCOPES = ("c10d and etcd", "c10d", "etcd")
-
-
 def rdzv_conf_keys(keys: Iterable[str]) -> str:
-    """`keys` of --rdzv-conf for a help text, grouped by the backends that read them, as
-    the one table of keys (config.RDZV_CONF_KEYS) says: every key, and none twice."""
+    """`keys` of --rdzv-conf for a help text, grouped by the backends that read them.
+
+    As the one table of keys (`rdzv_conf.RDZV_CONF`) says: every key, and none twice."""
     groups: dict[str, list[str]] = {"": [], "c10d": [], "c10d and etcd": [], "etcd": []}
     for key in keys:
-        meaning = RDZV_CONF_KEYS[key]
-        groups[next((s for s in _KEY_SCOPES if meaning.startswith(f"{s}:")), "")].append(key)
+        groups[RDZV_CONF_KEYS[key].scope].append(key)
     return "; ".join(f"{scope}: {', '.join(names)}" if scope else ", ".join(names)
                      for scope, names in groups.items() if names)
 
@@ -150,14 +152,39 @@ def _flag(parser: argparse.ArgumentParser, name: str, *extra: str, **kw: Any) ->
     parser.add_argument(*names, dest=name.replace("-", "_"), **kw)
 
 
+#: the width the launcher's --help wraps its description and epilog at
+_HELP_WIDTH = 78
+
+
+def _paragraphs(*texts: str) -> str:
+    """`texts` wrapped for a help text, each a paragraph.
+
+    A line of one that starts with two spaces is an item of a list, wrapped on its own
+    with a hanging indent."""
+    out = []
+    for text in texts:
+        lines = text.split("\n")
+        out.append("\n".join(
+            textwrap.fill(line, _HELP_WIDTH, subsequent_indent="      " if line.startswith("  ") else "")
+            for line in lines
+        ))
+    return "\n\n".join(out)
+
+
 def launch_parser() -> argparse.ArgumentParser:
     """The torchrun-compatible launcher flags."""
     p = Parser(
         prog="elasticrun",
-        description="Elastic, fault-tolerant launcher for distributed PyTorch training, "
-        "used exactly like torchrun. Job control: elasticrun {list,status,logs,join,drain,stop} --help; "
-        "the standalone store: elasticrun store serve --help",
-        epilog="Every flag also takes its default from PET_<FLAG> (e.g. PET_NNODES), as torchrun's do.",
+        description=_paragraphs(
+            "Elastic, fault-tolerant launcher for distributed PyTorch training, "
+            "used exactly like torchrun. Job control: elasticrun {list,status,logs,join,drain,stop} --help; "
+            "the standalone store: elasticrun store serve --help"
+        ),
+        epilog=_paragraphs(
+            "--rdzv-conf keys:\n" + "\n".join(f"  {key.described()}" for key in RDZV_CONF),
+            "Every flag also takes its default from PET_<FLAG> (e.g. PET_NNODES), as torchrun's do.",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"elasticrun {__version__}")
     _flag(p, "nnodes", default="1:1", help="number of nodes N, or MIN:MAX for an elastic job")

@@ -41,14 +41,10 @@ from collections.abc import Mapping
 
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.config import (
-    CARRIED_FLAGS,
-    RUN_PATH_MODULE,
-    SHARED_RDZV_CONF,
-    worker_argv,
-)
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job, timeout_seconds
-from elasticrun.rendezvous.state import JobSpec
+from elasticrun.launcher.parsing import CARRIED_FLAGS, RUN_PATH_MODULE, worker_argv
+from elasticrun.launcher.rdzv_conf import SHARED_RDZV_CONF
+from elasticrun.rendezvous.records import JobSpec
 
 log = logging.getLogger("elasticrun")
 
@@ -129,9 +125,11 @@ def carried(view: JobView) -> list[str]:
 
 
 def join_conf(view: JobView, spec: JobSpec, target: JobTarget, timeout: float | None) -> dict[str, str]:
-    """The --rdzv-conf of the joining agent: the job's timings, then this command's own
-    settings (store access, or a timing, which the spec check then holds to the job's),
-    then the join timeout. One merge, each key once."""
+    """The --rdzv-conf of the joining agent.
+
+    The job's timings, then this command's own settings (store access, or a timing,
+    which the spec check then holds to the job's), then the join timeout. One merge,
+    each key once."""
     conf = {**shared_conf(view, spec), **target.conf}
     if timeout is not None:
         if "join_timeout" in target.conf:
@@ -141,8 +139,10 @@ def join_conf(view: JobView, spec: JobSpec, target: JobTarget, timeout: float | 
 
 
 async def job_argv(target: JobTarget, args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
-    """The launcher command line that joins the job, from join's own flags and command
-    and what of the stored job may come from the store."""
+    """The launcher command line that joins the job.
+
+    Made from join's own flags and command, and what of the stored job may come from the
+    store."""
     timeout = timeout_seconds(args.timeout) if args.timeout is not None else None
     mine = own_command(args, environ)
     async with target.open() as store:
@@ -187,7 +187,7 @@ async def job_argv(target: JobTarget, args: argparse.Namespace, environ: Mapping
 def _run(args: argparse.Namespace) -> int:
     target = job_target(args)
     argv = asyncio.run(job_argv(target, args, os.environ))
-    from elasticrun.launcher.config import build_config
+    from elasticrun.launcher.assemble import build_config
     from elasticrun.launcher.flags import launch_parser
     from elasticrun.launcher.launch import run_launch
 

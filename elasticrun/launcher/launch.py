@@ -25,22 +25,25 @@ from elasticrun.agent.health_check import CheckResult, HealthCheck
 from elasticrun.agent.undumpable import forbid_dumps
 from elasticrun.errors import GpuUnhealthyError, HealthCheckError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.config import DEFAULT_RUN_ID, LaunchConfig, RendezvousConfig, rdzv_flag, settings_from_flags
+from elasticrun.launcher.config import LaunchConfig, RendezvousConfig
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import serving
+from elasticrun.launcher.parsing import DEFAULT_RUN_ID
+from elasticrun.launcher.rdzv_conf import rdzv_flag, settings_from_flags
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import Keys, NodeInfo
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import NodeInfo
 from elasticrun.rendezvous.static import StaticRendezvous
-from elasticrun.store.access import exposure_warning, open_client, serve_here
 from elasticrun.store.api import EventType, Store
-from elasticrun.store.contact import first_contact
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.client.first_contact import first_contact
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.settings import exposure_warning, open_client, serve_here
 
 if TYPE_CHECKING:  # loaded only when metrics are asked for
     from elasticrun.agent.metrics import AgentMetrics
-    from elasticrun.store.metrics import StoreMetrics
+    from elasticrun.store.server.metrics import StoreMetrics
 
 log = logging.getLogger("elasticrun")
 
@@ -65,6 +68,7 @@ def run_launch(config: LaunchConfig) -> int:
 
 async def run_node(config: LaunchConfig) -> AgentResult:
     """This node's part of the job, to its end (the CLI's and `elasticrun.launch`'s).
+
     With `config.metrics`, it serves the agent's Prometheus metrics (and the hosted
     store's) there."""
     metrics_at = config.metrics
@@ -78,7 +82,7 @@ async def run_node(config: LaunchConfig) -> AgentResult:
         metrics = store_metrics = None
         if metrics_at is not None:  # the library is loaded only when asked for
             from elasticrun.agent.metrics import AgentMetrics
-            from elasticrun.store.metrics import StoreMetrics
+            from elasticrun.store.server.metrics import StoreMetrics
 
             metrics = AgentMetrics(config.worker.run_id, config.worker.node_id, health_check=bool(config.health_check))
             store_metrics = StoreMetrics(metrics.registry)
@@ -140,8 +144,10 @@ def gpu_watches(gpus: Gpus, devices: tuple[int, ...], interval: float) -> list[W
 
 
 def gpu_reclaim(gpus: Gpus, devices: tuple[int, ...], limit: float) -> Reclaim:
-    """Before workers start again: wait (at most `limit` s) until the stopped workers'
-    memory on these GPUs is free; past that, the GPU counts as sick and the node leaves."""
+    """Before workers start again.
+
+    Wait (at most `limit` s) until the stopped workers' memory on these GPUs is free;
+    past that, the GPU counts as sick and the node leaves."""
     async def reclaim(pids: Set[int]) -> str:
         problem = await gpus.wait_released(devices, pids, limit, lambda line: log.info("%s", line, extra=HEADLINE))
         return "" if problem is None else f"GPU problem, leaving the job: {problem.reason}"

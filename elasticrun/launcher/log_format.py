@@ -68,8 +68,10 @@ def default_format() -> str:
 
 
 def setup_logging() -> None:
-    """Lines to stderr, in the format ELASTICRUN_LOG_FORMAT names, at $LOGLEVEL; when
-    it names no level, quiet: warnings, errors and the headlines (elasticrun.loglines).
+    """Lines to stderr, in the format ELASTICRUN_LOG_FORMAT names, at $LOGLEVEL.
+
+    When it names no level, quiet: warnings, errors and the headlines
+    (elasticrun.loglines).
 
     torchrun's LOGLEVEL works the same way (INFO: every INFO line, WARNING: what
     torchrun shows by default); only the default differs, a few lines a job.
@@ -89,8 +91,9 @@ def _headlines_and_worse(record: logging.LogRecord) -> bool:
 
 
 def line(level: int, message: str, logger: str = "elasticrun") -> str:
-    """`message` as a line in the chosen format, for a line printed rather than logged
-    (one that goes to stdout, or must show whatever the level)."""
+    """`message` as a line in the chosen format, for a line printed rather than logged.
+
+    A line printed goes to stdout, or must show whatever the level."""
     record = logging.makeLogRecord(
         {"name": logger, "levelno": level, "levelname": logging.getLevelName(level), "msg": message}
     )
@@ -98,9 +101,10 @@ def line(level: int, message: str, logger: str = "elasticrun") -> str:
 
 
 def error_line(message: str) -> str:
-    """The CLI's last line when a command fails, in the chosen format: text keeps the
-    `elasticrun: error: ...` that scripts and people grep for; JSON is one object like
-    every other line, so a log pipeline never meets a stray text line."""
+    """The CLI's last line when a command fails, in the chosen format.
+
+    Text keeps the `elasticrun: error: ...` that scripts and people grep for; JSON is
+    one object like every other line, so a log pipeline never meets a stray text line."""
     if _formatter.form != "json":
         return f"elasticrun: error: {message}"
     return line(logging.ERROR, message)

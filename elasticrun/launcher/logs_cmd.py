@@ -14,7 +14,8 @@ import sys
 
 from elasticrun.errors import UsageError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job
-from elasticrun.rendezvous.state import LogWindow, decode
+from elasticrun.rendezvous.codec import decode
+from elasticrun.rendezvous.records import LogWindow
 from elasticrun.store.api import EventType
 
 
@@ -61,8 +62,10 @@ async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None, 
 
 
 def _check_rank(view: JobView, rank: int, *, printed: bool, follow: bool) -> None:
-    """A rank that is not in the job is a usage error; one in it that has printed
-    nothing yet is said on stderr, so that an empty answer is never a silent one."""
+    """A rank that is not in the job is a usage error.
+
+    One in it that has printed nothing yet is said on stderr, so that an empty answer is
+    never a silent one."""
     world = view.round.world_size if view.round is not None else 0
     if not printed and not 0 <= rank < world:
         ranks = f"its ranks are 0-{world - 1}" if world else "it has no ranks now"

@@ -57,8 +57,9 @@ def torch_log_layout(
 
 
 def _plan(path: str, teed: bool) -> StreamPlan:
-    """torchrun's destination of one stream: "" the console, os.devnull nowhere, else
-    the file (and the console too when teed)."""
+    """torchrun's destination of one stream.
+
+    "" the console, os.devnull nowhere, else the file (and the console too when teed)."""
     if not path:
         return StreamPlan(console=True, file=None)
     if path == os.devnull:

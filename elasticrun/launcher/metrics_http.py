@@ -36,8 +36,7 @@ class MetricsAddress:
 def metrics_address(
     value: str | None, flag: str = "--metrics-port", default_host: str = "0.0.0.0"
 ) -> MetricsAddress | None:
-    """`PORT` (on `default_host`: every interface unless told) or `HOST:PORT`; None (not
-    given): no metrics."""
+    """`PORT` (on `default_host`: every interface unless told) or `HOST:PORT`; None (not given): no metrics."""
     if value is None:
         return None
     host, _, port = value.rpartition(":")

@@ -22,9 +22,9 @@ from dataclasses import asdict
 
 from elasticrun.errors import ElasticrunError, StorePermissionError, UsageError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job, timeout_seconds
+from elasticrun.rendezvous.records import NodeStacks, RankStacks
 from elasticrun.rendezvous.stack_summary import render_groups, render_rank, summarise
 from elasticrun.rendezvous.stacks import ask, conclude, gather, latest, left_out, new_request
-from elasticrun.rendezvous.state import NodeStacks, RankStacks
 from elasticrun.store.api import Store
 
 #: how often `stacks` writes its request again when another request won the race

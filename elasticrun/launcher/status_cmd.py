@@ -12,8 +12,10 @@ from dataclasses import asdict, dataclass
 
 from elasticrun.errors import StoreUnavailableError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, job_view, read_records
+from elasticrun.rendezvous.job_records import JobRecords
+from elasticrun.rendezvous.records import StepReport, Straggler
+from elasticrun.rendezvous.rounds import Round
 from elasticrun.rendezvous.stack_summary import one_line
-from elasticrun.rendezvous.state import JobRecords, Round, StepReport, Straggler
 from elasticrun.store.api import EventType, WatchEvent
 
 #: a live view redraws at most this often
@@ -73,8 +75,9 @@ def _step_cell(report: StepReport | None, now: float) -> str:
 
 
 def render(view: JobView, now: float, *, timing: bool = True) -> str:
-    """The status page: the job, its nodes, its latest events (`timing`: with each
-    node's step compute time, which changes with every report)."""
+    """The status page: the job, its nodes, its latest events.
+
+    With `timing`, each node's step compute time too, which changes with every report."""
     r = view.round
     low, high = view.min_max
     created = view.launch.created_at if view.launch else None
@@ -157,8 +160,9 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
 
 
 def _global_ranks(r: Round | None) -> dict[str, str]:
-    """Each member's global ranks (`4-7`) as the round places them: first the ranks of
-    the members before it, in node-rank order."""
+    """Each member's global ranks (`4-7`) as the round places them.
+
+    First the ranks of the members before it, in node-rank order."""
     ranks, first = {}, 0
     for p in r.participants if r else ():
         ranks[p.node_id] = f"{first}-{first + p.nproc - 1}"
@@ -250,9 +254,11 @@ def as_json(view: JobView, now: float | None = None) -> dict[str, object]:
 
 
 async def show(target: JobTarget, *, as_data: bool, watch: bool) -> int:
-    """Print the status once, or (`watch`) on every change, folding the job's watch
-    into the records read first: the last page is drawn even when the store goes away
-    with the job (an agent that hosted it exits once every node has left)."""
+    """Print the status once, or (`watch`) on every change.
+
+    The job's watch is folded into the records read first; the last page is drawn even
+    when the store goes away with the job (an agent that hosted it exits once every node
+    has left)."""
     async with target.open() as store:
         records, revision = await read_records(store, target)
         page = _Page(as_data, in_place=watch and sys.stdout.isatty(), watching=watch)
@@ -290,8 +296,9 @@ async def _pump(events: AsyncIterator[WatchEvent], into: asyncio.Queue[WatchEven
 async def _fold(changes: asyncio.Queue[WatchEvent | StoreUnavailableError], records: JobRecords) -> (
     StoreUnavailableError | None
 ):
-    """Wait for a change, then take in what comes within _WATCH_INTERVAL (a live page
-    redraws at most that often); the store's going away, if it did."""
+    """Wait for a change, then take in what comes within _WATCH_INTERVAL.
+
+    A live page redraws at most that often. Returns the store's going away, if it did."""
     deadline: float | None = None
     while True:
         try:
@@ -308,8 +315,10 @@ async def _fold(changes: asyncio.Queue[WatchEvent | StoreUnavailableError], reco
 
 @dataclass
 class _Page:
-    """What has been printed: a page is printed again only when it changed (piped, a
-    `--- time` line before each), or redrawn in place on a terminal."""
+    """What has been printed.
+
+    A page is printed again only when it changed (piped, a `--- time` line before each),
+    or redrawn in place on a terminal."""
 
     as_data: bool
     in_place: bool
@@ -330,9 +339,11 @@ class _Page:
 
 
 def _page_key(view: JobView, as_data: bool) -> str:
-    """The page without what only the clock changes (ages, time left) and without the
-    step times, which every node reports anew every few seconds: a piped watch prints a
-    page when this changes, not whenever a worker's output or step moves the store."""
+    """The page without what only the clock changes, and without the step times.
+
+    Ages and time left change with the clock, and every node reports its step times anew
+    every few seconds: a piped watch prints a page when this changes, not whenever a
+    worker's output or step moves the store."""
     if not as_data:
         return render(view, 0.0, timing=False)
     data = as_json(view, now=0.0)

@@ -10,8 +10,8 @@ import socket
 from collections.abc import Mapping
 
 from elasticrun.errors import ElasticrunError, StoreUnavailableError
-from elasticrun.launcher.config import MAX_SECONDS
 from elasticrun.launcher.control import JobTarget, add_job_flags, job_target, read_job, timeout_seconds, wait_nodes_gone
+from elasticrun.launcher.flag_values import MAX_SECONDS
 from elasticrun.rendezvous.leader import clear_job_records, close_round
 
 #: how long a stopped job stays closed to late agents when its spec does not say
@@ -23,8 +23,7 @@ class StopTimeoutError(ElasticrunError):
 
 
 async def stop(target: JobTarget, *, timeout: float, as_data: bool = False) -> int:
-    """Stop the job; 0 when it stopped, had ended already, or (c10d) nothing listens
-    where its store would be."""
+    """Stop the job; 0 when it stopped, had ended already, or nothing listens at its c10d store."""
     try:
         return await _stop(target, timeout=timeout, as_data=as_data)
     except StoreUnavailableError as e:
@@ -71,8 +70,10 @@ async def _stop(target: JobTarget, *, timeout: float, as_data: bool) -> int:
 
 
 def _ended(run_id: str, outcome: str, detail: str, as_data: bool) -> int:
-    """`stop` of a job that has ended already: done, as asked (a scheduler's clean-up
-    step that stops every job it started must not fail on one that finished)."""
+    """`stop` of a job that has ended already.
+
+    Done, as asked (a scheduler's clean-up step that stops every job it started must not
+    fail on one that finished)."""
     how = f"{outcome}: {detail}" if detail else outcome or "ended"
     _say(
         f"job '{run_id}' had already ended ({how}): nothing to stop",
@@ -83,8 +84,9 @@ def _ended(run_id: str, outcome: str, detail: str, as_data: bool) -> int:
 
 
 def _closed_ttl(conf: Mapping[str, str]) -> float:
-    """The job's closed_ttl as its stored spec says, or the default where it says no
-    valid timing: the store's records are input, not the checked flags they came from."""
+    """The job's closed_ttl as its stored spec says, or the default where it says no valid timing.
+
+    The store's records are input, not the checked flags they came from."""
     try:
         ttl = float(conf.get("closed_ttl", _DEFAULT_CLOSED_TTL))
     except (TypeError, ValueError):

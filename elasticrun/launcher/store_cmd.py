@@ -3,7 +3,7 @@
 - `serve` runs the built-in store server alone on a dedicated host;
 - `credential` prints a worker or reader credential derived from the store's token,
   for an operator to hand out (`store/credentials.py`);
-- `etcd-roles` creates etcd's users and roles for the same split (`store/etcd_roles.py`).
+- `etcd-roles` creates etcd's users and roles for the same split (`store/etcd/roles.py`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from pathlib import Path
 from elasticrun import __version__
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
-from elasticrun.launcher.closed_journal import journaled
-from elasticrun.launcher.config import parse_rdzv_conf, settings_from_flags
 from elasticrun.launcher.flags import Parser
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address, serving
-from elasticrun.store.access import exposure_warning, parse_access, read_file, read_token, server_tls
+from elasticrun.launcher.rdzv_conf import parse_rdzv_conf, settings_from_flags
+from elasticrun.launcher.store_state_dir import journaled
 from elasticrun.store.credentials import reader_credential, worker_credential
-from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.server.store_server import StoreServer
+from elasticrun.store.settings import exposure_warning, parse_access, read_file, read_token, server_tls
 from elasticrun.store.wire import DEFAULT_C10D_PORT, TOKEN_ENV, TlsKeyPair
 
 log = logging.getLogger("elasticrun.store")
@@ -42,7 +42,7 @@ class ServeConfig:
     tls: TlsKeyPair | None
     client_ca: bytes | None
     metrics: MetricsAddress | None = None
-    #: --state-dir: where the ended jobs are kept across restarts (closed_journal)
+    #: --state-dir: where the ended jobs are kept across restarts (store_state_dir.py)
     state_dir: Path | None = None
 
 
@@ -51,8 +51,9 @@ _SERVE_SETTINGS = ("token_file", "require_token", "tls_cert", "tls_key", "client
 
 
 def _flag_of(setting: str) -> str:
-    """The flag of a setting in these commands (`token_file` is --token-file); a variable
-    (`$ELASTICRUN_STORE_TOKEN`) stays as it is."""
+    """The flag of a setting in these commands (`token_file` is --token-file).
+
+    A variable (`$ELASTICRUN_STORE_TOKEN`) stays as it is."""
     return "--" + setting.replace("_", "-") if setting.isidentifier() and setting.islower() else setting
 
 
@@ -77,7 +78,7 @@ async def serve(config: ServeConfig) -> int:
         from prometheus_client import CollectorRegistry, Info
         from prometheus_client.process_collector import ProcessCollector
 
-        from elasticrun.store.metrics import StoreMetrics
+        from elasticrun.store.server.metrics import StoreMetrics
 
         metrics = StoreMetrics(CollectorRegistry(auto_describe=True))
         ProcessCollector(registry=metrics.registry)
@@ -146,8 +147,8 @@ def _print_credential(args: argparse.Namespace) -> int:
 
 
 def _etcd_roles(args: argparse.Namespace) -> int:
-    from elasticrun.store.etcd import EtcdStore
-    from elasticrun.store.etcd_roles import ADMIN, READER, set_up
+    from elasticrun.store.etcd.backend import EtcdStore
+    from elasticrun.store.etcd.roles import ADMIN, READER, set_up
 
     conf = parse_rdzv_conf(args.rdzv_conf, "etcd")
     with settings_from_flags():
@@ -198,8 +199,9 @@ def _no_command(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add `store serve`, `store credential` and `store etcd-roles` to the CLI; the
-    parsed args carry `run(args) -> int`."""
+    """Add `store serve`, `store credential` and `store etcd-roles` to the CLI.
+
+    The parsed args carry `run(args) -> int`."""
     store = subparsers.add_parser("store", help="the built-in key-value store")
     store.set_defaults(run=_no_command)
     commands = store.add_subparsers(dest="store_command", metavar="COMMAND", parser_class=Parser)

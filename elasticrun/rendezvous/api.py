@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from elasticrun.rendezvous.records import NodeStacks, StacksRequest, StepReport
 from elasticrun.rendezvous.stacks import JobStacks
-from elasticrun.rendezvous.state import NodeStacks, StacksRequest, StepReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,18 +122,23 @@ class RendezvousHandler(abc.ABC):
         """
 
     async def aclose(self) -> None:
-        """Give up this node's membership now (idempotent): the agent is done with
-        the job, however it ended. Backends without a membership have nothing to do."""
+        """Give up this node's membership now (idempotent): the agent is done with the job, however it ended.
+
+        Backends without a membership have nothing to do."""
 
     @property
     def waiting_status(self) -> str | None:
-        """What `next_round()` waits for right now, for the agent's log; None when it
-        would not wait (the job has ended for this node: it raises at once)."""
+        """What `next_round()` waits for right now, for the agent's log.
+
+        None when it would not wait (the job has ended for this node: it raises at
+        once)."""
         return "waiting for a round"
 
     def quarantined_nodes(self) -> int:
-        """How many of the job's nodes a quarantine keeps out now, for metrics. Read
-        from another thread (the metrics server's): it must only read what it holds."""
+        """How many of the job's nodes a quarantine keeps out now, for metrics.
+
+        Read from another thread (the metrics server's): it must only read what it
+        holds."""
         return 0
 
     async def drained(self) -> str:
@@ -148,8 +153,9 @@ class RendezvousHandler(abc.ABC):
     # ask: a node's stacks stay its own.
 
     async def stacks_asked(self) -> StacksRequest:
-        """Return when someone asks every node for its workers' stacks (a request this
-        node has not answered yet). Backends without a store never return."""
+        """Return when someone asks every node for its workers' stacks.
+
+        A request this node has not answered yet. Backends without a store never return."""
         never: asyncio.Future[StacksRequest] = asyncio.get_running_loop().create_future()
         return await never
 
@@ -157,10 +163,11 @@ class RendezvousHandler(abc.ABC):
         """Publish this node's stacks, the answer to request `stacks.request`."""
 
     async def job_stacks(self, mine: NodeStacks, reason: str) -> JobStacks | None:
-        """Ask every node of this node's round for its workers' stacks (or join a
-        request made moments ago), answer with `mine`, and return the job's, concluded
-        (with the summary) within a bounded wait; None when there is no job to ask or
-        no summary came in time."""
+        """Ask every node of this node's round for its workers' stacks, answer with `mine`, return the job's.
+
+        A request made moments ago is joined instead. The job's stacks come concluded
+        (with the summary) within a bounded wait; None when there is no job to ask or no
+        summary came in time."""
         return None
 
     # Reports for job control. Best effort and never blocking: a backend publishes
@@ -179,7 +186,9 @@ class RendezvousHandler(abc.ABC):
         """This node's step timing changed (for the leader's straggler check)."""
 
     def straggler_scores(self) -> Mapping[str, tuple[float, float, bool]]:
-        """While this node leads: each scored node's straggler scores (relative,
-        individual) and whether it is named one, for metrics. Read from the metrics
-        server's thread: it must only read what it holds."""
+        """While this node leads.
+
+        Each scored node's straggler scores (relative, individual) and whether it is
+        named one, for metrics. Read from the metrics server's thread: it must only read
+        what it holds."""
         return {}

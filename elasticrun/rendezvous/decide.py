@@ -10,14 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
-from elasticrun.rendezvous.state import (
-    NodeInfo,
-    Participant,
-    QuarantineEntry,
-    QuarantineTable,
-    RestartRequest,
-    Round,
-)
+from elasticrun.rendezvous.records import NodeInfo, QuarantineEntry, QuarantineTable, RestartRequest
+from elasticrun.rendezvous.rounds import Participant, Round
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +60,13 @@ class RendezvousSettings:
 
     @staticmethod
     def default_heartbeat_ttl(max_nodes: int) -> float:
-        """5 s, or longer for a job that may grow past 2,000 nodes: each node renews its
-        lease three times a TTL, so a TTL of max_nodes / 400 s holds the store's
-        keep-alives near 1,200 a second at any size (what both stores served on two
-        cores with room to spare; BENCHMARKS.md). A dead agent is still found within
-        about a second by its liveness port; only a vanished host waits out the TTL."""
+        """5 s, or longer for a job that may grow past 2,000 nodes.
+
+        Each node renews its lease three times a TTL, so a TTL of max_nodes / 400 s
+        holds the store's keep-alives near 1,200 a second at any size (what both stores
+        served on two cores with room to spare; BENCHMARKS.md). A dead agent is still
+        found within about a second by its liveness port; only a vanished host waits out
+        the TTL."""
         return max(5.0, max_nodes / 400)
 
     @property
@@ -159,10 +155,11 @@ def _count(n: int) -> str:
 
 
 def _lost_reason(missing: list[str], back: list[str], view: View) -> str:
-    """Why members left the round: drained by an operator, left on purpose (a signal, a
-    sick GPU), gone without a word (dead, frozen, cut off), or back with a new
-    registration. Calling a node that left on purpose lost would send whoever reads the
-    survivors' logs looking for a crash."""
+    """Why members left the round.
+
+    Drained by an operator, left on purpose (a signal, a sick GPU), gone without a word
+    (dead, frozen, cut off), or back with a new registration. Calling a node that left
+    on purpose lost would send whoever reads the survivors' logs looking for a crash."""
     drained = [n for n in missing if n in view.draining]
     left = [n for n in missing if n in view.departed and n not in view.draining]
     lost = [n for n in missing if n not in view.draining and n not in view.departed]
@@ -212,8 +209,9 @@ def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
 
 
 def _hold_kept_out(view: View, book: _Book) -> tuple[str, ...]:
-    """Quarantine the nodes that left asking to be kept out, once their registration is
-    gone (a node writes its departure, then gives up its lease); the ones that are.
+    """Quarantine the nodes that left asking to be kept out, once their registration is gone.
+
+    A node writes its departure, then gives up its lease. Returns the ones that are.
 
     A node held already is not held again: a new leader finds the records its
     predecessor acted on, and a member's record stays until the round without it."""
@@ -385,9 +383,10 @@ def _keep_out_slow(
     book: _Book,
     settings: RendezvousSettings,
 ) -> str:
-    """Quarantine the slowest straggler whose going leaves a whole round of at least
-    min nodes (a spare or a newcomer takes its place, or the job shrinks within its
-    range): "" when one is; else a note on why none was taken out. One at a time."""
+    """Quarantine the slowest straggler whose going leaves a whole round of at least min nodes.
+
+    A spare or a newcomer takes its place, or the job shrinks within its range. Returns
+    "" when one is; else a note on why none was taken out. One at a time."""
     running = {p.node_id for p in survivors}
     for node_id, why in slow:
         if node_id not in running:
@@ -470,8 +469,9 @@ class _Book:
         self.hold(node_id, why)
 
     def hold(self, node_id: str, reason: str) -> None:
-        """Quarantine `node_id` now, for a cooldown that doubles with each time: after
-        enough failures (`count`), or at once when the node asked to be kept out."""
+        """Quarantine `node_id` now, for a cooldown that doubles with each time.
+
+        After enough failures (`count`), or at once when the node asked to be kept out."""
         entry = self.entries.get(node_id) or QuarantineEntry(node_id=node_id)
         times = entry.times + 1
         self.entries[node_id] = replace(
@@ -538,9 +538,10 @@ def _pick(
     book: _Book,
     settings: RendezvousSettings,
 ) -> _Pick:
-    """Survivors in their order, then newcomers by arrival, up to max; no quarantined
-    node unless the job needs it to reach min (then the fewest, members first); then
-    cut to whole node units (`_in_units`)."""
+    """Survivors in their order, then newcomers by arrival, up to max.
+
+    No quarantined node unless the job needs it to reach min (then the fewest, members
+    first); then cut to whole node units (`_in_units`)."""
     waiting = sorted(newcomers, key=lambda n: (book.arrival(n), n.info.node_id))
     fine_new = [n for n in waiting if not book.blocked(n.info.node_id)]
     fine_survivors = [p for p in survivors if not book.blocked(p.node_id)]

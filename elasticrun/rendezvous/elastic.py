@@ -36,33 +36,29 @@ from elasticrun.errors import (
 )
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
+from elasticrun.rendezvous.codec import decode, encode
 from elasticrun.rendezvous.decide import RendezvousSettings
+from elasticrun.rendezvous.job_records import JobRecords
+from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.leader import DETAIL_LIMIT, Leader, close_job
 from elasticrun.rendezvous.liveness import LivenessPort, Verdict, probe
 from elasticrun.rendezvous.ports import PortReservation
-from elasticrun.rendezvous.reports import Reporter
-from elasticrun.rendezvous.stacks import ANSWER_WAIT, JobStacks, answer, ask, conclude, gather, new_request
-from elasticrun.rendezvous.state import (
+from elasticrun.rendezvous.records import (
     Departure,
     JobLaunch,
-    JobRecords,
     JobSpec,
-    Keys,
     Master,
     NodeInfo,
     NodeStacks,
     Ping,
-    Placed,
     QuarantineEntry,
-    RankShard,
     RestartRequest,
-    RoundHead,
     StacksRequest,
     StepReport,
-    decode,
-    encode,
-    shard_of,
 )
+from elasticrun.rendezvous.reports import Reporter
+from elasticrun.rendezvous.rounds import Placed, RankShard, RoundHead, shard_of
+from elasticrun.rendezvous.stacks import ANSWER_WAIT, JobStacks, answer, ask, conclude, gather, new_request
 from elasticrun.store.api import EventType, RangeResult, Store
 
 log = logging.getLogger("elasticrun.rendezvous")
@@ -238,8 +234,9 @@ class ElasticRendezvous(RendezvousHandler):
         return entry if entry is not None and entry.active(time.time()) else None
 
     async def _read_hold(self, current: RoundHead | None) -> None:
-        """Read this node's hold (r/holds/<node>) while it waits without a place: once
-        per round that went on without it, and once per leader state that says some
+        """Read this node's hold (r/holds/<node>) while it waits without a place.
+
+        Once per round that went on without it, and once per leader state that says some
         node is kept out. A placed node never reads it, a waiting one once per change."""
         state = self._job.state
         kept_out = bool(state and state.quarantined)
@@ -274,10 +271,11 @@ class ElasticRendezvous(RendezvousHandler):
             log.debug("could not publish this node's stacks: %s", e)
 
     async def job_stacks(self, mine: NodeStacks, reason: str) -> JobStacks | None:
-        """The first request stands: a node that finds one of its round made moments
-        ago (all the watchdogs of a hung job fire at once), done or not, or that loses
-        the race to write its own, takes part in it, and only whoever asked reads the
-        answers."""
+        """The first request stands.
+
+        A node that finds one of its round made moments ago (all the watchdogs of a hung
+        job fire at once), done or not, or that loses the race to write its own, takes
+        part in it, and only whoever asked reads the answers."""
         lease, ran = self._lease, self._ran
         if lease is None or self._lost or ran is None:
             return None
@@ -307,8 +305,9 @@ class ElasticRendezvous(RendezvousHandler):
             return None
 
     async def _summary_of(self, request_id: str, revision: int) -> JobStacks | None:
-        """Request `request_id` (written at `revision`), once whoever asked concluded
-        it (bounded wait); None if it did not in time, or a newer request replaced it."""
+        """Request `request_id` (written at `revision`), once whoever asked concluded it (bounded wait).
+
+        None if it did not in time, or a newer request replaced it."""
         deadline = self._clock() + ANSWER_WAIT + SUMMARY_MARGIN
         while (left := deadline - self._clock()) > 0:
             current = self._job.stacks
@@ -397,8 +396,10 @@ class ElasticRendezvous(RendezvousHandler):
         return min(LONE_HOST_AFTER, self._settings.join_timeout / 2)
 
     async def _alone_at_own_store(self) -> None:
-        """Say once when nobody else registered at the store this agent hosts: agents
-        given another endpoint (a mistyped port) each host a store and wait alone."""
+        """Say once when nobody else registered at the store this agent hosts.
+
+        Agents given another endpoint (a mistyped port) each host a store and wait
+        alone."""
         nodes = await self._store.get_prefix(self._keys.nodes)
         self._said_alone = True
         if all(kv.key == self._keys.node(self._me.node_id) for kv in nodes.kvs):
@@ -461,8 +462,9 @@ class ElasticRendezvous(RendezvousHandler):
             )
 
     async def _request(self, request: RestartRequest) -> int | None:
-        """Hand the leader a restart (or final) request, and check that it lives; the
-        request's revision, None when it went nowhere.
+        """Hand the leader a restart (or final) request, and check that it lives.
+
+        The request's revision, None when it went nowhere.
 
         A store an agent hosted that refuses us took the round with it: the request goes
         nowhere, and the node registers again once a new store answers (next_round).
@@ -497,9 +499,10 @@ class ElasticRendezvous(RendezvousHandler):
         await self._end_membership()
 
     async def aclose(self) -> None:
-        """Give up the membership, then the liveness port, then a drain request: the
-        node is done with the job. Its last status and output outlive it by closed_ttl
-        when the job has ended (`Reporter.keep`)."""
+        """Give up the membership, then the liveness port, then a drain request.
+
+        The node is done with the job. Its last status and output outlive it by
+        closed_ttl when the job has ended (`Reporter.keep`)."""
         if self._ended and self._lease is not None and not self._lost:
             with contextlib.suppress(StoreError):
                 await self._reports.keep(self._settings.closed_ttl)
@@ -529,8 +532,9 @@ class ElasticRendezvous(RendezvousHandler):
     # --- membership -------------------------------------------------------------------
 
     async def _register_or_wait(self) -> None:
-        """Register; while the store an agent hosted refuses us, try again until
-        store_host_grace has passed since it first did, then give up with its error.
+        """Register; while the store an agent hosted refuses us, try again, up to store_host_grace.
+
+        The grace counts from the first refusal; past it, give up with its error.
 
         A refused store hosted by an agent means that agent is gone, and its records
         with it; a scheduler that restarts it (a pod replaced behind the same Service, a
@@ -570,8 +574,10 @@ class ElasticRendezvous(RendezvousHandler):
             await asyncio.sleep(min(REFUSED_RETRY, left))
 
     def _store_refused(self, error: StoreGoneError) -> None:
-        """The store an agent hosted refused us: this membership is over (the workers
-        stop), and store_host_grace runs from the first refusal."""
+        """The store an agent hosted refused us.
+
+        This membership is over (the workers stop), and store_host_grace runs from the
+        first refusal."""
         self._note_refused(error)
         self._lose(str(error))
 
@@ -580,8 +586,10 @@ class ElasticRendezvous(RendezvousHandler):
             self._refused = (error, self._clock())
 
     def _ended_before_start(self, head: RoundHead) -> JobEndedError:
-        """The one line for a node that came to an ended job: when it ended, how, and
-        what to do (the closed record keeps the id taken for closed_ttl)."""
+        """The one line for a node that came to an ended job.
+
+        When it ended, how, and what to do (the closed record keeps the id taken for
+        closed_ttl)."""
         now = time.time()
         ttl = self._settings.closed_ttl
         free_at = time.strftime("%H:%M:%S", time.localtime(head.closed_at + ttl))
@@ -608,8 +616,7 @@ class ElasticRendezvous(RendezvousHandler):
         if self._liveness is None:
             self._liveness = await LivenessPort.open(self._me.addr)
         # Renewed from the moment it exists: under load the node key's put may take
-        # longer than the TTL, and a lease lapsed before it was ever renewed made the
-        # node register again, and the load worse (seen at 5,000 nodes).
+        # longer than the TTL (docs/architecture.md, Design notes, "Leases under load").
         self._lease = await self._store.grant_lease(self._settings.heartbeat_ttl)
         self._spawn(self._keep_alive(self._lease), "keep-alive")
         ran = self._ran
@@ -628,8 +635,10 @@ class ElasticRendezvous(RendezvousHandler):
         await self._try_lead()
 
     async def _check_spec(self) -> None:
-        """Refuse a job whose spec differs; store ours if the job is new. The spec is
-        usually in the `r/job/` snapshot just read: then no store call at all."""
+        """Refuse a job whose spec differs; store ours if the job is new.
+
+        The spec is usually in the `r/job/` snapshot just read: then no store call at
+        all."""
         if self._job.spec is not None:
             self._refuse_other(self._job.spec)
             return
@@ -720,8 +729,10 @@ class ElasticRendezvous(RendezvousHandler):
                 self._pulse.fire()
 
     async def _see_leader(self, leader: str) -> None:
-        """Connect once to a new leader's liveness port: only a leader whose port
-        accepted our connection may later be found gone by a refusal."""
+        """Connect once to a new leader's liveness port.
+
+        Only a leader whose port accepted our connection may later be found gone by a
+        refusal."""
         if leader == self._me.node_id:
             return
         try:
@@ -737,11 +748,12 @@ class ElasticRendezvous(RendezvousHandler):
                 self._leader_seen = info
 
     async def _suspect_leader(self) -> None:
-        """Our workers failed: the peer that died may be the leader, and only the leader
-        checks the members, so look at it here. Its port refusing (where it accepted
-        before) means its agent is gone: end its lease, so another node leads now and
-        finds it lost, rather than a lease TTL later. A stopped or unreachable leader
-        is left to its TTL."""
+        """Our workers failed: check that the leader still lives, since the dead peer may be it.
+
+        Only the leader checks the members, so look at it here. Its port refusing (where
+        it accepted before) means its agent is gone: end its lease, so another node
+        leads now and finds it lost, rather than a lease TTL later. A stopped or
+        unreachable leader is left to its TTL."""
         seen = self._leader_seen
         if seen is None or await probe(seen.addr, seen.liveness_port) is not Verdict.GONE:
             return
@@ -767,9 +779,9 @@ class ElasticRendezvous(RendezvousHandler):
         return snapshot
 
     async def _place(self, current: RoundHead) -> Placed | None:
-        """This node's place in `current` (None: not in it), read once per round from
-        the one shard its id hashes to: what a node reads of a round does not grow
-        with the job."""
+        """This node's place in `current` (None: not in it), read from the one shard its id hashes to.
+
+        Read once per round: what a node reads of a round does not grow with the job."""
         folder, place = self._placed
         if folder == current.ranks:
             return place

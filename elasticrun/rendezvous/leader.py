@@ -17,24 +17,21 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 
 from elasticrun.errors import RendezvousError, StoreError, StoreGoneError
+from elasticrun.rendezvous.codec import decode, encode
 from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
+from elasticrun.rendezvous.job_records import JobRecords
+from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.liveness import Verdict, probe
-from elasticrun.rendezvous.state import (
+from elasticrun.rendezvous.records import (
     Event,
-    JobRecords,
-    Keys,
     LeaderState,
     NodeInfo,
     Ping,
     QuarantineTable,
     RestartRequest,
-    Round,
-    RoundHead,
     StepReport,
-    decode,
-    encode,
-    split_round,
 )
+from elasticrun.rendezvous.rounds import Round, RoundHead, split_round
 from elasticrun.rendezvous.stragglers import Judgement, judge
 from elasticrun.store.api import EventType, RangeResult, Store, WatchEvent
 
@@ -55,8 +52,10 @@ EVENTS_KEPT = 200
 
 @dataclass(frozen=True, slots=True)
 class _Probed:
-    """What a connection to a node's liveness port showed; `suspect`: the round whose
-    restart request made the leader look (0: the check when the node registered)."""
+    """What a connection to a node's liveness port showed.
+
+    `suspect`: the round whose restart request made the leader look (0: the check when
+    the node registered)."""
 
     info: NodeInfo
     suspect: int
@@ -185,9 +184,11 @@ class Leader:
             self._probes.clear()
 
     async def _pump(self, start: int, events: asyncio.Queue[_Wake]) -> None:
-        """Feed the job's changes to the leader's loop; how the watch ended goes there too
-        (a store error: the loop re-reads; anything else: the leader fails, and its node's
-        supervisor notices), so the loop never waits on a pump that is gone."""
+        """Feed the job's changes to the leader's loop.
+
+        How the watch ended goes there too (a store error: the loop re-reads; anything
+        else: the leader fails, and its node's supervisor notices), so the loop never
+        waits on a pump that is gone."""
         try:
             async for event in self._store.watch(self._keys.rdzv, start_revision=start, prefix=True):
                 events.put_nowait(event)
@@ -230,8 +231,9 @@ class Leader:
         )
 
     def _slow(self, number: int) -> tuple[tuple[str, str], ...]:
-        """The stragglers to replace (--straggler=replace), named in round `number`: a
-        verdict of an earlier round is no reason to take another node out."""
+        """The stragglers to replace (--straggler=replace), named in round `number`.
+
+        A verdict of an earlier round is no reason to take another node out."""
         if self._settings.straggler != "replace" or self.judgement.round != number:
             return ()
         return self.judgement.worst_first()
@@ -239,10 +241,11 @@ class Leader:
     # --- stragglers: the nodes' step times judged every straggler_interval ------------------
 
     async def _judge(self, events: asyncio.Queue[_Wake]) -> None:
-        """Read the nodes' step reports (c/, which the leader does not watch), judge,
-        and say what changed; the loop decides again when a straggler is to go. A store
-        error waits for the next evaluation; anything else ends the leadership, through
-        the loop, as the pump's would."""
+        """Read the nodes' step reports (c/, which the leader does not watch), judge, and say what changed.
+
+        The loop decides again when a straggler is to go. A store error waits for the
+        next evaluation; anything else ends the leadership, through the loop, as the
+        pump's would."""
         try:
             while True:
                 await asyncio.sleep(self._settings.straggler_interval)
@@ -254,8 +257,10 @@ class Leader:
             events.put_nowait(e)
 
     async def _evaluate(self, events: asyncio.Queue[_Wake]) -> None:
-        """One evaluation: the reports read and judged; the stragglers written (when
-        any is or was named), logged and recorded as events once per change."""
+        """One straggler evaluation: the reports read and judged, the verdict written.
+
+        The stragglers are written when any is or was named, logged and recorded as
+        events once per change."""
         listed = await self._store.get_prefix(self._keys.steps)
         reports = {}
         for kv in listed.kvs:
@@ -326,9 +331,10 @@ class Leader:
         return True
 
     async def _end_registration(self, node_id: str) -> None:
-        """Revoke the lease of a node declared dead: its key goes now, not when the
-        store gets to expire it. Were it alive after all, its next renewal fails, and it
-        registers again as a newcomer (with its workers stopped)."""
+        """Revoke the lease of a node declared dead: its key goes now, not when the store gets to expire it.
+
+        Were it alive after all, its next renewal fails, and it registers again as a
+        newcomer (with its workers stopped)."""
         kv = await self._store.get(self._keys.node(node_id))
         if kv is not None and kv.lease:
             if node_id in self._refused:  # said once already, when its port refused
@@ -351,8 +357,9 @@ class Leader:
             await self._store.delete(self._keys.departure(node_id))
 
     async def _clear_settled(self, settled: tuple[str, ...]) -> None:
-        """Delete the departure records that asked to keep their node out, once the
-        node is held (`Decision.settled`), unless it is in the round: a member's goes
+        """Delete the departure records that asked to keep their node out, once the node is held.
+
+        Held: `Decision.settled`. Not a record of a node in the round: a member's goes
         with the round that lets it go (`_clear_departed`), so a leader taking over
         before that round still says the node left. Kept, a record would hold its node
         again each time its quarantine ended."""
@@ -368,8 +375,10 @@ class Leader:
         self._refused.pop(node_id, None)
 
     async def _store_quarantine(self, table: QuarantineTable) -> None:
-        """Store the failure records (on the wall clock); give each newly quarantined
-        node its hold, and log it; a node the table forgot loses its hold."""
+        """Store the failure records (on the wall clock).
+
+        Give each newly quarantined node its hold, and log it; a node the table forgot
+        loses its hold."""
         before, now = self._quarantine, time.time()
         stored = table.shifted(now - self._clock())
         await self._store.put(self._keys.quarantine, encode(stored))
@@ -403,8 +412,9 @@ class Leader:
             await self._store.delete(kv.key)
 
     async def _publish(self, decision: Decision, held: int) -> float | None:
-        """Publish the waiting reason, at most every _STATE_MIN_INTERVAL (longer with
-        many nodes, above); else say when."""
+        """Publish the waiting reason, at most every _STATE_MIN_INTERVAL (longer with many nodes, above).
+
+        Else say when."""
         now = self._clock()
         due = self._published_at + _STATE_MIN_INTERVAL * max(1.0, len(self._nodes) / _STATE_FANOUT)
         if now < due:
@@ -429,15 +439,19 @@ class Leader:
     # --- liveness: a dead agent told from a slow one in about a second ---------------------
 
     def _check_new_nodes(self) -> None:
-        """Connect once to each new node's liveness port: only a node whose port
-        accepted the leader's connection may later be found gone by a refusal."""
+        """Connect once to each new node's liveness port.
+
+        Only a node whose port accepted the leader's connection may later be found gone
+        by a refusal."""
         for node_id in self._unchecked & self._nodes.keys():
             self._probe(self._nodes[node_id].info, 0)
         self._unchecked.clear()
 
     def _check_members(self, number: int) -> None:
-        """A restart request: look at every member but this one now. A dead peer breaks
-        the survivors' collectives at once, so this is when a death shows first."""
+        """A restart request: look at every member but this one now.
+
+        A dead peer breaks the survivors' collectives at once, so this is when a death
+        shows first."""
         current = self._records.round
         for p in current.participants if current and current.number == number else ():
             seen = self._nodes.get(p.node_id)
@@ -479,9 +493,10 @@ class Leader:
             self._refused[node_id] = probed.suspect
 
     def _apply_event(self, event: _Wake, awaiting_write: bool) -> tuple[bool, bool]:
-        """Fold one event in; whether the leader still awaits its write, and whether
-        the event may change a decision (a newcomer's liveness check cannot: it only
-        marks the node as one whose port may later count as refused)."""
+        """Fold one event in; whether the leader still awaits its write, and whether it may change a decision.
+
+        A newcomer's liveness check cannot: it only marks the node as one whose port may
+        later count as refused."""
         if isinstance(event, Exception):
             raise event
         if isinstance(event, _Probed):
@@ -561,8 +576,9 @@ async def close_round(store: Store, keys: Keys, outcome: str, detail: str, close
 
 
 async def clear_job_records(store: Store, keys: Keys) -> None:
-    """The part of `close_job` that clears the ended job's spec and control records,
-    and its workers' keys (a job's run takes them with it)."""
+    """The part of `close_job` that clears the ended job's spec and control records.
+
+    And its workers' keys: a job's run takes them with it."""
     for key in (keys.spec, keys.restart, keys.master, keys.state, keys.ping, keys.quarantine, keys.stacks):
         await store.delete(key)
     for folder in (keys.drains, keys.departures, keys.ranks, keys.holds, keys.workers):

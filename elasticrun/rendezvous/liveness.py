@@ -56,8 +56,9 @@ class LivenessPort:
 
     @classmethod
     async def open(cls, addr: str) -> LivenessPort | None:
-        """Listen on `addr` (the address the others reach this node at), any port; None
-        when that cannot be done (the node is then judged by its lease TTL alone)."""
+        """Listen on `addr` (the address the others reach this node at), any port.
+
+        None when that cannot be done (the node is then judged by its lease TTL alone)."""
         try:
             # one socket on one address: a name that resolves to several would get a
             # port on each, and the leader could be refused on a port of another

@@ -19,7 +19,9 @@ from collections import deque
 
 from elasticrun.errors import StoreError
 from elasticrun.rendezvous.api import AgentStatus
-from elasticrun.rendezvous.state import Event, Keys, LogLine, LogWindow, NodeInfo, NodeStatus, StepReport, encode
+from elasticrun.rendezvous.codec import encode
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import Event, LogLine, LogWindow, NodeInfo, NodeStatus, StepReport
 from elasticrun.store.api import Store
 
 log = logging.getLogger("elasticrun.rendezvous")
@@ -109,10 +111,10 @@ class Reporter:
             await store.put(keys.step_report(self._me.node_id), encode(report), lease=lease)
 
     async def keep(self, ttl: float) -> None:
-        """Publish this node's last status and output windows again, bound to a lease of
-        their own that lives `ttl` (the job's closed_ttl): the node is done with an ended
-        job, and `status` and `logs` should still tell what happened, not go blank with
-        its membership."""
+        """Publish this node's last status and output windows again, on a lease that lives `ttl`.
+
+        `ttl` is the job's closed_ttl: the node is done with an ended job, and `status`
+        and `logs` should still tell what happened, not go blank with its membership."""
         if self._status is None and not self._windows:
             return
         lease = await self._store.grant_lease(ttl)

@@ -28,7 +28,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from elasticrun.rendezvous.state import Frame, RankStacks, ThreadStack
+from elasticrun.rendezvous.records import Frame, RankStacks, ThreadStack
 
 #: groups of at most this many ranks are named rank by rank, with their nodes
 NAMED = 3
@@ -47,10 +47,12 @@ def is_installed(file: str) -> bool:
 
 
 def is_library(file: str) -> bool:
-    """A frame that is not user code: the standard library, an installed package,
-    elasticrun's own worker helpers wherever they are (an editable checkout too: the
-    step timing's wrapper lies between the user's call and torch's `all_reduce`), or
-    code with no file (`<frozen runpy>`, `<string>`: a dataclass's generated methods)."""
+    """A frame that is not user code.
+
+    The standard library, an installed package, elasticrun's own worker helpers wherever
+    they are (an editable checkout too: the step timing's wrapper lies between the
+    user's call and torch's `all_reduce`), or code with no file (`<frozen runpy>`,
+    `<string>`: a dataclass's generated methods)."""
     return is_installed(file) or bool(_STDLIB.search(file) or _WORKER_HELPERS.search(file)) or file.startswith("<")
 
 
@@ -64,8 +66,7 @@ def _at(frame: Frame) -> str:
 
 
 def where(stacks: RankStacks) -> str:
-    """Where a rank is: `train.py:88 in load_batch`, `in all_reduce (train.py:120)`,
-    or `no stack: <why>`."""
+    """Where a rank is: `train.py:88 in load_batch`, `in all_reduce (train.py:120)`, or `no stack: <why>`."""
     if stacks.missing:
         return f"no stack: {stacks.missing}"
     thread = main_thread(stacks)
@@ -112,8 +113,10 @@ def _who(group: Sequence[RankStacks], total: int) -> str:
 
 
 def summarise(stacks: Iterable[RankStacks], lines: int = LINES) -> list[str]:
-    """One line per place, the smallest groups (the odd ones out) first: `rank 3 on
-    node n7: train.py:88 in load_batch`, `15 ranks: in all_reduce (train.py:120)`."""
+    """One line per place, the smallest groups (the odd ones out) first.
+
+    `rank 3 on node n7: train.py:88 in load_batch`, `15 ranks: in all_reduce
+    (train.py:120)`."""
     groups: dict[str, list[RankStacks]] = {}
     for s in stacks:
         groups.setdefault(where(s), []).append(s)

@@ -28,8 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from elasticrun.errors import RendezvousError
+from elasticrun.rendezvous.codec import decode, encode
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import NodeStacks, RankStacks, StacksRequest, ThreadStack
 from elasticrun.rendezvous.stack_summary import is_library, summarise
-from elasticrun.rendezvous.state import Keys, NodeStacks, RankStacks, StacksRequest, ThreadStack, decode, encode
 from elasticrun.store.api import EventType, Store
 
 #: how long whoever asked waits for the nodes' answers
@@ -42,8 +44,10 @@ NODE_BYTES = 32 * 1024
 
 @dataclass(frozen=True, slots=True)
 class JobStacks:
-    """A job-wide capture as whoever took part in it knows it: the request (done, with
-    the summary, once concluded) and the answers (only whoever asked reads them)."""
+    """A job-wide capture as whoever took part in it knows it.
+
+    The request (done, with the summary, once concluded) and the answers (only whoever
+    asked reads them)."""
 
     request: StacksRequest
     answers: tuple[NodeStacks, ...] = ()
@@ -56,8 +60,9 @@ def new_request(by: str, reason: str, round_number: int, nodes: int) -> StacksRe
 
 
 async def ask(store: Store, keys: Keys, request: StacksRequest, expected_revision: int) -> int | None:
-    """Write `request` unless the record changed since `expected_revision` (another
-    request came first); the revision it was written at, or None."""
+    """Write `request` unless the record changed since `expected_revision` (another request came first).
+
+    The revision it was written at, or None."""
     if not await store.compare_and_put(keys.stacks, encode(request), expected_mod_revision=expected_revision):
         return None
     kv = await store.get(keys.stacks)
@@ -74,8 +79,9 @@ async def answer(store: Store, keys: Keys, stacks: NodeStacks, lease: int) -> No
 async def gather(
     store: Store, keys: Keys, request_id: str, after: int, nodes: int, timeout: float
 ) -> dict[str, NodeStacks]:
-    """The answers to request `request_id` (written at revision `after`), by node,
-    once `nodes` nodes have answered or after `timeout` seconds."""
+    """The answers to request `request_id` by node, once `nodes` have answered or after `timeout` s.
+
+    The request was written at revision `after`."""
     answers: dict[str, NodeStacks] = {}
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout):
@@ -96,8 +102,9 @@ async def gather(
 async def conclude(
     store: Store, keys: Keys, request: StacksRequest, revision: int, answers: Sequence[NodeStacks]
 ) -> StacksRequest:
-    """The request, done, with the summary of `answers`; written back unless a newer
-    request replaced it meanwhile."""
+    """The request, done, with the summary of `answers`.
+
+    Written back unless a newer request replaced it meanwhile."""
     ranks = [r for node in answers for r in node.ranks]
     summary = (*summarise(ranks), *left_out(answers))
     done = replace(request, answered=len(answers), summary=summary, done=True)
@@ -134,8 +141,10 @@ def _cut_rank(stacks: RankStacks, frames: int, threads: int) -> RankStacks:
 def bounded(
     stacks: NodeStacks, frames: int = FRAMES, threads: int = THREADS, limit: int = NODE_BYTES
 ) -> NodeStacks:
-    """`stacks` within the bounds: fewer threads and frames until the record fits in
-    `limit` bytes; past one thread of one frame, the last ranks are left out (counted)."""
+    """`stacks` within the bounds.
+
+    Fewer threads and frames until the record fits in `limit` bytes; past one thread of
+    one frame, the last ranks are left out (counted)."""
     while True:
         cut = replace(stacks, ranks=tuple(_cut_rank(r, frames, threads) for r in stacks.ranks))
         if len(encode(cut)) <= limit:

@@ -20,8 +20,10 @@ logger = logging.getLogger("elasticrun.rendezvous")
 
 
 def _waits_for(place: Assignment) -> str:
-    """What a static node's workers wait for: nothing is negotiated, so nobody else can
-    tell that a node is missing (the workers block in init_process_group, silent)."""
+    """What a static node's workers wait for.
+
+    Nothing is negotiated, so nobody else can tell that a node is missing (the workers
+    block in init_process_group, silent)."""
     at = f"{place.master_addr}:{place.master_port}"
     if place.node_rank == 0:
         others = "node rank 1" if place.node_count == 2 else f"node ranks 1-{place.node_count - 1}"

@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from elasticrun.rendezvous.decide import RendezvousSettings
-from elasticrun.rendezvous.state import Round, StepReport, Straggler, StragglerReport
+from elasticrun.rendezvous.records import StepReport, Straggler, StragglerReport
+from elasticrun.rendezvous.rounds import Round
 
 #: steps a node's workers must have made in the round before the node is scored: the
 #: first steps of a round carry its start (compilation, warm-up)
@@ -74,15 +75,17 @@ class Judgement:
         return StragglerReport(round=self.round, median=self.median, nodes=nodes, at=at)
 
     def worst_first(self) -> tuple[tuple[str, str], ...]:
-        """The stragglers as (node id, why), the slowest first: what `--straggler=replace`
-        takes out, one at a time."""
+        """The stragglers as (node id, why), the slowest first.
+
+        What `--straggler=replace` takes out, one at a time."""
         return tuple((s.node_id, s.reason) for s in self.report(0.0).nodes)
 
 
 def judge(before: Judgement, current: Round | None, reports: Mapping[str, StepReport],
           settings: RendezvousSettings, now: float) -> Judgement:
-    """Score the round's nodes from their latest reports; `now` is the wall clock (it
-    dates a newly named straggler)."""
+    """Score the round's nodes from their latest reports.
+
+    `now` is the wall clock (it dates a newly named straggler)."""
     if current is None or current.closed or not current.participants:
         return Judgement()
     if before.round != current.number:
@@ -149,7 +152,9 @@ def _median_without(ordered: list[float], value: float) -> float:
 
 
 def _reason(report: StepReport, score: NodeScore, others: float) -> str:
-    """`compute 0.61s a step, 3.0x the other nodes' median (0.20s); 2.9x its own best: it
+    """Why a node is named a straggler, in one line.
+
+    `compute 0.61s a step, 3.0x the other nodes' median (0.20s); 2.9x its own best: it
     slowed down (worker rank 5)`."""
     trend = (
         f"{score.individual:.1f}x its own best: it slowed down" if score.individual >= 1.1

@@ -1,5 +1,6 @@
-"""Who a caller of the built-in store is: its role, derived from the admin token or read
-from its client certificate, and the worker namespace of a job.
+"""Who a caller of the built-in store is, and the worker namespace of a job.
+
+A caller's role is derived from the admin token or read from its client certificate.
 
 Three roles, as etcd's RBAC splits users by key prefix:
 
@@ -84,8 +85,10 @@ class Grant:
         return self.role.value
 
     def __and__(self, other: Grant) -> Grant:
-        """What a call carrying both credentials may do: the lesser of the two (a
-        worker of one run of a job is less than a worker of any run of it)."""
+        """What a call carrying both credentials may do.
+
+        The lesser of the two (a worker of one run of a job is less than a worker of any
+        run of it)."""
         if self.role is Role.ADMIN:
             return other
         if other.role is Role.ADMIN or other == self:
@@ -101,8 +104,10 @@ NOTHING = Grant(None)
 
 
 def check_job(job: str) -> str:
-    """A job id a worker credential can name: what --rdzv-id takes (no '/'), which the
-    commands check first; anything else is a caller's mistake (ValueError)."""
+    """A job id a worker credential can name.
+
+    What --rdzv-id takes (no '/'), which the commands check first; anything else is a
+    caller's mistake (ValueError)."""
     if not job or "/" in job:
         raise ValueError(f"a job id must be a non-empty name without '/', got {job!r}")
     return job
@@ -122,14 +127,16 @@ def worker_job_of(key: str) -> str | None:
 
 
 #: The record (under a job's prefix) whose `RUN_FIELD` names the job's current run: the
-#: rendezvous's job launch record (`rendezvous/state.py`, `JobLaunch.run`).
+#: rendezvous's job launch record (`rendezvous/records.py`, `JobLaunch.run`).
 RUN_RECORD = "r/job/launch"
 RUN_FIELD = "run"
 
 
 def run_of_launch(raw: bytes | None) -> str:
-    """The run a job's launch record names ("" for none: a job started by a version
-    that had no runs, a static rendezvous, or a record that does not parse)."""
+    """The run a job's launch record names ("" for none).
+
+    None: a job started by a version that had no runs, a static rendezvous, or a record
+    that does not parse."""
     if raw is None:
         return ""
     try:
@@ -156,8 +163,7 @@ def _unb64(encoded: str) -> str | None:
 
 
 def worker_credential(token: str, job: str, run: str = "") -> str:
-    """The credential of job `job`'s workers in run `run` ("": any run), derived from
-    the admin `token`."""
+    """The credential of job `job`'s workers in run `run` ("": any run), derived from the admin `token`."""
     return f"{_WORKER_TAG}.{_b64(check_job(job))}.{_b64(run)}.{_mac(token, Role.WORKER, job, run)}"
 
 
@@ -167,8 +173,9 @@ def reader_credential(token: str) -> str:
 
 
 def grant_of_token(given: str, token: str) -> Grant | None:
-    """What the bearer of `given` may do on a store whose admin token is `token`; None
-    when `given` is neither that token nor a credential derived from it."""
+    """What the bearer of `given` may do on a store whose admin token is `token`.
+
+    None when `given` is neither that token nor a credential derived from it."""
     if hmac.compare_digest(given.encode(), token.encode()):
         return ADMIN
     tag, _, rest = given.partition(".")

@@ -61,9 +61,10 @@ def bearer(token: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class TlsKeyPair:
-    """A certificate chain and its private key, PEM-encoded: a server's, or a client's
-    for servers that check client certificates (etcd's --client-cert-auth, the built-in
-    store's client_ca)."""
+    """A certificate chain and its private key, PEM-encoded.
+
+    A server's, or a client's for servers that check client certificates (etcd's
+    --client-cert-auth, the built-in store's client_ca)."""
 
     cert: bytes
     key: bytes
@@ -96,8 +97,10 @@ def _memory_file(name: str, data: bytes) -> Iterator[str]:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether only this host can reach `host`: a loopback address, or a name that
-    resolves to loopback addresses only. A wildcard (0.0.0.0, ::) is every interface."""
+    """Whether only this host can reach `host`.
+
+    A loopback address, or a name that resolves to loopback addresses only. A wildcard
+    (0.0.0.0, ::) is every interface."""
     try:
         addresses = {ipaddress.ip_address(host.strip("[]"))}
     except ValueError:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from elasticrun.errors import StoreSettingError
-from elasticrun.store.c10d_client import C10dClient
+from elasticrun.store.client.c10d import C10dClient
 from elasticrun.store.wire import DEFAULT_TIMEOUT, TOKEN_FILE_ENV, TlsKeyPair, is_loopback
 
 logger = logging.getLogger("elasticrun")
@@ -42,8 +42,10 @@ def _as_bytes(value: str | bytes) -> bytes:
 
 
 def agent_token() -> str | None:
-    """The store credential the agent left for its workers: the content of the file
-    `$ELASTICRUN_STORE_TOKEN_FILE` names; None when it names none (a store without a token)."""
+    """The store credential the agent left for its workers.
+
+    The content of the file `$ELASTICRUN_STORE_TOKEN_FILE` names; None when it names
+    none (a store without a token)."""
     path = os.environ.get(TOKEN_FILE_ENV)
     if not path:
         return None

@@ -47,9 +47,11 @@ _OUR_FILES = frozenset({__file__, runpy.__file__, "<frozen runpy>"})
 
 
 def _fail(error: Exception) -> NoReturn:
-    """Report `error` as the user's own: the traceback without this module's frames and
-    runpy's (which only say how the worker was started), on stderr and in torch's error
-    file format (TORCHELASTIC_ERROR_FILE), which the failure report reads; exit 1."""
+    """Report `error` as the user's own.
+
+    The traceback without this module's frames and runpy's (which only say how the
+    worker was started), on stderr and in torch's error file format
+    (TORCHELASTIC_ERROR_FILE), which the failure report reads; exit 1."""
     tb = error.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in _OUR_FILES:
         tb = tb.tb_next

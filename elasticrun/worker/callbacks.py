@@ -27,8 +27,7 @@ def lightning() -> Any:
 
 
 def huggingface() -> Any:
-    """A Hugging Face `transformers.TrainerCallback` that calls `heartbeat()` after every
-    optimizer step."""
+    """A Hugging Face `transformers.TrainerCallback` that calls `heartbeat()` after every optimizer step."""
     return _huggingface_class()()
 
 

@@ -30,8 +30,9 @@ _last_at = float("-inf")
 
 
 def heartbeat() -> None:
-    """Tell the agent this worker is making progress (a no-op unless it watches), and
-    mark the end of a step for the step timing."""
+    """Tell the agent this worker is making progress, and mark the end of a step for the step timing.
+
+    A no-op unless the agent watches."""
     mark_step("heartbeat")
     touch()
 

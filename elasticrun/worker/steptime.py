@@ -93,8 +93,10 @@ class Recorder:
         self.wall: deque[float] = deque(maxlen=WINDOW)
 
     def mark(self, source: str) -> None:
-        """A step boundary from `source` (one of SOURCES), on the main thread only: a
-        thread that calls heartbeat() while the main one imports or loads marks no step."""
+        """A step boundary from `source` (one of SOURCES), on the main thread only.
+
+        A thread that calls heartbeat() while the main one imports or loads marks no
+        step."""
         level = SOURCES.index(source)
         if level < self.level or threading.get_ident() != self._main:
             return
@@ -113,15 +115,19 @@ class Recorder:
         self._started, self._blocked = now, 0.0
 
     def restart(self) -> None:
-        """Count steps afresh from the next mark (a better source, or a new round of an
-        in-process worker: its join and state sync are no step)."""
+        """Count steps afresh from the next mark.
+
+        On a better source, or a new round of an in-process worker: its join and state
+        sync are no step."""
         self.steps, self._started, self._blocked = 0, None, 0.0
         self.compute.clear()
         self.wall.clear()
 
     def enter(self, name: str) -> bool:
-        """The main thread starts waiting for its peers in `name`; False (ignored) on
-        another thread: a background thread's collective does not hold up the step."""
+        """The main thread starts waiting for its peers in `name`.
+
+        False (ignored) on another thread: a background thread's collective does not
+        hold up the step."""
         if threading.get_ident() != self._main:
             return False
         if self._depth == 0:
@@ -137,8 +143,9 @@ class Recorder:
             self._entered, self._entered_in = 0.0, ""
 
     def has_news(self) -> bool:
-        """Whether there is anything to write: a step source seen, or a wait now. A
-        worker that makes no step and waits for nobody leaves no file."""
+        """Whether there is anything to write: a step source seen, or a wait now.
+
+        A worker that makes no step and waits for nobody leaves no file."""
         return self.level >= 0 or bool(self._entered_in)
 
     def summary(self, wall_now: float) -> dict[str, Any]:
@@ -198,8 +205,9 @@ def _forget() -> None:
 
 
 def new_round() -> None:
-    """This process's training goes on in a new round (in-process mode): its steps are
-    counted afresh, as the agent's report is the round's."""
+    """This process's training goes on in a new round (in-process mode).
+
+    Its steps are counted afresh, as the agent's report is the round's."""
     recorder = _recorder
     if recorder is not None:
         recorder.restart()
@@ -214,8 +222,10 @@ def mark(source: str) -> None:
 
 @contextlib.contextmanager
 def waiting(name: str) -> Iterator[None]:
-    """Count the time inside as blocked waiting for peers (a collective of the script's
-    own, e.g. over sockets); torch.distributed's collectives are counted already."""
+    """Count the time inside as blocked waiting for peers.
+
+    For a collective of the script's own (e.g. over sockets); torch.distributed's
+    collectives are counted already."""
     recorder = _recorder
     counted = recorder is not None and recorder.enter(name)
     try:
@@ -227,8 +237,9 @@ def waiting(name: str) -> Iterator[None]:
 
 
 def _write_loop(recorder: Recorder) -> None:
-    """Write the summary when it changed, at most every WRITE_INTERVAL; touch the
-    progress file when the worker made steps since the last look."""
+    """Write the summary when it changed, at most every WRITE_INTERVAL.
+
+    Touch the progress file when the worker made steps since the last look."""
     from elasticrun.worker.progress import touch
 
     written: dict[str, Any] = {}
@@ -264,9 +275,10 @@ def _write(path: str, summary: dict[str, Any]) -> None:
 
 
 class _AfterTorch:
-    """Runs `install_torch` as soon as `import torch` has finished, then steps aside (a
-    finder on sys.meta_path; not an importlib.abc subclass, which costs every worker's
-    start 17 ms of imports)."""
+    """Runs `install_torch` as soon as `import torch` has finished, then steps aside.
+
+    A finder on sys.meta_path; not an importlib.abc subclass, which costs every worker's
+    start 17 ms of imports."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
         if fullname != "torch":
@@ -320,8 +332,10 @@ def install_torch(torch: Any) -> None:
 
 
 def _timed(call: Callable[..., Any], name: str, is_compiling: Callable[[], bool]) -> Callable[..., Any]:
-    """`call`, its time on the main thread counted as blocked. While torch.compile
-    traces it, only `call` is seen, so the compiled graph holds the collective itself."""
+    """`call`, its time on the main thread counted as blocked.
+
+    While torch.compile traces it, only `call` is seen, so the compiled graph holds the
+    collective itself."""
 
     @functools.wraps(call)
     def timed(*args: Any, **kwargs: Any) -> Any:

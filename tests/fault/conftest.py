@@ -14,7 +14,6 @@ import random
 import re
 import shutil
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -22,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, TAG_VAR, WAIT, Cluster, Proc
+from tests.elastic_cluster import RDZV_CONF, TAG_VAR, Cluster, Proc
+from tests.helpers import ELASTICRUN
 
 SOAK_VAR = "ELASTICRUN_SOAK"
 
@@ -79,12 +79,6 @@ class FaultCluster(Cluster):
         self.ckpt = tmp_path / "ckpt.json"
         self.seq_dir = tmp_path / "seq"
 
-    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
-        """Start a tagged process; `env` adds to (or overrides) the cluster's environment."""
-        proc = Proc(name, argv, self.tmp / f"{name}.log", {**self._env, **(env or {})})
-        self.procs.append(proc)
-        return proc
-
     def agent(  # type: ignore[override]
         self,
         name: str,
@@ -106,8 +100,8 @@ class FaultCluster(Cluster):
         the PID is the agent's)."""
         if conf is None:
             conf = RDZV_CONF + (",is_host=false" if backend == "c10d" else "")
-        argv = [
-            *prefix, sys.executable, "-m", "elasticrun",
+        return self.launch(
+            name,
             f"--nnodes={nnodes}", "--nproc-per-node=1",
             f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
             f"--rdzv-conf={conf}", f"--local-addr={local_addr}",
@@ -115,14 +109,7 @@ class FaultCluster(Cluster):
             f"--log-dir={self.logs}", *extra,
             str(FAULT_WORKER), "--stop-file", str(self.stop_file), "--ckpt", str(self.ckpt),
             "--seq-dir", str(self.seq_dir), *worker_args,
-        ]
-        return self.start(name, argv, env)
-
-    def control(self, *argv: str, timeout: float = WAIT) -> subprocess.CompletedProcess[str]:
-        """Run `python -m elasticrun <argv>` (status, drain, ...) to its end."""
-        return subprocess.run(
-            [sys.executable, "-m", "elasticrun", *argv],
-            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, env=self._env,
+            env=env, prefix=prefix,
         )
 
     def attempts(self) -> list[Path]:
@@ -139,7 +126,7 @@ def serve_store(host: str, log: Path, *, port: int = 0, env: dict[str, str] | No
     endpoint. Untagged unless `env` carries the test tag: whoever starts it kills it."""
     proc = Proc(
         "store",
-        [sys.executable, "-m", "elasticrun", "store", "serve", "--host", host, "--port", str(port)],
+        [*ELASTICRUN, "store", "serve", "--host", host, "--port", str(port)],
         log,
         env if env is not None else {k: v for k, v in os.environ.items() if k != TAG_VAR},
     )

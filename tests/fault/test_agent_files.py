@@ -1,4 +1,4 @@
-"""The files an agent writes are private and never follow a link (issue 29).
+"""The files an agent writes are private and never follow a link.
 
 - A link planted where a worker's log or the event log goes: the agent refuses to start
   (a UsageError in one line naming the path), and what the link points at is untouched.
@@ -20,7 +20,6 @@ import os
 import re
 import secrets
 import stat
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,8 +28,9 @@ from elasticrun.agent.agent import Agent
 from elasticrun.agent.spec import Std, WorkerState
 from elasticrun.errors import UsageError
 from elasticrun.store.credentials import Role, grant_of_token, worker_credential
-from tests.agent_helpers import free_port, make_spec, static_for, wait_until, write_script
+from tests.agent_helpers import make_spec, static_for, write_script
 from tests.elastic_cluster import RDZV_CONF, Cluster
+from tests.helpers import free_port, wait_until
 from tests.reliability_rows import Reliability
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.security]
@@ -152,7 +152,7 @@ with open({str(report)!r}, "w") as f:
 async def test_a_relative_log_dir_gives_workers_absolute_paths(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 36: with a relative --log-dir the token file's path was relative too, wrong
+    """With a relative --log-dir the token file's path was relative too, wrong
     for a worker that changes its directory."""
     report = tmp_path / "report"
     code = f"""
@@ -203,15 +203,13 @@ def test_the_warden_holds_no_secret_and_removes_the_token_file_when_the_agent_is
     cluster._env.update(ELASTICRUN_STORE_TOKEN=token, TRAIN_DB_PASSWORD=password)
     script = write_script(tmp_path, "holder.py", HOLDER)
     run_id = f"files-{secrets.token_hex(4)}"
-    agent = cluster.start(
+    agent = cluster.launch(
         "agent",
-        [
-            sys.executable, "-m", "elasticrun", "--nnodes=1", "--nproc-per-node=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            f"--rdzv-id={run_id}",
-            f"--rdzv-conf={RDZV_CONF},password_env=TRAIN_DB_PASSWORD", "--local-addr=127.0.0.1",
-            f"--log-dir={tmp_path / 'logs'}", str(script),
-        ],
+        "--nnodes=1", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={RDZV_CONF},password_env=TRAIN_DB_PASSWORD", "--local-addr=127.0.0.1",
+        f"--log-dir={tmp_path / 'logs'}", str(script),
     )
     token_file = Path(agent.wait_for(r"<stdout>: token file (\S+)$").group(1))
     grant = grant_of_token(token_file.read_text(), token)  # a worker's of this job's run
@@ -238,8 +236,8 @@ def test_a_timer_file_that_exists_is_refused_in_one_line(cluster: Cluster, tmp_p
     existing = _target(tmp_path)
     cluster._env.update(TORCHELASTIC_ENABLE_FILE_TIMER="1", TORCHELASTIC_TIMER_FILE=str(existing))
     script = write_script(tmp_path, "worker.py", "print('ran', flush=True)\n")
-    agent = cluster.start(
-        "agent", [sys.executable, "-m", "elasticrun", "--standalone", f"--log-dir={tmp_path / 'logs'}", str(script)]
+    agent = cluster.launch(
+        "agent", "--standalone", f"--log-dir={tmp_path / 'logs'}", str(script)
     )
     assert agent.wait_exit() == 2, agent.text()
     errors = [line for line in agent.text().splitlines() if line.startswith("elasticrun: error:")]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.elastic_cluster import Proc, pid_alive, run_id, wait_until
+from tests.elastic_cluster import Proc, pid_alive, run_id
 from tests.fault.conftest import (
     FaultCluster,
     check_no_line_lost,
@@ -40,12 +40,13 @@ from tests.fault.conftest import (
     serve_store,
     step_pattern,
 )
+from tests.helpers import wait_until
 from tests.reliability_rows import Reliability
 
 #: how much a long-lived process may grow past its warm-up value
 FD_MARGIN = 8
 RSS_MARGIN_KIB = 24 * 1024
-#: the store also keeps a watch history of up to 64 MiB by design (elasticrun/store/memory.py)
+#: the store also keeps a watch history of up to 64 MiB by design (elasticrun/store/server/memory.py)
 STORE_HISTORY_KIB = 64 * 1024
 #: the events the leader keeps in the store (leader.EVENTS_KEPT), plus a few in flight
 EVENTS_BOUND = 200 + 20
@@ -56,13 +57,15 @@ def node_id(p: Proc) -> str:
 
 
 async def _registered(endpoint: str, job: str) -> set[str]:
-    from elasticrun.rendezvous.state import Keys, NodeInfo, decode
+    from elasticrun.rendezvous.codec import decode
+    from elasticrun.rendezvous.keys import Keys
+    from elasticrun.rendezvous.records import NodeInfo
 
     return {decode(NodeInfo, kv.value).node_id for kv in await _keys(endpoint, Keys(job).nodes)}
 
 
 async def _keys(endpoint: str, prefix: str) -> list:
-    from elasticrun.store.client import GrpcStore
+    from elasticrun.store.client.grpc_store import GrpcStore
 
     store = GrpcStore(endpoint, timeout=10)
     try:
@@ -190,7 +193,7 @@ def _churn(
     samples["end"] = _sample(watched)
     churned = time.monotonic() - began
     # the store holds nothing of the nodes that left but a bounded window of events
-    from elasticrun.rendezvous.state import Keys
+    from elasticrun.rendezvous.keys import Keys
 
     keys = Keys(churn.job)
     held = [kv.key for kv in asyncio.run(_keys(endpoint, keys.prefix))]

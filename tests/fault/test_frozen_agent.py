@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.elastic_cluster import pid_alive, run_id, wait_until
+from tests.elastic_cluster import pid_alive, run_id
 from tests.fault.conftest import (
     FaultCluster,
     check_no_line_lost,
@@ -28,6 +28,7 @@ from tests.fault.conftest import (
     step_pattern,
     steps_in,
 )
+from tests.helpers import wait_until
 from tests.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,4 +1,4 @@
-"""Fuzzing the command line (issue 10, "Input and security").
+"""Fuzzing the command line.
 
 Arbitrary and adversarial argv — unknown flags, bad and huge numbers, NaN and infinity,
 odd unicode (non-ASCII digits, surrogate escapes of undecodable bytes, control and
@@ -33,7 +33,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,18 +44,14 @@ from hypothesis import strategies as st
 
 from elasticrun.errors import EXIT_INFRASTRUCTURE, EXIT_TRAINING_FAILED, EXIT_USAGE, StoreUnavailableError
 from elasticrun.launcher import cli, launch, store_cmd
-from elasticrun.launcher.config import (
-    RDZV_CONF_ALIASES,
-    RDZV_CONF_KEYS,
-    RDZV_CONF_TORCHRUN_ONLY,
-    LaunchConfig,
-)
-from elasticrun.rendezvous.state import encode
-from elasticrun.store import channel
-from elasticrun.store import client as grpc_store
-from elasticrun.store import etcd as etcd_store
+from elasticrun.launcher.config import LaunchConfig
+from elasticrun.launcher.rdzv_conf import RDZV_CONF_ALIASES, RDZV_CONF_KEYS, RDZV_CONF_TORCHRUN_ONLY
+from elasticrun.rendezvous.codec import encode
 from elasticrun.store.api import Store
-from tests.agent_helpers import wait_until
+from elasticrun.store.client import dial as channel
+from elasticrun.store.client import grpc_store
+from elasticrun.store.etcd import backend as etcd_store
+from tests.helpers import ELASTICRUN, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -531,7 +526,7 @@ def run_real(argv: Sequence[str | bytes], cwd: Path, timeout: float = 40.0) -> s
     # stores that do not answer and jobs that do not form are given up quickly
     env["PET_RDZV_CONF"] = "store_timeout=1,join_timeout=5,last_call_timeout=0.1"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "elasticrun", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [*ELASTICRUN, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True,
     )
     try:
@@ -596,7 +591,7 @@ def test_store_serve_refuses_a_host_it_cannot_bind(in_process: None, host: str) 
 
 def test_store_serve_runs_until_sigterm_and_leaves_nothing(in_process: None) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", "0"],
+        [*ELASTICRUN, "store", "serve", "--host", "127.0.0.1", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     try:

@@ -1,4 +1,4 @@
-"""Fuzzing the built-in store server (issue 10, "Input and security").
+"""Fuzzing the built-in store server.
 
 A real server process — `python -m elasticrun store serve` with a token, logging at
 DEBUG — on loopback gets, through plain gRPC channels with identity serializers:
@@ -43,12 +43,12 @@ from hypothesis import strategies as st
 
 from elasticrun.errors import StoreSettingError
 from elasticrun.proto import store_pb2 as pb
-from elasticrun.store.c10d_client import C10dClient
-from elasticrun.store.channel import grpc_target
 from elasticrun.store.api import MAX_LEASE_TTL
-from elasticrun.store.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
-from elasticrun.store.server import MAX_MULTI_SET_KEYS
-from tests.elastic_cluster import wait_until
+from elasticrun.store.client.c10d import C10dClient
+from elasticrun.store.client.dial import grpc_target
+from elasticrun.store.server.limits import MAX_MULTI_SET_KEYS
+from elasticrun.store.server.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
+from tests.helpers import ELASTICRUN, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,8 +68,8 @@ CALL_TIMEOUT = 0.3
 #: a server with chosen limits (store serve has no flags for them), otherwise the same
 RUNNER = """
 import asyncio, json, sys
-from elasticrun.store.memory import MemoryStore
-from elasticrun.store.server import StoreServer
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.server.store_server import StoreServer
 
 async def main():
     engine = MemoryStore(**json.loads(sys.argv[1]))
@@ -135,7 +135,7 @@ def start_server(tmp: Path, *, limits: dict[str, int] | None = None, max_calls: 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
     env.update(LOGLEVEL="DEBUG", ELASTICRUN_STORE_TOKEN="")
     if limits is None:
-        argv = [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", "0",
+        argv = [*ELASTICRUN, "store", "serve", "--host", "127.0.0.1", "--port", "0",
                 "--token-file", str(token_file)]
     else:
         argv = [sys.executable, "-c", RUNNER, json.dumps(limits), token, str(max_calls)]

@@ -16,13 +16,13 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.elastic_cluster import RDZV_CONF, Cluster, run_id
+from tests.helpers import ELASTICRUN
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "fault_hang_worker.py"
 
@@ -31,7 +31,7 @@ WORKER = Path(__file__).resolve().parents[1] / "workers" / "fault_hang_worker.py
 def test_a_hung_worker_is_restarted_and_named_as_a_hang(tmp_path: Path, reliability) -> None:
     marker = tmp_path / "hung-once"
     started = time.monotonic()
-    argv = [sys.executable, "-m", "elasticrun", "--standalone", "--max-restarts=1",
+    argv = [*ELASTICRUN, "--standalone", "--max-restarts=1",
             "--progress-timeout=2", f"--log-dir={tmp_path / 'logs'}", str(WORKER), "--marker", str(marker)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=100)
     out = proc.stdout + proc.stderr
@@ -111,7 +111,7 @@ def test_of_two_silent_workers_the_hang_is_the_one_outside_any_collective(tmp_pa
     are silent, and the one named is rank 1, the one that does not wait for a peer."""
     hang_dir = tmp_path / "hang"
     hang_dir.mkdir()
-    argv = [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+    argv = [*ELASTICRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=0",
             "--progress-timeout=15", f"--log-dir={tmp_path / 'logs'}", str(STRAGGLER_WORKER),
             "--hang-dir", str(hang_dir), "--hang-rank", "1", "--steps", "50"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

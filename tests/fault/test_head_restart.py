@@ -29,12 +29,12 @@ import pytest
 from elasticrun.errors import StoreGoneError
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import JobSpec, NodeInfo
-from elasticrun.store.client import GrpcStore
-from elasticrun.store.server import StoreServer
-from tests.agent_helpers import free_port
-from tests.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id, wait_until
+from elasticrun.rendezvous.records import JobSpec, NodeInfo
+from elasticrun.store.client.grpc_store import GrpcStore
+from elasticrun.store.server.store_server import StoreServer
+from tests.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id
 from tests.fault.conftest import FaultCluster, check_no_line_lost, check_steps_never_go_back, step_pattern
+from tests.helpers import free_port, wait_until
 from tests.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""`elasticrun join` executes only what its operator gave it (issue 29).
+"""`elasticrun join` executes only what its operator gave it.
 
 Whoever can write the store (any worker of any job holding the token, anyone at all on a
 loopback store without one) can put a job spec under an id. These tests do that on a
@@ -16,17 +16,18 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from elasticrun.rendezvous.state import JobLaunch, JobSpec, Keys, encode
-from elasticrun.store.client import GrpcStore
-from tests.agent_helpers import free_port
+from elasticrun.rendezvous.codec import encode
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import JobLaunch, JobSpec
+from elasticrun.store.client.grpc_store import GrpcStore
 from tests.elastic_cluster import TAG_VAR, Proc
+from tests.helpers import ELASTICRUN, free_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -39,7 +40,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     for the module: each test plants its own job ids)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in (TAG_VAR, "ELASTICRUN_STORE_TOKEN")}
-    proc = Proc("store", [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1",
+    proc = Proc("store", [*ELASTICRUN, "store", "serve", "--host", "127.0.0.1",
                           "--port", str(port)], tmp_path_factory.mktemp("store") / "store.log", env)
     try:
         proc.wait_for(r"serving on")
@@ -61,7 +62,7 @@ def plant(endpoint: str, run_id: str, spec: JobSpec, launch: JobLaunch) -> None:
 
 def start_join(endpoint: str, run_id: str, *command: str, cwd: Path) -> subprocess.Popen[str]:
     argv = [
-        sys.executable, "-m", "elasticrun", "join", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+        *ELASTICRUN, "join", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}", "--timeout=20", "--rdzv-conf=is_host=false,store_timeout=5", *command,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_") and k != "ELASTICRUN_STORE_TOKEN"}

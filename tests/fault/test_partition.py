@@ -19,7 +19,7 @@ import time
 import pytest
 
 from elasticrun.errors import EXIT_INFRASTRUCTURE
-from tests.elastic_cluster import RDZV_CONF, pid_alive, run_id, wait_until
+from tests.elastic_cluster import RDZV_CONF, pid_alive, run_id
 from tests.fault.conftest import (
     FaultCluster,
     Netns,
@@ -31,6 +31,7 @@ from tests.fault.conftest import (
     step_pattern,
     steps_in,
 )
+from tests.helpers import wait_until
 from tests.reliability_rows import Reliability
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]

@@ -22,7 +22,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,12 +29,15 @@ import pytest
 
 from elasticrun.launcher.control import JobTarget, read_job
 from elasticrun.launcher.status_cmd import as_json, render
+from elasticrun.rendezvous.codec import decode
 from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
-from elasticrun.rendezvous.state import JobSpec, Keys, NodeInfo, QuarantineEntry, QuarantineTable, decode
-from elasticrun.store.access import StoreAccess
-from elasticrun.store.memory import MemoryStore
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.rendezvous.records import JobSpec, NodeInfo, QuarantineEntry, QuarantineTable
+from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.settings import StoreAccess
 from tests.elastic_cluster import Cluster, Proc, run_id
+from tests.helpers import ELASTICRUN
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "train_worker.py"
 
@@ -128,19 +130,18 @@ CONF = (
 
 
 def _agent(cluster: Cluster, name: str, addr: int, endpoint: str, job: str, crash_dir: Path) -> Proc:
-    return cluster.start(name, [
-        sys.executable, "-m", "elasticrun",
+    return cluster.launch(name,
         "--nnodes=2:3", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}",
         f"--rdzv-conf={CONF}", f"--local-addr=127.0.0.{addr}",
         "--max-restarts=5", "--shutdown-timeout=5", f"--log-dir={cluster.tmp / 'logs'}",
         str(WORKER), "--stop-file", str(cluster.stop_file), "--crash-dir", str(crash_dir), "--fail-step", "3",
-    ])
+    )
 
 
 def _status(endpoint: str, job: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--json"],
+        [*ELASTICRUN, "status", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--json"],
         capture_output=True, text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "ELASTICRUN_TEST_TAG"},
     )
     assert out.returncode == 0, out.stderr

@@ -1,4 +1,4 @@
-"""Job-level security and spec checks with real agents (issue 10, "Input and security").
+"""Job-level security and spec checks with real agents.
 
 One running job on a standalone, token-protected store (`elasticrun store serve
 --token-file`); then, against the same --rdzv-id:
@@ -34,17 +34,17 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.launcher.control import JobTarget, JobView, read_job
-from elasticrun.rendezvous.state import Keys
-from elasticrun.store.access import parse_access
 from elasticrun.errors import StoreAuthError
-from elasticrun.store.c10d_client import C10dClient
-from elasticrun.store.client import GrpcStore
+from elasticrun.launcher.control import JobTarget, JobView, read_job
+from elasticrun.rendezvous.keys import Keys
+from elasticrun.store.client.c10d import C10dClient
+from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.credentials import worker_prefix
-from elasticrun.store.server import MAX_STREAMS_PER_CONNECTION
-from tests.agent_helpers import free_port
+from elasticrun.store.server.limits import MAX_STREAMS_PER_CONNECTION
+from elasticrun.store.settings import parse_access
 from tests.certs import TestCa, write_pair
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
+from tests.helpers import ELASTICRUN, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,10 +83,10 @@ class Job:
 
     def serve(self, name: str = "store") -> Proc:
         """`elasticrun store serve` on the job's port, once it serves."""
-        store = self.cluster.start(
+        store = self.cluster.launch(
             name,
-            [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), "--token-file", str(self.token_file)],
+            "store", "serve", "--host", "127.0.0.1",
+             "--port", str(self.port), "--token-file", str(self.token_file),
         )
         store.wait_for(r"serving on")
         return store
@@ -95,14 +95,13 @@ class Job:
               max_restarts: int = 0, token_file: Path | None | str = "default", conf: str = "") -> Proc:
         token_file = self.token_file if token_file == "default" else token_file
         conf = f"{RDZV_CONF},is_host=false{conf}" + (f",token_file={token_file}" if token_file else "")
-        argv = [
-            sys.executable, "-m", "elasticrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+        return self.cluster.launch(
+            name, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", f"--max-restarts={max_restarts}",
             "--shutdown-timeout=5", f"--log-dir={self.tmp / 'logs'}",
             str(script or self.script), str(self.stop_file),
-        ]
-        return self.cluster.start(name, argv)
+        )
 
     def view(self) -> JobView:
         async def read() -> JobView:
@@ -259,16 +258,15 @@ def test_mutual_tls_on_the_store_an_agent_hosts(cluster: Cluster, tmp_path: Path
     script.write_text(TICKER)
 
     def agent(name: str, conf: str) -> Proc:
-        return cluster.start(name, [
-            sys.executable, "-m", "elasticrun", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        return cluster.launch(name, "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--rdzv-conf={RDZV_CONF},{conf}",
             "--local-addr=127.0.0.1", "--shutdown-timeout=5", f"--log-dir={tmp_path / 'logs'}",
             str(script), str(stop_file),
-        ])
+        )
 
     def status(conf: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "elasticrun", "status", "--json", "--rdzv-backend=c10d",
+            [*ELASTICRUN, "status", "--json", "--rdzv-backend=c10d",
              f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--rdzv-conf={conf}"],
             capture_output=True, text=True, timeout=60, env=cluster._env,
         )
@@ -325,7 +323,7 @@ async def victim_puts(endpoint: str, token: str, seconds: float) -> list[float]:
 
 
 def test_an_anonymous_headers_flood_stalls_no_one(job: Job, reliability) -> None:
-    """Issue 36: calls opened with no token and no message, as fast as the store takes
+    """Calls opened with no token and no message, as fast as the store takes
     them over 8 connections, while a 2-node job runs and a third node joins."""
     a, b = job.agent("a", nnodes="2:3"), job.agent("b", nnodes="2:3")
     for agent in (a, b):
@@ -367,7 +365,7 @@ def test_an_anonymous_headers_flood_stalls_no_one(job: Job, reliability) -> None
 KEY_WRITER = """\
 import os, sys, time
 from pathlib import Path
-from elasticrun.store.c10d_client import C10dClient
+from elasticrun.store.client.c10d import C10dClient
 
 stop, endpoint = Path(sys.argv[1]), os.environ["KEY_WRITER_STORE"]
 credential = Path(os.environ["ELASTICRUN_STORE_TOKEN_FILE"]).read_text().strip()
@@ -381,7 +379,7 @@ while not stop.exists():
 
 
 def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Path, reliability) -> None:
-    """Issue 36: after `stop`, the job's worker keys are gone; the credential a worker
+    """After `stop`, the job's worker keys are gone; the credential a worker
     of that run held is refused once the job runs again under the same id."""
     writer = tmp_path / "writer.py"
     writer.write_text(KEY_WRITER)
@@ -401,7 +399,7 @@ def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Pat
     assert len(asyncio.run(worker_keys())) == 5
     leaked = next((tmp_path / "logs").glob("*/store_token")).read_text().strip()  # a worker's, copied out
     stop = subprocess.run(
-        [sys.executable, "-m", "elasticrun", "stop", "--rdzv-id", job.run_id, "--rdzv-backend=c10d",
+        [*ELASTICRUN, "stop", "--rdzv-id", job.run_id, "--rdzv-backend=c10d",
          f"--rdzv-endpoint={job.endpoint}", f"--rdzv-conf=token_file={job.token_file}"],
         capture_output=True, text=True, timeout=60, env=job.cluster._env,
     )
@@ -452,7 +450,7 @@ def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Pat
 def test_a_store_restart_starts_a_new_run_of_worker_keys_and_credentials(
     job: Job, tmp_path: Path, reliability
 ) -> None:
-    """Issue 36: the store restarted empty under a running job; its agents form it
+    """The store restarted empty under a running job; its agents form it
     anew, a new run: the old run's worker credential is refused, and the worker keys
     are the new run's only."""
     writer = tmp_path / "writer.py"

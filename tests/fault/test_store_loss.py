@@ -20,9 +20,9 @@ import time
 
 import pytest
 
-from tests.agent_helpers import free_port
-from tests.elastic_cluster import RDZV_CONF, pid_alive, run_id, wait_until
+from tests.elastic_cluster import RDZV_CONF, pid_alive, run_id
 from tests.fault.conftest import FaultCluster, check_no_line_lost, serve_store, step_pattern
+from tests.helpers import free_port, wait_until
 from tests.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(180)

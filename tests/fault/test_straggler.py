@@ -1,4 +1,4 @@
-"""A slow node (issue 35): found by its workers' compute time per step, reported, and with
+"""A slow node: found by its workers' compute time per step, reported, and with
 --straggler=replace taken out for a spare.
 
 Real agents as nodes on 127.0.0.x, a real store, and a plain gloo training script
@@ -14,14 +14,13 @@ import json
 import re
 import socket
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.agent_helpers import free_port, wait_until
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
+from tests.helpers import ELASTICRUN, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -53,7 +52,7 @@ def start(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, slow_dir: Path, *,
 
 def control(rdzv: Rdzv, *argv: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "elasticrun", *argv, f"--rdzv-backend={rdzv.backend}",
+        [*ELASTICRUN, *argv, f"--rdzv-backend={rdzv.backend}",
          f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}"],
         capture_output=True, text=True, timeout=60,
     )

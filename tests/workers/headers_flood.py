@@ -6,7 +6,7 @@ Over CONNECTIONS plain TCP connections it speaks HTTP/2 by hand: the preface, it
 SETTINGS, then HEADERS frames as fast as the server takes them, for SECONDS or until
 CALLS in all (spread over the connections), whichever comes first, each opening a
 call of PATH (default `/elasticrun.store.v1.C10dStore/Set`) with no message, and no token
-(or CREDENTIAL as its bearer): what issue 36's attacker sent. It answers the server's SETTINGS and PINGs and reads
+(or CREDENTIAL as its bearer): what an attacker sends. It answers the server's SETTINGS and PINGs and reads
 everything else, counting what the server did with the calls, and holds the connections
 open until SIGTERM. Prints `flooding` once every connection has sent its first 1,000
 frames (or `flood-ended` if every connection closed first), `flood-sent` once all have

@@ -2,7 +2,7 @@
 
     python tests/workers/key_list_abuser.py ENDPOINT WORKER_CREDENTIAL [IN_FLIGHT]
 
-What issue 36's abusive worker did, with its job's worker credential: IN_FLIGHT (16)
+What an abusive worker does, with its job's worker credential: IN_FLIGHT (16)
 c10d calls at a time, over 4 connections, each a Check, a Wait or a MultiGet (in turn)
 naming either the issue's list (the one-letter key `r` 340,000 times: 1 MiB) or 10,000
 distinct keys (the most a store that bounds key lists takes, and all that a job's

@@ -1,4 +1,4 @@
-"""A store client doing what issue 29's abusive client did, until SIGTERM.
+"""A store client doing what an abusive client did, until SIGTERM.
 
     python tests/workers/store_abuser.py ENDPOINT CREDENTIAL RANGE_PREFIX WATCH_PREFIX [WATCHES [READERS]]
 
@@ -20,7 +20,7 @@ import signal
 import sys
 
 from elasticrun.errors import ElasticrunError
-from elasticrun.store.client import GrpcStore
+from elasticrun.store.client.grpc_store import GrpcStore
 
 CONNECTIONS = 8
 

@@ -1,7 +1,7 @@
 """Every rank of tests/test_inprocess_parts.py's State.sync() check, one forked process each.
 
 argv: port commits out_dir [survivor_port], commits being one count per rank ("0,3,1": three
-ranks); or port `frozen` out_dir port2 port3: issue 36's frozen node (`run_frozen`). The ranks fork from this process once it has imported torch, so the check pays
+ranks); or port `frozen` out_dir port2 port3: a frozen node (`run_frozen`). The ranks fork from this process once it has imported torch, so the check pays
 for one import of torch (and of torch._dynamo) instead of one per rank (most of its time on two cores); any rank
 failing ends the others and the exit status is 1. Every rank builds the same model and an Adam
 optimizer (its step counters are CPU tensors, its moments tensors), then makes its
@@ -64,7 +64,7 @@ def run_rank(rank: int, world: int, port: int, commits: int, out: str, survivor_
 
 
 def run_frozen(rank: int, ports: list[int], out: str) -> None:
-    """Issue 36's frozen node, rank 2 of 3: all three sync in round 1 and commit once;
+    """The frozen node, rank 2 of 3: all three sync in round 1 and commit once;
     rank 2 commits one step more (then freezes); ranks 0 and 1 go on in round 2 without
     it and commit once (as many commits as rank 2 now, another state); all three meet in
     round 3."""

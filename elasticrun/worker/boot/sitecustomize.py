@@ -41,8 +41,10 @@ STACKS_SIGNAL_OFFSET = 7
 
 
 def _install_stack_dump(path: str) -> None:
-    """Register the dump and mark the file with this process's id, so the agent signals
-    only a process that handles the signal (a real-time signal's default is to exit)."""
+    """Register the dump and mark the file with this process's id.
+
+    So the agent signals only a process that handles the signal (a real-time signal's
+    default is to exit)."""
     import faulthandler
     import signal
 

@@ -82,8 +82,9 @@ class AgentLink:
         return cls(path, int(os.environ.get("ELASTICRUN_LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))))
 
     def on_change(self, callback: Callable[[int, bool], None] | None) -> None:
-        """Call `callback(round, interrupt)` (from the reader thread) when the agent says
-        a round is over; `interrupt` is set when a peer is gone."""
+        """Call `callback(round, interrupt)` (from the reader thread) when the agent says a round is over.
+
+        `interrupt` is set when a peer is gone."""
         with self._cond:
             self._on_change = callback
 

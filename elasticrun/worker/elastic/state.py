@@ -11,7 +11,7 @@ a survivor, never from disk, and survivors move nothing among themselves.
 
 Each commit carries its lineage: how many commits led to it and the round it was made
 in. Two ranks hold the same state only if their lineages are equal; a count alone is
-not enough (issue 36): a node that froze just after committing one step more than the
+not enough: a node that froze just after committing one step more than the
 others, and came back when the others had committed as often in a later round without
 it, holds another state under the same count. `sync()` thus copies to every rank whose
 lineage is not the newest, whatever its count.
@@ -231,8 +231,9 @@ class State:
             self._slots[name].load(payload)
 
     def _attach(self, check: Callable[[], None] | None, round_number: int | None = None) -> None:
-        """The elastic wrapper's membership check, and (when given) the round of the
-        group this process is now in, which the commits made from now on carry."""
+        """Take the elastic wrapper's membership check, and the round of the group this process is now in.
+
+        The round (when given) is what the commits made from now on carry."""
         object.__setattr__(self, "_check", check)
         if round_number is not None:
             object.__setattr__(self, "_round", round_number)
@@ -288,9 +289,10 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Tensors grouped for transfer: one dtype per bucket, at most _BUCKET_BYTES (or one
-    bigger tensor). Sender and receiver hold tensors of the same shapes and dtypes in
-    the same order, so both make the same buckets.
+    """Tensors grouped for transfer: one dtype per bucket, at most _BUCKET_BYTES (or one bigger tensor).
+
+    Sender and receiver hold tensors of the same shapes and dtypes in the same order, so
+    both make the same buckets.
 
     Small tensors travel together, so an optimizer with thousands of small states costs
     a few messages, not thousands, and a big model is never copied whole.

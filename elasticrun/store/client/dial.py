@@ -1,6 +1,6 @@
 """What the two clients of the built-in store server share: the connection and its errors.
 
-`GrpcStore` (async, `store/client.py`) and `C10dClient` (blocking, `store/c10d_client.py`)
+`GrpcStore` (async, `store/client/grpc_store.py`) and `C10dClient` (blocking, `store/client/c10d.py`)
 dial the server the same way (endpoint check, channel options, TLS, the token header),
 retry the same failures with the same backoff, and turn a gRPC status into our errors
 through one table, so both report an unreachable or refusing server alike. Kept apart
@@ -75,8 +75,9 @@ def grpc_target(endpoint: str) -> str:
 
 
 def credentials(tls_ca: bytes | None, client_tls: TlsKeyPair | None = None) -> grpc.ChannelCredentials | None:
-    """TLS trusting the CA `tls_ca` (PEM) and presenting the client certificate
-    `client_tls` to a server that asks for one; None (plaintext) without either."""
+    """TLS trusting the CA `tls_ca` (PEM) and presenting `client_tls`; None (plaintext) without either.
+
+    The client certificate goes to a server that asks for one."""
     if tls_ca is None and client_tls is None:
         return None
     return grpc.ssl_channel_credentials(
@@ -96,14 +97,18 @@ PROBE_TIMEOUT = 2.0
 
 
 def hung_up(error: grpc.RpcError) -> bool:
-    """Whether the server closed the connection before HTTP/2 began: what a client sees
-    of a server refusing its TLS (and of a server going away). See `tls_refusal`."""
+    """Whether the server closed the connection before HTTP/2 began.
+
+    What a client sees of a server refusing its TLS (and of a server going away). See
+    `tls_refusal`."""
     return "socket closed" in (error.details() or "").lower()
 
 
 def tls_refusal(endpoint: str, tls: bool, client_tls: TlsKeyPair | None = None) -> StoreAuthError | None:
-    """For a client that the server at `endpoint` hung up on: the error to raise if that
-    was a refusal of its TLS, else None (the server is going away: retry). Blocking.
+    """For a client that the server at `endpoint` hung up on.
+
+    The error to raise if that was a refusal of its TLS, else None (the server is going
+    away: retry). Blocking.
 
     grpc words every such hang-up as "Socket closed" (UNAVAILABLE), a server going away
     as much as a refusal, so the client would retry for its whole timeout and end in
@@ -161,8 +166,9 @@ def _speaks_tls(endpoint: str) -> bool:
 
 
 def _refuses_client(endpoint: str, client_tls: TlsKeyPair | None) -> bool:
-    """Whether the server at `endpoint` closes a TLS connection presenting `client_tls`
-    right after the handshake, instead of opening HTTP/2 (see `tls_refusal`)."""
+    """Whether the server at `endpoint` closes a TLS connection presenting `client_tls` at once.
+
+    At once: right after the handshake, instead of opening HTTP/2 (see `tls_refusal`)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE  # whether the server takes us is all that is asked here
@@ -182,9 +188,10 @@ def _refuses_client(endpoint: str, client_tls: TlsKeyPair | None) -> bool:
 
 
 def _certificate_fault(pair: TlsKeyPair) -> str | None:
-    """What OpenSSL finds wrong in `pair`'s certificate itself, short of who signed it
-    ("certificate has expired", "... is not yet valid", "unsupported certificate
-    purpose"); None when nothing (or the pair does not load).
+    """What OpenSSL finds wrong in `pair`'s certificate itself, short of who signed it.
+
+    "certificate has expired", "... is not yet valid", "unsupported certificate
+    purpose"; None when nothing (or the pair does not load).
 
     The certificate is checked as a server checks a client's, with itself as the trust
     anchor (a partial chain), in a TLS handshake in memory between two contexts that
@@ -240,9 +247,11 @@ _NOT_HTTP2 = ("failed parsing http/2", "http1.x server")
 
 
 def foreign(error: grpc.RpcError) -> bool:
-    """Whether the server at the endpoint is not the built-in store: a gRPC server
-    without our service (etcd, another program's), or no gRPC server at all. A store
-    that is starting or restarting never answers so: this is final, not worth a retry."""
+    """Whether the server at the endpoint is not the built-in store.
+
+    A gRPC server without our service (etcd, another program's), or no gRPC server at
+    all. A store that is starting or restarting never answers so: this is final, not
+    worth a retry."""
     details = (error.details() or "").lower()
     if error.code() is grpc.StatusCode.UNIMPLEMENTED:
         return "unknown service" in details
@@ -250,8 +259,9 @@ def foreign(error: grpc.RpcError) -> bool:
 
 
 def foreign_error(error: grpc.RpcError, endpoint: str, *, etcd: bool) -> NotAStoreError:
-    """What to tell a client that `foreign(error)` found at `endpoint` (`etcd`: the
-    server answered etcd's status call)."""
+    """What to tell a client that `foreign(error)` found at `endpoint`.
+
+    `etcd`: the server answered etcd's status call."""
     if etcd:
         return NotAStoreError(endpoint, "an etcd server", "give --rdzv-backend=etcd, or the built-in store's endpoint")
     if error.code() is grpc.StatusCode.UNIMPLEMENTED:
@@ -265,8 +275,9 @@ def foreign_error(error: grpc.RpcError, endpoint: str, *, etcd: bool) -> NotASto
 
 
 def plain_cause(details: str) -> str:
-    """grpc's words for a connection that failed, in ours (what was tried, what it
-    means); other details unchanged."""
+    """grpc's words for a connection that failed, in ours (what was tried, what it means).
+
+    Other details unchanged."""
     lowered = details.lower()
     if "connection refused" in lowered:
         return "connection refused: nothing listens on that port"

@@ -1,5 +1,6 @@
-"""The closed-job journal of `elasticrun store serve --state-dir`: a finished job stays
-finished when the store restarts.
+"""The closed-job journal of `elasticrun store serve --state-dir`.
+
+A finished job stays finished when the store restarts.
 
 A job's end is its closed round record (`r/job/round` with `closed` set), which lives
 `closed_ttl` in the store: an agent that comes late (a requeued Slurm step, a pod
@@ -42,9 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticrun.errors import CompactedError, LeaseExpiredError, RendezvousError, UsageError
-from elasticrun.rendezvous.state import JOBS_PREFIX, Keys, RoundHead, decode
+from elasticrun.rendezvous.codec import decode
+from elasticrun.rendezvous.keys import JOBS_PREFIX, Keys
+from elasticrun.rendezvous.rounds import RoundHead
 from elasticrun.store.api import MAX_LEASE_TTL, EventType
-from elasticrun.store.memory import MemoryStore
+from elasticrun.store.server.memory import MemoryStore
 
 #: the largest journal file read back: a round record is at most a store value (1 MiB),
 #: JSON-escaped within the file
@@ -83,8 +86,9 @@ def closed_round(raw: bytes) -> bool:
 
 
 class ClosedJournal:
-    """The closed round records of the store `store serve` runs, kept in `folder`:
-    one small file per ended job, so that a job's end writes one file, whatever the
+    """The closed round records of the store `store serve` runs, kept in `folder`.
+
+    One small file per ended job, so that a job's end writes one file, whatever the
     number of ended jobs (a file per job also bounds what one change costs: its own
     record, written off the server's loop)."""
 
@@ -146,8 +150,7 @@ class ClosedJournal:
             os.close(fd)
 
     async def restore(self, engine: MemoryStore) -> int:
-        """Put the unexpired records back into a new store, each for the time it has left;
-        return how many."""
+        """Put the unexpired records back into a new store, each for the time it has left; return how many."""
         restored = 0
         for key, r in self.records.items():
             left = r.expires_at - self._clock()
@@ -179,8 +182,9 @@ class ClosedJournal:
             log.error("cannot keep the end of job %s in %s: %s (a store restart forgets it)", key, self.folder, e)
 
     async def _closed_record(self, engine: MemoryStore, key: str, value: bytes) -> ClosedRecord | None:
-        """The record with its expiry, from the lease it is bound to (None: it is gone
-        already, or bound to none: no record of ours is)."""
+        """The record with its expiry, from the lease it is bound to.
+
+        None when it is gone already, or bound to none (no record of ours is)."""
         kv = await engine.get(key)
         if kv is None or kv.value != value or not kv.lease:
             return None
@@ -191,8 +195,7 @@ class ClosedJournal:
         return ClosedRecord(value.decode(), self._clock() + ttl)
 
     async def follow(self, engine: MemoryStore, revision: int) -> None:
-        """Keep the journal in step with the store's round records after `revision`,
-        until cancelled.
+        """Keep the journal in step with the store's round records after `revision`, until cancelled.
 
         A watch that fell behind the store's history (a flood of writes while a file
         was written) reads the store as it is, and follows on from there.
@@ -219,9 +222,10 @@ class ClosedJournal:
 
 @contextlib.asynccontextmanager
 async def journaled(folder: Path, engine: MemoryStore) -> AsyncIterator[ClosedJournal]:
-    """Keep `engine`'s closed round records in `folder` while the block runs: restored
-    into it first, followed throughout, and settled as the block ends (the engine is
-    still open then)."""
+    """Keep `engine`'s closed round records in `folder` while the block runs.
+
+    Restored into it first, followed throughout, and settled as the block ends (the
+    engine is still open then)."""
     journal = ClosedJournal.open(folder)
     restored = await journal.restore(engine)
     if restored:
@@ -237,8 +241,10 @@ async def journaled(folder: Path, engine: MemoryStore) -> AsyncIterator[ClosedJo
 
 
 def _report_failure(folder: Path, task: asyncio.Task[None]) -> None:
-    """Say at once that the journal stopped following the store. The store serves on:
-    its jobs run as before, only a restart would now forget the ends that follow."""
+    """Say at once that the journal stopped following the store.
+
+    The store serves on: its jobs run as before, only a restart would now forget the
+    ends that follow."""
     if not task.cancelled() and task.exception() is not None:
         log.error(
             "the closed-job journal in %s stopped: %r; a restart of the store forgets the jobs that end from now on",
@@ -247,9 +253,10 @@ def _report_failure(folder: Path, task: asyncio.Task[None]) -> None:
 
 
 def _read_record(path: Path) -> tuple[str, ClosedRecord]:
-    """One journal file: the round key and its record. Refused (a usage error naming the
-    file) when it is not one: what else could be in our private folder is for its owner
-    to look at."""
+    """One journal file: the round key and its record.
+
+    Refused (a usage error naming the file) when it is not one: what else could be in
+    our private folder is for its owner to look at."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as f:
@@ -274,8 +281,9 @@ def _read_record(path: Path) -> tuple[str, ClosedRecord]:
 
 
 def _private_folder(folder: Path) -> None:
-    """Make `folder` (0700) or check that only this user can write in it: whoever can
-    put a file there could end any job, or keep one from ending."""
+    """Make `folder` (0700) or check that only this user can write in it.
+
+    Whoever can put a file there could end any job, or keep one from ending."""
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(folder)

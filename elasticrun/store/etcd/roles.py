@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pyetcd import etcdrpc
 
 from elasticrun.store.credentials import JOBS_PREFIX
-from elasticrun.store.etcd import EtcdStore, prefix_range
+from elasticrun.store.etcd.backend import EtcdStore, prefix_range
 
 
 @dataclass(frozen=True, slots=True)

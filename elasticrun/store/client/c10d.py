@@ -1,7 +1,7 @@
 """The blocking client of the built-in store server: `C10dClient`, the c10d operations.
 
 Training scripts reach it through `elasticrun.worker.c10d_store` (a torch `Store`). It
-loads only what talking to the server needs (`store/channel.py`, `store/wire.py`, the
+loads only what talking to the server needs (`store/client/dial.py`, `store/wire.py`, the
 generated stubs), never the server, its in-memory engine or the async client, so
 importing it costs a worker little.
 
@@ -22,7 +22,7 @@ import grpc
 from elasticrun.errors import StoreTimeoutError
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
-from elasticrun.store.channel import (
+from elasticrun.store.client.dial import (
     CLIENT_OPTIONS,
     ETCD_STATUS_METHOD,
     FIRST_BACKOFF,

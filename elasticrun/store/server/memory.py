@@ -111,9 +111,10 @@ class _Watcher:
         return [e for e in batch if e.key == self.key]
 
     def next_candidate(self, segment: _Segment, cursor: int) -> int:
-        """The first revision from `cursor` on, in `segment` (cursor's), that may touch
-        this watcher's keys: cursor itself while the segment is filling (not indexed),
-        else the next its index names, else the first revision of the next segment."""
+        """The first revision from `cursor` on, in `segment` (cursor's), that may touch this watcher's keys.
+
+        Cursor itself while the segment is filling (not indexed), else the next its
+        index names, else the first revision of the next segment."""
         if not segment.indexed:
             return cursor
         if self.plan_first != segment.first:
@@ -162,8 +163,9 @@ class _Segment:
         self.indexed = True
 
     def touching(self, key: str, prefix: bool) -> list[int]:
-        """The revisions in this indexed segment with an event on `key` (on a key under
-        it, with `prefix`), ascending."""
+        """The revisions in this indexed segment with an event on `key`, ascending.
+
+        With `prefix`, on a key under it."""
         keys = self.keys
         lo = bisect.bisect_left(keys, key)
         if not prefix:
@@ -176,9 +178,11 @@ class _Segment:
 
 @dataclass(frozen=True, slots=True)
 class SpaceQuota:
-    """What a write may make the worker namespaces hold: the keys and bytes (keys and
-    values) of the written key's own job (`keys`, `bytes`), and of all of them together
-    (`all_keys`, `all_bytes`). Past one, the write is refused with StoreLimitError."""
+    """What a write may make the worker namespaces hold.
+
+    The keys and bytes (keys and values) of the written key's own job (`keys`, `bytes`),
+    and of all of them together (`all_keys`, `all_bytes`). Past one, the write is
+    refused with StoreLimitError."""
 
     keys: int
     bytes: int
@@ -269,8 +273,10 @@ class MemoryStore(Store):
         return len(self._kvs)
 
     def load(self) -> StoreLoad:
-        """What the engine holds now, for metrics: O(1), and safe to call from another
-        thread (it reads sizes only), so a scrape never waits on the event loop."""
+        """What the engine holds now, for metrics.
+
+        O(1), and safe to call from another thread (it reads sizes only), so a scrape
+        never waits on the event loop."""
         return StoreLoad(
             keys=len(self._kvs),
             key_bytes=self._key_bytes,
@@ -287,8 +293,9 @@ class MemoryStore(Store):
         return self._kvs.get(key)
 
     def entries(self, keys: Sequence[str]) -> list[KeyValue | None]:
-        """Each key's entry (None where there is none), read in one pass that never
-        suspends: a consistent snapshot, at C speed (a microsecond per 16 keys or so)."""
+        """Each key's entry (None where there is none), read in one pass that never suspends.
+
+        A consistent snapshot, at C speed (a microsecond per 16 keys or so)."""
         self._check_open()
         if "" in keys:
             _check_not_empty("")
@@ -311,16 +318,16 @@ class MemoryStore(Store):
     # --- writes --------------------------------------------------------------------
 
     async def put(self, key: str, value: bytes, *, lease: int = 0, quota: SpaceQuota | None = None) -> int:
-        """Write the key; with `quota` (the server's, for a worker credential) only
-        within it."""
+        """Write the key; with `quota` (the server's, for a worker credential) only within it."""
         self._check_open()
         self._put(key, value, lease, quota)
         return self._revision
 
     async def put_all(self, items: Sequence[tuple[str, bytes]], *, quota: SpaceQuota | None = None) -> int:
-        """Put every (key, value) without a lease, or none if one of them would break a
-        bound (etcd's transactions are all or nothing too), `quota` included. A key
-        given twice takes its last value, written once. Returns the store revision."""
+        """Put every (key, value) without a lease, or none if one of them would break a bound.
+
+        etcd's transactions are all or nothing too; `quota` is a bound. A key given
+        twice takes its last value, written once. Returns the store revision."""
         self._check_open()
         batch = dict(items)
         for key, value in batch.items():
@@ -448,9 +455,11 @@ class MemoryStore(Store):
     def _catch_up_step(
         self, watcher: _Watcher, cursor: int
     ) -> tuple[int, list[WatchEvent], int]:
-        """One bounded step from `cursor` (at most the store revision): skip to the next
-        revision that may touch the watcher's keys, or read the batch of `cursor` if it
-        may. Returns the new cursor, the watcher's events, and the events read."""
+        """One bounded step from `cursor` (at most the store revision).
+
+        Skip to the next revision that may touch the watcher's keys, or read the batch
+        of `cursor` if it may. Returns the new cursor, the watcher's events, and the
+        events read."""
         oldest = self._oldest()
         if cursor < oldest:
             raise CompactedError(cursor, oldest)
@@ -734,8 +743,9 @@ class MemoryStore(Store):
 
 
 def _prefix_end(prefix: str) -> str | None:
-    """The first string after every string that starts with `prefix`; None when there is
-    none (an empty prefix, or one of only the last code point)."""
+    """The first string after every string that starts with `prefix`.
+
+    None when there is none (an empty prefix, or one of only the last code point)."""
     stripped = prefix.rstrip(chr(0x10FFFF))
     if not stripped:
         return None

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from elasticrun.errors import NotAStoreError, StoreAddressError, StoreSettingError, StoreUnavailableError
 from elasticrun.loglines import HEADLINE
 from elasticrun.store.api import MAX_LEASE_TTL, Store
-from elasticrun.store.contact import first_contact
+from elasticrun.store.client.first_contact import first_contact
 from elasticrun.store.wire import (
     CLIENT_CA_NEEDS_TLS,
     DEFAULT_C10D_PORT,
@@ -43,8 +43,8 @@ from elasticrun.store.wire import (
 )
 
 if TYPE_CHECKING:
-    from elasticrun.store.metrics import StoreMetrics
-    from elasticrun.store.server import StoreServer
+    from elasticrun.store.server.metrics import StoreMetrics
+    from elasticrun.store.server.store_server import StoreServer
 
 log = logging.getLogger("elasticrun")
 
@@ -191,8 +191,9 @@ def key_pair(settings: Mapping[str, str], cert: str, key: str) -> TlsKeyPair | N
 
 
 def server_tls(settings: Mapping[str, str]) -> tuple[TlsKeyPair | None, bytes | None]:
-    """The built-in store's own key pair (`tls_cert`, `tls_key`) and the CA its clients'
-    certificates must chain to (`client_ca`), which needs the pair."""
+    """The built-in store's own key pair and the CA its clients' certificates must chain to.
+
+    The pair is `tls_cert` and `tls_key`; the CA, `client_ca`, needs the pair."""
     pair = key_pair(settings, "tls_cert", "tls_key")
     client_ca = settings.get("client_ca")
     if client_ca is None:
@@ -313,7 +314,7 @@ def open_client(access: StoreAccess) -> Store:
         _WARNED_PLAINTEXT.add(access.endpoint)
         log.warning("%s", warning)
     if access.backend == "etcd":
-        from elasticrun.store.etcd import EtcdStore
+        from elasticrun.store.etcd.backend import EtcdStore
 
         return EtcdStore(
             access.endpoints,
@@ -323,7 +324,7 @@ def open_client(access: StoreAccess) -> Store:
             password=access.password,
             timeout=access.timeout,
         )
-    from elasticrun.store.client import GrpcStore
+    from elasticrun.store.client.grpc_store import GrpcStore
 
     return GrpcStore(
         access.endpoint,
@@ -339,8 +340,9 @@ _WARNED_PLAINTEXT: set[str] = set()
 
 
 def plaintext_warning(access: StoreAccess) -> str | None:
-    """What to tell a client that sends a secret (the built-in store's token, etcd's
-    password) without TLS to an address other hosts can see (None otherwise).
+    """What to tell a client that sends a secret without TLS to an address other hosts can see.
+
+    The secret is the built-in store's token or etcd's password; None otherwise.
 
     Anyone on the network path then reads the secret and may use the store as this
     client does; the line names the setting that turns TLS on.
@@ -369,8 +371,9 @@ def exposure_warning(
     tls: bool = False,
     tls_flags: str = "--tls-cert and --tls-key",
 ) -> str | None:
-    """What to tell whoever serves the store on `endpoint` where others can reach it:
-    without a token (None when a token or a CA for client certificates is set), or with
+    """What to tell whoever serves the store on `endpoint` where others can reach it.
+
+    Without a token (None when a token or a CA for client certificates is set), or with
     a token but without TLS; None on loopback only.
 
     Without either the store cannot tell a node of the job from anyone else on the
@@ -404,7 +407,7 @@ async def serve_here(access: StoreAccess, probe_key: str, metrics: StoreMetrics 
     it, and anything else there is an error (StoreAddressError), not a store to wait
     for. The caller stops the server.
     """
-    from elasticrun.store.server import StoreServer
+    from elasticrun.store.server.store_server import StoreServer
 
     if access.backend != "c10d" or access.is_host is False:
         return None

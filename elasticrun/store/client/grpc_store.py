@@ -16,8 +16,8 @@ new store at the same endpoint (the agent restarted there) is the rendezvous's c
 client's TLS (`channel.tls_refusal`: a plaintext client of a TLS server, a client
 certificate the server does not take): StoreAuthError at once.
 
-The blocking client of the c10d operations is `store/c10d_client.py`; what both share
-(endpoint check, channel options, error translation) is `store/channel.py`.
+The blocking client of the c10d operations is `store/client/c10d.py`; what both share
+(endpoint check, channel options, error translation) is `store/client/dial.py`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from elasticrun.store.api import (
     Store,
     WatchEvent,
 )
-from elasticrun.store.channel import (
+from elasticrun.store.client.dial import (
     CLIENT_OPTIONS,
     ETCD_STATUS_METHOD,
     FIRST_BACKOFF,
@@ -133,8 +133,7 @@ class GrpcStore(Store):
         )
 
     async def _retried(self, attempt: Callable[[float], Awaitable[_T]], *, lease: int = 0) -> _T:
-        """`attempt(timeout)` under the deadline, tried again with backoff while the
-        server is unreachable."""
+        """`attempt(timeout)` under the deadline, tried again with backoff while the server is unreachable."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         delay = FIRST_BACKOFF
@@ -147,9 +146,10 @@ class GrpcStore(Store):
             delay = min(2 * delay, MAX_BACKOFF)
 
     async def _retry_or_raise(self, error: grpc.RpcError, lease: int = 0, *, out_of_time: bool = False) -> None:
-        """Return if `error` is worth another try, else raise what it means (a client
-        whose TLS the server refuses is told so, not left retrying, and so is one that
-        found something other than the store at its endpoint)."""
+        """Return if `error` is worth another try, else raise what it means.
+
+        A client whose TLS the server refuses is told so, not left retrying, and so is
+        one that found something other than the store at its endpoint."""
         if foreign(error):
             raise foreign_error(error, self.endpoint, etcd=await self._answers_etcd(error)) from None
         worth_it = self._worth_retrying(error)
@@ -193,8 +193,10 @@ class GrpcStore(Store):
         return translated
 
     def _learn(self, reply: pb.RangeReply) -> None:
-        """What a read's reply says of the server: whether an agent hosts it, and (said
-        once) that it has no token, so that the one this client presents protects nothing."""
+        """What a read's reply says of the server.
+
+        Whether an agent hosts it, and (said once) that it has no token, so that the one
+        this client presents protects nothing."""
         self._hosted_by_agent = reply.hosted_by_agent
         if reply.token_unused and self.endpoint not in _SAID_TOKEN_UNUSED:
             _SAID_TOKEN_UNUSED.add(self.endpoint)
@@ -212,8 +214,9 @@ class GrpcStore(Store):
         return _key_value(reply.kvs[0]) if reply.kvs else None
 
     async def get_prefix(self, prefix: str) -> RangeResult:
-        """In pages, all read at one revision by the server (`RangePages`); a read
-        broken off is read again whole."""
+        """In pages, all read at one revision by the server (`RangePages`).
+
+        A read broken off is read again whole."""
         request = pb.RangeRequest(key=prefix, prefix=True)
 
         async def read(timeout: float) -> RangeResult:

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from elasticrun.store.memory import StoreLoad
+from elasticrun.store.server.memory import StoreLoad
 
 
 @dataclass(frozen=True, slots=True)

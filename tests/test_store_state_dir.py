@@ -1,5 +1,5 @@
 """A job that ended stays ended across a restart of `elasticrun store serve --state-dir`
-(issue 29), and only as long as its closed record would have lived without one.
+and only as long as its closed record would have lived without one.
 
 In-process, over a real `MemoryStore` and the real `close_round`: the journal follows a
 job's end into its folder, puts it back into a new store for the time it had left, drops
@@ -15,19 +15,20 @@ import asyncio
 import os
 import re
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
 from elasticrun.errors import UsageError
-from elasticrun.launcher.closed_journal import JOURNAL_VERSION, ClosedJournal, journaled
+from elasticrun.launcher.store_state_dir import JOURNAL_VERSION, ClosedJournal, journaled
+from elasticrun.rendezvous.codec import decode, encode
+from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.leader import close_round
-from elasticrun.rendezvous.state import Keys, RoundHead, decode, encode
-from elasticrun.store.client import GrpcStore
-from elasticrun.store.memory import MemoryStore
-from tests.agent_helpers import free_port, wait_until
+from elasticrun.rendezvous.rounds import RoundHead
+from elasticrun.store.client.grpc_store import GrpcStore
+from elasticrun.store.server.memory import MemoryStore
 from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -117,7 +118,7 @@ def test_a_folder_or_record_that_is_not_its_own_is_refused(tmp_path: Path) -> No
     journal.file_of(Keys("job").round).write_text("{not json")
     with pytest.raises(UsageError, match="is not a closed-job record of this version"):
         ClosedJournal.open(folder)
-    # issue 36: an absurd expiry stopped `store serve` at the restore, naming no file
+    # An absurd expiry stopped `store serve` at the restore, naming no file
     for absurd in ("1e300", "Infinity", "NaN"):
         path = journal.file_of(Keys("job").round)
         path.write_text(f'{{"version":{JOURNAL_VERSION},"key":"{Keys("job").round}","record":"x","expires_at":{absurd}}}')
@@ -132,21 +133,19 @@ KEPT, FRESH = "ended-kept", "ended-fresh"
 
 
 def serve(cluster: Cluster, name: str, port: int, state: Path) -> Proc:
-    store = cluster.start(name, [
-        sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", str(port),
+    store = cluster.launch(name, "store", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--state-dir", str(state),
-    ])
+    )
     store.wait_for(r"serving on")
     return store
 
 
 def start_once(cluster: Cluster, name: str, endpoint: str, job: str, closed_ttl: str, script: Path) -> Proc:
     """One agent of a one-node job that counts its runs in runs-<job>."""
-    return cluster.start(name, [
-        sys.executable, "-m", "elasticrun", "--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+    return cluster.launch(name, "--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={job}", f"--rdzv-conf={RDZV_CONF},is_host=false,closed_ttl={closed_ttl}",
         "--local-addr=127.0.0.1", str(script), str(cluster.tmp / f"runs-{job}"),
-    ])
+    )
 
 
 def succeeded(*procs: Proc) -> None:

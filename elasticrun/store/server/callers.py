@@ -60,9 +60,11 @@ class Caller:
 def identify(
     *, bearer: str | None, token: str | None, certificate: bytes | None, uris: Iterable[str], host: str
 ) -> Caller | None:
-    """The caller of a call that presented `bearer` (None: no token) and, over mutual
-    TLS, the PEM `certificate` with the URI names `uris`; None when the store has a
-    `token` and `bearer` is neither it nor a credential derived from it."""
+    """The caller of a call, from its `bearer` and, over mutual TLS, its `certificate`; None if refused.
+
+    `bearer` is None without a token; the PEM `certificate` comes with its URI names
+    `uris`. None when the store has a `token` and `bearer` is neither it nor a
+    credential derived from it."""
     grant, identity = ADMIN, f"host {host}"
     if token is not None:
         by_token = grant_of_token(bearer, token) if bearer is not None else None
@@ -78,10 +80,11 @@ def identify(
 
 
 def _token_identity(grant: Grant, host: str) -> str:
-    """Names the credential without quoting it (identities reach messages): a store has
-    one of each but the workers', one per job. Every reader holds the one reader
-    credential, so a reader's share is counted by its host as well: one `status
-    --watch` user's abuse takes its own host's share, not every reader's (issue 36)."""
+    """Names the credential without quoting it (identities reach messages).
+
+    A store has one of each but the workers', one per job. Every reader holds the one
+    reader credential, so a reader's share is counted by its host as well: one `status
+    --watch` user's abuse takes its own host's share, not every reader's."""
     if grant.role is Role.WORKER:
         return f"worker credential of job {grant.job!r}"
     return "admin token" if grant.role is Role.ADMIN else f"reader credential on host {host}"

@@ -1,5 +1,7 @@
-"""First contact with a store: an answer in a second when nothing can be reached, and
-a word while reaching it takes longer.
+"""First contact with a store.
+
+An answer in a second when nothing can be reached, and a word while reaching it takes
+longer.
 
 Every store call that finds its server unreachable is retried until the store's timeout
 (`store_timeout`, 10 s): right for an agent, which rides out a store that is starting or

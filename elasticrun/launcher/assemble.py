@@ -1,0 +1,78 @@
+"""A launch put together: `assemble` (pure) and `build_config`, which runs the three steps."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import replace
+
+from elasticrun.agent.spec import Std, WorkerSpec
+from elasticrun.launcher.config import LaunchConfig
+from elasticrun.launcher.discover import HostFacts, discover
+from elasticrun.launcher.parsing import LaunchRequest, forgiveness, parse_launch
+from elasticrun.store.settings import SECRET_ENV
+
+
+def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
+    """The launch configuration: a checked request completed with its host's facts."""
+    rdzv = request.rdzv
+    rdzv = replace(
+        rdzv, local_addr=host.local_addr, store=host.store, settings=replace(rdzv.settings, run_id=host.run_id)
+    )
+    spec = request.job_spec
+    store = host.store
+    forgive_heartbeat, forgive_after = forgiveness(spec.forgive_progress)
+    worker = WorkerSpec(
+        run_id=host.run_id,
+        entrypoint=request.entrypoint,
+        nproc_per_node=host.nproc,
+        node_id=host.node_id,
+        role=spec.role,
+        max_restarts=spec.max_restarts,
+        stop_grace=request.stop_grace,
+        signals_to_handle=request.signals_to_handle,
+        redirects=_per_rank(request.redirects, host.nproc),
+        tee=_per_rank(request.tee, host.nproc),
+        log_dir=request.log_dir,
+        local_ranks_filter=request.local_ranks_filter,
+        log_line_prefix_template=request.log_line_prefix_template,
+        file_timer=request.file_timer,
+        duplicate_filters=request.duplicate_filters,
+        cpu_affinity=host.cpu_affinity,
+        gpu_devices=host.gpu_devices,
+        isolate_gpus=request.isolate_gpus,
+        progress_timeout=spec.progress_timeout,
+        progress_start_timeout=spec.progress_start_timeout,
+        forgive_heartbeat=forgive_heartbeat,
+        forgive_after=forgive_after,
+        in_process=spec.elastic_mode == "in-process",
+        step_timing=spec.straggler != "off",
+        # the store's secrets stay in the agent; its workers get the token in a file
+        withheld_env=store.secret_env if store is not None else SECRET_ENV,
+        store_token=store.token if store is not None else None,
+    )
+    return LaunchConfig(
+        rdzv=rdzv,
+        worker=worker,
+        job_spec=spec,
+        nproc_request=spec.nproc_per_node,
+        gpu_names=host.gpu_names,
+        health_interval=request.health_interval,
+        health_check=request.health_check,
+        health_check_timeout=request.health_check_timeout,
+        carried_flags=request.carried_flags,
+        event_log_handler=request.event_log_handler,
+        logs_specs=request.logs_specs,
+        std_flags=request.std_flags,
+        metrics=request.metrics,
+    )
+
+
+def _per_rank(std: Std | dict[int, Std], nproc: int) -> dict[int, Std]:
+    return {rank: std for rank in range(nproc)} if isinstance(std, Std) else std
+
+
+def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchConfig:
+    """The whole launch: its flags checked, then this host asked, then the two put together."""
+    request = parse_launch(args, environ)
+    return assemble(request, discover(request, environ))

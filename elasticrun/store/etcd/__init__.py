@@ -1,0 +1,1 @@
+"""The etcd v3 backend of the Store interface (`--rdzv-backend=etcd`), and etcd's roles."""
