@@ -16,6 +16,9 @@ and an unauthenticated or abusive worker's:
 - headers: tests/workers/headers_flood.py, 8 TCP connections of raw HTTP/2 HEADERS
   frames opening calls with no token and no message, as fast as the store takes them,
   for the whole trial (no credential at all, on both sides);
+- connections: the same from 1,000 connections of one host at once (the store cannot
+  cap connections per peer: gRPC's Python server has no hook before a call; this shows
+  what many connections cost it);
 - keylists: tests/workers/key_list_abuser.py, a job's worker credential sending c10d
   check, wait and multi_get calls, 16 at a time, each naming one key 340,000 times
   (1 MiB) or 10,000 distinct keys.
@@ -67,13 +70,15 @@ TOKEN = "bench-abuse-token"
 BIG_KEYS, BIG_VALUE = 64, (1 << 20) - 64
 #: the job whose worker credential the keylists abuser holds
 JOB = "bench-abuse-job"
-ABUSES = ("none", "range", "watch", "range+watch", "headers", "keylists")
+ABUSES = ("none", "range", "watch", "range+watch", "headers", "connections", "keylists")
 
 
 def abuser_argv(abuse: str, endpoint: str, credentials: dict[str, str], seconds: float) -> list[str] | None:
     """The abuser's command line for `abuse` against `endpoint` (None: no abuser)."""
-    if abuse == "headers":  # for longer than the victim measures, bounded
-        return [sys.executable, str(WORKERS / "headers_flood.py"), endpoint, "8", "20000000", f"{seconds + 5:g}"]
+    if abuse in ("headers", "connections"):  # for longer than the victim measures, bounded
+        connections = "8" if abuse == "headers" else "1000"
+        flood = str(WORKERS / "headers_flood.py")
+        return [sys.executable, flood, endpoint, connections, "20000000", f"{seconds + 5:g}"]
     if abuse == "keylists":
         return [sys.executable, str(WORKERS / "key_list_abuser.py"), endpoint, credentials["worker"]]
     watches = 2_000 if "watch" in abuse else 0
@@ -142,7 +147,8 @@ async def trial(tree: Path, credentials: dict[str, str], abuse: str, seconds: fl
             argv = abuser_argv(abuse, endpoint, credentials, seconds)
             async with _process(tree, *argv) if argv else contextlib.nullcontext() as abuser:
                 if abuser is not None:
-                    await _line_with(abuser, "flooding" if abuse == "headers" else "abusing", timeout=300)
+                    ready = "flooding" if abuse in ("headers", "connections") else "abusing"
+                    await _line_with(abuser, ready, timeout=300)
                 figures = await _victim(victim, seconds)
                 if abuser is not None:
                     report = (await _stop(abuser)).strip().splitlines()[-1]
