@@ -16,8 +16,8 @@ and replaces gRPC errors with detail-less exceptions. What this module adds inst
   event loop never waits on etcd, and an etcd outage cannot starve the loop's default
   executor (which asyncio also uses for DNS lookups); the pauses between retries are
   taken on the loop, never on those few threads;
-- unary calls as grpc futures awaited on the loop: no thread is held per call in
-  flight, so hundreds of nodes sharing one client do not queue behind a few threads;
+- unary calls as grpc.aio calls on the loop: no thread is held per call in flight, so
+  hundreds of nodes sharing one client do not queue behind a few threads;
 - lease keep-alives: one long-lived LeaseKeepAlive stream per lease (grpc.aio, on the
   store's loop, no thread), a renewal being one message on it; a stream per lease, not
   one shared, because etcd answers a stream's requests in order and holds the renewal
@@ -77,7 +77,7 @@ from elasticrun.store.wire import DEFAULT_TIMEOUT, TlsKeyPair
 
 _T = TypeVar("_T")
 
-_FutureRpc = Callable[["Stubs", float, Metadata], grpc.Future]
+_AioRpc = Callable[["_AioStubs", float, Metadata], Awaitable[Any]]
 _AioStream: TypeAlias = "grpc.aio.StreamStreamCall"
 #: etcd closes a watch stream whose member lost its leader when this is set, instead of
 #: leaving it silent; the watch then resumes on a member that has one.
@@ -86,11 +86,13 @@ _REQUIRE_LEADER: Metadata = (("hasleader", "true"),)
 
 @dataclass(frozen=True, slots=True)
 class _AioStubs:
-    """The streaming etcd services on one endpoint's grpc.aio channel."""
+    """The etcd services on one endpoint's grpc.aio channel: every call but authenticating."""
 
     channel: grpc.aio.Channel
+    kv: etcdrpc.KVStub
     lease: etcdrpc.LeaseStub
     watch: etcdrpc.WatchStub
+    auth: etcdrpc.AuthStub
 
 
 def _watch_events(
@@ -141,36 +143,6 @@ def prefix_range(prefix: str) -> tuple[bytes, bytes]:
     return start, bytes(end)
 
 
-async def _awaited(call: grpc.Future) -> object:
-    """The result of a grpc call future, awaited without a thread; cancelled with us."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[object] = loop.create_future()
-
-    def transfer(finished: grpc.Future) -> None:
-        if done.done():
-            return
-        error = finished.exception()
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(finished.result())
-
-    def finished(finished_call: grpc.Future) -> None:  # on a grpc thread, or right here
-        if finished_call.cancelled():
-            return  # by us, below: nobody waits for it any more
-        try:
-            loop.call_soon_threadsafe(transfer, finished_call)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    call.add_done_callback(finished)
-    try:
-        return await done
-    except asyncio.CancelledError:
-        call.cancel()
-        raise
-
-
 class EtcdStore(Store):
     """The Store interface over an etcd v3 cluster, for use from asyncio.
 
@@ -208,18 +180,21 @@ class EtcdStore(Store):
         #: the TTL of each lease this client granted: how long a renewal may take
         self._lease_ttls: dict[int, float] = {}
 
-    async def _run(self, rpc: _FutureRpc, *, lease: int = 0) -> Any:
+    async def _run(self, rpc: _AioRpc, *, lease: int = 0) -> Any:
         """`rpc` through the cluster (failover, auth, errors), awaited on the loop.
 
-        `rpc` starts a call and returns its grpc future: no thread waits on an answer,
-        so a client with hundreds of nodes' operations in flight does not queue them
-        behind a handful of threads (where a node's lease could expire between its
-        grant and its first use). The response is etcd's message, untyped (pyetcd ships
-        no type information).
+        `rpc` starts a grpc.aio call on the endpoint's channel: no thread waits on an
+        answer, so a client with hundreds of nodes' operations in flight does not queue
+        them behind a handful of threads (where a node's lease could expire between its
+        grant and its first use). Not grpc's blocking channel's futures: their calls
+        contend for the GIL with that channel's polling thread and come back through
+        `call_soon_threadsafe`, which cost a simulated node's registration about a
+        fifth of its client CPU (BENCHMARKS.md, "Scale"). The response is etcd's
+        message, untyped (pyetcd ships no type information).
         """
 
         async def attempt(stubs: Stubs, timeout: float, metadata: Metadata) -> Any:
-            return await _awaited(rpc(stubs, timeout, metadata))
+            return await rpc(self._aio_stubs(stubs.endpoint), timeout, metadata)
 
         return await self._with_failover(attempt, lease=lease)
 
@@ -261,23 +236,23 @@ class EtcdStore(Store):
 
         This client's failover and credentials: how `etcd_roles` sets up users and
         roles."""
-        return await self._run(lambda s, t, m: getattr(s.auth, method).future(request, timeout=t, metadata=m))
+        return await self._run(lambda s, t, m: getattr(s.auth, method)(request, timeout=t, metadata=m))
 
     async def get(self, key: str) -> KeyValue | None:
         request = etcdrpc.RangeRequest(key=key.encode())
-        response = await self._run(lambda s, t, m: s.kv.Range.future(request, timeout=t, metadata=m))
+        response = await self._run(lambda s, t, m: s.kv.Range(request, timeout=t, metadata=m))
         return _key_value(response.kvs[0]) if response.kvs else None
 
     async def get_prefix(self, prefix: str) -> RangeResult:
         start, end = prefix_range(prefix)
         request = etcdrpc.RangeRequest(key=start, range_end=end)
-        response = await self._run(lambda s, t, m: s.kv.Range.future(request, timeout=t, metadata=m))
+        response = await self._run(lambda s, t, m: s.kv.Range(request, timeout=t, metadata=m))
         return RangeResult(tuple(_key_value(kv) for kv in response.kvs), response.header.revision)
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         request = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
         response = await self._run(
-            lambda s, t, m: s.kv.Put.future(request, timeout=t, metadata=m), lease=lease
+            lambda s, t, m: s.kv.Put(request, timeout=t, metadata=m), lease=lease
         )
         return int(response.header.revision)
 
@@ -296,10 +271,11 @@ class EtcdStore(Store):
         )
         tries = 0
 
-        def txn(stubs: Stubs, timeout: float, metadata: Metadata) -> grpc.Future:
+        def txn(stubs: _AioStubs, timeout: float, metadata: Metadata) -> Awaitable[Any]:
             nonlocal tries
             tries += 1
-            return stubs.kv.Txn.future(request, timeout=timeout, metadata=metadata)
+            call: Awaitable[Any] = stubs.kv.Txn(request, timeout=timeout, metadata=metadata)
+            return call
 
         def outcome(response: etcdrpc.TxnResponse) -> bool:
             if response.succeeded or tries == 1:
@@ -315,7 +291,7 @@ class EtcdStore(Store):
     async def delete(self, key: str) -> bool:
         request = etcdrpc.DeleteRangeRequest(key=key.encode())
         response = await self._run(
-            lambda s, t, m: s.kv.DeleteRange.future(request, timeout=t, metadata=m)
+            lambda s, t, m: s.kv.DeleteRange(request, timeout=t, metadata=m)
         )
         return int(response.deleted) > 0
 
@@ -325,21 +301,21 @@ class EtcdStore(Store):
             compare=[_unchanged_since(raw, expected_mod_revision)],
             success=[etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=raw))],
         )
-        response = await self._run(lambda s, t, m: s.kv.Txn.future(request, timeout=t, metadata=m))
+        response = await self._run(lambda s, t, m: s.kv.Txn(request, timeout=t, metadata=m))
         return bool(response.succeeded and response.responses[0].response_delete_range.deleted)
 
     async def delete_prefix(self, prefix: str) -> int:
         start, end = prefix_range(prefix)
         request = etcdrpc.DeleteRangeRequest(key=start, range_end=end)
         response = await self._run(
-            lambda s, t, m: s.kv.DeleteRange.future(request, timeout=t, metadata=m)
+            lambda s, t, m: s.kv.DeleteRange(request, timeout=t, metadata=m)
         )
         return int(response.deleted)
 
     async def grant_lease(self, ttl: float) -> int:
         request = etcdrpc.LeaseGrantRequest(TTL=math.ceil(check_lease_ttl(ttl)))
         response = await self._run(
-            lambda s, t, m: s.lease.LeaseGrant.future(request, timeout=t, metadata=m)
+            lambda s, t, m: s.lease.LeaseGrant(request, timeout=t, metadata=m)
         )
         if response.error:
             raise StoreError(f"etcd at {self.endpoint} refused a lease: {response.error}")
@@ -399,7 +375,7 @@ class EtcdStore(Store):
         request = etcdrpc.LeaseRevokeRequest(ID=lease)
         try:
             await self._run(
-                lambda s, t, m: s.lease.LeaseRevoke.future(request, timeout=t, metadata=m),
+                lambda s, t, m: s.lease.LeaseRevoke(request, timeout=t, metadata=m),
                 lease=lease,
             )
         except LeaseExpiredError:
@@ -481,7 +457,8 @@ class EtcdStore(Store):
             else:
                 channel = grpc.aio.secure_channel(endpoint, credentials, options=CHANNEL_OPTIONS)
             stubs = self._aio[endpoint] = _AioStubs(
-                channel, etcdrpc.LeaseStub(channel), etcdrpc.WatchStub(channel)
+                channel, etcdrpc.KVStub(channel), etcdrpc.LeaseStub(channel), etcdrpc.WatchStub(channel),
+                etcdrpc.AuthStub(channel),
             )
         return stubs
 
