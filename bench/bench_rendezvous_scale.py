@@ -30,6 +30,17 @@ result; for etcd `etcd_network_client_grpc_sent_bytes_total`. After round 2 the 
 stay idle for --idle seconds, and the store's CPU over that window (keep-alives and
 nothing else) is reported with the keep-alives per second: for our server the process's
 own CPU time, for etcd `process_cpu_seconds_total`.
+
+The protocol apart from the simulation: on a small machine thousands of simulated nodes
+share its cores with the store, so the nodes' clocks measure their own queueing as much
+as the rendezvous. Three figures separate them:
+  decided at the store: an observer process (one client, one watch on the job's
+      records, not niced) times the last registration (round 1) or the leaver's
+      deletion (round 2) and the round's head as the store delivers them;
+  spread to the nodes: from the head the observer saw to the last node holding its
+      place (each node's reads, on its busy loop);
+  CPU per node: the store's CPU and the client processes' CPU (every thread) per node
+      in each round's window (round 1 includes registration).
 """
 
 from __future__ import annotations
@@ -277,6 +288,56 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
     run_profiled(main, profile)
 
 
+def role_observe(backend: str, endpoint: str, run_id: str) -> None:
+    """One watch on the job's rendezvous records, timing them as the store delivers them.
+
+    The nodes' own clocks say when each of them got its place, and that is the
+    simulation's cost as much as the protocol's: thousands of nodes share two cores.
+    This process is one client with one watch, at normal priority (the nodes run at nice
+    5): the moment it sees the last registration and the moment it sees the round's
+    head tell how long the store and the leader took to decide the round, whatever the
+    simulated nodes' loops are doing. Prints the times on each line of stdin."""
+    from elasticrun.rendezvous.codec import decode
+    from elasticrun.rendezvous.keys import Keys
+    from elasticrun.rendezvous.rounds import RoundHead
+    from elasticrun.store.api import EventType
+
+    keys = Keys(run_id)
+    nodes = keys.rdzv + "nodes/"
+
+    async def main() -> None:
+        if backend == "grpc":
+            from elasticrun.store.client.grpc_store import GrpcStore
+
+            store = GrpcStore(endpoint, timeout=CAP_S)
+        else:
+            from elasticrun.store.etcd.backend import EtcdStore
+
+            store = EtcdStore([endpoint], timeout=CAP_S)
+        seen: dict[str, object] = {"registered": [], "left": [], "heads": {}}
+
+        async def watch() -> None:
+            start = (await store.get_prefix(keys.rdzv + "job/spec")).revision + 1
+            async for event in store.watch(keys.rdzv, start_revision=start, prefix=True):
+                now = time.time()
+                if event.key.startswith(nodes):
+                    kind = "registered" if event.type is EventType.PUT else "left"
+                    seen[kind].append(now)  # type: ignore[attr-defined]
+                elif event.key == keys.round and event.type is EventType.PUT:
+                    head = decode(RoundHead, event.value)
+                    seen["heads"].setdefault(str(head.number), now)  # type: ignore[attr-defined]
+
+        task = asyncio.ensure_future(watch())
+        print("ready", flush=True)
+        while await asyncio.to_thread(sys.stdin.readline):
+            print(json.dumps(seen), flush=True)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await store.close()
+
+    asyncio.run(main())
+
+
 # --- the driver ---------------------------------------------------------------------------
 
 
@@ -284,6 +345,26 @@ def last_opened(reports: list[dict]) -> float | None:  # type: ignore[type-arg]
     """When the leader wrote the round these reports' nodes got (the latest, if several)."""
     times = [r["opened"] for r in reports if r.get("opened")]
     return max(times) if times else None
+
+
+def store_side_times(seen: dict, got1: list[float], got2: list[float]) -> dict[str, float | None]:  # type: ignore[type-arg]
+    """Each round, as the observer saw the store deliver it, and the nodes' part after.
+
+    decided: from the last registration (round 1) or the leaver's deletion (round 2) to
+    the round's head, both seen by the observer's one watch; spread: from the head
+    seen by the observer to the last simulated node holding its place (the nodes'
+    reads and their loops: where the simulation, not the store, takes the time)."""
+    heads = {int(k): v for k, v in seen["heads"].items()}
+    out: dict[str, float | None] = {}
+    for n, start_times, got in ((1, seen["registered"], got1), (2, seen["left"], got2)):
+        head = heads.get(n)
+        before = [t for t in start_times if head is None or t <= head]
+        if n == 2:
+            before = [t for t in before if t > heads.get(1, 0.0)]
+        start = (max(before) if n == 1 else min(before)) if before else None
+        out[f"round{n}_store_decided_s"] = head - start if head and start else None
+        out[f"round{n}_spread_s"] = max(got) - head if head and got else None
+    return out
 
 
 def child(*args: str) -> subprocess.Popen[str]:
@@ -411,13 +492,15 @@ def main() -> int:
                 for i in range(args.procs):
                     prof = args.profile_nodes if (i == 0 and size == max(args.sizes)) else ""
                     nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size), str(leaver), prof, str(per_client(per[i])), str(args.cap), str(args.heartbeat)))
-                all_procs.extend(nodes)
-                for p in nodes:
+                observer = child("_observe", backend, endpoint, run_id)
+                all_procs.extend([*nodes, observer])
+                for p in [*nodes, observer]:
                     assert recv(p).strip() == "ready"
                 if server:
                     send(server)
-                    recv(server)  # reset counts
+                    cpu0 = json.loads(recv(server))["cpu_s"]  # and the counts start again
                 else:
+                    cpu0 = 0.0  # etcd's counter gives the CPU of each window
                     counter.delta()  # type: ignore[union-attr]
                 t_go = time.time()
                 for p in nodes:
@@ -428,6 +511,10 @@ def main() -> int:
                     send(p)
                 r2 = [json.loads(recv(p)) for p in nodes]
                 ops2 = json.loads((send(server), recv(server))[1]) if server else counter.delta()  # type: ignore[union-attr]
+                send(observer)
+                seen = json.loads(recv(observer))
+                observer.stdin.close()  # type: ignore[union-attr]
+                observer.wait(30)
                 time.sleep(args.idle)  # keep-alives only
                 idle = json.loads((send(server), recv(server))[1]) if server else counter.delta()  # type: ignore[union-attr]
                 for p in nodes:
@@ -442,6 +529,12 @@ def main() -> int:
                 got2 = [t for r in r2 for t in r["round2"].values()]
                 t_leave = next(r["t_leave"] for r in r2 if r["t_leave"])
                 errors = [e for r in r1 + r2 for e in r["errors"]]
+                cpu = [sum(r["cpu_s"] for r in rs) for rs in (r1, r2, r3)]
+                if server:
+                    store_cpu = [ops1["cpu_s"] - cpu0, ops2["cpu_s"] - ops1["cpu_s"]]
+                else:
+                    store_cpu = [ops1.get("cpu_ms", 0) / 1000, ops2.get("cpu_ms", 0) / 1000]
+                store_side = store_side_times(seen, got1, got2)
                 res = {
                     "backend": backend,
                     "nodes": size,
@@ -464,7 +557,13 @@ def main() -> int:
                     "lost_membership_r1": sum(r["lost"] for r in r1),
                     "lost_membership_r1_r2": sum(r["lost"] for r in r2),
                     "lost_membership_idle": sum(r["lost"] for r in r3),
-                    "clients_cpu_s": [sum(r["cpu_s"] for r in rs) for rs in (r1, r2, r3)],
+                    "clients_cpu_s": cpu,
+                    # the simulation's cost: client CPU (every thread) per simulated node
+                    # for registration and round 1, then for round 2
+                    "client_cpu_ms_per_node": [cpu[0] * 1000 / size, (cpu[1] - cpu[0]) * 1000 / (size - 1)],
+                    # the protocol's: the store's CPU per node in the same windows
+                    "store_cpu_ms_per_node": [store_cpu[0] * 1000 / size, store_cpu[1] * 1000 / (size - 1)],
+                    **store_side,
                     "clients_loop_lag_s": [max(r["lag_s"] for r in rs) for rs in (r1, r2, r3)],
                     "keep_alive_calls": [[r["keep_alive"] for r in rs] for rs in (r1, r2, r3)],
                     "lost_why": [dict(sum((collections.Counter(r["why"]) for r in rs), collections.Counter()))
@@ -495,13 +594,18 @@ def main() -> int:
             cluster.close()
 
     print("\n| backend | clients | nodes | all registered after go s | round 1 s (last registered → last assigned) | round 2 s (leave → last assigned) "
+          "| decided at the store r1, r2 s | spread to the nodes r1, r2 s | store CPU ms/node r1, r2 | client CPU ms/node r1, r2 "
           "| store calls/node r1, r2 | bytes/node r1, r2 | watch events sent r1 | keep-alives/s | store CPU, keep-alives only | leases lost (r1+r2, idle) | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         o1, _, d1 = r["ops_round1"]  # type: ignore[misc]
         o2, _, _ = r["ops_round2"]  # type: ignore[misc]
         n = r["nodes"]
         print(f"| {r['backend']} | {r['clients']} | {n} | {fmt(r['all_registered_after_go_s'])} | {fmt(r['round1_s'])} | {fmt(r['round2_s'])} | "
+              f"{fmt(r['round1_store_decided_s'])}, {fmt(r['round2_store_decided_s'])} | "
+              f"{fmt(r['round1_spread_s'])}, {fmt(r['round2_spread_s'])} | "
+              f"{r['store_cpu_ms_per_node'][0]:.2f}, {r['store_cpu_ms_per_node'][1]:.2f} | "
+              f"{r['client_cpu_ms_per_node'][0]:.2f}, {r['client_cpu_ms_per_node'][1]:.2f} | "
               f"{o1 / n:.2f}, {o2 / (n - 1):.2f} | {r['bytes_per_node_round1']:,.0f}, {r['bytes_per_node_round2']:,.0f} | "
               f"{int(d1.get('watch_events_sent', 0))} | {r['keep_alives_per_s']:.0f} | {r['server_cpu_idle']:.0%} of a core | "
               f"{r['lost_membership_r1_r2']}, {r['lost_membership_idle']} | {r['load']} |")
@@ -512,6 +616,8 @@ def main() -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_serve":
         role_serve(sys.argv[2] if len(sys.argv) > 2 else "")
+    elif len(sys.argv) > 1 and sys.argv[1] == "_observe":
+        role_observe(*sys.argv[2:5])
     elif len(sys.argv) > 1 and sys.argv[1] == "_nodes":
         b, ep, rid, first, count, total, leaver = sys.argv[2:9]
         role_nodes(b, ep, rid, int(first), int(count), int(total), int(leaver), sys.argv[9], int(sys.argv[10]),
