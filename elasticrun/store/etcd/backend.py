@@ -188,8 +188,8 @@ class EtcdStore(Store):
         them behind a handful of threads (where a node's lease could expire between its
         grant and its first use). Not grpc's blocking channel's futures: their calls
         contend for the GIL with that channel's polling thread and come back through
-        `call_soon_threadsafe`, which cost a simulated node's registration about a
-        fifth of its client CPU (BENCHMARKS.md, "Scale"). The response is etcd's
+        `call_soon_threadsafe`, which cost a simulated node's registration a fifth to
+        two fifths of its client CPU (BENCHMARKS.md, "Scale"). The response is etcd's
         message, untyped (pyetcd ships no type information).
         """
 

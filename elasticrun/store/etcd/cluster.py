@@ -48,13 +48,14 @@ FIRST_ATTEMPT_TIMEOUT = 1.0
 
 @dataclass(frozen=True, slots=True)
 class Stubs:
-    """The etcd services on one endpoint's channel."""
+    """One endpoint's blocking channel: for authenticating, the one blocking call.
+
+    Every other call goes on the endpoint's grpc.aio channel (`store/etcd/backend.py`);
+    this one names the endpoint for failover and carries the call that runs on the
+    store's threads."""
 
     endpoint: str
     channel: grpc.Channel
-    kv: etcdrpc.KVStub
-    lease: etcdrpc.LeaseStub
-    watch: etcdrpc.WatchStub
     auth: etcdrpc.AuthStub
 
     @classmethod
@@ -63,14 +64,7 @@ class Stubs:
             channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
         else:
             channel = grpc.secure_channel(endpoint, credentials, options=CHANNEL_OPTIONS)
-        return cls(
-            endpoint,
-            channel,
-            etcdrpc.KVStub(channel),
-            etcdrpc.LeaseStub(channel),
-            etcdrpc.WatchStub(channel),
-            etcdrpc.AuthStub(channel),
-        )
+        return cls(endpoint, channel, etcdrpc.AuthStub(channel))
 
 
 @dataclass(slots=True)
