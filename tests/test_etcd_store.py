@@ -297,6 +297,56 @@ async def test_a_wrong_endpoint_in_the_list_is_skipped(
         assert kv is not None and kv.mod_revision == revision
 
 
+class _OverloadedKV(etcdrpc.KVServicer):  # type: ignore[misc]
+    """etcd's KV service as an overloaded etcd answers it: `refusals` Puts are refused
+    with "too many requests" (first as etcd 3.4 sends it, code UNKNOWN, then with its
+    documented code), the next succeeds. Real etcd refuses only when its applied index
+    trails the committed one by 5,000 entries, which nothing here can bring about."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.calls = 0
+
+    def Put(self, request: etcdrpc.PutRequest, context: grpc.ServicerContext) -> etcdrpc.PutResponse:
+        self.calls += 1
+        if self.calls <= self.refusals:
+            code = grpc.StatusCode.UNKNOWN if self.calls % 2 else grpc.StatusCode.RESOURCE_EXHAUSTED
+            context.abort(code, "etcdserver: too many requests")
+        return etcdrpc.PutResponse(header=etcdrpc.ResponseHeader(revision=41 + self.calls))
+
+
+@pytest.fixture
+def overloaded_etcd() -> Iterator[tuple[str, _OverloadedKV]]:
+    kv = _OverloadedKV(refusals=4)
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        server = grpc.server(executor)
+        etcdrpc.add_KVServicer_to_server(kv, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        yield f"127.0.0.1:{port}", kv
+        server.stop(None).wait()
+
+
+async def test_an_overloaded_etcd_is_waited_out(overloaded_etcd: tuple[str, _OverloadedKV]) -> None:
+    """etcd's "too many requests" is back-pressure, not a failure: the write goes through."""
+    endpoint, kv = overloaded_etcd
+    async with EtcdStore([endpoint], timeout=30.0) as store:
+        assert await store.put("k", b"v") == 46
+    assert kv.calls == 5
+
+
+async def test_an_etcd_overloaded_past_the_timeout_is_named_unavailable(
+    overloaded_etcd: tuple[str, _OverloadedKV],
+) -> None:
+    endpoint, kv = overloaded_etcd
+    kv.refusals = 10**9
+    async with EtcdStore([endpoint], timeout=1.0) as store:
+        with pytest.raises(StoreUnavailableError, match="too many requests") as info:
+            await store.put("k", b"v")
+    assert info.value.endpoint == endpoint
+    assert kv.calls > 2  # it kept trying, with pauses, until its timeout
+
+
 # --- the event loop ---------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ from asyncio.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -100,16 +101,23 @@ class _Attempts:
     def failed(self, endpoint: str, details: str, *, timed_out: bool) -> float:
         """Note the failure; return the pause before the next try.
 
-        A pause only once every endpoint failed in a row (bounded, growing); else none."""
+        A pause only once every endpoint failed in a row (bounded, growing); else none.
+        The pause is drawn from its upper half: thousands of nodes refused in the same
+        instant (etcd's "too many requests") must not all come back in the same instant."""
         self.causes[endpoint] = plain_cause(details)
         if timed_out:
             self.attempt_timeout *= 2
         self.in_a_row += 1
         if self.in_a_row % self.endpoint_count:
             return 0.0
-        pause = max(0.0, min(self.pause, self.deadline - time.monotonic()))
+        pause = max(0.0, min(self.pause * random.uniform(0.5, 1.0), self.deadline - time.monotonic()))
         self.pause = min(self.pause * 2, _RETRY_PAUSE_MAX)
         return pause
+
+
+def _timed_out(code: grpc.StatusCode, details: str) -> bool:
+    """Whether the try ran out of time (the next one gets longer), rather than being refused."""
+    return code is grpc.StatusCode.DEADLINE_EXCEEDED or "deadline exceeded" in details.lower()
 
 
 class Cluster:
@@ -177,9 +185,7 @@ class Cluster:
                 raise next(iter(attempts.wrong.values()))
         if kind is Kind.TRANSIENT or kind in WRONG_ENDPOINT:
             self._fail_over(stubs)
-            return attempts.failed(
-                stubs.endpoint, details, timed_out=code != grpc.StatusCode.UNAVAILABLE
-            )
+            return attempts.failed(stubs.endpoint, details, timed_out=_timed_out(code, details))
         if kind is Kind.TOKEN_EXPIRED and self.user is not None and not attempts.renewed_token:
             attempts.renewed_token = True
             self._token = None

@@ -50,7 +50,12 @@ _ERROR_TABLE: tuple[tuple[grpc.StatusCode, str, Kind], ...] = (
     (grpc.StatusCode.DEADLINE_EXCEEDED, "", Kind.TRANSIENT),
     # Our deadline, as seen (and reported first) by the etcd server.
     (grpc.StatusCode.UNKNOWN, "context deadline exceeded", Kind.TRANSIENT),
+    # etcd's back-pressure when its applied index trails the committed one by 5,000
+    # entries (a burst of thousands of nodes registering at once): try again after a
+    # pause. etcd 3.4 sends it with code UNKNOWN (seen at 10,000 nodes on 16 cores), the
+    # error's documented code is RESOURCE_EXHAUSTED: both are the same overload.
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests", Kind.TRANSIENT),
+    (grpc.StatusCode.UNKNOWN, "too many requests", Kind.TRANSIENT),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "", Kind.LIMIT),
     (grpc.StatusCode.UNAUTHENTICATED, "invalid auth token", Kind.TOKEN_EXPIRED),
     (grpc.StatusCode.INVALID_ARGUMENT, "revision of auth store is old", Kind.TOKEN_EXPIRED),
