@@ -80,6 +80,11 @@ _COUNTED = frozenset({"put", "put_all", "compare_and_put", "delete", "compare_an
                       "grant_lease", "keep_alive", "revoke_lease"})
 LAST_CALL = 0.5
 CAP_S = 60.0  # --cap
+#: Our server lets a connection hold MAX_STREAMS_PER_CONNECTION calls at once and a
+#: client queues the rest: a simulated node holds a watch or two and a few calls in
+#: flight, so more nodes than this on one client would wait on each other's streams,
+#: as no real node (which has a connection of its own) does. etcd sets no such limit.
+GRPC_NODES_PER_CONNECTION = 64
 
 
 # --- children ---------------------------------------------------------------------------
@@ -453,7 +458,9 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=4, help="client processes")
     ap.add_argument("--profile-server", default="", help="cProfile our server process here (.prof)")
     ap.add_argument("--profile-nodes", default="", help="cProfile the first client process here (.prof)")
-    ap.add_argument("--shared-client", action="store_true", help="one store client per process (not per node)")
+    ap.add_argument("--shared-client", action="store_true",
+                    help="one store client per process (not per node); on our store at most "
+                    f"{GRPC_NODES_PER_CONNECTION} nodes per client (its streams per connection)")
     ap.add_argument("--nodes-per-client", type=int, default=0,
                     help="nodes that share one store client (connection); default 1, or the whole process with --shared-client")
     ap.add_argument("--cap", type=float, default=CAP_S, help="seconds each phase may take")
@@ -464,13 +471,15 @@ def main() -> int:
     add_default_gc_flag(ap)
     args = ap.parse_args()
 
-    def per_client(count: int) -> int:
-        return args.nodes_per_client or (count if args.shared_client else 1)
+    def per_client(backend: str, count: int) -> int:
+        wanted = args.nodes_per_client or (count if args.shared_client else 1)
+        return min(wanted, GRPC_NODES_PER_CONNECTION) if backend == "grpc" else wanted
 
-    def clients_label() -> str:
-        if args.nodes_per_client:
-            return f"one per {args.nodes_per_client} nodes"
-        return "one per process" if args.shared_client else "one per node"
+    def clients_label(backend: str, count: int) -> str:
+        shared = per_client(backend, count)
+        if shared == count and args.shared_client and not args.nodes_per_client:
+            return "one per process"
+        return f"one per {shared} nodes" if shared > 1 else "one per node"
     apply_default_gc_flag(args)
     become_subreaper()
     info = machine()
@@ -502,7 +511,8 @@ def main() -> int:
                 nodes = []
                 for i in range(args.procs):
                     prof = args.profile_nodes if (i == 0 and size == max(args.sizes)) else ""
-                    nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size), str(leaver), prof, str(per_client(per[i])), str(args.cap), str(args.heartbeat)))
+                    nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size),
+                                       str(leaver), prof, str(per_client(backend, per[i])), str(args.cap), str(args.heartbeat)))
                 observer = child("_observe", backend, endpoint, run_id)
                 all_procs.extend([*nodes, observer])
                 for p in [*nodes, observer]:
@@ -583,7 +593,7 @@ def main() -> int:
                     "bytes_per_node_round2": ops2.get("bytes_sent", 0) / (size - 1),
                     "keep_alives_per_s": summarise_ops(idle, backend)[1] / args.idle,
                     "server_cpu_idle": (idle["cpu_s"] - ops2["cpu_s"]) / args.idle,
-                    "clients": clients_label(),
+                    "clients": clients_label(backend, per[0]),
                     "heartbeat_s": args.heartbeat or RendezvousSettings.default_heartbeat_ttl(size),
                     "load": loadavg(),
                 }
