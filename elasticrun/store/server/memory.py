@@ -42,7 +42,7 @@ import contextlib
 import heapq
 import secrets
 from collections import deque
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from elasticrun.errors import (
@@ -251,8 +251,11 @@ class MemoryStore(Store):
         self._segments: deque[_Segment] = deque()
         self._ring_sizes: deque[int] = deque()  # one per revision kept, oldest first
         self._ring_bytes = 0
+        #: open watches by the key they watch, and by the prefix they watch: a write
+        #: looks at each prefix once, not at each watcher (10,000 nodes watching one
+        #: job's prefix made every write cost 10,000 checks: BENCHMARKS.md, "Scale")
         self._exact_watchers: dict[str, set[_Watcher]] = {}
-        self._prefix_watchers: set[_Watcher] = set()
+        self._prefix_watchers: dict[str, set[_Watcher]] = {}
         self._leases: dict[int, _Lease] = {}
         #: keys and bytes of each job's worker namespace (no entry when empty), and in all
         self._usage: dict[str, _Usage] = {}
@@ -478,8 +481,9 @@ class MemoryStore(Store):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for watcher in [*self._prefix_watchers, *self._all_exact_watchers()]:
-            watcher.wake.set()
+        for watchers in [*self._prefix_watchers.values(), *self._exact_watchers.values()]:
+            for watcher in watchers:
+                watcher.wake.set()
 
     # --- internals -----------------------------------------------------------------
 
@@ -652,11 +656,10 @@ class MemoryStore(Store):
         for event in batch:
             for watcher in self._exact_watchers.get(event.key, ()):
                 self._wake(watcher, rev)
-        for watcher in self._prefix_watchers:
-            if not watcher.wake.is_set() and any(
-                e.key.startswith(watcher.key) for e in batch
-            ):
-                self._wake(watcher, rev)
+        for prefix, watchers in self._prefix_watchers.items():
+            if any(e.key.startswith(prefix) for e in batch):
+                for watcher in watchers:
+                    self._wake(watcher, rev)
 
     def _append(self, batch: tuple[WatchEvent, ...]) -> None:
         """Put the batch of the new revision in the newest segment; index it once full."""
@@ -686,25 +689,19 @@ class MemoryStore(Store):
             watcher.woken_at = revision
             watcher.wake.set()
 
+    def _watchers_of(self, watcher: _Watcher) -> dict[str, set[_Watcher]]:
+        return self._prefix_watchers if watcher.prefix else self._exact_watchers
+
     def _add_watcher(self, watcher: _Watcher) -> None:
-        if watcher.prefix:
-            self._prefix_watchers.add(watcher)
-        else:
-            self._exact_watchers.setdefault(watcher.key, set()).add(watcher)
+        self._watchers_of(watcher).setdefault(watcher.key, set()).add(watcher)
 
     def _remove_watcher(self, watcher: _Watcher) -> None:
-        if watcher.prefix:
-            self._prefix_watchers.discard(watcher)
-            return
-        watchers = self._exact_watchers.get(watcher.key)
+        by_key = self._watchers_of(watcher)
+        watchers = by_key.get(watcher.key)
         if watchers is not None:
             watchers.discard(watcher)
             if not watchers:
-                del self._exact_watchers[watcher.key]
-
-    def _all_exact_watchers(self) -> Iterable[_Watcher]:
-        for watchers in self._exact_watchers.values():
-            yield from watchers
+                del by_key[watcher.key]
 
     def _end_lease(self, lease: _Lease) -> None:
         del self._leases[lease.id]
