@@ -402,10 +402,15 @@ def recv(proc: subprocess.Popen[str]) -> str:
 
 
 _METRIC = re.compile(r'^(grpc_server_handled_total|grpc_server_msg_received_total)\{.*grpc_method="(\w+)".*\} (\S+)$')
+_CODE = re.compile(r'grpc_code="(\w+)"')
 
 
 class EtcdCounter:
-    """Server-side counts from etcd's /metrics: requests handled and stream messages."""
+    """Server-side counts from etcd's /metrics: requests handled and stream messages.
+
+    Requests etcd answered with an error are also counted apart by method and code
+    ("refused:Put:Unknown"): etcd refuses writes with "too many requests" when it falls
+    5,000 entries behind in applying them, and the nodes' retries are store calls too."""
 
     def __init__(self, cluster: object) -> None:
         self.cluster = cluster
@@ -418,6 +423,9 @@ class EtcdCounter:
             if m:
                 kind = "rpc" if m.group(1) == "grpc_server_handled_total" else "msg"
                 counts[f"{kind}:{m.group(2)}"] += int(float(m.group(3)))
+                code = _CODE.search(line)
+                if kind == "rpc" and code is not None and code.group(1) != "OK":
+                    counts[f"refused:{m.group(2)}:{code.group(1)}"] += int(float(m.group(3)))
             elif line.startswith("etcd_debugging_mvcc_events_total "):
                 counts["watch_events_sent"] += int(float(line.split()[1]))
             elif line.startswith("etcd_network_client_grpc_sent_bytes_total "):
