@@ -307,7 +307,10 @@ def row_inprocess(ctx: Context) -> str:
     if len(pids) != 1 or (backend != "nccl") == ctx.cuda:
         raise RowFailed(f"pids {sorted(pids)}, backend {backend}: not one process on the expected backend")
     took = float(after.group(2)) - float(aborted.group(2))
-    broken = "aborted" if backend == "nccl" else "broken (an exception stands in for nccl's abort)"
+    broken = "broken (an exception stands in for nccl's abort)"
+    returned = re.search(r"abort returned at (\S+)", text)
+    if returned is not None:
+        broken = f"aborted (abort() took {float(returned.group(1)) - float(aborted.group(2)):.2f} s)"
     return (f"{backend} group {broken} at step {aborted.group(1)}, re-formed from commit {starts[1][1]} in the "
             f"same process (pid {done.group(2)}): first step {took:.2f} s after the abort; "
             f"done at step {done.group(1)}")

@@ -12,6 +12,7 @@ same process. Lines the check reads:
 
     restart 0 starts at step 0, pid 4242, backend nccl, at 1767000000.123456
     aborting the group at step 10, at 1767000001.234567
+    abort returned at 1767000001.244567            (nccl only)
     restart 1 starts at step 10, pid 4242, backend nccl, at 1767000002.000000
     step 11 done at 1767000002.345678
     done at step 30, pid 4242
@@ -57,6 +58,7 @@ def main() -> None:
                     world = dist.group.WORLD
                     assert world is not None  # the wrapper made it
                     world.abort()
+                    print(f"abort returned at {time.time():.6f}", flush=True)
                 else:
                     raise RuntimeError("the group is broken (gloo stands in for an aborted nccl group)")
             grad = torch.ones(1024, device=device)
