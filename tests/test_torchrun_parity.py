@@ -242,13 +242,16 @@ def test_the_prefix_template_gives_torchruns_console_lines() -> None:
     ]
 
 
-def test_the_file_timer_kills_a_worker_that_overruns_as_torchrun() -> None:
+def test_the_file_timer_kills_a_worker_that_overruns_as_torchrun(tmp_path: Path) -> None:
     """TORCHELASTIC_ENABLE_FILE_TIMER=1 and torch's FileTimerClient in the worker: the
     overrunning worker is SIGKILLed. (torchrun's agent then SIGKILLs itself; ours fails
     the attempt as for any killed worker: exit 1 with the failure report.)"""
     env = clean_env(TORCHELASTIC_ENABLE_FILE_TIMER="1")
+    folders = tmp_path / "torchrun", tmp_path / "elasticrun"  # the two run at once
+    for folder in folders:
+        folder.mkdir()
     args = ["--standalone", "--nproc-per-node", "2", WORKERS / "cli_file_timer.py"]
-    theirs, ours = run_both(args, args, env=env)
+    theirs, ours = run_both([*args, folders[0]], [*args, folders[1]], env=env)
     for result in (theirs, ours):
         assert "survived" not in result.stdout
         assert "fast step done" in result.stdout
