@@ -418,7 +418,8 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     ]), {})
     store = MemoryStore()
     me = NodeInfo(node_id="a", host="h", addr="127.0.0.1", nproc=2, pid=1, started_at=0.0)
-    node = ElasticRendezvous(store, first.rdzv.settings, me, spec=first.job_spec, launch_flags=first.carried_flags)
+    flags = first.agent.carried_flags
+    node = ElasticRendezvous(store, first.rdzv.settings, me, spec=first.job_spec, launch_flags=flags)
     try:
         await node._check_spec()  # stores the job's records, with this folder as the first node's
         monkeypatch.chdir(join_dir)
@@ -438,12 +439,12 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     carried = ("entrypoint", "nproc_per_node", "role", "max_restarts", "stop_grace", "signals_to_handle", "redirects",
                "tee", "local_ranks_filter", "isolate_gpus", "progress_timeout", "in_process")
     assert {k: getattr(w, k) for k in carried} == {k: getattr(f, k) for k in carried}
-    assert (w.stop_grace, w.isolate_gpus, joined.health_interval) == (4.0, True, 3.0)
+    assert (w.stop_grace, w.isolate_gpus, joined.agent.health_interval) == (4.0, True, 3.0)
     assert joined.rdzv.local_addr == "127.0.0.5" and joined.rdzv.settings.join_timeout == 60.0
-    assert (w.log_dir, joined.event_log_handler) == (None, "null")
+    assert (w.log_dir, joined.agent.event_log_handler) == (None, "null")
     assert not any(a.startswith(("--log-dir", "--event-log-handler")) for a in argv), argv
     # a health check runs code: join's own only, never the first node's from the store
-    assert (joined.health_check, joined.health_check_timeout) == ("test -d /scratch", 5.0)
+    assert (joined.agent.health_check, joined.agent.health_check_timeout) == ("test -d /scratch", 5.0)
     assert "first node's check" not in " ".join(argv)
 
 

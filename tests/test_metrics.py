@@ -201,7 +201,7 @@ def test_metrics_port_is_part_of_the_launch_configuration() -> None:
         "from elasticrun.launcher.assemble import build_config\n"
         "from elasticrun.launcher.flags import launch_parser\n"
         "args = launch_parser().parse_args(['--standalone', '--metrics-port', '127.0.0.1:9464', sys.argv[1]])\n"
-        "print(build_config(args, {}).metrics, 'prometheus_client' in sys.modules)\n"
+        "print(build_config(args, {}).agent.metrics, 'prometheus_client' in sys.modules)\n"
     )
     script = Path(__file__).parent / "workers" / "cli_speak.py"
     out = subprocess.run([sys.executable, "-c", code, str(script)], capture_output=True, text=True, timeout=60)

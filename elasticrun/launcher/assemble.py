@@ -57,14 +57,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
         job_spec=spec,
         nproc_request=spec.nproc_per_node,
         gpu_names=host.gpu_names,
-        health_interval=request.health_interval,
-        health_check=request.health_check,
-        health_check_timeout=request.health_check_timeout,
-        carried_flags=request.carried_flags,
-        event_log_handler=request.event_log_handler,
-        logs_specs=request.logs_specs,
-        std_flags=request.std_flags,
-        metrics=request.metrics,
+        agent=request.agent,
     )
 
 

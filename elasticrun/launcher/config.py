@@ -1,4 +1,4 @@
-"""The frozen configuration of one launch: `LaunchConfig`, and its `RendezvousConfig`.
+"""The frozen configuration of one launch: `LaunchConfig`, its `RendezvousConfig` and `AgentOptions`.
 
 It is made in three steps kept apart:
 
@@ -48,17 +48,12 @@ class RendezvousConfig:
 
 
 @dataclass(frozen=True)
-class LaunchConfig:
-    """Everything one `elasticrun` launch does."""
+class AgentOptions:
+    """What the agent itself runs beside the workers, as its flags ask for it.
 
-    rdzv: RendezvousConfig
-    worker: WorkerSpec
-    #: what every node of the job must agree on (stored in the job's spec record)
-    job_spec: JobSpec
-    #: the --nproc-per-node value as given ("gpu", "auto", "cpu" or a number)
-    nproc_request: str
-    #: names of this node's GPUs, for status
-    gpu_names: tuple[str, ...] = ()
+    One object from the checked flags (`LaunchRequest.agent`) to the launch
+    (`LaunchConfig.agent`): the host adds nothing to these, so they pass unchanged."""
+
     #: seconds between GPU health checks (and --health-check runs) while training
     health_interval: float = 10.0
     #: --health-check: the operator's command, run by /bin/sh -c (None: none)
@@ -75,3 +70,19 @@ class LaunchConfig:
     std_flags: tuple[str, str] = ("0", "0")
     #: --metrics-port: where this agent serves its Prometheus metrics (None: off)
     metrics: MetricsAddress | None = None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything one `elasticrun` launch does."""
+
+    rdzv: RendezvousConfig
+    worker: WorkerSpec
+    #: what every node of the job must agree on (stored in the job's spec record)
+    job_spec: JobSpec
+    #: the --nproc-per-node value as given ("gpu", "auto", "cpu" or a number)
+    nproc_request: str
+    #: names of this node's GPUs, for status
+    gpu_names: tuple[str, ...] = ()
+    #: the agent's own services, as the flags ask for them
+    agent: AgentOptions = field(default_factory=AgentOptions)

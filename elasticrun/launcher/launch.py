@@ -69,44 +69,44 @@ def run_launch(config: LaunchConfig) -> int:
 async def run_node(config: LaunchConfig) -> AgentResult:
     """This node's part of the job, to its end (the CLI's and `elasticrun.launch`'s).
 
-    With `config.metrics`, it serves the agent's Prometheus metrics (and the hosted
+    With `config.agent.metrics`, it serves the agent's Prometheus metrics (and the hosted
     store's) there."""
-    metrics_at = config.metrics
+    agent, worker = config.agent, config.worker
+    metrics_at = agent.metrics
     async with contextlib.AsyncExitStack() as stack:
         watches, reclaim = [], None
-        if config.worker.gpu_devices:
+        if worker.gpu_devices:
             gpus = open_gpus()
             stack.callback(gpus.close)
-            watches = gpu_watches(gpus, config.worker.gpu_devices, config.health_interval)
-            reclaim = gpu_reclaim(gpus, config.worker.gpu_devices, RECLAIM_LIMIT)
+            watches = gpu_watches(gpus, worker.gpu_devices, agent.health_interval)
+            reclaim = gpu_reclaim(gpus, worker.gpu_devices, RECLAIM_LIMIT)
         metrics = store_metrics = None
         if metrics_at is not None:  # the library is loaded only when asked for
             from elasticrun.agent.metrics import AgentMetrics
             from elasticrun.store.server.metrics import StoreMetrics
 
-            metrics = AgentMetrics(config.worker.run_id, config.worker.node_id, health_check=bool(config.health_check))
+            metrics = AgentMetrics(worker.run_id, worker.node_id, health_check=bool(agent.health_check))
             store_metrics = StoreMetrics(metrics.registry)
-        if config.health_check is not None:
-            env = {k: v for k, v in os.environ.items() if k not in config.worker.withheld_env}
-            check = HealthCheck(config.health_check, config.health_check_timeout, env)
-            watches += await health_check_watches(check, config.health_interval, metrics)
+        if agent.health_check is not None:
+            env = {k: v for k, v in os.environ.items() if k not in worker.withheld_env}
+            check = HealthCheck(agent.health_check, agent.health_check_timeout, env)
+            watches += await health_check_watches(check, agent.health_interval, metrics)
         events = None
-        if config.event_log_handler != "null":
+        if agent.event_log_handler != "null":
             from elasticrun.launcher.event_log import torch_event_sink
 
-            worker = config.worker
             events = torch_event_sink(
-                config.event_log_handler, run_id=worker.run_id, role=worker.role, backend=config.rdzv.backend,
+                agent.event_log_handler, run_id=worker.run_id, role=worker.role, backend=config.rdzv.backend,
                 entrypoint=os.path.basename(worker.entrypoint[0]),  # as torchrun's: the program it runs
             )
         layout = None
-        if config.logs_specs is not None:
+        if agent.logs_specs is not None:
             from elasticrun.launcher.logs_specs import torch_log_layout
 
             layout = torch_log_layout(
-                config.logs_specs, log_dir=str(config.worker.log_dir) if config.worker.log_dir else None,
-                redirects=config.std_flags[0], tee=config.std_flags[1],
-                local_ranks_filter=config.worker.local_ranks_filter,
+                agent.logs_specs, log_dir=str(worker.log_dir) if worker.log_dir else None,
+                redirects=agent.std_flags[0], tee=agent.std_flags[1],
+                local_ranks_filter=worker.local_ranks_filter,
             )
         handler, hosted = await _open_handler(config, stack, store_metrics)
         if metrics is not None:
@@ -209,7 +209,7 @@ async def _open_handler(
     if rdzv.backend == "standalone":
         settings = replace(settings, last_call=0.0)
     handler = ElasticRendezvous(
-        store, settings, me, spec=config.job_spec, launch_flags=config.carried_flags,
+        store, settings, me, spec=config.job_spec, launch_flags=config.agent.carried_flags,
         hosting=rdzv.endpoint if hosted is not None else "",
     )
     stack.push_async_callback(handler.aclose)

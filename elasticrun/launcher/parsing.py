@@ -17,13 +17,13 @@ from pathlib import Path
 
 from elasticrun.agent.spec import Std
 from elasticrun.errors import UsageError
-from elasticrun.launcher.config import RendezvousConfig
+from elasticrun.launcher.config import AgentOptions, RendezvousConfig
 from elasticrun.launcher.flag_values import (
     digits_only,
     positive_seconds,
     within_max_seconds,
 )
-from elasticrun.launcher.metrics_http import MetricsAddress, metrics_address
+from elasticrun.launcher.metrics_http import metrics_address
 from elasticrun.launcher.rdzv_conf import SHARED_RDZV_CONF, parse_rdzv_conf, rendezvous_settings
 from elasticrun.rendezvous.records import JobSpec
 from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT
@@ -194,16 +194,9 @@ class LaunchRequest:
     log_dir: Path | None
     local_ranks_filter: frozenset[int] | None
     isolate_gpus: bool
-    health_interval: float
-    health_check: str | None = None
-    health_check_timeout: float = 30.0
-    carried_flags: tuple[str, ...] = ()
-    event_log_handler: str = "null"
-    logs_specs: str | None = None
-    std_flags: tuple[str, str] = ("0", "0")
+    agent: AgentOptions
     #: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, as torchrun reads it
     log_line_prefix_template: str | None = None
-    metrics: MetricsAddress | None = None
     #: TORCHELASTIC_ENABLE_FILE_TIMER=1: TORCHELASTIC_TIMER_FILE or "" (WorkerSpec.file_timer)
     file_timer: str | None = None
     #: --duplicate-stdout-filters and --duplicate-stderr-filters, by stream
@@ -285,14 +278,16 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         log_dir=Path(args.log_dir) if args.log_dir else None,
         local_ranks_filter=local_ranks,
         isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
-        health_interval=args.health_interval,
-        health_check=args.health_check or None,
-        health_check_timeout=args.health_check_timeout,
-        carried_flags=carried_flags(args),
-        event_log_handler=args.event_log_handler or "null",
-        logs_specs=args.logs_specs or None,
-        std_flags=(args.redirects, args.tee),
-        metrics=metrics_address(args.metrics_port),
+        agent=AgentOptions(
+            health_interval=args.health_interval,
+            health_check=args.health_check or None,
+            health_check_timeout=args.health_check_timeout,
+            carried_flags=carried_flags(args),
+            event_log_handler=args.event_log_handler or "null",
+            logs_specs=args.logs_specs or None,
+            std_flags=(args.redirects, args.tee),
+            metrics=metrics_address(args.metrics_port),
+        ),
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "") if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
         else None,
