@@ -63,7 +63,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from common import loadavg, machine, write_json  # noqa: E402
 
-from elasticrun.store.client.grpc_store import GrpcStore
+from elasticrun.store.client.grpc_store import GrpcStore  # noqa: E402
 
 WORKERS = REPO / "tests" / "workers"
 TOKEN = "bench-abuse-token"

@@ -65,7 +65,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    start_run,
     LAUNCHERS,
     WORKERS,
     ProcessTracker,
@@ -77,6 +76,7 @@ from common import (  # noqa: E402
     loadavg,
     median,
     ratio,
+    start_run,
     write_json,
 )
 

@@ -47,7 +47,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
 
-from common import PYTHON, base_env, become_subreaper, descendants, fmt, free_port, loadavg, machine, median, ratio, write_json  # noqa: E402
+from common import (  # noqa: E402
+    PYTHON,
+    base_env,
+    become_subreaper,
+    descendants,
+    fmt,
+    free_port,
+    loadavg,
+    machine,
+    median,
+    ratio,
+    write_json,
+)
 
 CAP = 60.0
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_elastic  # noqa: E402
 from bench_elastic import Job  # noqa: E402
-from common import start_run, WORKERS, fmt, kill_tree, loadavg, median, ratio, write_json  # noqa: E402
+from common import WORKERS, fmt, kill_tree, loadavg, median, ratio, start_run, write_json  # noqa: E402
 
 SCRIPT = WORKERS / "inprocess_loop.py"
 MODES = {

@@ -27,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    start_run,
     LAUNCHERS,
     WORKERS,
     ProcessTracker,
@@ -36,6 +35,7 @@ from common import (  # noqa: E402
     loadavg,
     median,
     ratio,
+    start_run,
     write_json,
 )
 

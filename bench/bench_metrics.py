@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from common import free_port, machine  # noqa: E402
 
-from elasticrun.store.client.grpc_store import GrpcStore
+from elasticrun.store.client.grpc_store import GrpcStore  # noqa: E402
 
 
 def start_server(metrics_port: int | None) -> tuple[subprocess.Popen[str], str]:

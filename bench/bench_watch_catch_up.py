@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from common import add_default_gc_flag, apply_default_gc_flag, settle_gc, write_json  # noqa: E402
 
-from elasticrun.store.server.memory import MemoryStore
+from elasticrun.store.server.memory import MemoryStore  # noqa: E402
 
 QUIET_KEYS = 10
 

@@ -14,6 +14,8 @@ import time
 
 from bench_events import T0, event
 
+# isort: split
+# bench_events stays above torch's import: importing it stamps the script's start (T0)
 from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402

@@ -17,6 +17,8 @@ import time
 
 from bench_events import T0, event
 
+# isort: split
+# bench_events stays above torch's import: importing it stamps the script's start (T0)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
