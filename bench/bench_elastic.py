@@ -472,7 +472,8 @@ def main() -> int:
                                    "steps": steps, "spawns": spawns}
             summary[f"{scenario}/{phase}"] = cells
 
-            def cell(launcher: str) -> str:
+            # called within this iteration only; `cells` is bound here to say so
+            def cell(launcher: str, cells: dict[str, dict[str, object]] = cells) -> str:
                 c = cells[launcher]
                 return "—" if not c["runs"] else f"{fmt(c['step'])} / {fmt(c['spawn'])} ({c['ok']}/{c['runs']})"  # type: ignore[arg-type]
 

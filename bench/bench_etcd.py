@@ -290,7 +290,8 @@ def main() -> int:
         print("\n| agents | etcd: start -> all workers s | c10d: start -> all workers s | ratio | etcd: last join -> all assigned s | c10d: last join -> all assigned s | ratio |")
         print("|---|---|---|---|---|---|---|")
         for n, by in out["agents"].items():  # type: ignore[union-attr]
-            def med(backend: str, key: str) -> float | None:
+            # called within this iteration only; `by` is bound here to say so
+            def med(backend: str, key: str, by: dict[str, list[dict[str, float]]] = by) -> float | None:
                 return median(r[key] for r in by[backend] if key in r)  # type: ignore[misc]
             e_t, c_t, e_r, c_r = med("etcd", "total_s"), med("c10d", "total_s"), med("etcd", "rdzv_s"), med("c10d", "rdzv_s")
             print(f"| {n} | {fmt(e_t)} | {fmt(c_t)} | {ratio(e_t, c_t)} | {fmt(e_r, 3)} | {fmt(c_r, 3)} | {ratio(e_r, c_r)} |")

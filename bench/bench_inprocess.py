@@ -102,7 +102,8 @@ def _table(summary: dict[str, dict[str, object]], key: str, target: str) -> None
           + (" target |" if target else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if target else ""))
     for phase, cells in summary.items():
-        def cell(mode: str) -> str:
+        # called within this iteration only; `cells` is bound here to say so
+        def cell(mode: str, cells: dict[str, object] = cells) -> str:
             c = cells[mode]
             if not c["runs"]:  # type: ignore[index]
                 return "—"
