@@ -206,7 +206,7 @@ def _phase(result: dict[str, object], name: str, t0: float, t1: float | None, ca
         for line in extra["errors"]:  # type: ignore[union-attr]
             print(f"      {line}", flush=True)
     result[name] = {"s": None if t1 is None else t1 - t0, "spawn_s": spawn_s, "cap": cap, **extra}
-    status = "did not complete within %gs" % cap if t1 is None else f"{t1 - t0:.2f} s"
+    status = f"did not complete within {cap:g}s" if t1 is None else f"{t1 - t0:.2f} s"
     print(f"    {name}: {labels[0]} {status}; {labels[1]} {fmt(spawn_s)} s", flush=True)
     return t1 is not None
 

@@ -382,7 +382,7 @@ def scale(
         latencies += json.loads(h.stdout.readline())
         h.wait(30)
     sends = []
-    for server, log in zip(servers, send_logs):
+    for server, log in zip(servers, send_logs, strict=True):
         server.stop()
         sends += json.loads(log.read_text())
         log.unlink()
