@@ -347,6 +347,6 @@ async def test_two_static_nodes_on_loopback_all_reduce_with_gloo(tmp_path: Path)
     finally:
         for a in agents:
             await kill_and_reap(a)
-    for rank, (agent, (out, err)) in enumerate(zip(agents, outputs)):
+    for rank, (agent, (out, err)) in enumerate(zip(agents, outputs, strict=True)):
         assert agent.returncode == 0, err.decode()
         assert f"[{rank}]<stdout>: sum 3 of world 2" in out.decode()

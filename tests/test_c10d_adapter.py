@@ -67,7 +67,7 @@ async def test_two_process_gloo_all_reduce(server: StoreServer, credential: str)
     try:
         async with asyncio.timeout(90):
             outputs = [(await p.communicate())[0].decode() for p in procs]
-        for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
             assert proc.returncode == 0, out
             assert f"rank {rank} sum 3" in out, out
     finally:

@@ -566,7 +566,7 @@ def test_two_standalone_jobs_at_once_get_different_ports_and_both_succeed(
         procs.append(start_cli(["--standalone", "--nproc-per-node", "1", HOLD_PORT,
                                 tmp_path / f"ready_{name}", go]))
     # each job's rank 0 listens on its MASTER_PORT while the other job is running
-    ports = {wait_for_file(tmp_path / f"ready_{n}", p) for n, p in zip("ab", procs)}
+    ports = {wait_for_file(tmp_path / f"ready_{n}", p) for n, p in zip("ab", procs, strict=True)}
     assert len(ports) == 2, ports
     go.touch()
     for proc in procs:
@@ -705,7 +705,7 @@ def bad_input_results() -> Iterator[dict[str, subprocess.CompletedProcess[str]]]
         for start in range(0, len(cases), 6):
             batch = cases[start:start + 6]
             running = [start_cli(argv) for _, (argv, _) in batch]
-            for (name, _), proc in zip(batch, running):
+            for (name, _), proc in zip(batch, running, strict=True):
                 results[name] = finish(proc, timeout=30)
         yield results
     finally:

@@ -102,7 +102,7 @@ async def test_concurrent_keep_alives_share_one_stream(server: StoreServer) -> N
     results = await asyncio.gather(
         *(client.keep_alive(lease) for lease in leases * 3), return_exceptions=True
     )
-    for lease, result in zip(leases * 3, results):
+    for lease, result in zip(leases * 3, results, strict=True):
         if lease in gone:
             assert isinstance(result, LeaseExpiredError) and result.lease_id == lease
         else:

@@ -9,6 +9,7 @@ Markers: `soak` marks a long run excluded by default; run it with
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import re
@@ -211,7 +212,7 @@ def check_steps_never_go_back(cluster: FaultCluster) -> dict[str, int]:
         saved += [(float(at), int(s)) for s, at in CKPT_RE.findall(text)]
         starts += [(float(at), int(r), f"{log} pid {pid}") for pid, r, at in RESUME_RE.findall(text)]
         rows = steps_in(text)
-        for before, after in zip(rows, rows[1:]):
+        for before, after in itertools.pairwise(rows):
             assert after["step"] == before["step"] + 1, f"{log}: step {before['step']} then {after['step']}"
         for row in rows:
             assert row["sum"] == row["step"] * row["world"], f"{log}: ranks disagree on the step: {row}"

@@ -48,7 +48,7 @@ def test_job_goes_on_after_the_store_stalls_or_restarts_empty(
     clock = reliability.clock()
     if fault == "stall":
         store.signal(signal.SIGSTOP)
-        for p, mark in zip(agents, marks):
+        for p, mark in zip(agents, marks, strict=True):
             p.wait_for(r"lost its membership", start=mark)
         store.signal(signal.SIGCONT)
     else:
@@ -58,7 +58,7 @@ def test_job_goes_on_after_the_store_stalls_or_restarts_empty(
         new_store, _ = serve_store("127.0.0.1", cluster.tmp / "store2.log", port=int(port), env=cluster._env)
         cluster.procs.append(new_store)  # named "store" too: killed by PID at the end
     later = rf"(?!{before}\b)\d+"  # any round but the one that ran before the fault
-    after = [p.wait_for(step_pattern(2, round=later), start=mark) for p, mark in zip(agents, marks)]
+    after = [p.wait_for(step_pattern(2, round=later), start=mark) for p, mark in zip(agents, marks, strict=True)]
     recovered = clock()
     rounds = {int(m["round"]) for m in after}
     assert len(rounds) == 1 and rounds.pop() > before, (before, [m.group(0) for m in after])
