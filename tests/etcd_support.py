@@ -89,7 +89,7 @@ def make_tls_files(directory: Path) -> TlsFiles:
     from cryptography.x509.oid import NameOID
 
     directory.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def key_pem(key: ec.EllipticCurvePrivateKey, name: str) -> str:
         path = directory / name

@@ -96,7 +96,7 @@ def test_cli_md_documents_every_flag_of_every_command_with_its_default() -> None
         section = by_title[matches[0]]
         documented = documented_defaults(section)
         flags = listed_flags(parser)
-        for flag, action in flags.items():
+        for flag in flags:
             twin = flag.replace("_", "-")
             if "_" in flag and twin in flags:
                 continue  # torchrun's spelling; cli.md says every dash flag has one

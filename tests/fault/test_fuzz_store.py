@@ -352,13 +352,13 @@ seconds = st.sampled_from([0.0, 0.01, -1.0, NAN, INF, -INF, 1e300, 5e-324, 0.05]
 many_keys = st.one_of(st.lists(keys, max_size=4), st.sampled_from([[""] * 50_000, [f"m{i}" for i in range(5000)], ["k" * 4097]]))
 
 hostile = st.one_of(
-    st.builds(lambda k, v, l: ("Put", pb.PutRequest(key=k, value=v, lease=l)), keys, values, int64),
+    st.builds(lambda k, v, lease: ("Put", pb.PutRequest(key=k, value=v, lease=lease)), keys, values, int64),
     st.builds(lambda k, p: ("Range", pb.RangeRequest(key=k, prefix=p)), keys, st.booleans()),
     st.builds(lambda k, p: ("DeleteRange", pb.DeleteRangeRequest(key=k, prefix=p)), keys, st.booleans()),
-    st.builds(lambda k, v, r, l: ("CompareAndPut", pb.CompareAndPutRequest(key=k, value=v, expected_mod_revision=r, lease=l)), keys, values, int64, int64),
+    st.builds(lambda k, v, r, lease: ("CompareAndPut", pb.CompareAndPutRequest(key=k, value=v, expected_mod_revision=r, lease=lease)), keys, values, int64, int64),
     st.builds(lambda k, r: ("CompareAndDelete", pb.CompareAndDeleteRequest(key=k, expected_mod_revision=r)), keys, int64),
     st.builds(lambda t: ("LeaseGrant", pb.LeaseGrantRequest(ttl_seconds=t)), seconds),
-    st.builds(lambda l: ("LeaseRevoke", pb.LeaseRevokeRequest(lease=l)), int64),
+    st.builds(lambda lease: ("LeaseRevoke", pb.LeaseRevokeRequest(lease=lease)), int64),
     st.builds(lambda ls: ("LeaseKeepAlive", [pb.LeaseKeepAliveRequest(lease=x) for x in ls]), st.lists(int64, min_size=1, max_size=20)),
     st.builds(lambda k, p, r: ("Watch", pb.WatchRequest(key=k, prefix=p, start_revision=r)), keys, st.booleans(), int64),
     st.builds(lambda k, v: ("Set", pb.SetRequest(key=k, value=v)), keys, values),

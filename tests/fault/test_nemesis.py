@@ -100,7 +100,7 @@ class Nemesis:
         n = self.started
         proc = self.cluster.agent(
             f"n{n}", endpoint=f"127.0.0.1:{self.port}", run_id=self.job, local_addr=f"127.0.0.{10 + n}",
-            nnodes="%d:%d" % self.nnodes, conf=CONF, max_restarts=1000,
+            nnodes=f"{self.nnodes[0]}:{self.nnodes[1]}", conf=CONF, max_restarts=1000,
         )
         self.agents.append(proc)
         return proc
