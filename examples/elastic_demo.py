@@ -199,7 +199,8 @@ def run_demo(workdir: Path, endpoint: str, nodes: list[Node]) -> int:
     say("node-d is preempted (SIGTERM): it leaves at once, the job goes on with 2")
     nodes[3].proc.send_signal(signal.SIGTERM)
     code_d = nodes[3].proc.wait(timeout=STAGE_TIMEOUT)
-    print(f"    node-d's agent exited {code_d} (128+SIGTERM: a signalled agent's code, retryable for a scheduler)", flush=True)
+    print(f"    node-d's agent exited {code_d} (128+SIGTERM: a signalled agent's code, retryable for a scheduler)",
+          flush=True)
     progress(nodes, 2)
     show_status(endpoint, nodes)
 

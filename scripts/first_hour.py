@@ -89,8 +89,10 @@ def steps(port: int, token: Path) -> list[Step]:
 
 
 def run(folder: Path) -> str:
-    """Run every step in `folder`; the transcript, or AssertionError naming the step
-    whose output lacks its line."""
+    """Run every step in `folder` and return the transcript.
+
+    Raises AssertionError naming the step whose output lacks its line.
+    """
     (folder / "train.py").write_text(TRAIN)
     (folder / "silent.py").write_text(SILENT)
     token = folder / "token"

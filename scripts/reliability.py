@@ -71,8 +71,11 @@ a job, what the user sees, and what leaked.
 
 @dataclass(frozen=True)
 class Headline:
-    """One line of the headlines: the rows whose scenario matches `scenarios`, their
-    `figure` (seconds), and torchrun's time for the same fault in BENCHMARKS.md."""
+    """One line of the headlines.
+
+    The rows whose scenario matches `scenarios`, their `figure` (seconds), and
+    torchrun's time for the same fault in BENCHMARKS.md.
+    """
 
     what: str
     scenarios: str
@@ -120,7 +123,9 @@ def run_suite(pytest_args: list[str], rows: Path, soak: bool) -> tuple[int, str,
     began = time.monotonic()
     proc = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sys.stdout.write(proc.stdout)
-    summary = next((ln.strip("= ") for ln in reversed(proc.stdout.splitlines()) if re.search(r"\d+ (passed|failed|error)", ln)), "")
+    summary = next(
+        (ln.strip("= ") for ln in reversed(proc.stdout.splitlines()) if re.search(r"\d+ (passed|failed|error)", ln)), ""
+    )
     return proc.returncode, summary, time.monotonic() - began
 
 
@@ -171,8 +176,11 @@ def this_run(command: str, summary: str) -> dict:
 
 
 def headlines(rows: list[dict], when: str) -> list[str]:
-    """One screen: per kind of fault, the scenarios that ended as designed, the time to
-    recover, and torchrun's time for the same fault where BENCHMARKS.md has one."""
+    """One screen of headlines, a line per kind of fault.
+
+    Per kind of fault: the scenarios that ended as designed, the time to recover, and
+    torchrun's time for the same fault where BENCHMARKS.md has one.
+    """
     faults = [row for row in rows if row.get("part") != "security"]
     passed = sum(row.get("outcome") == "passed" for row in rows)
     lost = [re.search(r"(\d+) of (\d+) log lines", str(row.get("lost", ""))) for row in faults]
@@ -263,7 +271,9 @@ def _git(*argv: str) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--output", type=Path, default=ROOT / "RELIABILITY.md", help="the markdown file to write")
     p.add_argument("--rows", type=Path, help="render these recorded rows (JSON lines) instead of running the suite")
     p.add_argument("--save-rows", type=Path, help="also keep the rows of this run here (JSON lines), to render again")
