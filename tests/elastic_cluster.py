@@ -124,7 +124,9 @@ class Proc:
         try:
             return self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} still running after {timeout:g}s; output:\n{self.text()[-6000:]}") from None
+            raise AssertionError(
+                f"{self.name} still running after {timeout:g}s; output:\n{self.text()[-6000:]}"
+            ) from None
 
     def signal(self, sig: signal.Signals) -> None:
         if self.popen.poll() is None:

@@ -143,7 +143,14 @@ def run_churn(cluster: FaultCluster, reliability: Reliability, *, cycles: int, s
 
 
 def _churn(
-    cluster: FaultCluster, reliability: Reliability, endpoint: str, store: Proc, *, cycles: int, standbys: int, label: str
+    cluster: FaultCluster,
+    reliability: Reliability,
+    endpoint: str,
+    store: Proc,
+    *,
+    cycles: int,
+    standbys: int,
+    label: str,
 ) -> None:
     churn = Churn(cluster, endpoint, run_id())
     began = time.monotonic()
@@ -198,7 +205,10 @@ def _churn(
     keys = Keys(churn.job)
     held = [kv.key for kv in asyncio.run(_keys(endpoint, keys.prefix))]
     gone = {f"{socket.gethostname()}_{pid}" for pid in churn.gone}
-    leaked = [k for k in held if not k.startswith(keys.events) and any(k.rsplit("/", 1)[-1] == g or f"/{g}/" in k for g in gone)]
+    leaked = [
+        k for k in held
+        if not k.startswith(keys.events) and any(k.rsplit("/", 1)[-1] == g or f"/{g}/" in k for g in gone)
+    ]
     assert not leaked, f"the store keeps keys of nodes that left: {leaked[:10]}"
     events = sum(k.startswith(keys.events) for k in held)
     assert events <= EVENTS_BOUND, f"{events} events kept"

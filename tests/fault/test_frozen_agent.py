@@ -104,7 +104,10 @@ def test_frozen_agent_is_lost_then_rejoins_without_disturbing_the_job(
     rejoined = min(row["t"] for row in rows if row["world"] == 3 and row["t"] > woke_at)
     reliability.record(
         scenario=f"frozen agent (SIGSTOP/SIGCONT, {backend}), its worker {worker}",
-        injected=f"SIGSTOP to the leader's agent (not its worker) for {woke_at - stopped_at:.1f} s; --broken-wait {broken_wait}",
+        injected=(
+            f"SIGSTOP to the leader's agent (not its worker) for {woke_at - stopped_at:.1f} s; "
+            f"--broken-wait {broken_wait}"
+        ),
         happened=(
             f"others at world 2 after {first_two - stopped_at:.1f} s; on SIGCONT c found its lease lost, "
             f"stopped its old worker, rejoined: world 3 after {rejoined - woke_at:.1f} s; no restart spent"

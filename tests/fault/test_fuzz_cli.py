@@ -250,7 +250,9 @@ ENV_NAMES = [
     "PET_RDZV_BACKEND", "PET_RDZV_ENDPOINT", "PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
     "ELASTICRUN_STORE_TOKEN", "LOGLEVEL",
 ]
-environment = st.dictionaries(st.sampled_from(ENV_NAMES), st.one_of(st.sampled_from(["1", "2:3", "c10d", "nan", "-1", ""]), odd), max_size=2)
+environment = st.dictionaries(
+    st.sampled_from(ENV_NAMES), st.one_of(st.sampled_from(["1", "2:3", "c10d", "nan", "-1", ""]), odd), max_size=2
+)
 
 # --- running main() in this process ------------------------------------------------------
 
@@ -476,9 +478,12 @@ FOUND = [
     (["--nnodes", "1\n2", "SCRIPT"], {}, "got '1\\n2'"),
     (["missing\n.py"], {}, "training script not found: missing\\n.py"),
     (["--bogus\x1b[2J", "SCRIPT"], {}, "unrecognized arguments: --bogus\\x1b[2J"),
-    (["stop", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=j", "--timeout=nan"], {}, "--timeout must be a positive number of seconds, got nan"),
-    (["drain", "--rdzv-endpoint=h:1", "--rdzv-id=j", "--count=1", "--timeout=inf"], {}, "--timeout must be a positive number of seconds, got inf"),
-    (["join", "--rdzv-endpoint=h:1", "--rdzv-id=j", "--timeout=-1"], {}, "--timeout must be a positive number of seconds, got -1"),
+    (["stop", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=j", "--timeout=nan"], {},
+     "--timeout must be a positive number of seconds, got nan"),
+    (["drain", "--rdzv-endpoint=h:1", "--rdzv-id=j", "--count=1", "--timeout=inf"], {},
+     "--timeout must be a positive number of seconds, got inf"),
+    (["join", "--rdzv-endpoint=h:1", "--rdzv-id=j", "--timeout=-1"], {},
+     "--timeout must be a positive number of seconds, got -1"),
 ]
 
 
@@ -501,7 +506,11 @@ def test_what_the_fuzz_found_stays_fixed(in_process: None, reliability) -> None:
 
 
 def test_help_and_version_of_every_command(in_process: None) -> None:
-    for argv in (["--help"], ["-h"], ["--version"], *([name, "--help"] for name in ("status", "logs", "join", "drain", "stop")), ["store", "serve", "--help"]):
+    for argv in (
+        ["--help"], ["-h"], ["--version"],
+        *([name, "--help"] for name in ("status", "logs", "join", "drain", "stop")),
+        ["store", "serve", "--help"],
+    ):
         outcome = run_main(list(argv), {})
         assert outcome.code == ("SystemExit", 0) and outcome.out and not outcome.err, outcome.explain(argv)
 
@@ -567,7 +576,8 @@ def _as_bytes(arg: str) -> bytes:
 @example(argv=["--rdzv-backend=c10d", "--rdzv-endpoint=a..b:29400", "SCRIPT"])
 @example(argv=["--signals-to-handle=KILL", "SCRIPT"])
 @example(argv=["--nproc-per-node=²", "SCRIPT"])
-@example(argv=["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=caf\udce9", "--rdzv-conf=is_host=false,store_timeout=0.5", "SCRIPT"])
+@example(argv=["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=caf\udce9",
+               "--rdzv-conf=is_host=false,store_timeout=0.5", "SCRIPT"])
 @example(argv=["status", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=j", "--rdzv-conf=store_timeout=abc"])
 @example(argv=["status", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=caf\udce9", "--rdzv-conf=store_timeout=0.5"])
 @example(argv=["--nnodes", "1\n2", "SCRIPT"])

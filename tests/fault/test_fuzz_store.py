@@ -315,7 +315,9 @@ malformed = st.one_of(
 @example(method=BY_NAME["Put"], payloads=[b"\x0a\x02\xff\xfe"])  # a key that is not UTF-8
 @example(method=BY_NAME["Watch"], payloads=[b"\xff"])
 @example(method=BY_NAME["LeaseKeepAlive"], payloads=[b"\x08\x01", b"\xff"])
-def test_malformed_bytes_get_a_deliberate_status(served: Served, channel: grpc.Channel, method: Method, payloads: list[bytes]) -> None:
+def test_malformed_bytes_get_a_deliberate_status(
+    served: Served, channel: grpc.Channel, method: Method, payloads: list[bytes]
+) -> None:
     code, details, _ = raw_call(channel, method, payloads, metadata(served.token))
     assert code in ALLOWED, f"{method} {payloads!r}: {code} {details}"
     assert served.proc.poll() is None
@@ -349,18 +351,32 @@ keys = st.one_of(
 values = st.one_of(st.sampled_from([0, 1, 7, MIB, MIB + 1]).map(bytes), st.binary(max_size=16))
 int64 = st.one_of(st.sampled_from([0, 1, -1, 2**63 - 1, -(2**63), 2**62]), st.integers(-(2**63), 2**63 - 1))
 seconds = st.sampled_from([0.0, 0.01, -1.0, NAN, INF, -INF, 1e300, 5e-324, 0.05])
-many_keys = st.one_of(st.lists(keys, max_size=4), st.sampled_from([[""] * 50_000, [f"m{i}" for i in range(5000)], ["k" * 4097]]))
+many_keys = st.one_of(
+    st.lists(keys, max_size=4), st.sampled_from([[""] * 50_000, [f"m{i}" for i in range(5000)], ["k" * 4097]])
+)
 
 hostile = st.one_of(
     st.builds(lambda k, v, lease: ("Put", pb.PutRequest(key=k, value=v, lease=lease)), keys, values, int64),
     st.builds(lambda k, p: ("Range", pb.RangeRequest(key=k, prefix=p)), keys, st.booleans()),
     st.builds(lambda k, p: ("DeleteRange", pb.DeleteRangeRequest(key=k, prefix=p)), keys, st.booleans()),
-    st.builds(lambda k, v, r, lease: ("CompareAndPut", pb.CompareAndPutRequest(key=k, value=v, expected_mod_revision=r, lease=lease)), keys, values, int64, int64),
-    st.builds(lambda k, r: ("CompareAndDelete", pb.CompareAndDeleteRequest(key=k, expected_mod_revision=r)), keys, int64),
+    st.builds(
+        lambda k, v, r, lease: (
+            "CompareAndPut", pb.CompareAndPutRequest(key=k, value=v, expected_mod_revision=r, lease=lease)
+        ),
+        keys, values, int64, int64,
+    ),
+    st.builds(
+        lambda k, r: ("CompareAndDelete", pb.CompareAndDeleteRequest(key=k, expected_mod_revision=r)), keys, int64
+    ),
     st.builds(lambda t: ("LeaseGrant", pb.LeaseGrantRequest(ttl_seconds=t)), seconds),
     st.builds(lambda lease: ("LeaseRevoke", pb.LeaseRevokeRequest(lease=lease)), int64),
-    st.builds(lambda ls: ("LeaseKeepAlive", [pb.LeaseKeepAliveRequest(lease=x) for x in ls]), st.lists(int64, min_size=1, max_size=20)),
-    st.builds(lambda k, p, r: ("Watch", pb.WatchRequest(key=k, prefix=p, start_revision=r)), keys, st.booleans(), int64),
+    st.builds(
+        lambda ls: ("LeaseKeepAlive", [pb.LeaseKeepAliveRequest(lease=x) for x in ls]),
+        st.lists(int64, min_size=1, max_size=20),
+    ),
+    st.builds(
+        lambda k, p, r: ("Watch", pb.WatchRequest(key=k, prefix=p, start_revision=r)), keys, st.booleans(), int64
+    ),
     st.builds(lambda k, v: ("Set", pb.SetRequest(key=k, value=v)), keys, values),
     st.builds(lambda k, t: ("Get", pb.GetRequest(key=k, timeout_seconds=t)), keys, seconds),
     st.builds(lambda k, a: ("Add", pb.AddRequest(key=k, amount=a)), st.sampled_from(["", "n", "counter"]), int64),
@@ -370,7 +386,9 @@ hostile = st.one_of(
     st.just(("NumKeys", pb.NumKeysRequest())),
     st.builds(lambda k: ("DeleteKey", pb.DeleteKeyRequest(key=k)), keys),
     st.builds(lambda ks, t: ("MultiGet", pb.MultiGetRequest(keys=ks, timeout_seconds=t)), many_keys, seconds),
-    st.builds(lambda ks, vs: ("MultiSet", pb.MultiSetRequest(keys=ks, values=vs)), many_keys, st.lists(values, max_size=4)),
+    st.builds(
+        lambda ks, vs: ("MultiSet", pb.MultiSetRequest(keys=ks, values=vs)), many_keys, st.lists(values, max_size=4)
+    ),
 )
 
 
@@ -386,11 +404,15 @@ def _encode(request: object) -> list[bytes]:
 @settings(FUZZ, max_examples=100)
 @given(calls=st.lists(hostile, min_size=1, max_size=4))
 @example(calls=[("Add", pb.AddRequest(key="n", amount=2**63 - 1)), ("Add", pb.AddRequest(key="n", amount=2**63 - 1))])
-@example(calls=[("LeaseGrant", pb.LeaseGrantRequest(ttl_seconds=NAN)), ("LeaseGrant", pb.LeaseGrantRequest(ttl_seconds=1e300))])
+@example(calls=[("LeaseGrant", pb.LeaseGrantRequest(ttl_seconds=NAN)),
+                ("LeaseGrant", pb.LeaseGrantRequest(ttl_seconds=1e300))])
 @example(calls=[("Put", pb.PutRequest(key="k" * 4097)), ("Put", pb.PutRequest(key="v", value=bytes(MIB + 1)))])
 @example(calls=[("MultiSet", pb.MultiSetRequest(keys=["a", "b"], values=[b"1"]))])
-@example(calls=[("Get", pb.GetRequest(key="", timeout_seconds=NAN)), ("Wait", pb.WaitRequest(keys=[""] * 50_000, timeout_seconds=INF))])
-def test_hostile_messages_get_a_deliberate_status(served: Served, channel: grpc.Channel, calls: list[tuple[str, object]]) -> None:
+@example(calls=[("Get", pb.GetRequest(key="", timeout_seconds=NAN)),
+                ("Wait", pb.WaitRequest(keys=[""] * 50_000, timeout_seconds=INF))])
+def test_hostile_messages_get_a_deliberate_status(
+    served: Served, channel: grpc.Channel, calls: list[tuple[str, object]]
+) -> None:
     try:
         for name, request in calls:
             payloads = _encode(request)
@@ -551,19 +573,32 @@ def test_key_count_bound_reached_and_passed(fresh: Served, reliability) -> None:
                       metadata=md, timeout=60)
     revision, _, count = state(ch, fresh.token)
     assert count == DEFAULT_MAX_KEYS
-    code, details, _ = raw_call(ch, BY_NAME["Put"], [pb.PutRequest(key="one-more", value=b"y").SerializeToString()], md, 10)
+    code, details, _ = raw_call(
+        ch, BY_NAME["Put"], [pb.PutRequest(key="one-more", value=b"y").SerializeToString()], md, 10
+    )
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "max_keys" in details, (code, details)
     code, details, _ = raw_call(ch, BY_NAME["Put"], [pb.PutRequest(key="", value=b"y").SerializeToString()], md, 10)
     assert code is grpc.StatusCode.INVALID_ARGUMENT and "empty" in details, (code, details)  # as etcd
-    code, details, _ = raw_call(ch, BY_NAME["MultiSet"], [pb.MultiSetRequest(keys=["n1", "n2"], values=[b"1", b"2"]).SerializeToString()], md, 10)
+    code, details, _ = raw_call(
+        ch, BY_NAME["MultiSet"],
+        [pb.MultiSetRequest(keys=["n1", "n2"], values=[b"1", b"2"]).SerializeToString()], md, 10,
+    )
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert state(ch, fresh.token)[0] == revision and state(ch, fresh.token)[2] == DEFAULT_MAX_KEYS  # nothing written
     # an existing key may still change; a deleted one frees its place
-    assert raw_call(ch, BY_NAME["Put"], [pb.PutRequest(key="k0-0", value=b"z").SerializeToString()], md, 10)[0] is grpc.StatusCode.OK
-    assert raw_call(ch, BY_NAME["DeleteKey"], [pb.DeleteKeyRequest(key="k0-1").SerializeToString()], md, 10)[0] is grpc.StatusCode.OK
-    assert raw_call(ch, BY_NAME["Put"], [pb.PutRequest(key="one-more", value=b"y").SerializeToString()], md, 10)[0] is grpc.StatusCode.OK
+    assert raw_call(
+        ch, BY_NAME["Put"], [pb.PutRequest(key="k0-0", value=b"z").SerializeToString()], md, 10
+    )[0] is grpc.StatusCode.OK
+    assert raw_call(
+        ch, BY_NAME["DeleteKey"], [pb.DeleteKeyRequest(key="k0-1").SerializeToString()], md, 10
+    )[0] is grpc.StatusCode.OK
+    assert raw_call(
+        ch, BY_NAME["Put"], [pb.PutRequest(key="one-more", value=b"y").SerializeToString()], md, 10
+    )[0] is grpc.StatusCode.OK
     rss = fresh.rss_mib()
-    assert raw_call(ch, BY_NAME["DeleteKey"], [pb.DeleteKeyRequest(key="one-more").SerializeToString()], md, 10)[0] is grpc.StatusCode.OK
+    assert raw_call(
+        ch, BY_NAME["DeleteKey"], [pb.DeleteKeyRequest(key="one-more").SerializeToString()], md, 10
+    )[0] is grpc.StatusCode.OK
     ch.close()
     fresh.check_healthy()  # (it writes a key of its own)
     assert rss < 400, f"{DEFAULT_MAX_KEYS} small keys took the server to {rss:.0f} MiB"
@@ -599,7 +634,9 @@ def test_byte_and_lease_bounds_hold_memory(tmp_path: Path, reliability) -> None:
             put(pb.PutRequest(key="big/0", value=value).SerializeToString(), metadata=md, timeout=10)
         leases = 0
         for _ in range(LIMITS["max_leases"] + 50):
-            code, details, _ = raw_call(ch, BY_NAME["LeaseGrant"], [pb.LeaseGrantRequest(ttl_seconds=MAX_LEASE_TTL).SerializeToString()], md, 10)
+            code, details, _ = raw_call(
+                ch, BY_NAME["LeaseGrant"], [pb.LeaseGrantRequest(ttl_seconds=MAX_LEASE_TTL).SerializeToString()], md, 10
+            )
             if code is grpc.StatusCode.OK:
                 leases += 1
             else:
@@ -630,10 +667,13 @@ def test_byte_and_lease_bounds_hold_memory(tmp_path: Path, reliability) -> None:
 def _valid_request(method: Method) -> list[bytes]:
     samples = {
         "Put": pb.PutRequest(key="auth/x", value=b"evil"), "DeleteRange": pb.DeleteRangeRequest(key="", prefix=True),
-        "CompareAndPut": pb.CompareAndPutRequest(key="auth/x", value=b"evil"), "LeaseGrant": pb.LeaseGrantRequest(ttl_seconds=60),
+        "CompareAndPut": pb.CompareAndPutRequest(key="auth/x", value=b"evil"),
+        "LeaseGrant": pb.LeaseGrantRequest(ttl_seconds=60),
         "Set": pb.SetRequest(key="auth/x", value=b"evil"), "Add": pb.AddRequest(key="auth/n", amount=5),
-        "CompareSet": pb.CompareSetRequest(key="auth/x", desired=b"evil"), "DeleteKey": pb.DeleteKeyRequest(key="auth/keep"),
-        "MultiSet": pb.MultiSetRequest(keys=["auth/x"], values=[b"evil"]), "Watch": pb.WatchRequest(key="", prefix=True),
+        "CompareSet": pb.CompareSetRequest(key="auth/x", desired=b"evil"),
+        "DeleteKey": pb.DeleteKeyRequest(key="auth/keep"),
+        "MultiSet": pb.MultiSetRequest(keys=["auth/x"], values=[b"evil"]),
+        "Watch": pb.WatchRequest(key="", prefix=True),
         "Get": pb.GetRequest(key="auth/keep"), "Range": pb.RangeRequest(key="", prefix=True),
         "LeaseKeepAlive": pb.LeaseKeepAliveRequest(lease=1), "LeaseRevoke": pb.LeaseRevokeRequest(lease=1),
         "CompareAndDelete": pb.CompareAndDeleteRequest(key="auth/keep", expected_mod_revision=0),
@@ -655,7 +695,8 @@ def _authorization(served: Served, how: str) -> tuple[tuple[str, str], ...]:
     text = how.removeprefix("raw:")
     variants = {
         "~prefix": f"Bearer {served.token[:-1]}", "~longer": f"Bearer {served.token}x", "~bare": served.token,
-        "~lower": f"bearer {served.token}", "~space": f"Bearer  {served.token}", "~upper": f"Bearer {served.token.upper()}",
+        "~lower": f"bearer {served.token}", "~space": f"Bearer  {served.token}",
+        "~upper": f"Bearer {served.token.upper()}",
         "~empty": "Bearer ", "~two": f"Bearer {served.token}, Bearer {served.token}",
     }
     value = variants.get(text, text)
@@ -664,9 +705,12 @@ def _authorization(served: Served, how: str) -> tuple[tuple[str, str], ...]:
 
 
 @settings(FUZZ, max_examples=60)
-@given(how=st.one_of(bad_tokens, st.sampled_from(["raw:~prefix", "raw:~longer", "raw:~bare", "raw:~lower", "raw:~space", "raw:~upper", "raw:~empty", "raw:~two"])),
+@given(how=st.one_of(bad_tokens, st.sampled_from(["raw:~prefix", "raw:~longer", "raw:~bare", "raw:~lower",
+                                                  "raw:~space", "raw:~upper", "raw:~empty", "raw:~two"])),
        method=st.sampled_from(METHODS), garbage=st.booleans())
-def test_wrong_or_missing_token_is_refused_and_changes_nothing(served: Served, channel: grpc.Channel, how: str | None, method: Method, garbage: bool) -> None:
+def test_wrong_or_missing_token_is_refused_and_changes_nothing(
+    served: Served, channel: grpc.Channel, how: str | None, method: Method, garbage: bool
+) -> None:
     before = state(channel, served.token)
     payloads = [b"\xff\xfe"] if garbage else _valid_request(method)
     code, details, _ = raw_call(channel, method, payloads, _authorization(served, how), timeout=5)
@@ -678,7 +722,9 @@ def test_wrong_or_missing_token_is_refused_and_changes_nothing(served: Served, c
 def test_auth_refusals_leave_no_trace(served: Served, channel: grpc.Channel, reliability) -> None:
     # a key the refused clients tried to delete, then the same calls with the token
     md = metadata(served.token)
-    channel.unary_unary(BY_NAME["Put"].path)(pb.PutRequest(key="auth/keep", value=b"1").SerializeToString(), metadata=md, timeout=10)
+    channel.unary_unary(BY_NAME["Put"].path)(
+        pb.PutRequest(key="auth/keep", value=b"1").SerializeToString(), metadata=md, timeout=10
+    )
     before = state(channel, served.token)
     for method in METHODS:
         for md_bad in ((), (("authorization", "Bearer nope"),)):

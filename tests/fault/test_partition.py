@@ -134,7 +134,10 @@ def _partition(netns: Netns, cluster: FaultCluster, reliability: Reliability, en
         )
     reliability.record(
         scenario=f"partition one node (c10d), link back: {after}",
-        injected=f"veth link of the leader node c down for {heal_at - cut_at:.1f} s (--nnodes=1:3, heartbeat_timeout=2)",
+        injected=(
+            f"veth link of the leader node c down for {heal_at - cut_at:.1f} s "
+            "(--nnodes=1:3, heartbeat_timeout=2)"
+        ),
         happened=happened,
         recovery_s=first_two - cut_at,
         restarts=restarts,

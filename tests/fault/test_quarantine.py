@@ -85,7 +85,9 @@ async def test_flapping_node_is_left_out_and_a_new_leader_keeps_it_out() -> None
         waiting = asyncio.ensure_future(c.next_round())
         done, _ = await asyncio.wait({waiting}, timeout=0.5)
         assert not done, "a quarantined node must not be admitted"
-        assert re.match(r"quarantined until \d\d:\d\d:\d\d \(2 failures, the latest: worker failure: ", c.waiting_status)
+        assert re.match(
+            r"quarantined until \d\d:\d\d:\d\d \(2 failures, the latest: worker failure: ", c.waiting_status
+        )
 
         # the record in the store, and `elasticrun status` (table and JSON) from it
         table = decode(QuarantineTable, (await store.get(keys.quarantine)).value)
@@ -98,7 +100,9 @@ async def test_flapping_node_is_left_out_and_a_new_leader_keeps_it_out() -> None
         page = render(view, time.time())
         assert re.search(r"^c\s+quarantined\s", page, re.M), page
         assert re.search(r"^QUARANTINED\s+UNTIL\s+LEFT\s+TIMES\s+REASON$", page, re.M), page
-        assert re.search(r"^c\s+\d\d:\d\d:\d\d\s+9m\d\ds\s+1\s+2 failures, the latest: worker failure", page, re.M), page
+        assert re.search(
+            r"^c\s+\d\d:\d\d:\d\d\s+9m\d\ds\s+1\s+2 failures, the latest: worker failure", page, re.M
+        ), page
         assert re.search(r"quarantine\s+c\s+quarantined until \d\d:\d\d:\d\d \(1st time\)", page), page
         data = as_json(view)
         assert [n["node_id"] for n in data["nodes"] if n["quarantined"]] == ["c"]  # type: ignore[index]
@@ -142,7 +146,8 @@ def _agent(cluster: Cluster, name: str, addr: int, endpoint: str, job: str, cras
 def _status(endpoint: str, job: str) -> dict:
     out = subprocess.run(
         [*ELASTICRUN, "status", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--json"],
-        capture_output=True, text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "ELASTICRUN_TEST_TAG"},
+        capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "ELASTICRUN_TEST_TAG"},
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -178,7 +183,9 @@ def test_a_node_whose_workers_keep_crashing_is_quarantined(cluster: Cluster, c10
     (entry,) = [e for e in status["quarantine"] if e["node_id"] == bad]
     assert entry["quarantined"] and entry["registered"] and entry["times"] == 1
     assert entry["left_s"] > 300
-    assert re.match(r"2 failures, the latest: worker failure: worker rank \d failed with exit code 1", entry["reason"]), entry
+    assert re.match(
+        r"2 failures, the latest: worker failure: worker rank \d failed with exit code 1", entry["reason"]
+    ), entry
     assert [n["quarantined"] for n in status["nodes"] if n["node_id"] == bad] == [True]
     for p in (a, b, c):
         assert not re.search(r"restart=3 ", p.text())

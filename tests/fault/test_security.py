@@ -53,7 +53,8 @@ import os, sys, time
 from pathlib import Path
 
 stop = Path(sys.argv[1])
-print(f"worker up round={os.environ.get('ELASTICRUN_ROUND')} restart={os.environ['TORCHELASTIC_RESTART_COUNT']} pid={os.getpid()}", flush=True)
+print(f"worker up round={os.environ.get('ELASTICRUN_ROUND')} "
+      f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} pid={os.getpid()}", flush=True)
 n = 0
 while not stop.exists():
     n += 1
@@ -166,8 +167,9 @@ def test_nodes_with_another_spec_are_refused(job: Job, reliability) -> None:
         "min:max": job.agent("other-nnodes", nnodes="1:4"),
     }
     lines = {
-        "script": refused(others["script"], r"job spec differs from the running job", rf"command: job has \[.*{job.script.name}",
-                          rf"this node \[.*{job.other_script.name}", r"start it with the same arguments, or use another --rdzv-id"),
+        "script": refused(others["script"], r"job spec differs from the running job",
+                          rf"command: job has \[.*{job.script.name}", rf"this node \[.*{job.other_script.name}",
+                          r"start it with the same arguments, or use another --rdzv-id"),
         "nproc": refused(others["nproc"], r"nproc_per_node: job has '1', this node '2'"),
         "min:max": refused(others["min:max"], r"nnodes: job has '1:3', this node '1:4'"),
     }
@@ -272,7 +274,8 @@ def test_mutual_tls_on_the_store_an_agent_hosts(cluster: Cluster, tmp_path: Path
         )
 
     host = agent("host", f"is_host=true,tls_cert={server_cert},tls_key={server_key},"
-                         f"client_ca={tmp_path / 'client-ca.pem'},{trust},client_cert={node_cert},client_key={node_key}")
+                         f"client_ca={tmp_path / 'client-ca.pem'},{trust},"
+                         f"client_cert={node_cert},client_key={node_key}")
     host.wait_for(r"^\[0\]<stdout>: tick 3$")
     # job control with a certificate of the clients' CA reads the job; without one it is told why, at once
     # (store_timeout is long: a refusal taken for an unreachable store would outlast the test)

@@ -89,8 +89,14 @@ def test_store_host_lost_agents_fail_clearly_and_leave_nothing(
 
     line = re.findall(r"^elasticrun: error: .*$", agents[0].text(), re.MULTILINE)[0]
     reliability.record(
-        scenario=f"c10d store host lost ({'standalone store serve' if host == 'store-serve' else 'store-hosting agent'})",
-        injected=f"SIGKILL to {'`elasticrun store serve`' if host == 'store-serve' else 'the agent hosting the store (is_host=true)'} while 3 nodes train",
+        scenario=(
+            f"c10d store host lost ({'standalone store serve' if host == 'store-serve' else 'store-hosting agent'})"
+        ),
+        injected=(
+            "SIGKILL to "
+            f"{'`elasticrun store serve`' if host == 'store-serve' else 'the agent hosting the store (is_host=true)'}"
+            " while 3 nodes train"
+        ),
         happened=(
             f"{len(agents)} other agents stopped their workers, exited {sorted(set(codes.values()))} after "
             f"{min(ends.values()):.1f}-{max(ends.values()):.1f} s "
