@@ -34,7 +34,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(predicate: Callable[[], T], timeout: float = 60.0, what: str = "a condition", interval: float = 0.05) -> T:
+def wait_until(
+    predicate: Callable[[], T], timeout: float = 60.0, what: str = "a condition", interval: float = 0.05
+) -> T:
     """Poll `predicate` until it returns something truthy (returned) or fail after `timeout`.
 
     For conditions with no event to wait on (a file appears, a process is gone); the

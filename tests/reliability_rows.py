@@ -117,7 +117,8 @@ class Reliability:
         try:
             with open(Path(out), "a", encoding="utf-8") as f:
                 for row in self.rows:
-                    f.write(json.dumps({**row, "test": self.nodeid, "outcome": outcome, "test_s": duration}, default=str) + "\n")
+                    record = {**row, "test": self.nodeid, "outcome": outcome, "test_s": duration}
+                    f.write(json.dumps(record, default=str) + "\n")
         except OSError:
             pass  # recording never fails a test
 

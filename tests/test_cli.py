@@ -900,7 +900,9 @@ def test_a_progress_bar_redrawn_with_cr_is_live_on_a_terminal(tmp_path: Path) ->
 
 def test_an_empty_prefix_template_prints_the_workers_lines_raw() -> None:
     """For log scrapers that read what torchrun passes through unprefixed (docs/migration.md)."""
-    result = run_cli(["--standalone", "--nproc-per-node", "2", SPEAK], env=clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=""))
+    result = run_cli(
+        ["--standalone", "--nproc-per-node", "2", SPEAK], env=clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="")
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.splitlines()) == ["out rank=0 attempt=0", "out rank=1 attempt=0"]
 

@@ -37,7 +37,8 @@ MISTAKES = [
      "argument --elastic-mode/--elastic_mode: invalid choice: 'inprocess' (choose from 'restart', 'in-process'); "
      "did you mean in-process? (see --help)"),
     (["store", "serv"],
-     "argument COMMAND: invalid choice: 'serv' (choose from 'serve', 'credential', 'etcd-roles'); did you mean serve? (see --help)"),
+     "argument COMMAND: invalid choice: 'serv' (choose from 'serve', 'credential', 'etcd-roles'); "
+     "did you mean serve? (see --help)"),
     (["store"],
      "elasticrun store takes a command: serve (run the store on its own), credential (print a worker "
      "or reader credential) or etcd-roles (set up etcd's users); see elasticrun store serve --help"),

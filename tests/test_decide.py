@@ -204,7 +204,9 @@ def fail_on(node_id: str, view: View, at: float) -> View:
     assert view.round is not None
     return replace(
         view,
-        restart=RestartRequest(round=view.round.number, node_id=node_id, reason="worker rank 2 failed with exit code 1"),
+        restart=RestartRequest(
+            round=view.round.number, node_id=node_id, reason="worker rank 2 failed with exit code 1"
+        ),
         restart_seen_at=at,
         acks=frozenset(p.node_id for p in view.round.participants),
     )
@@ -308,7 +310,8 @@ def test_old_failures_do_not_add_up():
     view, _ = crash(view, "c", at=20.0)
     # the record is kept (quarantine_cooldown_max after the last failure), but the
     # next failure comes later than that after the last one: it starts a new count
-    view = replace(view, quarantine=replace(view.quarantine, entries=(replace(view.quarantine.get("c"), last_failure_at=-2000.0),)))
+    entry = replace(view.quarantine.get("c"), last_failure_at=-2000.0)
+    view = replace(view, quarantine=replace(view.quarantine, entries=(entry,)))
     view, d = crash(view, "c", at=30.0)
     assert members(d) == ["a", "b", "c"] and view.quarantine.get("c").failures == 1
 
@@ -348,7 +351,9 @@ def test_dropping_out_of_rounds_counts_but_a_drain_does_not():
         view = replace(view, quarantine=d.quarantine)
     entry = view.quarantine.get("c")
     assert entry.failures == 2 and entry.reason == "dropped out of round 3"
-    drained = replace(view, nodes=nodes(node("a"), node("b")), round=running("a", "b", "c", number=5), draining=frozenset({"c"}))
+    drained = replace(
+        view, nodes=nodes(node("a"), node("b")), round=running("a", "b", "c", number=5), draining=frozenset({"c"})
+    )
     d = decide(drained, Q, now=30.0)
     assert members(d) == ["a", "b"] and d.quarantine.get("c").failures == 2
     assert d.reason == "drained c"  # not "lost": an operator asked it to go

@@ -75,7 +75,9 @@ def sections(text: str) -> dict[str, str]:
 
 
 def table_rows(text: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+    return [
+        [c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")
+    ]
 
 
 def documented_defaults(section: str) -> dict[str, str]:
@@ -199,7 +201,9 @@ def test_the_flag_check_can_fail() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--alpha", default="1")
     parser.add_argument("--beta", default=2.0, type=float)
-    documented = documented_defaults("| flag | default | meaning |\n|---|---|---|\n| `--alpha` | `1` | a |\n| `--gamma` | | c |\n")
+    documented = documented_defaults(
+        "| flag | default | meaning |\n|---|---|---|\n| `--alpha` | `1` | a |\n| `--gamma` | | c |\n"
+    )
     flags = listed_flags(parser)
     assert "--beta" not in documented and "--gamma" not in flags
     assert documented["--alpha"] == "`1`"
@@ -460,7 +464,9 @@ def test_the_quote_check_can_fail() -> None:
     )
     assert quoted_messages(table)[0] == "--nnodes must be N or MIN:MAX, got '<value>'"
     assert len(quoted_messages(table)) == 4
-    assert [m.split(":")[0] for m in unprintable(table)] == ["'the launcher never says this'", "'--nnodes must be N or MAX"]
+    assert [m.split(":")[0] for m in unprintable(table)] == [
+        "'the launcher never says this'", "'--nnodes must be N or MAX"
+    ]
 
 
 def test_troubleshooting_quotes_every_warning_the_agent_logs() -> None:
@@ -483,7 +489,8 @@ def test_the_error_scan_finds_known_messages() -> None:
 def test_relative_links_in_the_docs_resolve() -> None:
     pages = [*sorted(DOCS.glob("*.md")), ROOT / "README.md", ROOT / "examples" / "kubernetes" / "README.md"]
     expected = {
-        "concepts.md", "cli.md", "backends.md", "deployment.md", "troubleshooting.md", "migration.md", "architecture.md",
+        "concepts.md", "cli.md", "backends.md", "deployment.md", "troubleshooting.md", "migration.md",
+        "architecture.md",
     }
     assert expected <= {p.name for p in pages}
     broken = []

@@ -279,7 +279,9 @@ def test_closed_rendezvous_then_fresh_job_and_two_jobs_on_one_store(cluster: Clu
     finish(cluster, again, other)
 
 
-def test_a_rerun_of_the_default_id_says_the_job_ended_and_this_node_ran_nothing(cluster: Cluster, c10d_store: str) -> None:
+def test_a_rerun_of_the_default_id_says_the_job_ended_and_this_node_ran_nothing(
+    cluster: Cluster, c10d_store: str
+) -> None:
     """torchrun users run one command twice; without --rdzv-id both runs are job 'none'."""
     kw = dict(backend="c10d", endpoint=c10d_store, run_id="none", nnodes="1", conf=RDZV_CONF + ",is_host=false")
     default_id = "the job id is 'none', the default: every job on this store without --rdzv-id shares it"

@@ -1,8 +1,9 @@
 """Every rank of tests/test_inprocess_parts.py's State.sync() check, one forked process each.
 
 argv: port commits out_dir [survivor_port], commits being one count per rank ("0,3,1": three
-ranks); or port `frozen` out_dir port2 port3: a frozen node (`run_frozen`). The ranks fork from this process once it has imported torch, so the check pays
-for one import of torch (and of torch._dynamo) instead of one per rank (most of its time on two cores); any rank
+ranks); or port `frozen` out_dir port2 port3: a frozen node (`run_frozen`). The ranks fork
+from this process once it has imported torch, so the check pays for one import of torch
+(and of torch._dynamo) instead of one per rank (most of its time on two cores); any rank
 failing ends the others and the exit status is 1. Every rank builds the same model and an Adam
 optimizer (its step counters are CPU tensors, its moments tensors), then makes its
 state differ: `commits` commits after training steps on rank-specific data (0: a fresh
