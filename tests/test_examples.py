@@ -67,7 +67,9 @@ class Job:
             try:
                 line = self._queue.get(timeout=timeout)
             except queue.Empty:
-                pytest.fail(f"no line matching {pattern!r} within {timeout:g}s; output:\n" + "\n".join(self.lines[-30:]))
+                pytest.fail(
+                    f"no line matching {pattern!r} within {timeout:g}s; output:\n" + "\n".join(self.lines[-30:])
+                )
             if line is None:
                 pytest.fail(f"output ended before a line matching {pattern!r}; output:\n" + "\n".join(self.lines[-30:]))
             self.lines.append(line)
@@ -234,10 +236,16 @@ def test_every_kubernetes_manifest_parses_and_names_its_kind() -> None:
         assert doc.get("apiVersion") and (meta.get("name") or meta.get("generateName")), f"{name}: {doc.get('kind')}"
     etcd = next(doc for _, doc in docs if doc["kind"] == "StatefulSet" and doc["metadata"]["name"] == "etcd")
     assert etcd["spec"]["replicas"] == 3
-    headless = next(doc for _, doc in docs if doc["kind"] == "Service" and doc["metadata"]["name"] == etcd["spec"]["serviceName"])
+    headless = next(
+        doc for _, doc in docs
+        if doc["kind"] == "Service" and doc["metadata"]["name"] == etcd["spec"]["serviceName"]
+    )
     assert headless["spec"]["clusterIP"] == "None"
     classes = {doc["metadata"]["name"]: doc for _, doc in docs if doc["kind"] == "PriorityClass"}
-    training = [c for _, doc in docs if doc["kind"] == "Job" for c in [doc["spec"]["template"]["spec"].get("priorityClassName")]]
+    training = [
+        c for _, doc in docs if doc["kind"] == "Job"
+        for c in [doc["spec"]["template"]["spec"].get("priorityClassName")]
+    ]
     assert training and all(c in classes for c in training)
     assert all(classes[c]["value"] < min(v["value"] for k, v in classes.items() if k not in training) for c in training)
 
@@ -377,12 +385,15 @@ def test_the_command_check_rejects_a_bad_command_line(tmp_path: Path) -> None:
     dummy = tmp_path / "train.py"
     dummy.write_text("")
     with pytest.raises(UsageError):
-        check_cli_accepts(["--nnodes=2:8", "--rdzv-backend=etcd", "--rdzv-endpoint=e:2379", "--no-such-flag", "x.py"], dummy)
+        check_cli_accepts(
+            ["--nnodes=2:8", "--rdzv-backend=etcd", "--rdzv-endpoint=e:2379", "--no-such-flag", "x.py"], dummy
+        )
     with pytest.raises(UsageError):
         check_cli_accepts(["--nnodes=8:2", "--rdzv-backend=etcd", "--rdzv-endpoint=e:2379", "x.py"], dummy)
     with pytest.raises(UsageError):
         check_cli_accepts(["drain", "--rdzv-endpoint=e:2379", "--rdzv-id=j", "--cnt", "1"], dummy)
-    assert elasticrun_argv(shlex.split("srun python -m elasticrun --nnodes=4 t.py && echo ok")) == ["--nnodes=4", "t.py"]
+    argv = shlex.split("srun python -m elasticrun --nnodes=4 t.py && echo ok")
+    assert elasticrun_argv(argv) == ["--nnodes=4", "t.py"]
 
 
 def test_the_slurm_script_is_valid_bash_with_sbatch_options() -> None:

@@ -194,7 +194,8 @@ async def test_a_client_that_only_read_knows_the_store_was_an_agents(read: str) 
 
 
 @pytest.mark.parametrize(("store_token", "client_token", "warned"),
-                         [(None, "t0ken-of-the-job", True), (None, None, False), ("t0ken-of-the-job", "t0ken-of-the-job", False)])
+                         [(None, "t0ken-of-the-job", True), (None, None, False),
+                          ("t0ken-of-the-job", "t0ken-of-the-job", False)])
 async def test_a_token_sent_to_a_store_without_one_is_said_once(
     caplog: pytest.LogCaptureFixture, store_token: str | None, client_token: str | None, warned: bool
 ) -> None:
@@ -305,7 +306,10 @@ async def test_multi_set_is_all_or_nothing(reliability: Reliability) -> None:
         part="security",
         scenario='a multi_set that breaks a bound midway',
         injected='a c10d multi_set whose last key is one key too many, and one whose second value is too big',
-        happened='refused (RESOURCE_EXHAUSTED naming max_keys / max_value_bytes); nothing of either batch applied; a batch within the bounds applied whole',
+        happened=(
+            'refused (RESOURCE_EXHAUSTED naming max_keys / max_value_bytes); nothing of either batch applied; '
+            'a batch within the bounds applied whole'
+        ),
         lost="nothing",
     )
 
@@ -329,7 +333,10 @@ async def test_empty_keys_are_refused(server: StoreServer, reliability: Reliabil
         part="security",
         scenario='empty keys',
         injected="put, get, delete, watch, c10d set and multi_set with the key ''",
-        happened="each refused (INVALID_ARGUMENT: 'a key must not be empty'), as etcd does; an empty prefix still means every key",
+        happened=(
+            "each refused (INVALID_ARGUMENT: 'a key must not be empty'), as etcd does; "
+            "an empty prefix still means every key"
+        ),
         lost="nothing",
     )
 
@@ -408,7 +415,10 @@ async def test_one_identity_cannot_take_the_calls_of_others(reliability: Reliabi
     reliability.record(
         part="security",
         scenario="one identity holds every call slot",
-        injected="a reader holds its identity's maximum of calls in progress and makes more, over a second connection too",
+        injected=(
+            "a reader holds its identity's maximum of calls in progress and makes more, "
+            "over a second connection too"
+        ),
         happened="refused (RESOURCE_EXHAUSTED: its fair share) on both connections; an admin client's call served",
         lost="nothing",
     )
@@ -598,7 +608,10 @@ async def test_a_plaintext_client_of_a_tls_server_is_told_at_once(tmp_path: Path
         part="security",
         scenario='a client without TLS against a TLS store',
         injected='GrpcStore (get, watch, keep-alive) and C10dClient without tls_ca, store_timeout 600 s',
-        happened="StoreAuthError at once (exit 2): 'the store at HOST:PORT speaks TLS but this client does not', not a retry until store_timeout",
+        happened=(
+            "StoreAuthError at once (exit 2): 'the store at HOST:PORT speaks TLS but this client does not', "
+            "not a retry until store_timeout"
+        ),
         lost="nothing",
     )
 
@@ -622,7 +635,10 @@ async def test_a_tls_key_that_does_not_fit_is_a_setting_error(tmp_path: Path, re
         part="security",
         scenario='a TLS key that does not fit',
         injected="a store started with another certificate's key, a certificate that is not PEM, a key that is not one",
-        happened="refused before binding (exit 2), naming tls_cert / tls_key and what is wrong, not 'the port is in use'",
+        happened=(
+            "refused before binding (exit 2), naming tls_cert / tls_key and what is wrong, "
+            "not 'the port is in use'"
+        ),
         lost="nothing",
     )
 
@@ -981,6 +997,8 @@ def test_a_plain_connection_cut_in_its_handshake_is_worth_retrying_not_a_tls_fai
     # taken for a TLS failure, it ended the node's membership instead of being retried.
     from elasticrun.store.client.dial import _is_tls_failure
 
-    assert not _is_tls_failure("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: handshaker shutdown")
+    assert not _is_tls_failure(
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: handshaker shutdown"
+    )
     assert not _is_tls_failure("last error: UNAVAILABLE: ipv4:127.0.0.1:9: tcp handshaker shutdown")
     assert _is_tls_failure("last error: UNAVAILABLE: ipv4:127.0.0.1:9: Ssl handshake failed (TSI_PROTOCOL_FAILURE)")

@@ -312,7 +312,9 @@ def test_stop_ends_the_job_everywhere(cluster, rdzv, job):
     assert re.fullmatch(r"job '\S+' had already ended \(stopped: stopped by \S+\): nothing to stop\n", again.stdout)
     said = ctl(rdzv, "stop", "--json")
     assert said.returncode == 0 and json.loads(said.stdout)["already_ended"] == "stopped", said
-    events = [json.loads(line) for p in (cluster.tmp / "logs").rglob("events.jsonl") for line in p.read_text().splitlines()]
+    events = [
+        json.loads(line) for p in (cluster.tmp / "logs").rglob("events.jsonl") for line in p.read_text().splitlines()
+    ]
     assert {"healthy", "stopped"} <= {e["kind"] for e in events}
 
 
@@ -320,7 +322,8 @@ def test_unknown_job_and_bad_endpoint_give_one_line(cluster, rdzv):
     unknown = ctl(rdzv, "status", run_id="no-such-job")
     assert unknown.returncode == 2
     assert unknown.stderr.strip().splitlines() == [
-        f"elasticrun: error: no job 'no-such-job' at {rdzv.endpoint} ({rdzv.backend}): check --rdzv-id and --rdzv-endpoint"
+        f"elasticrun: error: no job 'no-such-job' at {rdzv.endpoint} ({rdzv.backend}): "
+        "check --rdzv-id and --rdzv-endpoint"
     ]
     bad = subprocess.run(
         [*ELASTICRUN, "status", "--rdzv-endpoint=host:abc", "--rdzv-id=x"],

@@ -85,7 +85,9 @@ def test_metrics_move_during_a_scale_up(cluster: Cluster) -> None:
     c = agent(cluster, endpoint, rid, "c", 4, ports["c"])
     c.wait_for(r"tick=\d+ rank=2 world=3")
     for name in "ab":
-        after = wait_until(lambda n=name: at_world(scrape(ports[n]), 3), what=f"{name}'s metrics at world 3", interval=0.2)
+        after = wait_until(
+            lambda n=name: at_world(scrape(ports[n]), 3), what=f"{name}'s metrics at world 3", interval=0.2
+        )
         assert value(after, "elasticrun_membership_changes_total", cause="scale_up") == 1
         assert value(after, "elasticrun_rounds_total") == value(before, "elasticrun_rounds_total") + 1
         assert value(after, "elasticrun_restarts_total", cause="worker_failure") == 0
@@ -95,7 +97,9 @@ def test_metrics_move_during_a_scale_up(cluster: Cluster) -> None:
     assert value(store_after, "elasticrun_store_leases") == 3
     ok_puts = value(store_after, "elasticrun_store_calls_total", service="Store", method="Put", code="OK")
     assert ok_puts > value(store_before, "elasticrun_store_calls_total", service="Store", method="Put", code="OK")
-    assert value(store_after, "elasticrun_store_history_revisions") > value(store_before, "elasticrun_store_history_revisions")
+    assert value(store_after, "elasticrun_store_history_revisions") > value(
+        store_before, "elasticrun_store_history_revisions"
+    )
     assert value(store_after, "elasticrun_store_revision") > value(store_before, "elasticrun_store_revision")
 
     [(_, info)] = [key for key in after if key[0] == "elasticrun_info"]
@@ -103,7 +107,8 @@ def test_metrics_move_during_a_scale_up(cluster: Cluster) -> None:
     assert dict(info)["node_id"] in nodes and len(nodes) == 3
     assert dict(info) == {"job_id": rid, "node_id": dict(info)["node_id"], "version": elasticrun.__version__}
     assert value(store_after, "elasticrun_info", address=f"127.0.0.1:{store_port}", version=elasticrun.__version__) == 1
-    assert value(store_after, "elasticrun_store_key_bytes") > 0 and value(store_after, "elasticrun_store_value_bytes") > 0
+    assert value(store_after, "elasticrun_store_key_bytes") > 0
+    assert value(store_after, "elasticrun_store_value_bytes") > 0
 
     documented = set(re.findall(r"^\| `(elasticrun_\w+)`", DOCS.read_text(), flags=re.M))
     exported = {name for name, _ in [*store_after, *after]}
@@ -124,7 +129,9 @@ def test_grafana_dashboard_queries_only_documented_metrics() -> None:
     import json
 
     dashboard = json.loads((DOCS.parents[1] / "examples" / "grafana-dashboard.json").read_text())
-    documented = {re.sub(r"_total$", "", d) for d in re.findall(r"^\| `(elasticrun_\w+)`", DOCS.read_text(), flags=re.M)}
+    documented = {
+        re.sub(r"_total$", "", d) for d in re.findall(r"^\| `(elasticrun_\w+)`", DOCS.read_text(), flags=re.M)
+    }
     used = set()
     for panel in dashboard["panels"]:
         for target in panel["targets"]:

@@ -80,7 +80,8 @@ def test_who_a_caller_is() -> None:
     readers = [identify(bearer=reader_credential(TOKEN), token=TOKEN, certificate=None, uris=[], host=h)
                for h in ("10.0.0.5", "10.0.0.6", "10.0.0.5")]
     assert [r.identity if r else None for r in readers] == [
-        "reader credential on host 10.0.0.5", "reader credential on host 10.0.0.6", "reader credential on host 10.0.0.5"]
+        "reader credential on host 10.0.0.5", "reader credential on host 10.0.0.6",
+        "reader credential on host 10.0.0.5"]
     # the certificate decides: a reader, counted as its certificate
     both = identify(bearer=TOKEN, token=TOKEN, certificate=cert, uris=uris, host="h")
     assert both is not None and both.grant == READER and both.identity.startswith("certificate ")

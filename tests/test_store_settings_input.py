@@ -44,7 +44,9 @@ def test_a_token_or_password_in_plaintext_to_another_host_is_warned_of(tmp_path:
     plain = plaintext_warning(parse_access("c10d", REMOTE, {"token_file": token}, {}))
     assert plain is not None and REMOTE in plain and "--rdzv-conf tls_ca=" in plain
     assert "s3cret" not in plain
-    etcd = plaintext_warning(parse_access("etcd", f"{REMOTE},192.0.2.8", {"user": "u", "password_env": "P"}, {"P": "pw"}))
+    etcd = plaintext_warning(
+        parse_access("etcd", f"{REMOTE},192.0.2.8", {"user": "u", "password_env": "P"}, {"P": "pw"})
+    )
     assert etcd is not None and "user 'u'" in etcd and "--rdzv-conf ca_cert=" in etcd and "pw" not in etcd
     for quiet in (
         parse_access("c10d", REMOTE, {"token_file": token, "tls_ca": str(ca)}, {}),  # TLS

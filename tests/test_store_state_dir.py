@@ -171,7 +171,9 @@ def test_a_requeued_agent_after_a_store_restart_exits_instead_of_running_the_end
     serve(cluster, "store-again", port, state)
     requeued = start_once(cluster, "kept-requeued", endpoint, KEPT, "600", script)
     succeeded(requeued)
-    assert f"job '{KEPT}' ended" in requeued.text() and "this node ran nothing" in requeued.text(), requeued.text()[-3000:]
+    assert f"job '{KEPT}' ended" in requeued.text() and "this node ran nothing" in requeued.text(), (
+        requeued.text()[-3000:]
+    )
     assert runs(cluster, KEPT) == 1
 
     async def fresh_record_gone() -> bool:

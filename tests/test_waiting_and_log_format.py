@@ -202,7 +202,8 @@ def test_a_lone_agent_at_the_store_it_hosts_says_the_endpoint_may_be_wrong(clust
     warned = [m for level, m in own_lines(lone) if level == "WARNING" and "nobody else registered" in m]
     assert warned == [
         f"node {node_id(lone)}: nobody else registered in 2s at the store this agent hosts on {endpoint}; if the "
-        "other nodes were given another --rdzv-endpoint (a mistyped port), each hosts a store of its own and waits alone"
+        "other nodes were given another --rdzv-endpoint (a mistyped port), each hosts a store of its own "
+        "and waits alone"
     ], lone.text()[-3000:]
 
 

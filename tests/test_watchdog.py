@@ -164,7 +164,9 @@ async def test_a_hang_soon_after_the_first_step_is_found_at_the_timeout(
     assert 113.0 <= clock.now <= 120.5 and found.silent_for >= 10.0
 
 
-def test_heartbeats_restart_the_clock_and_the_silent_one_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_heartbeats_restart_the_clock_and_the_silent_one_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     clock = FakeClock(100.0)
     dog = ProgressWatchdog(10.0, tmp_path, [0, 1], clock=clock)
     clock.now = 108.0

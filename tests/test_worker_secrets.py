@@ -58,7 +58,9 @@ def agent(cluster: Cluster, name: str, endpoint: str, script: Path, *args: str, 
 
 
 @pytest.mark.security
-def test_workers_get_no_secret_but_a_private_token_file(cluster: Cluster, tmp_path: Path, reliability: Reliability) -> None:
+def test_workers_get_no_secret_but_a_private_token_file(
+    cluster: Cluster, tmp_path: Path, reliability: Reliability
+) -> None:
     token = "store-token-" + secrets.token_hex(12)
     password = "etcd-password-" + secrets.token_hex(12)
     cluster._env.update(ELASTICRUN_STORE_TOKEN=token, TRAIN_DB_PASSWORD=password)
@@ -111,7 +113,9 @@ def _serve(cluster: Cluster, name: str, host: str) -> str:
 
 
 @pytest.mark.security
-def test_a_store_without_a_token_warns_unless_on_loopback(cluster: Cluster, tmp_path: Path, reliability: Reliability) -> None:
+def test_a_store_without_a_token_warns_unless_on_loopback(
+    cluster: Cluster, tmp_path: Path, reliability: Reliability
+) -> None:
     cluster._env.pop("ELASTICRUN_STORE_TOKEN", None)
     wildcard = _serve(cluster, "store-all", "0.0.0.0")
     warnings = [line for line in wildcard.splitlines() if re.search(NO_TOKEN, line)]
