@@ -163,7 +163,8 @@ class Job:
             *self.extra,
             str(self.script),
         ]
-        env = base_env(BENCH_EVENTS=str(self.workdir / "events"), BENCH_NODE=f"n{i}", BENCH_CRASH_FILE=str(self.crash_file), **self.env)
+        env = base_env(BENCH_EVENTS=str(self.workdir / "events"), BENCH_NODE=f"n{i}",
+                       BENCH_CRASH_FILE=str(self.crash_file), **self.env)
         if self.launcher == "torchrun-noshare":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         proc = self.tracker.start(argv, env=env, log=self.workdir / f"n{i}.log", **cwd)
@@ -191,13 +192,15 @@ def _errors(job: Job, node: int | str = "*") -> list[str]:
     for log in sorted(job.workdir.glob(f"n{node}.log")):
         for line in log.read_text(errors="replace").splitlines():
             line = line.strip()
-            if ("Error:" in line or "error:" in line) and not line.startswith("File ") and f"{log.stem}: {line}" not in seen:
+            if (("Error:" in line or "error:" in line) and not line.startswith("File ")
+                    and f"{log.stem}: {line}" not in seen):
                 seen.append(f"{log.stem}: {line[:300]}")
     return seen[-6:]
 
 
-def _phase(result: dict[str, object], name: str, t0: float, t1: float | None, cap: float, spawned: float | None = None,
-           job: Job | None = None, labels: tuple[str, str] = ("first step", "workers started"), **extra: object) -> bool:
+def _phase(result: dict[str, object], name: str, t0: float, t1: float | None, cap: float,
+           spawned: float | None = None, job: Job | None = None,
+           labels: tuple[str, str] = ("first step", "workers started"), **extra: object) -> bool:
     """Record a phase: t0 -> first step (`s`) and t0 -> all new workers started (`spawn_s`),
     or whatever two moments `labels` names."""
     spawn_s = None if spawned is None else spawned - t0
@@ -227,7 +230,8 @@ def run_rdzv(job: Job, n: int, cap: float) -> dict[str, object]:
             t_all = max(float(e["t_script"]) for e in round_starts)  # type: ignore[arg-type]
             break
         time.sleep(0.05)
-    _phase(result, "first_step", t0, job.step_at(n, t0, max(deadline - time.monotonic(), 1.0)), cap, spawned=t_all, job=job)
+    _phase(result, "first_step", t0, job.step_at(n, t0, max(deadline - time.monotonic(), 1.0)), cap,
+           spawned=t_all, job=job)
     return result
 
 
@@ -239,7 +243,8 @@ def run_grow(job: Job, cap: float) -> dict[str, object]:
     first = job.events.first(lambda e: e["ev"] == "start", cap)
     result["first_round_world"] = None if first is None else first["world"]
     t1 = job.step_at(2, t0, cap)
-    if not _phase(result, "formation", t0, t1, cap, _spawned(job, t0, 2), job, first_round_world=result["first_round_world"]):
+    if not _phase(result, "formation", t0, t1, cap, _spawned(job, t0, 2), job,
+                  first_round_world=result["first_round_world"]):
         return result
     t0 = time.time()
     job.start_node(3)
@@ -257,7 +262,8 @@ def run_grow(job: Job, cap: float) -> dict[str, object]:
         back = job.events.first(lambda e: e["ev"] == "step" and e["pid"] not in before, cap)
         t1 = None if back is None else float(back["t"])  # type: ignore[arg-type]
         t_crash = float(crash["t"])  # type: ignore[arg-type]
-        if not _phase(result, "crash", t_crash, t1, cap, _spawned(job, t_crash, 3, before), job, world_after=None if back is None else back["world"]):
+        if not _phase(result, "crash", t_crash, t1, cap, _spawned(job, t_crash, 3, before), job,
+                      world_after=None if back is None else back["world"]):
             return result
     else:
         _phase(result, "crash", t0, None, cap, None, job, note="no worker claimed the crash file")
@@ -347,7 +353,8 @@ def run_host_kill(job: Job, cap: float) -> dict[str, object]:
     t1 = max(exited.values()) if len(exited) == len(agents) else None
     codes = {f"n{i}": p.returncode for i, p in agents.items()}
     last_errors = {f"n{i}": (_errors(job, i) or [None])[-1] for i in agents}
-    _phase(result, "host_lost", t0, t1, cap, t_workers, job, labels=("last surviving agent exited", "their workers gone"),
+    _phase(result, "host_lost", t0, t1, cap, t_workers, job,
+           labels=("last surviving agent exited", "their workers gone"),
            exit_codes=codes, exit_s={f"n{i}": t - t0 for i, t in exited.items()}, last_errors=last_errors)
     print(f"      exit codes {codes}", flush=True)
     for line in last_errors.values():
@@ -407,8 +414,8 @@ PHASES = {
     "head-restart": ["formation_3_of_max_3", "head_back"],
     "spare": ["formation_3_of_max_3", "sigkill_spare_in"],
 }
-TARGETS = {"grow/formation": "≤ 3 s", "grow/scale_up": "≤ 5 s", "kill/sigkill": "≤ 10 s", "grow/sigterm": "≤ 3 s", "grow/crash": "≤ 3 s",
-           "host-kill/host_lost": "store_host_grace (30 s) + ≤ 3 s"}
+TARGETS = {"grow/formation": "≤ 3 s", "grow/scale_up": "≤ 5 s", "kill/sigkill": "≤ 10 s", "grow/sigterm": "≤ 3 s",
+           "grow/crash": "≤ 3 s", "host-kill/host_lost": "store_host_grace (30 s) + ≤ 3 s"}
 RUNNERS: dict[str, Callable[[Job, float], dict[str, object]]] = {
     "grow": run_grow, "kill": run_kill, "host-kill": run_host_kill, "spare": run_spare,
     "head-restart": run_head_restart,
@@ -424,7 +431,8 @@ def main() -> int:
     ap.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, help="passed to every agent (default 3)")
     ap.add_argument("--json", help="write every trial here")
     ap.add_argument("--baseline", default="",
-                    help="a checkout of an earlier elasticrun (e.g. from git archive) to run side by side as elasticrun-base")
+                    help="a checkout of an earlier elasticrun (e.g. from git archive) to run side by side "
+                         "as elasticrun-base")
     args = ap.parse_args()
     globals()["MAX_RESTARTS"] = args.max_restarts
     globals()["BASELINE"] = args.baseline
@@ -438,9 +446,11 @@ def main() -> int:
             if rep % 2:
                 launchers.reverse()
             for launcher in launchers:
-                nnodes = scenario.split("-")[1] if scenario.startswith("rdzv") else "3" if scenario == "spare" else "1:3"
+                nnodes = (scenario.split("-")[1] if scenario.startswith("rdzv")
+                          else "3" if scenario == "spare" else "1:3")
                 job = Job(launcher, nnodes, root / f"rep{rep}-{scenario}-{launcher}")
-                print(f"rep {rep} {scenario} {launcher} (load {loadavg()}, {time.monotonic() - started:.0f} s in)", flush=True)
+                print(f"rep {rep} {scenario} {launcher} (load {loadavg()}, {time.monotonic() - started:.0f} s in)",
+                      flush=True)
                 try:
                     if scenario.startswith("rdzv"):
                         res = run_rdzv(job, int(nnodes), args.cap)
@@ -456,7 +466,8 @@ def main() -> int:
           "(the script's first line), (runs that got there / runs); for host-kill / host_lost: to the last "
           "surviving agent's exit / to its workers gone.\n")
     base_col = " elasticrun before (--baseline) |" if args.baseline else ""
-    print("| scenario / phase | elasticrun | torchrun | torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 | ours / torchrun, first step "
+    print("| scenario / phase | elasticrun | torchrun | torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+          "| ours / torchrun, first step "
           f"| ours / torchrun, workers started | target |{base_col}")
     print("|---|---|---|---|---|---|---|" + ("---|" if args.baseline else ""))
     summary: dict[str, dict[str, object]] = {}
@@ -479,7 +490,8 @@ def main() -> int:
 
             e, t = cells["elasticrun"], cells["torchrun"]
             print(f"| {scenario} / {phase} | {cell('elasticrun')} | {cell('torchrun')} | {cell('torchrun-noshare')} | "
-                  f"{ratio(e['step'], t['step'])} | {ratio(e['spawn'], t['spawn'])} | {TARGETS.get(f'{scenario}/{phase}', '')} |"  # type: ignore[arg-type]
+                  f"{ratio(e['step'], t['step'])} | {ratio(e['spawn'], t['spawn'])} | "  # type: ignore[arg-type]
+                  f"{TARGETS.get(f'{scenario}/{phase}', '')} |"
                   + (f" {cell('elasticrun-base')} |" if args.baseline else ""))
     # the workers' own start-up (script start -> gloo group up), the same script under both
     inits = []

@@ -135,7 +135,8 @@ class Trial:
                 f"--local-addr=127.0.0.{i}", "--max-restarts=0", str(self.dir.parent / "worker.py")]
         env = base_env(BENCH_EVENTS=str(self.dir / "events"), BENCH_NODE=f"n{i}")
         with open(self.dir / f"n{i}.log", "ab") as log:
-            self.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+            self.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                               stderr=subprocess.STDOUT, cwd=REPO))
 
     def wait_for(self, pred, cap: float = CAP) -> list[dict[str, object]] | None:  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + cap
@@ -219,7 +220,8 @@ def run_scale(json_path: Path) -> list[dict[str, object]]:
     import bench_rendezvous_scale as scale
 
     argv = sys.argv
-    sys.argv = ["bench_rendezvous_scale.py", "--sizes", "1000", "--backends", "grpc", "etcd", "--shared-client", "--json", str(json_path)]
+    sys.argv = ["bench_rendezvous_scale.py", "--sizes", "1000", "--backends", "grpc", "etcd", "--shared-client",
+                "--json", str(json_path)]
     try:
         scale.main()
     finally:
@@ -267,7 +269,8 @@ def main() -> int:
         if "torch" in args.only:
             torch_runs: dict[str, list[dict[str, object]]] = {}
             for rep in range(args.reps + 1):
-                for name, launcher, backend in (("torchrun etcd", "torchrun", "etcd"), ("torchrun etcd-v2", "torchrun", "etcd-v2"),
+                for name, launcher, backend in (("torchrun etcd", "torchrun", "etcd"),
+                                                ("torchrun etcd-v2", "torchrun", "etcd-v2"),
                                                 ("elasticrun etcd", "elasticrun", "etcd")):
                     r = trial_last_join(root, launcher, backend, etcd_ep)
                     torch_runs.setdefault(name, []).append(r)
@@ -287,23 +290,28 @@ def main() -> int:
 
     print(f"\nload at end: {loadavg()}")
     if "agents" in out:
-        print("\n| agents | etcd: start -> all workers s | c10d: start -> all workers s | ratio | etcd: last join -> all assigned s | c10d: last join -> all assigned s | ratio |")
+        print("\n| agents | etcd: start -> all workers s | c10d: start -> all workers s | ratio "
+              "| etcd: last join -> all assigned s | c10d: last join -> all assigned s | ratio |")
         print("|---|---|---|---|---|---|---|")
         for n, by in out["agents"].items():  # type: ignore[union-attr]
             # called within this iteration only; `by` is bound here to say so
             def med(backend: str, key: str, by: dict[str, list[dict[str, float]]] = by) -> float | None:
                 return median(r[key] for r in by[backend] if key in r)  # type: ignore[misc]
-            e_t, c_t, e_r, c_r = med("etcd", "total_s"), med("c10d", "total_s"), med("etcd", "rdzv_s"), med("c10d", "rdzv_s")
-            print(f"| {n} | {fmt(e_t)} | {fmt(c_t)} | {ratio(e_t, c_t)} | {fmt(e_r, 3)} | {fmt(c_r, 3)} | {ratio(e_r, c_r)} |")
+            e_t, c_t = med("etcd", "total_s"), med("c10d", "total_s")
+            e_r, c_r = med("etcd", "rdzv_s"), med("c10d", "rdzv_s")
+            print(f"| {n} | {fmt(e_t)} | {fmt(c_t)} | {ratio(e_t, c_t)} | "
+                  f"{fmt(e_r, 3)} | {fmt(c_r, 3)} | {ratio(e_r, c_r)} |")
     if "torch" in out:
-        print("\n| 4 nodes, last node's join -> | rendezvous done on every node s (median) | every worker started s (median) | runs ok | vs elasticrun etcd (done) |")
+        print("\n| 4 nodes, last node's join -> | rendezvous done on every node s (median) "
+              "| every worker started s (median) | runs ok | vs elasticrun etcd (done) |")
         print("|---|---|---|---|---|")
         runs = out["torch"]
         ours = median(r["done_s"] for r in runs["elasticrun etcd"] if "done_s" in r)  # type: ignore[index]
         for name, rs in runs.items():  # type: ignore[union-attr]
             d = median(r["done_s"] for r in rs if "done_s" in r)
             w = median(r["workers_s"] for r in rs if "workers_s" in r)
-            print(f"| {name} | {fmt(d, 3)} | {fmt(w, 3)} | {sum('done_s' in r for r in rs)}/{len(rs)} | {ratio(d, ours)} |")
+            print(f"| {name} | {fmt(d, 3)} | {fmt(w, 3)} | {sum('done_s' in r for r in rs)}/{len(rs)} | "
+                  f"{ratio(d, ours)} |")
             for r in rs:
                 if "error" in r:
                     print(f"|   error | {r['error']} | | | |")

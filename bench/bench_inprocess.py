@@ -98,8 +98,8 @@ def _pause(job: Job, world_before: int, t0: float, t1: float) -> float | None:
 
 def _table(summary: dict[str, dict[str, object]], key: str, target: str) -> None:
     """One markdown table of the medians of `key` (s or pause_s), modes side by side."""
-    print("| phase | in-process | restart | torchrun | in-process / torchrun | restart / torchrun | in-process / restart |"
-          + (" target |" if target else ""))
+    print("| phase | in-process | restart | torchrun | in-process / torchrun | restart / torchrun "
+          "| in-process / restart |" + (" target |" if target else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if target else ""))
     for phase, cells in summary.items():
         # called within this iteration only; `cells` is bound here to say so
@@ -146,7 +146,8 @@ def main() -> int:
                 finally:
                     job.tracker.stop_all()
                 print(f"    {fmt(res.get('s'))} s {res}", flush=True)  # type: ignore[arg-type]
-                trials.append({"rep": rep, "phase": phase, "mode": mode, "dir": str(job.workdir), "load": loadavg(), **res})
+                trials.append({"rep": rep, "phase": phase, "mode": mode, "dir": str(job.workdir),
+                               "load": loadavg(), **res})
 
     print(f"\nall done in {time.monotonic() - started:.0f} s; load {loadavg()}; logs under {root}\n")
     summary: dict[str, dict[str, object]] = {}
@@ -157,7 +158,8 @@ def main() -> int:
             times = [float(t["s"]) for t in rs if t.get("s") is not None]  # type: ignore[arg-type]
             pauses = [float(t["pause_s"]) for t in rs if t.get("pause_s") is not None]  # type: ignore[arg-type]
             cells[mode] = {"s": median(times), "ok": len(times), "runs": len(rs), "times": times,
-                           "pause_s": median(pauses), "pauses": pauses, "started": [t.get("workers_started") for t in rs]}
+                           "pause_s": median(pauses), "pauses": pauses,
+                           "started": [t.get("workers_started") for t in rs]}
         summary[phase] = cells
     print("Recovery: the training the job lost, from its last step at the old size to its first "
           "step at the new one (median seconds; runs that got there / runs; worker processes "

@@ -113,7 +113,8 @@ def main() -> int:
             rss = [float(r["peak_rss_mib"]) for r in ok if r["peak_rss_mib"]]  # type: ignore[arg-type]
             summary.setdefault(job, {})[launcher] = {"wall": median(walls), "rss": median(rss)}
             span = f"{min(walls):.3f}–{max(walls):.3f}" if walls else "—"
-            print(f"| {job} | {launcher} | {len(ok)}/{len(rs)} | {fmt(median(walls), 3)} | {span} | {fmt(median(rss), 1)} |")
+            print(f"| {job} | {launcher} | {len(ok)}/{len(rs)} | {fmt(median(walls), 3)} | {span} | "
+                  f"{fmt(median(rss), 1)} |")
     print("\n| job | wall ours/torchrun | target | agent peak RSS ours/torchrun | target |")
     print("|---|---|---|---|---|")
     targets = {"noop": 0.3, "allreduce": 0.75}

@@ -98,10 +98,14 @@ class ProcessTracker:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, argv: Sequence[str], *, env: dict[str, str] | None = None, log: Path | None = None, cwd: Path = REPO) -> subprocess.Popen[bytes]:
+    def start(
+        self, argv: Sequence[str], *, env: dict[str, str] | None = None, log: Path | None = None, cwd: Path = REPO
+    ) -> subprocess.Popen[bytes]:
         out = open(log, "ab") if log else subprocess.DEVNULL
         try:
-            proc = subprocess.Popen(list(argv), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+            proc = subprocess.Popen(
+                list(argv), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd
+            )
         finally:
             if log:
                 out.close()  # type: ignore[union-attr]

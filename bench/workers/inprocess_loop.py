@@ -57,7 +57,8 @@ def train(state):
         state.step += 1
         event("step", step=state.step, world=world, rank=rank)
         if rank == 0 and state.step % 20 == 0:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": state.step}, CKPT + ".tmp")
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": state.step},
+                       CKPT + ".tmp")
             os.replace(CKPT + ".tmp", CKPT)
         state.commit()
         time.sleep(interval)
