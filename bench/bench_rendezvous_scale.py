@@ -125,7 +125,8 @@ def role_serve(profile: str) -> None:
                 counts["bytes_sent"] += sum(len(e.key) + len(e.value or b"") for e in batch)
                 for e in batch:  # which records fan out: job/round, job/state, nodes/*, ...
                     part = e.key.split("/")
-                    counts["events:" + ("nodes/*" if "nodes" in part else "ranks/*" if "ranks" in part else part[-1])] += 1
+                    kind = "nodes/*" if "nodes" in part else "ranks/*" if "ranks" in part else part[-1]
+                    counts["events:" + kind] += 1
                 yield batch
 
     async def serve() -> None:
@@ -191,7 +192,9 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
     rdzv_log.setLevel(logging.WARNING)
     rdzv_log.propagate = False  # 1,000 nodes' warnings would flood the terminal
     ttl = heartbeat or RendezvousSettings.default_heartbeat_ttl(total)
-    settings = RendezvousSettings(run_id, max(total - 1, 1), total, last_call=LAST_CALL, heartbeat_ttl=ttl, join_timeout=cap)
+    settings = RendezvousSettings(
+        run_id, max(total - 1, 1), total, last_call=LAST_CALL, heartbeat_ttl=ttl, join_timeout=cap
+    )
     registered: dict[int, float] = {}
 
     class Timed(ElasticRendezvous):
@@ -279,7 +282,8 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
         deadline = time.monotonic() + cap
         while len(round1) + len(errors) < count and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        print(json.dumps({"registered": registered, "round1": round1, "errors": errors, "lost": lost["lost_membership"], "opened": opened.get("1"), **phase()}), flush=True)
+        print(json.dumps({"registered": registered, "round1": round1, "errors": errors, "lost": lost["lost_membership"],
+                          "opened": opened.get("1"), **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # leave (acted on by the leaver's process)
         t_leave = None
         if leaver in nodes:
@@ -289,8 +293,8 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
         deadline = time.monotonic() + cap
         while len(round2) + len(errors) < expected and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        print(json.dumps({"round2": round2, "t_leave": t_leave, "errors": errors, "lost": lost["lost_membership"], "opened": opened.get("2"),
-                          **phase()}), flush=True)
+        print(json.dumps({"round2": round2, "t_leave": t_leave, "errors": errors, "lost": lost["lost_membership"],
+                          "opened": opened.get("2"), **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # idle window over
         print(json.dumps({"lost": lost["lost_membership"], **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # quit
@@ -384,7 +388,9 @@ def store_side_times(seen: dict, got1: list[float], got2: list[float]) -> dict[s
 
 
 def child(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    return subprocess.Popen(
+        [sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
 
 
 def send(proc: subprocess.Popen[str], line: str = "x") -> None:
@@ -451,7 +457,9 @@ def summarise_ops(counts: dict[str, float], backend: str) -> tuple[int, int, dic
         return ops, keep, counts
     # etcd: unary requests plus messages on streams (Watch creates, keep-alives)
     keep = int(counts.get("msg:LeaseKeepAlive", 0))
-    unary = sum(int(v) for k, v in counts.items() if k.startswith("rpc:") and k not in ("rpc:LeaseKeepAlive", "rpc:Watch"))
+    unary = sum(
+        int(v) for k, v in counts.items() if k.startswith("rpc:") and k not in ("rpc:LeaseKeepAlive", "rpc:Watch")
+    )
     watches = int(counts.get("msg:Watch", 0))
     return unary + watches, keep, counts
 
@@ -470,10 +478,12 @@ def main() -> int:
                     help="one store client per process (not per node); on our store at most "
                     f"{GRPC_NODES_PER_CONNECTION} nodes per client (its streams per connection)")
     ap.add_argument("--nodes-per-client", type=int, default=0,
-                    help="nodes that share one store client (connection); default 1, or the whole process with --shared-client")
+                    help="nodes that share one store client (connection); default 1, or the whole process "
+                    "with --shared-client")
     ap.add_argument("--cap", type=float, default=CAP_S, help="seconds each phase may take")
     ap.add_argument("--heartbeat", type=float, default=0.0,
-                    help="the lease TTL (heartbeat_timeout); default: the launcher's for the size (5 s to 2,000 nodes, then N/400)")
+                    help="the lease TTL (heartbeat_timeout); default: the launcher's for the size "
+                    "(5 s to 2,000 nodes, then N/400)")
     ap.add_argument("--idle", type=float, default=10.0, help="seconds of keep-alives only, after round 2")
     ap.add_argument("--json")
     add_default_gc_flag(ap)
@@ -520,7 +530,8 @@ def main() -> int:
                 for i in range(args.procs):
                     prof = args.profile_nodes if (i == 0 and size == max(args.sizes)) else ""
                     nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size),
-                                       str(leaver), prof, str(per_client(backend, per[i])), str(args.cap), str(args.heartbeat)))
+                                       str(leaver), prof, str(per_client(backend, per[i])), str(args.cap),
+                                       str(args.heartbeat)))
                 observer = child("_observe", backend, endpoint, run_id)
                 all_procs.extend([*nodes, observer])
                 for p in [*nodes, observer]:
@@ -622,21 +633,27 @@ def main() -> int:
         if cluster:
             cluster.close()
 
-    print("\n| backend | clients | nodes | all registered after go s | round 1 s (last registered → last assigned) | round 2 s (leave → last assigned) "
-          "| decided at the store r1, r2 s | spread to the nodes r1, r2 s | store CPU ms/node r1, r2 | client CPU ms/node r1, r2 "
-          "| store calls/node r1, r2 | bytes/node r1, r2 | watch events sent r1 | keep-alives/s | store CPU, keep-alives only | leases lost (r1+r2, idle) | load |")
+    print("\n| backend | clients | nodes | all registered after go s | round 1 s (last registered → last assigned) "
+          "| round 2 s (leave → last assigned) "
+          "| decided at the store r1, r2 s | spread to the nodes r1, r2 s | store CPU ms/node r1, r2 "
+          "| client CPU ms/node r1, r2 "
+          "| store calls/node r1, r2 | bytes/node r1, r2 | watch events sent r1 | keep-alives/s "
+          "| store CPU, keep-alives only | leases lost (r1+r2, idle) | load |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         o1, _, d1 = r["ops_round1"]  # type: ignore[misc]
         o2, _, _ = r["ops_round2"]  # type: ignore[misc]
         n = r["nodes"]
-        print(f"| {r['backend']} | {r['clients']} | {n} | {fmt(r['all_registered_after_go_s'])} | {fmt(r['round1_s'])} | {fmt(r['round2_s'])} | "
+        print(f"| {r['backend']} | {r['clients']} | {n} | {fmt(r['all_registered_after_go_s'])} | "
+              f"{fmt(r['round1_s'])} | {fmt(r['round2_s'])} | "
               f"{fmt(r['round1_store_decided_s'])}, {fmt(r['round2_store_decided_s'])} | "
               f"{fmt(r['round1_spread_s'])}, {fmt(r['round2_spread_s'])} | "
               f"{r['store_cpu_ms_per_node'][0]:.2f}, {r['store_cpu_ms_per_node'][1]:.2f} | "
               f"{r['client_cpu_ms_per_node'][0]:.2f}, {r['client_cpu_ms_per_node'][1]:.2f} | "
-              f"{o1 / n:.2f}, {o2 / (n - 1):.2f} | {r['bytes_per_node_round1']:,.0f}, {r['bytes_per_node_round2']:,.0f} | "
-              f"{int(d1.get('watch_events_sent', 0))} | {r['keep_alives_per_s']:.0f} | {r['server_cpu_idle']:.0%} of a core | "
+              f"{o1 / n:.2f}, {o2 / (n - 1):.2f} | "
+              f"{r['bytes_per_node_round1']:,.0f}, {r['bytes_per_node_round2']:,.0f} | "
+              f"{int(d1.get('watch_events_sent', 0))} | {r['keep_alives_per_s']:.0f} | "
+              f"{r['server_cpu_idle']:.0%} of a core | "
               f"{r['lost_membership_r1_r2']}, {r['lost_membership_idle']} | {r['load']} |")
     write_json(args.json, {"machine": info, "results": results})
     return 0
