@@ -247,11 +247,11 @@ def test_the_file_timer_kills_a_worker_that_overruns_as_torchrun(tmp_path: Path)
     overrunning worker is SIGKILLed. (torchrun's agent then SIGKILLs itself; ours fails
     the attempt as for any killed worker: exit 1 with the failure report.)"""
     env = clean_env(TORCHELASTIC_ENABLE_FILE_TIMER="1")
-    folders = tmp_path / "torchrun", tmp_path / "elasticrun"  # the two run at once
-    for folder in folders:
-        folder.mkdir()
+    fifos = tmp_path / "torchrun-rank0-done", tmp_path / "elasticrun-rank0-done"  # the two run at once
+    for fifo in fifos:
+        os.mkfifo(fifo)
     args = ["--standalone", "--nproc-per-node", "2", WORKERS / "cli_file_timer.py"]
-    theirs, ours = run_both([*args, folders[0]], [*args, folders[1]], env=env)
+    theirs, ours = run_both([*args, fifos[0]], [*args, fifos[1]], env=env)
     for result in (theirs, ours):
         assert "survived" not in result.stdout
         assert "fast step done" in result.stdout
