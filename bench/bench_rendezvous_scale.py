@@ -33,14 +33,18 @@ own CPU time, for etcd `process_cpu_seconds_total`.
 
 The protocol apart from the simulation: on a small machine thousands of simulated nodes
 share its cores with the store, so the nodes' clocks measure their own queueing as much
-as the rendezvous. Three figures separate them:
+as the rendezvous. The leader (node 0) runs alone in a process of its own, at the
+store's priority, and registers before the others go: a real leader's agent has a host
+of its own, and a leader sharing a loop with hundreds of simulated nodes decided as late
+as that loop ran (--procs counts the other processes). Three figures separate them:
   decided at the store: an observer process (one client, one watch on the job's
       records, not niced) times the last registration (round 1) or the leaver's
       deletion (round 2) and the round's head as the store delivers them;
   spread to the nodes: from the head the observer saw to the last node holding its
       place (each node's reads, on its busy loop);
   CPU per node: the store's CPU and the client processes' CPU (every thread) per node
-      in each round's window (round 1 includes registration).
+      in each round's window (round 1 includes registration); the leader's process's
+      CPU apart.
 """
 
 from __future__ import annotations
@@ -167,16 +171,21 @@ def node_address(n: int) -> str:
 
 
 def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int, total: int, leaver: int, profile: str,
-               per_client: int = 1, cap: float = CAP_S, heartbeat: float = 0.0) -> None:
+               per_client: int = 1, cap: float = CAP_S, heartbeat: float = 0.0, lead: bool = False) -> None:
     """`count` ElasticRendezvous instances (node ids first..first+count-1) on one loop,
-    collecting garbage as an agent does (unless --default-gc)."""
+    collecting garbage as an agent does (unless --default-gc).
+
+    `lead`: this process is the leader's alone (one node, registered before the rest,
+    at the store's priority), as a real leader's agent has a host of its own; it says
+    "leading" once its node holds the job's leader key."""
     import logging
 
     from elasticrun.rendezvous.decide import RendezvousSettings
     from elasticrun.rendezvous.elastic import ElasticRendezvous
     from elasticrun.rendezvous.records import JobSpec, NodeInfo
 
-    os.nice(5)  # the store first: in a cluster each node has its own host
+    if not lead:
+        os.nice(5)  # the store and the leader first: in a cluster each node has its own host
     lost = collections.Counter()
 
     class CountLosses(logging.Handler):
@@ -238,6 +247,7 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
             nodes[n] = Timed(store, settings, me, spec=JobSpec(command=("bench",)))
         print("ready", flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # go
+        cpu_go = time.process_time()
         lag = [0.0]  # how late this process's loop runs a timer, at most: a busy client
 
         async def gauge_lag() -> None:
@@ -279,11 +289,15 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
                 errors.append(f"node{n}: {type(e).__name__}: {e}")
 
         tasks = [asyncio.ensure_future(life(n)) for n in nodes]
+        if lead:  # the others go once this node leads
+            while not registered and not errors:
+                await asyncio.sleep(0.005)
+            print("leading" if nodes[first]._leader is not None else f"not leading: {errors}", flush=True)
         deadline = time.monotonic() + cap
         while len(round1) + len(errors) < count and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         print(json.dumps({"registered": registered, "round1": round1, "errors": errors, "lost": lost["lost_membership"],
-                          "opened": opened.get("1"), **phase()}), flush=True)
+                          "opened": opened.get("1"), "cpu_go": cpu_go, **phase()}), flush=True)
         await asyncio.to_thread(sys.stdin.readline)  # leave (acted on by the leaver's process)
         t_leave = None
         if leaver in nodes:
@@ -474,6 +488,7 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=4, help="client processes")
     ap.add_argument("--profile-server", default="", help="cProfile our server process here (.prof)")
     ap.add_argument("--profile-nodes", default="", help="cProfile the first client process here (.prof)")
+    ap.add_argument("--profile-leader", default="", help="cProfile the leader's process here (.prof)")
     ap.add_argument("--shared-client", action="store_true",
                     help="one store client per process (not per node); on our store at most "
                     f"{GRPC_NODES_PER_CONNECTION} nodes per client (its streams per connection)")
@@ -523,15 +538,20 @@ def main() -> int:
                 counter = EtcdCounter(cluster)
             for size in args.sizes:
                 run_id = f"scale{size}-{time.time_ns() % 10**9}"
-                per = [size // args.procs + (1 if i < size % args.procs else 0) for i in range(args.procs)]
-                firsts = [sum(per[:i]) for i in range(args.procs)]
+                # node 0 leads, in a process of its own; the other nodes share --procs processes
+                rest = size - 1
+                per = [rest // args.procs + (1 if i < rest % args.procs else 0) for i in range(args.procs)]
+                firsts = [1 + sum(per[:i]) for i in range(args.procs)]
                 leaver = size - 1
-                nodes = []
+                largest = size == max(args.sizes)
+                leader = child("_nodes", backend, endpoint, run_id, "0", "1", str(size), str(leaver),
+                               args.profile_leader if largest else "", "1", str(args.cap), str(args.heartbeat), "lead")
+                nodes = [leader]
                 for i in range(args.procs):
-                    prof = args.profile_nodes if (i == 0 and size == max(args.sizes)) else ""
+                    prof = args.profile_nodes if (i == 0 and largest) else ""
                     nodes.append(child("_nodes", backend, endpoint, run_id, str(firsts[i]), str(per[i]), str(size),
                                        str(leaver), prof, str(per_client(backend, per[i])), str(args.cap),
-                                       str(args.heartbeat)))
+                                       str(args.heartbeat), "-"))
                 observer = child("_observe", backend, endpoint, run_id)
                 all_procs.extend([*nodes, observer])
                 for p in [*nodes, observer]:
@@ -542,8 +562,12 @@ def main() -> int:
                 else:
                     cpu0 = 0.0  # etcd's counter gives the CPU of each window
                     counter.delta()  # type: ignore[union-attr]
+                send(leader)
+                leading = recv(leader).strip()
+                if leading != "leading":
+                    raise RuntimeError(f"node 0 was to lead the job: {leading}")
                 t_go = time.time()
-                for p in nodes:
+                for p in nodes[1:]:
                     send(p)
                 r1 = [json.loads(recv(p)) for p in nodes]
                 ops1 = json.loads((send(server), recv(server))[1]) if server else counter.delta()  # type: ignore[union-attr]
@@ -569,7 +593,8 @@ def main() -> int:
                 got2 = [t for r in r2 for t in r["round2"].values()]
                 t_leave = next(r["t_leave"] for r in r2 if r["t_leave"])
                 errors = [e for r in r1 + r2 for e in r["errors"]]
-                cpu = [sum(r["cpu_s"] for r in rs) for rs in (r1, r2, r3)]
+                cpu = [sum(r["cpu_s"] for r in rs[1:]) for rs in (r1, r2, r3)]  # the simulated nodes'
+                lead_cpu = [r1[0]["cpu_s"] - r1[0]["cpu_go"], r2[0]["cpu_s"] - r1[0]["cpu_s"]]
                 if server:
                     store_cpu = [ops1["cpu_s"] - cpu0, ops2["cpu_s"] - ops1["cpu_s"]]
                 else:
@@ -600,9 +625,12 @@ def main() -> int:
                     "clients_cpu_s": cpu,
                     # the simulation's cost: client CPU (every thread) per simulated node
                     # for registration and round 1, then for round 2
-                    "client_cpu_ms_per_node": [cpu[0] * 1000 / size, (cpu[1] - cpu[0]) * 1000 / (size - 1)],
+                    "client_cpu_ms_per_node": [cpu[0] * 1000 / (size - 1), (cpu[1] - cpu[0]) * 1000 / (size - 2)],
                     # the protocol's: the store's CPU per node in the same windows
                     "store_cpu_ms_per_node": [store_cpu[0] * 1000 / size, store_cpu[1] * 1000 / (size - 1)],
+                    # the leader's process (its node and its leading) in each round's window
+                    "leader_cpu_s": lead_cpu,
+                    "leader_loop_lag_s": [r1[0]["lag_s"], r2[0]["lag_s"]],
                     **store_side,
                     "clients_loop_lag_s": [max(r["lag_s"] for r in rs) for rs in (r1, r2, r3)],
                     "keep_alive_calls": [[r["keep_alive"] for r in rs] for rs in (r1, r2, r3)],
@@ -636,10 +664,10 @@ def main() -> int:
     print("\n| backend | clients | nodes | all registered after go s | round 1 s (last registered → last assigned) "
           "| round 2 s (leave → last assigned) "
           "| decided at the store r1, r2 s | spread to the nodes r1, r2 s | store CPU ms/node r1, r2 "
-          "| client CPU ms/node r1, r2 "
+          "| client CPU ms/node r1, r2 | leader CPU r1, r2 s "
           "| store calls/node r1, r2 | bytes/node r1, r2 | watch events sent r1 | keep-alives/s "
           "| store CPU, keep-alives only | leases lost (r1+r2, idle) | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         o1, _, d1 = r["ops_round1"]  # type: ignore[misc]
         o2, _, _ = r["ops_round2"]  # type: ignore[misc]
@@ -650,6 +678,7 @@ def main() -> int:
               f"{fmt(r['round1_spread_s'])}, {fmt(r['round2_spread_s'])} | "
               f"{r['store_cpu_ms_per_node'][0]:.2f}, {r['store_cpu_ms_per_node'][1]:.2f} | "
               f"{r['client_cpu_ms_per_node'][0]:.2f}, {r['client_cpu_ms_per_node'][1]:.2f} | "
+              f"{r['leader_cpu_s'][0]:.2f}, {r['leader_cpu_s'][1]:.2f} | "
               f"{o1 / n:.2f}, {o2 / (n - 1):.2f} | "
               f"{r['bytes_per_node_round1']:,.0f}, {r['bytes_per_node_round2']:,.0f} | "
               f"{int(d1.get('watch_events_sent', 0))} | {r['keep_alives_per_s']:.0f} | "
@@ -667,6 +696,6 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "_nodes":
         b, ep, rid, first, count, total, leaver = sys.argv[2:9]
         role_nodes(b, ep, rid, int(first), int(count), int(total), int(leaver), sys.argv[9], int(sys.argv[10]),
-                   float(sys.argv[11]), float(sys.argv[12]))
+                   float(sys.argv[11]), float(sys.argv[12]), sys.argv[13] == "lead")
     else:
         sys.exit(main())
