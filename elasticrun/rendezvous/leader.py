@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
@@ -48,6 +49,14 @@ _STATE_FANOUT = 200
 _CHECKS_AT_ONCE = 64
 #: events kept in the store (the leader prunes older ones)
 EVENTS_KEPT = 200
+#: after a decision that took t seconds, the leader folds events in for _DECIDE_REST * t
+#: before it decides again: at most 1 / (1 + _DECIDE_REST) of its loop goes to decide().
+#: A decision costs O(registered nodes), and nodes registering one by one wake the
+#: leader once each: 1,000 nodes on 2 cores cost 939 decisions and 5.9 s of the leader's
+#: CPU before round 1 (bench_rendezvous_scale.py, --profile-leader); a decision that
+#: waits out its rest takes all the events meanwhile at once. A small job's decision
+#: takes well under a millisecond, and so does its rest.
+_DECIDE_REST = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +124,8 @@ class Leader:
         #: connections opened together, and checks that timed out behind the others
         self._checks = asyncio.Semaphore(_CHECKS_AT_ONCE)
         self._events: asyncio.Queue[_Wake] = asyncio.Queue()
+        #: the leader's clock time before which it does not decide again (_DECIDE_REST)
+        self._rest_until = -math.inf
         #: the latest straggler verdict (elasticrun.rendezvous.stragglers), also read by
         #: the metrics thread: replaced whole, never changed in place
         self.judgement = Judgement()
@@ -146,17 +157,19 @@ class Leader:
         judging = asyncio.ensure_future(self._judge(events)) if self._settings.straggler != "off" else None
         try:
             # `stale`: what decide() sees may have changed since it last ran. Only then,
-            # or at the time it asked to look again, does it run again: at 10,000 nodes
-            # a decision takes ~10 ms, and each newcomer's liveness check answering
-            # (10,000 answers, none of which change a decision) had cost one.
+            # or at the time it asked to look again, does it run again, and not before
+            # its rest (_DECIDE_REST) is over: at 10,000 nodes a decision takes ~10 ms,
+            # and each newcomer's liveness check answering (10,000 answers, none of
+            # which change a decision) had cost one.
             awaiting_write, stale = False, True
             recheck: float | None = None
             while True:
                 self._check_new_nodes()
                 if awaiting_write:
                     recheck = None
-                elif stale:
-                    decision = decide(self._view(), self._settings, self._clock())
+                elif stale and self._clock() >= self._rest_until:
+                    stale = False
+                    decision = self._decide()
                     if decision.ended:
                         log.info("leader of job '%s': %s; leading no more", self._settings.run_id, decision.reason)
                         return
@@ -165,15 +178,18 @@ class Leader:
                     held = len(self._quarantine.active(self._clock()))  # nodes kept out now
                     if self._published != (decision.reason, held):
                         recheck = _earliest(recheck, await self._publish(decision, held))
-                timeout = None if recheck is None else max(recheck - self._clock(), 0.0)
-                stale = True  # unless an event comes first: the time to look again
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(timeout):
+                wake = self._rest_until if stale and not awaiting_write else recheck
+                try:
+                    async with asyncio.timeout(None if wake is None else max(wake - self._clock(), 0.0)):
                         event = await events.get()
-                    awaiting_write, stale = self._apply_event(event, awaiting_write)
-                    while not events.empty():
-                        awaiting_write, changed = self._apply_event(events.get_nowait(), awaiting_write)
-                        stale |= changed
+                except TimeoutError:
+                    stale = True  # the time to look again, or the rest is over
+                    continue
+                awaiting_write, changed = self._apply_event(event, awaiting_write)
+                stale |= changed
+                while not events.empty():
+                    awaiting_write, changed = self._apply_event(events.get_nowait(), awaiting_write)
+                    stale |= changed
         finally:
             pump.cancel()
             if judging is not None:
@@ -182,6 +198,13 @@ class Leader:
                 task.cancel()
             await asyncio.gather(pump, *([judging] if judging else []), *self._probes, return_exceptions=True)
             self._probes.clear()
+
+    def _decide(self) -> Decision:
+        """decide() on the view now; the leader rests in proportion to what it took."""
+        started = time.perf_counter()
+        decision = decide(self._view(), self._settings, self._clock())
+        self._rest_until = self._clock() + (time.perf_counter() - started) * _DECIDE_REST
+        return decision
 
     async def _pump(self, start: int, events: asyncio.Queue[_Wake]) -> None:
         """Feed the job's changes to the leader's loop.
