@@ -200,10 +200,14 @@ class Leader:
             self._probes.clear()
 
     def _decide(self) -> Decision:
-        """decide() on the view now; the leader rests in proportion to what it took."""
-        started = time.perf_counter()
+        """decide() on the view now; the leader rests in proportion to what it took.
+
+        Taken as the thread's CPU time, not the wall clock's: a decision is pure
+        computation, and a process stopped or starved while it ran (a loaded host, a
+        paused VM) must not rest for four times the stall."""
+        started = time.thread_time()
         decision = decide(self._view(), self._settings, self._clock())
-        self._rest_until = self._clock() + (time.perf_counter() - started) * _DECIDE_REST
+        self._rest_until = self._clock() + (time.thread_time() - started) * _DECIDE_REST
         return decision
 
     async def _pump(self, start: int, events: asyncio.Queue[_Wake]) -> None:
