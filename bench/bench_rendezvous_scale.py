@@ -485,7 +485,7 @@ def main() -> int:
     ap.add_argument("--sizes", type=int, nargs="*", default=[100, 300, 1000])
     # etcd with one client per node runs a thread per watch: 1,000 of them overload a 2-core box
     ap.add_argument("--backends", nargs="*", default=["grpc"], choices=["grpc", "etcd"])
-    ap.add_argument("--procs", type=int, default=4, help="client processes")
+    ap.add_argument("--procs", type=int, default=4, help="client processes (the leader runs in one more)")
     ap.add_argument("--profile-server", default="", help="cProfile our server process here (.prof)")
     ap.add_argument("--profile-nodes", default="", help="cProfile the first client process here (.prof)")
     ap.add_argument("--profile-leader", default="", help="cProfile the leader's process here (.prof)")
