@@ -13,6 +13,7 @@ installs it).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import random
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pyetcd import etcdrpc
 
 from tests.helpers import wait_until
@@ -217,6 +219,28 @@ class EtcdCluster:
 
     def running(self) -> list[int]:
         return [i for i, m in enumerate(self._members) if m.process is not None]
+
+    @contextlib.contextmanager
+    def frozen(self, index: int) -> Iterator[None]:
+        """Member `index` stopped (SIGSTOP) for the block, then resumed: slow, not gone."""
+        process = self._members[index].process
+        assert process is not None, f"member {index} is not running"
+        process.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            process.send_signal(signal.SIGCONT)
+
+    def streams_opened(self, index: int, method: str) -> int:
+        """How many gRPC calls of `method` (e.g. "LeaseKeepAlive") member `index` started."""
+        families = text_string_to_metric_families(self._http(index, "/metrics"))
+        return sum(
+            int(sample.value)
+            for family in families
+            if family.name == "grpc_server_started"
+            for sample in family.samples
+            if sample.labels.get("grpc_method") == method
+        )
 
     def leader_index(self) -> int:
         """The index of the raft leader among running members, waiting for an election."""

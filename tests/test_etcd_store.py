@@ -105,6 +105,44 @@ async def test_lease_ttl_is_rounded_up_to_whole_seconds(etcd_server: EtcdCluster
             await store.keep_alive(lease)
 
 
+async def test_a_slow_renewal_is_read_on_its_stream_when_no_other_member_could_answer(
+    etcd_server: EtcdCluster,
+) -> None:
+    """One member, stalled past a renewal's first try: the renewal waits on the stream
+    it was sent on. A new stream would go to the same member, which could not answer it
+    sooner; re-opening one per late renewal was what lapsed every lease of 2,000
+    simulated nodes on a busy host (BENCHMARKS.md)."""
+    async with EtcdStore(etcd_server.endpoints) as store:
+        lease = await store.grant_lease(3)  # a renewal's first try: 1 s (a third of the TTL)
+        await store.keep_alive(lease)  # opens the lease's stream
+        opened = etcd_server.streams_opened(0, "LeaseKeepAlive")
+        with etcd_server.frozen(0):
+            renewal = asyncio.create_task(store.keep_alive(lease))
+            await asyncio.sleep(1.5)  # the stall: past the first try, within the TTL
+        await asyncio.wait_for(renewal, EVENT_WAIT)
+        assert etcd_server.streams_opened(0, "LeaseKeepAlive") == opened
+        await store.revoke_lease(lease)
+
+
+async def test_a_renewal_given_up_leaves_no_answer_for_the_next(etcd_server: EtcdCluster) -> None:
+    """A renewal cancelled with its answer due closes its stream: the next renewal,
+    reading on that stream, would take the old answer for its own and count the lease
+    renewed from later than etcd renewed it."""
+    async with EtcdStore(etcd_server.endpoints) as store:
+        lease = await store.grant_lease(3)
+        await store.keep_alive(lease)
+        opened = etcd_server.streams_opened(0, "LeaseKeepAlive")
+        with etcd_server.frozen(0):
+            renewal = asyncio.create_task(store.keep_alive(lease))
+            await asyncio.sleep(0.2)  # the request is written; its answer cannot come
+            renewal.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await renewal
+        await store.keep_alive(lease)
+        assert etcd_server.streams_opened(0, "LeaseKeepAlive") == opened + 1
+        await store.revoke_lease(lease)
+
+
 # --- failover on a 3-member cluster ---------------------------------------------------
 
 
@@ -140,6 +178,19 @@ async def test_failover_keeps_writes_and_the_watch_going(etcd_trio: EtcdCluster)
         revisions = [e.revision for e in events]
         assert revisions == sorted(set(revisions))
         await watch.aclose()
+
+
+async def test_a_renewal_a_frozen_member_cannot_answer_goes_to_another(etcd_trio: EtcdCluster) -> None:
+    """With other members, a renewal whose member went silent is sent again elsewhere
+    in time: a third of the TTL for the first try leaves two thirds for the rest."""
+    async with EtcdStore(etcd_trio.endpoints) as store:  # member 0 first
+        lease = await store.grant_lease(3)
+        await store.keep_alive(lease)
+        elsewhere = [etcd_trio.streams_opened(i, "LeaseKeepAlive") for i in (1, 2)]
+        with etcd_trio.frozen(0):
+            await asyncio.wait_for(store.keep_alive(lease), EVENT_WAIT)
+            assert [etcd_trio.streams_opened(i, "LeaseKeepAlive") for i in (1, 2)] != elsewhere
+        await store.revoke_lease(lease)
 
 
 async def test_majority_lost_is_reported_as_unavailable(etcd_trio: EtcdCluster) -> None:

@@ -323,14 +323,29 @@ class EtcdStore(Store):
         return int(response.ID)
 
     async def keep_alive(self, lease: int) -> None:
+        #: this renewal's exchange (its request written, its answer read) on the stream
+        #: it went to; a retry on that stream waits for it rather than asking again
+        asked: tuple[_AioStream, asyncio.Task[Any]] | None = None
+
+        async def exchange(call: _AioStream) -> Any:
+            await call.write(etcdrpc.LeaseKeepAliveRequest(ID=lease))
+            return await call.read()
+
         async def renew(stubs: Stubs, timeout: float, metadata: Metadata) -> None:
+            nonlocal asked
             call = self._lease_stream(lease, stubs, metadata)
+            if asked is None or asked[0] is not call:
+                if asked is not None:
+                    _discard(asked[1])  # its stream was dropped
+                asked = (call, asyncio.ensure_future(exchange(call)))
             try:
-                async with asyncio.timeout(timeout):
-                    await call.write(etcdrpc.LeaseKeepAliveRequest(ID=lease))
-                    response = await call.read()
-            except TimeoutError:  # a silent member: the next try reconnects
-                self._drop_lease_stream(lease)
+                # Shielded: grpc.aio ends the whole stream when a write or read is cancelled.
+                response = await asyncio.wait_for(asyncio.shield(asked[1]), timeout)
+            except TimeoutError:
+                # The stream stays: a try that fails over asks the next member on a new
+                # one; a try on the same member (the only one) waits for this exchange,
+                # since a new stream there could not be answered sooner and costs a busy
+                # client more than the wait (BENCHMARKS.md, "a slow renewal's stream").
                 raise StreamFailure(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a lease keep-alive"
                 ) from None
@@ -340,6 +355,7 @@ class EtcdStore(Store):
             except grpc.RpcError:
                 self._drop_lease_stream(lease)
                 raise
+            asked = None
             if response is grpc.aio.EOF:
                 self._drop_lease_stream(lease)
                 raise StreamFailure(grpc.StatusCode.UNAVAILABLE, "the lease keep-alive stream ended")
@@ -353,7 +369,14 @@ class EtcdStore(Store):
         first = max(FIRST_ATTEMPT_TIMEOUT, self._lease_ttls.get(lease, 0.0) / 3)
         lock = self._lease_locks.setdefault(lease, asyncio.Lock())
         async with lock:  # one renewal at a time on a lease's stream
-            await self._with_failover(renew, lease=lease, first_timeout=first)
+            try:
+                await self._with_failover(renew, lease=lease, first_timeout=first)
+            finally:
+                if asked is not None:
+                    # Given up with an answer due: the next renewal would read it as its
+                    # own and count the lease renewed from later than etcd renewed it.
+                    self._drop_lease_stream(lease)
+                    _discard(asked[1])
 
     def _lease_stream(self, lease: int, stubs: Stubs, metadata: Metadata) -> _AioStream:
         """The lease's open LeaseKeepAlive stream to `stubs`' endpoint, or a new one."""
@@ -474,6 +497,12 @@ class EtcdStore(Store):
             await aio.channel.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._cluster.close()
+
+
+def _discard(future: asyncio.Future[Any]) -> None:
+    """Cancel `future`, or take its outcome: nothing is left to log as never retrieved."""
+    if not future.cancel() and not future.cancelled():
+        future.exception()
 
 
 def _unchanged_since(key: bytes, mod_revision: int) -> etcdrpc.Compare:
