@@ -339,8 +339,12 @@ class EtcdStore(Store):
                     _discard(asked[1])  # its stream was dropped
                 asked = (call, asyncio.ensure_future(exchange(call)))
             try:
-                # Shielded: grpc.aio ends the whole stream when a write or read is cancelled.
-                response = await asyncio.wait_for(asyncio.shield(asked[1]), timeout)
+                # Shielded: grpc.aio ends the whole stream when a write or read is
+                # cancelled. Not wait_for: on Python 3.11 it swallows a cancellation
+                # that comes as the answer does, and a node's leave() waited forever
+                # for its keep-alive task to end.
+                async with asyncio.timeout(timeout):
+                    response = await asyncio.shield(asked[1])
             except TimeoutError:
                 # The stream stays: a try that fails over asks the next member on a new
                 # one; a try on the same member (the only one) waits for this exchange,
