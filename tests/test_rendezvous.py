@@ -353,6 +353,45 @@ async def test_members_that_register_again_get_a_new_round_though_their_keys_sta
     await store.close()
 
 
+class SlowAnswersStore(MemoryStore):
+    """A store that renews a lease when the renewal arrives and answers `delay` seconds
+    later, as a busy store, or a busy client's loop, does."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.answered = 0
+        self._answer = asyncio.Condition()
+
+    async def keep_alive(self, lease: int) -> None:
+        await super().keep_alive(lease)
+        await asyncio.sleep(self.delay)
+        async with self._answer:
+            self.answered += 1
+            self._answer.notify_all()
+
+    async def answers(self, count: int) -> None:
+        async with self._answer:
+            await self._answer.wait_for(lambda: self.answered >= count)
+
+
+async def test_renewals_answered_late_keep_the_membership_while_each_lands_in_time():
+    """TTL 2 s, a renewal every 0.67 s, each answered 0.8 s after the store renewed the
+    lease: every renewal lands within the TTL of the one before, so the node stays. It
+    lost its place when the next renewal waited an interval after the last one's answer
+    (sent 1.47 s after the last, answered 0.8 s later: past the TTL)."""
+    store = SlowAnswersStore(0.8)
+    a = make_node(store, "a", settings(1, 2, heartbeat_ttl=2.0))
+    await a.next_round()
+    ended = asyncio.ensure_future(a.round_ended())
+    renewed = asyncio.ensure_future(store.answers(4))
+    await asyncio.wait({ended, renewed}, return_when=asyncio.FIRST_COMPLETED)
+    assert renewed.done() and not ended.done(), ended.result() if ended.done() else None
+    ended.cancel()
+    await a.aclose()
+    await store.close()
+
+
 async def test_a_member_silent_to_the_ping_is_dropped_and_its_registration_ended(store):
     # etcd may expire a dead node's lease late: here the lease is kept alive on purpose.
     s = settings(2, 3, heartbeat_ttl=1.0)

@@ -674,15 +674,19 @@ class ElasticRendezvous(RendezvousHandler):
         finish by then is a loss. A node cut off from the store thus stops its workers
         while the others move on without it, and two groups never train as one job.
         """
-        ttl = self._settings.heartbeat_ttl
+        ttl, interval = self._settings.heartbeat_ttl, self._settings.keep_alive_interval
         renewed = self._clock()  # when the last successful renewal was sent
+        due = renewed + interval
         while True:
-            await asyncio.sleep(self._settings.keep_alive_interval)
+            await asyncio.sleep(max(due - self._clock(), 0.0))
             sent = self._clock()
             try:
                 async with asyncio.timeout(max(renewed + ttl - sent, 0.0)):
                     await self._store.keep_alive(lease)
-                renewed = sent
+                # The next one is due an interval after this was sent, as the TTL counts,
+                # not after its answer came: a store answering in L seconds then holds
+                # the lease while L <= TTL/2, not only while L <= (TTL - interval)/2.
+                renewed, due = sent, sent + interval
             except LeaseExpiredError:
                 return self._lose("its lease expired")
             except StoreGoneError:
@@ -692,6 +696,7 @@ class ElasticRendezvous(RendezvousHandler):
                     cause = str(e) or "no answer in time"
                     return self._lose(f"the store did not renew its lease for {ttl:g}s: {cause}")
                 log.warning("keep-alive failed (%s); retrying", e)
+                due = self._clock() + interval
 
     def _lose(self, why: str) -> None:
         if self._lost:
