@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from tests.elastic_cluster import Cluster, Rdzv
-from tests.helpers import ELASTICRUN
+from tests.helpers import ELASTICRUN, wait_until
 from tests.test_elastic_agents import finish, kill_node, node_id, start, step
 
 pytestmark = pytest.mark.timeout(240)
@@ -98,7 +98,10 @@ def test_node_units_run_whole_units_and_shrink_to_the_lower_multiple(cluster: Cl
     left = running[2:]
     for p in left:
         step(p, 2, start=marks[p.name])
-    assert spares(rdzv) == []
+    # The leader may form the round of two once it has found the first victim dead,
+    # with the second still registered beside it: a spare, dead, until its lease
+    # lapses (heartbeat_timeout) or the leader finds its port closed. Then none.
+    wait_until(lambda: spares(rdzv) == [], 30, "the dead nodes' registrations to end")
     finish(cluster, *left)
 
 
