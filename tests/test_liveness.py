@@ -2,8 +2,9 @@
 
 The liveness port (elasticrun/rendezvous/liveness.py) on its own, then end to end with
 real agents on both backends: with a lease TTL far longer than any wait of the test, a
-SIGKILLed participant is found gone by its refused port and the survivors go on; a
-SIGSTOPped agent (its kernel still accepts) is not removed.
+SIGKILLed participant is found gone by its refused port and the survivors go on, a
+SIGKILLed spare is found gone too (the leader looks at the spares about once a second);
+a SIGSTOPped agent (its kernel still accepts) is not removed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import pytest
 
 from elasticrun.rendezvous.liveness import LivenessPort, Verdict, probe
 from tests.elastic_cluster import RDZV_CONF, Cluster, Rdzv
+from tests.helpers import wait_until
 from tests.test_elastic_agents import finish, kill_node, leader, node_id, start, step
+from tests.test_spares import spares, status
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -78,6 +81,27 @@ def test_a_killed_participant_is_found_gone_long_before_its_lease_ends(cluster: 
     else:
         assert any(re.search(rf"leader {node_id(victim)}: its liveness port refused", p.text()) for p in survivors)
     finish(cluster, *survivors)
+
+
+def test_a_killed_spare_is_found_gone_long_before_its_lease_ends(cluster: Cluster, rdzv: Rdzv) -> None:
+    # no restart request makes the leader look at a spare: it looks on its own
+    members = [start(cluster, rdzv, n, i + 2, "2", conf=_conf(rdzv)) for i, n in enumerate("ab")]
+    for p in members:
+        step(p, 2)
+    dead, live = (start(cluster, rdzv, n, i + 4, "2", conf=_conf(rdzv)) for i, n in enumerate(("dead", "live")))
+    for p in (dead, live):
+        p.wait_for(r"waiting: spare: ")
+    assert sorted(spares(rdzv)) == sorted([node_id(dead), node_id(live)])
+
+    dead.kill()
+    # within the wait, not the 120 s lease TTL: only the leader's look can end it
+    wait_until(lambda: spares(rdzv) == [node_id(live)], 30, "the dead spare's registration to end")
+    boss = leader(members)
+    assert f"spare node {node_id(dead)}: its liveness port refused a connection" in boss.text()
+    assert f"spare node {node_id(live)}" not in boss.text()
+    lost = [e for e in status(rdzv)["events"] if e["kind"] == "lost"]
+    assert [e["node"] for e in lost] == [node_id(dead)] and "liveness port refused" in lost[0]["detail"]
+    finish(cluster, *members, live)
 
 
 def test_a_stopped_agent_shorter_than_its_lease_is_not_removed(cluster: Cluster, rdzv: Rdzv) -> None:

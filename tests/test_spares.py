@@ -99,8 +99,8 @@ def test_node_units_run_whole_units_and_shrink_to_the_lower_multiple(cluster: Cl
     for p in left:
         step(p, 2, start=marks[p.name])
     # The leader may form the round of two once it has found the first victim dead,
-    # with the second still registered beside it: a spare, dead, until its lease
-    # lapses (heartbeat_timeout) or the leader finds its port closed. Then none.
+    # with the second still registered beside it: a spare, dead, until the leader's
+    # look at the spares finds its port closed (or its lease lapses). Then none.
     wait_until(lambda: spares(rdzv) == [], 30, "the dead nodes' registrations to end")
     finish(cluster, *left)
 

@@ -47,6 +47,10 @@ _STATE_MIN_INTERVAL = 1.0
 _STATE_FANOUT = 200
 #: newcomers' liveness ports the leader connects to at once (liveness.py)
 _CHECKS_AT_ONCE = 64
+#: the leader looks at the spares' liveness ports about this often, and connects to at
+#: most _SPARE_LOOKS_PER_S ports a second: a job with many spares looks at each less often
+_SPARE_LOOK_INTERVAL = 1.0
+_SPARE_LOOKS_PER_S = 200
 #: events kept in the store (the leader prunes older ones)
 EVENTS_KEPT = 200
 #: after a decision that took t seconds, the leader folds events in for _DECIDE_REST * t
@@ -155,6 +159,7 @@ class Leader:
         events = self._events = asyncio.Queue()
         pump = asyncio.ensure_future(self._pump(snapshot.revision + 1, events))
         judging = asyncio.ensure_future(self._judge(events)) if self._settings.straggler != "off" else None
+        looking = asyncio.ensure_future(self._look_at_spares(events))
         try:
             # `stale`: what decide() sees may have changed since it last ran. Only then,
             # or at the time it asked to look again, does it run again, and not before
@@ -191,12 +196,10 @@ class Leader:
                     awaiting_write, changed = self._apply_event(events.get_nowait(), awaiting_write)
                     stale |= changed
         finally:
-            pump.cancel()
-            if judging is not None:
-                judging.cancel()
-            for task in self._probes:
+            tasks = [pump, looking, *([judging] if judging else []), *self._probes]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(pump, *([judging] if judging else []), *self._probes, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             self._probes.clear()
 
     def _decide(self) -> Decision:
@@ -335,7 +338,13 @@ class Leader:
         if decision.round is None:
             return False
         for node_id in decision.dead:
-            await self._end_registration(node_id)
+            refused = node_id in self._refused  # said once already, when its port refused
+            await self._end_registration(
+                self._nodes[node_id].info,
+                logging.INFO if refused else logging.WARNING,
+                "node %s: ending its registration" if refused
+                else "node %s did not show it is alive for a lease TTL: ending its registration",
+            )
         new_round = replace(decision.round, opened_at=time.time())
         head, shards = split_round(new_round, self._node_id, self._records.head, self._records.round)
         # The members first, in shards of their own (no node watches them), then the
@@ -357,18 +366,20 @@ class Leader:
         # Either way the watch brings the round record that now stands.
         return True
 
-    async def _end_registration(self, node_id: str) -> None:
+    async def _end_registration(self, info: NodeInfo, level: int, line: str) -> bool:
         """Revoke the lease of a node declared dead: its key goes now, not when the store gets to expire it.
 
+        Only the registration `info`: the node may have registered again since the
+        leader judged it (a new agent, with a new port), and that one is not judged.
         Were it alive after all, its next renewal fails, and it registers again as a
-        newcomer (with its workers stopped)."""
-        kv = await self._store.get(self._keys.node(node_id))
-        if kv is not None and kv.lease:
-            if node_id in self._refused:  # said once already, when its port refused
-                log.info("node %s: ending its registration", node_id)
-            else:
-                log.warning("node %s did not show it is alive for a lease TTL: ending its registration", node_id)
-            await self._store.revoke_lease(kv.lease)
+        newcomer (with its workers stopped). Logs `line` (the node id for %s) when it
+        revokes; whether it did."""
+        kv = await self._store.get(self._keys.node(info.node_id))
+        if kv is None or not kv.lease or _registration(kv.value) != info:
+            return False
+        log.log(level, line, info.node_id)
+        await self._store.revoke_lease(kv.lease)
+        return True
 
     async def _clear_departed(self, new_round: Round) -> None:
         """Delete the departure records of nodes that are gone and out of the round.
@@ -519,6 +530,52 @@ class Leader:
             log.warning("node %s: its liveness port refused a connection: its agent is gone", node_id)
             self._refused[node_id] = probed.suspect
 
+    async def _look_at_spares(self, events: asyncio.Queue[_Wake]) -> None:
+        """While a round runs, connect to the spares' liveness ports about once a second.
+
+        A spare's death breaks no collective, so no restart request makes the leader
+        look, as it does at its members: a dead spare stayed registered for a lease TTL
+        (25 s at 10,000 nodes), listed by `status` as a standby that is not there, and
+        the first picked to replace the next member lost, for a round that then waited
+        a lease TTL for it. Only a refusal from a node whose port once accepted counts,
+        as for members. A store error waits for the next look; anything else ends the
+        leadership, through the loop, as the pump's would."""
+        try:
+            while True:
+                spares = self._spares()
+                await asyncio.sleep(max(_SPARE_LOOK_INTERVAL, len(spares) / _SPARE_LOOKS_PER_S))
+                spares = self._spares()
+                verdicts = await asyncio.gather(*(self._look(info) for info in spares))
+                for info, verdict in zip(spares, verdicts, strict=True):
+                    if verdict is Verdict.GONE and info in self._spares():
+                        try:
+                            await self._end_spare(info)
+                        except StoreError as e:
+                            log.debug("leader: could not end spare %s's registration: %s", info.node_id, e)
+        except Exception as e:
+            events.put_nowait(e)
+
+    def _spares(self) -> list[NodeInfo]:
+        """The registered nodes outside the running round whose liveness ports once accepted."""
+        current = self._records.round
+        if current is None or not current.participants:
+            return []
+        members = current.node_ranks()
+        return [
+            seen.info
+            for node_id, seen in self._nodes.items()
+            if node_id not in members and node_id in self._reachable and node_id != self._node_id
+        ]
+
+    async def _look(self, info: NodeInfo) -> Verdict:
+        async with self._checks:
+            return await probe(info.addr, info.liveness_port)
+
+    async def _end_spare(self, info: NodeInfo) -> None:
+        line = "spare node %s: its liveness port refused a connection: its agent is gone; ending its registration"
+        if await self._end_registration(info, logging.WARNING, line):
+            await self._event(info.node_id, "lost", "spare: its liveness port refused a connection: its agent is gone")
+
     def _apply_event(self, event: _Wake, awaiting_write: bool) -> tuple[bool, bool]:
         """Fold one event in; whether the leader still awaits its write, and whether it may change a decision.
 
@@ -623,3 +680,10 @@ def _ordinal(n: int) -> str:
 
 def _earliest(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
+
+
+def _registration(value: bytes) -> NodeInfo | None:
+    """A node key's registration; None for another version's."""
+    with contextlib.suppress(RendezvousError):
+        return decode(NodeInfo, value)
+    return None
