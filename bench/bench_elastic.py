@@ -40,6 +40,11 @@ Scenarios (t0 is taken just before the action; every wait is capped at --cap sec
   spare      --nnodes=3 (fixed), n1..n3 stepping at world 3, then n4 started and left
              to settle 5 s (a spare; torchrun's waits for the next round), then SIGKILL
              of n3's agent and worker -> first step at world 3 again (n4 in n3's place)
+  dead-spare --nnodes=3 (fixed), as `spare` with two spares, n4 then n5 (5 s each to
+             settle: n4 is the first picked); SIGKILL of n4's agent, and 2 s later of
+             n3's agent and worker -> first step at world 3 again, n5 in n3's place
+             (two deaths in one lease TTL: a dead spare lingers until its lease ends
+             unless the leader finds its liveness port closed)
   torchrun runs `grow` a second time with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
   ("torchrun-noshare"), for scale-up.
 A phase that did not happen within the cap is recorded as such, and the rest of that
@@ -83,6 +88,8 @@ from common import (  # noqa: E402
 SCRIPT = WORKERS / "elastic_loop.py"
 #: seconds the spare scenario gives the fourth agent to settle before the kill
 SPARE_SETTLE = 5.0
+#: seconds between a spare's death and a participant's in `dead-spare`: within a lease TTL
+DEAD_SPARE_GAP = 2.0
 #: seconds between the SIGKILL of the head and the start of its replacement (head-restart)
 HEAD_RESTART_DELAY = 5.0
 #: --baseline: a checkout of an earlier elasticrun, run as launcher "elasticrun-base"
@@ -301,17 +308,32 @@ def run_kill(job: Job, cap: float) -> dict[str, object]:
 def run_spare(job: Job, cap: float) -> dict[str, object]:
     """--nnodes=3 with a fourth agent waiting: SIGKILL of a participant ->
     the first step at world 3 again, the waiting agent in the dead one's place."""
+    return _spare_steps_in(job, cap, spares=(4,), phase="sigkill_spare_in")
+
+
+def run_dead_spare(job: Job, cap: float) -> dict[str, object]:
+    """--nnodes=3 with two agents waiting: the first SIGKILLed, then a participant ->
+    the first step at world 3 again, the live spare in the dead participant's place."""
+    return _spare_steps_in(job, cap, spares=(4, 5), phase="sigkill_live_spare_in", dead_spare=True)
+
+
+def _spare_steps_in(job: Job, cap: float, spares: tuple[int, ...], phase: str, dead_spare: bool = False
+                    ) -> dict[str, object]:
     result: dict[str, object] = {}
     if not _form_three(job, result, cap):
         return result
-    job.start_node(4)
-    time.sleep(SPARE_SETTLE)  # the fourth agent registers and waits
+    for i in spares:  # one after the other: the first registered is the first picked
+        job.start_node(i)
+        time.sleep(SPARE_SETTLE)  # the agent registers and waits
     job.step_at(3, time.time(), cap)  # still stepping at 3 (torchrun may have re-formed)
     time.sleep(0.5)
+    if dead_spare:
+        kill_tree(job.nodes[spares[0]], signal.SIGKILL)
+        time.sleep(DEAD_SPARE_GAP)
     t0 = time.time()
     kill_tree(job.nodes[3], signal.SIGKILL)
     t1 = job.step_at(3, t0 + 0.05, cap)
-    _phase(result, "sigkill_spare_in", t0, t1, cap, _spawned(job, t0, 3), job)
+    _phase(result, phase, t0, t1, cap, _spawned(job, t0, 3), job)
     return result
 
 
@@ -413,11 +435,12 @@ PHASES = {
     "host-kill": ["formation_3_of_max_3", "host_lost"],
     "head-restart": ["formation_3_of_max_3", "head_back"],
     "spare": ["formation_3_of_max_3", "sigkill_spare_in"],
+    "dead-spare": ["formation_3_of_max_3", "sigkill_live_spare_in"],
 }
 TARGETS = {"grow/formation": "≤ 3 s", "grow/scale_up": "≤ 5 s", "kill/sigkill": "≤ 10 s", "grow/sigterm": "≤ 3 s",
            "grow/crash": "≤ 3 s", "host-kill/host_lost": "store_host_grace (30 s) + ≤ 3 s"}
 RUNNERS: dict[str, Callable[[Job, float], dict[str, object]]] = {
-    "grow": run_grow, "kill": run_kill, "host-kill": run_host_kill, "spare": run_spare,
+    "grow": run_grow, "kill": run_kill, "host-kill": run_host_kill, "spare": run_spare, "dead-spare": run_dead_spare,
     "head-restart": run_head_restart,
 }
 
@@ -447,7 +470,7 @@ def main() -> int:
                 launchers.reverse()
             for launcher in launchers:
                 nnodes = (scenario.split("-")[1] if scenario.startswith("rdzv")
-                          else "3" if scenario == "spare" else "1:3")
+                          else "3" if scenario in ("spare", "dead-spare") else "1:3")
                 job = Job(launcher, nnodes, root / f"rep{rep}-{scenario}-{launcher}")
                 print(f"rep {rep} {scenario} {launcher} (load {loadavg()}, {time.monotonic() - started:.0f} s in)",
                       flush=True)
