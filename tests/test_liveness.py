@@ -94,13 +94,20 @@ def test_a_killed_spare_is_found_gone_long_before_its_lease_ends(cluster: Cluste
     assert sorted(spares(rdzv)) == sorted([node_id(dead), node_id(live)])
 
     dead.kill()
+
+    def gone() -> list[dict] | None:
+        """The `lost` events once the dead spare is no longer listed (the event follows the revoke)."""
+        now = status(rdzv)
+        listed = [n["node_id"] for n in now["nodes"] if n["spare"]]
+        lost = [e for e in now["events"] if e["kind"] == "lost"]
+        return lost if listed == [node_id(live)] and lost else None
+
     # within the wait, not the 120 s lease TTL: only the leader's look can end it
-    wait_until(lambda: spares(rdzv) == [node_id(live)], 30, "the dead spare's registration to end")
-    boss = leader(members)
-    assert f"spare node {node_id(dead)}: its liveness port refused a connection" in boss.text()
-    assert f"spare node {node_id(live)}" not in boss.text()
-    lost = [e for e in status(rdzv)["events"] if e["kind"] == "lost"]
+    lost = wait_until(gone, 30, "the dead spare's registration to end, with an event")
     assert [e["node"] for e in lost] == [node_id(dead)] and "liveness port refused" in lost[0]["detail"]
+    boss = leader(members)
+    boss.wait_for(rf"spare node {node_id(dead)}: its liveness port refused a connection")
+    assert f"spare node {node_id(live)}" not in boss.text()
     finish(cluster, *members, live)
 
 
