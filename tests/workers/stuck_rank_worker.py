@@ -6,9 +6,10 @@ gloo unless ELASTICRUN_TEST_COLLECTIVE says tcp) and prints `step=N <tag>`. From
 --stuck-step on, rank --stuck-rank calls load_batch(), which never returns (a data
 loader that waits for ever), in the first attempt, and in later ones once the file
 --again-file exists; the other ranks wait for it in the all-reduce. The workers end
-when any rank sees --stop-file. While it imports torch and forms the
-group, a thread calls heartbeat(): the watchdog's timeout is about the training loop,
-not about how long an import takes on a loaded machine.
+when any rank sees --stop-file. While it imports torch, forms the group and
+makes its first all-reduce, a thread calls heartbeat(): the watchdog's timeout is
+about the training loop, not about how long an import, a peer's joining or a first
+tensor operation takes on a loaded machine.
 """
 
 from __future__ import annotations
@@ -39,15 +40,14 @@ def main() -> int:
     p.add_argument("--stop-file", required=True)
     args = p.parse_args()
     rank, world, tag = identity()
-    formed = threading.Event()
+    started = threading.Event()
 
-    def beat_until_formed() -> None:
-        while not formed.wait(0.2):
+    def beat_until_started() -> None:
+        while not started.wait(0.2):
             heartbeat()
 
-    threading.Thread(target=beat_until_formed, daemon=True).start()
+    threading.Thread(target=beat_until_started, daemon=True).start()
     group = join_group(rank, world)
-    formed.set()
     again, stop_file = Path(args.again_file), Path(args.stop_file)
     first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
     step = 0
@@ -57,6 +57,7 @@ def main() -> int:
             load_batch()
         heartbeat()
         total = group.all_reduce([1.0, 1.0 if stop_file.exists() else 0.0])
+        started.set()  # every rank has joined and made a step: the loop's own beats from here
         print(f"step={step} {tag}", flush=True)
         if total[1] > 0:
             break
