@@ -69,7 +69,8 @@ def test_a_rank_stuck_in_a_function_is_named_with_its_node_function_and_line(
     common = dict(
         backend="c10d", endpoint=c10d_store, run_id=job, local_addr="127.0.0.1", nnodes="2", max_restarts=1,
         conf=RDZV_CONF + ",is_host=false", worker=STUCK, env={"ELASTICRUN_TEST_COLLECTIVE": "gloo"},
-        extra=["--nproc-per-node=2", "--progress-timeout=5"],
+        # the workers' start (torch's import, the group) under the start timeout, their loop under 5 s
+        extra=["--nproc-per-node=2", "--progress-timeout=5", "--progress-start-timeout=120"],
         worker_args=["--stuck-rank", "3", "--again-file", str(again)],
     )
     agents = [cluster.agent(name, **common) for name in ("a", "b")]  # type: ignore[arg-type]

@@ -1,15 +1,17 @@
 """One rank stuck in a Python function while the others wait in an all-reduce (the
 stacks tests).
 
-Every step calls elasticrun.worker.heartbeat(), sums over the group (collective.py:
-gloo unless ELASTICRUN_TEST_COLLECTIVE says tcp) and prints `step=N <tag>`. From
+Every step sums over the group (collective.py: gloo unless ELASTICRUN_TEST_COLLECTIVE
+says tcp), calls elasticrun.worker.heartbeat() and prints `step=N <tag>`. From
 --stuck-step on, rank --stuck-rank calls load_batch(), which never returns (a data
 loader that waits for ever), in the first attempt, and in later ones once the file
 --again-file exists; the other ranks wait for it in the all-reduce. The workers end
-when any rank sees --stop-file. While it imports torch, forms the group and
-makes its first all-reduce, a thread calls heartbeat(): the watchdog's timeout is
-about the training loop, not about how long an import, a peer's joining or a first
-tensor operation takes on a loaded machine.
+when any rank sees --stop-file. The first heartbeat comes after the first all-reduce:
+until then (importing torch, forming the group, the peers' first tensor operation) the
+agent's --progress-start-timeout applies, so the short --progress-timeout is about the
+training loop, not about how long those take on a loaded machine. (A thread that beat
+meanwhile was not enough: `import torch` holds the interpreter for seconds at a time
+under load, and the watchdog took that for a hang.)
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -40,13 +41,6 @@ def main() -> int:
     p.add_argument("--stop-file", required=True)
     args = p.parse_args()
     rank, world, tag = identity()
-    started = threading.Event()
-
-    def beat_until_started() -> None:
-        while not started.wait(0.2):
-            heartbeat()
-
-    threading.Thread(target=beat_until_started, daemon=True).start()
     group = join_group(rank, world)
     again, stop_file = Path(args.again_file), Path(args.stop_file)
     first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
@@ -55,9 +49,8 @@ def main() -> int:
         if rank == args.stuck_rank and step >= args.stuck_step and (first or again.exists()):
             print(f"stuck at step={step} {tag}", flush=True)
             load_batch()
-        heartbeat()
         total = group.all_reduce([1.0, 1.0 if stop_file.exists() else 0.0])
-        started.set()  # every rank has joined and made a step: the loop's own beats from here
+        heartbeat()
         print(f"step={step} {tag}", flush=True)
         if total[1] > 0:
             break
