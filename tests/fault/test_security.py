@@ -327,12 +327,16 @@ async def victim_puts(endpoint: str, token: str, seconds: float) -> list[float]:
 
 def test_an_anonymous_headers_flood_stalls_no_one(job: Job, reliability) -> None:
     """Calls opened with no token and no message, as fast as the store takes
-    them over 8 connections, while a 2-node job runs and a third node joins."""
+    them over 8 connections, while a 2-node job runs and a third node joins.
+
+    The flood goes on until the join is done (SIGTERM), up to 5,000,000 calls or
+    120 s: a flood of fixed length ended before a loaded machine's join did."""
     a, b = job.agent("a", nnodes="2:3"), job.agent("b", nnodes="2:3")
     for agent in (a, b):
         agent.wait_for(r"^\[\d\]<stdout>: tick 3$")
-    flood = job.cluster.start("flood", [sys.executable, str(FLOOD), job.endpoint, "8", "5000000", "10"])
+    flood = job.cluster.start("flood", [sys.executable, str(FLOOD), job.endpoint, "8", "5000000", "120"])
     flood.wait_for(r"^flooding$")
+    flood_began = time.monotonic()
     c = job.agent("c", nnodes="2:3")
     # every put goes through (a refused or failed one raises): the figures are recorded, not
     # bounded here, since a wall-clock bound fails on a loaded machine (bench_abuse.py times them)
@@ -342,6 +346,7 @@ def test_an_anonymous_headers_flood_stalls_no_one(job: Job, reliability) -> None
         agent.wait_for(r"worker up round=2 ")
         agent.wait_for(r"^\[\d\]<stdout>: tick 3$", start=agent.text().index("worker up round=2 "))
     joined_during_flood = "flood-sent" not in flood.text()
+    flooded_for = time.monotonic() - flood_began
     flood.signal(signal.SIGTERM)
     counts = dict(item.split("=") for item in flood.wait_for(r"^sent=.*$")[0].split())
     assert joined_during_flood, f"the flood ended before the newcomer's round: the test showed nothing ({counts})"
@@ -356,7 +361,8 @@ def test_an_anonymous_headers_flood_stalls_no_one(job: Job, reliability) -> None
         part="security",
         scenario="anonymous calls that never send their message (headers-only flood)",
         injected=f"8 TCP connections sent {int(counts['sent']):,} raw HTTP/2 HEADERS frames (no token, no "
-        "message) in 10 s while a 2-node job ran, a third node joined, and an admin client put a key every 10 ms",
+        f"message) in {flooded_for:.0f} s while a 2-node job ran, a third node joined, and an admin client put a key "
+        "every 10 ms",
         happened=f"every call refused from its headers ({counts['answered']} answered UNAUTHENTICATED, the rest "
         f"REFUSED_STREAM past {MAX_STREAMS_PER_CONNECTION} streams per connection); the newcomer joined in round "
         f"2 and every worker stepped on; every victim put went through: p50 {p50 * 1000:.1f} ms, "

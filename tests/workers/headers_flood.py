@@ -3,14 +3,14 @@
     python tests/workers/headers_flood.py HOST:PORT CONNECTIONS CALLS SECONDS [PATH [CREDENTIAL]]
 
 Over CONNECTIONS plain TCP connections it speaks HTTP/2 by hand: the preface, its
-SETTINGS, then HEADERS frames as fast as the server takes them, for SECONDS or until
-CALLS in all (spread over the connections), whichever comes first, each opening a
+SETTINGS, then HEADERS frames as fast as the server takes them, for SECONDS, until
+CALLS in all (spread over the connections) or until SIGTERM, whichever comes first, each opening a
 call of PATH (default `/elasticrun.store.v1.C10dStore/Set`) with no message, and no token
 (or CREDENTIAL as its bearer): what an attacker sends. It answers the server's SETTINGS and PINGs and reads
 everything else, counting what the server did with the calls, and holds the connections
 open until SIGTERM. Prints `flooding` once every connection has sent its first 1,000
 frames or stopped sending (or `flood-ended` if every connection closed first), `flood-sent` once all have
-stopped sending, and on SIGTERM one line
+stopped sending before SIGTERM, and on SIGTERM one line
 `sent=N refused_streams=R answered=A goaway=G closed=C`:
 
 - refused_streams: RST_STREAM frames (the server refused or reset a call),
@@ -120,9 +120,10 @@ async def main(
     while counts["started"] + counts["closed"] < connections and not all(t.done() for t in tasks):
         await asyncio.sleep(0.01)
     print("flooding" if counts["started"] else "flood-ended", flush=True)
-    while counts["stopped"] < connections and not all(t.done() for t in tasks):
+    while counts["stopped"] < connections and not all(t.done() for t in tasks) and not stop.is_set():
         await asyncio.sleep(0.01)
-    print("flood-sent", flush=True)
+    if not stop.is_set():
+        print("flood-sent", flush=True)
     await stop.wait()
     for task in tasks:
         task.cancel()
