@@ -507,8 +507,7 @@ class Leader:
         if suspect:  # a member suspected now: at once
             verdict = await probe(info.addr, info.liveness_port)
         else:  # a newcomer's check: a few at a time, each with the whole probe timeout
-            async with self._checks:
-                verdict = await probe(info.addr, info.liveness_port)
+            verdict = await self._look(info)
         self._events.put_nowait(_Probed(info, suspect, verdict))
 
     def _apply_probe(self, probed: _Probed) -> None:
@@ -568,6 +567,7 @@ class Leader:
         ]
 
     async def _look(self, info: NodeInfo) -> Verdict:
+        """One connection to `info`'s port, among _CHECKS_AT_ONCE at most (newcomers' checks and spares' looks)."""
         async with self._checks:
             return await probe(info.addr, info.liveness_port)
 
