@@ -3,8 +3,9 @@
 The liveness port (elasticrun/rendezvous/liveness.py) on its own, then end to end with
 real agents on both backends: with a lease TTL far longer than any wait of the test, a
 SIGKILLed participant is found gone by its refused port and the survivors go on, a
-SIGKILLed spare is found gone too (the leader looks at the spares about once a second);
-a SIGSTOPped agent (its kernel still accepts) is not removed.
+SIGKILLed spare is found gone too (the leader looks at the nodes outside the round about
+once a second), and so is a node that dies while waiting for the first round, which is
+then formed without it; a SIGSTOPped agent (its kernel still accepts) is not removed.
 """
 
 from __future__ import annotations
@@ -109,6 +110,35 @@ def test_a_killed_spare_is_found_gone_long_before_its_lease_ends(cluster: Cluste
     boss.wait_for(rf"spare node {node_id(dead)}: its liveness port refused a connection")
     assert f"spare node {node_id(live)}" not in boss.text()
     finish(cluster, *members, live)
+
+
+def test_a_node_killed_while_waiting_for_the_first_round_is_left_out_of_it(cluster: Cluster, rdzv: Rdzv) -> None:
+    # no round runs yet, so no collective breaks: the leader looks at the waiting nodes
+    waiting = [start(cluster, rdzv, n, i + 2, "3", conf=_conf(rdzv)) for i, n in enumerate("ab")]
+    for p in waiting:
+        p.wait_for(r"waiting for nodes: 2 of min 3 registered")
+    boss = leader(waiting)
+    dead = next(p for p in waiting if p is not boss)
+
+    dead.kill()
+
+    def gone() -> list[dict] | None:
+        """The `lost` events once the dead node is no longer listed (the event follows the revoke)."""
+        now = status(rdzv)
+        lost = [e for e in now["events"] if e["kind"] == "lost"]
+        return lost if [n["node_id"] for n in now["nodes"]] == [node_id(boss)] and lost else None
+
+    # within the wait, not the 120 s lease TTL: only the leader's look can end it
+    lost = wait_until(gone, 30, "the dead node's registration to end, with an event")
+    assert [e["node"] for e in lost] == [node_id(dead)] and "liveness port refused" in lost[0]["detail"]
+    boss.wait_for(rf"waiting node {node_id(dead)}: its liveness port refused a connection")
+
+    # the first round is the live three's, and it runs: no restart, no loss
+    nodes = [boss, *(start(cluster, rdzv, n, i + 4, "3", conf=_conf(rdzv)) for i, n in enumerate("cd"))]
+    for p in nodes:
+        step(p, 3, restart=0)
+    assert re.search(r"round 1: ", boss.text()) and not re.search(r"round 2: ", boss.text())
+    finish(cluster, *nodes)
 
 
 def test_a_stopped_agent_shorter_than_its_lease_is_not_removed(cluster: Cluster, rdzv: Rdzv) -> None:

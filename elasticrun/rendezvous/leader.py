@@ -47,10 +47,11 @@ _STATE_MIN_INTERVAL = 1.0
 _STATE_FANOUT = 200
 #: newcomers' liveness ports the leader connects to at once (liveness.py)
 _CHECKS_AT_ONCE = 64
-#: the leader looks at the spares' liveness ports about this often, and connects to at
-#: most _SPARE_LOOKS_PER_S ports a second: a job with many spares looks at each less often
-_SPARE_LOOK_INTERVAL = 1.0
-_SPARE_LOOKS_PER_S = 200
+#: the leader looks at the liveness ports of the nodes outside the round (the spares, or
+#: every node before the first round) about this often, and connects to at most
+#: _OUTSIDE_LOOKS_PER_S ports a second: a job with many such nodes looks at each less often
+_OUTSIDE_LOOK_INTERVAL = 1.0
+_OUTSIDE_LOOKS_PER_S = 200
 #: events kept in the store (the leader prunes older ones)
 EVENTS_KEPT = 200
 #: after a decision that took t seconds, the leader folds events in for _DECIDE_REST * t
@@ -159,7 +160,7 @@ class Leader:
         events = self._events = asyncio.Queue()
         pump = asyncio.ensure_future(self._pump(snapshot.revision + 1, events))
         judging = asyncio.ensure_future(self._judge(events)) if self._settings.straggler != "off" else None
-        looking = asyncio.ensure_future(self._look_at_spares(events))
+        looking = asyncio.ensure_future(self._look_outside_round(events))
         try:
             # `stale`: what decide() sees may have changed since it last ran. Only then,
             # or at the time it asked to look again, does it run again, and not before
@@ -529,52 +530,61 @@ class Leader:
             log.warning("node %s: its liveness port refused a connection: its agent is gone", node_id)
             self._refused[node_id] = probed.suspect
 
-    async def _look_at_spares(self, events: asyncio.Queue[_Wake]) -> None:
-        """While a round runs, connect to the spares' liveness ports about once a second.
+    async def _look_outside_round(self, events: asyncio.Queue[_Wake]) -> None:
+        """Connect to the liveness ports of the nodes outside the round about once a second.
 
-        A spare's death breaks no collective, so no restart request makes the leader
-        look, as it does at its members: a dead spare stayed registered for a lease TTL
-        (25 s at 10,000 nodes), listed by `status` as a standby that is not there, and
-        the first picked to replace the next member lost, for a round that then waited
-        a lease TTL for it. Only a refusal from a node whose port once accepted counts,
-        as for members. A store error waits for the next look; anything else ends the
-        leadership, through the loop, as the pump's would."""
+        The spares while a round runs, every node waiting before the first. Their deaths
+        break no collective, so no restart request makes the leader look, as it does at
+        its members: a dead spare stayed registered for a lease TTL (25 s at 10,000
+        nodes), listed by `status` as a standby that is not there, and the first picked
+        to replace the next member lost; a node dead while it waited for the first round
+        was placed in it, and every member's workers started for a round that could not
+        run. Only a refusal from a node whose port once accepted counts, as for members.
+        A store error waits for the next look; anything else ends the leadership,
+        through the loop, as the pump's would."""
         try:
             while True:
-                spares = self._spares()
-                await asyncio.sleep(max(_SPARE_LOOK_INTERVAL, len(spares) / _SPARE_LOOKS_PER_S))
-                spares = self._spares()
-                verdicts = await asyncio.gather(*(self._look(info) for info in spares))
-                for info, verdict in zip(spares, verdicts, strict=True):
-                    if verdict is Verdict.GONE and info in self._spares():
+                outside = self._outside_round()
+                await asyncio.sleep(max(_OUTSIDE_LOOK_INTERVAL, len(outside) / _OUTSIDE_LOOKS_PER_S))
+                outside = self._outside_round()
+                verdicts = await asyncio.gather(*(self._look(info) for info in outside))
+                for info, verdict in zip(outside, verdicts, strict=True):
+                    if verdict is Verdict.GONE and info in self._outside_round():
                         try:
-                            await self._end_spare(info)
+                            await self._end_outsider(info)
                         except StoreError as e:
-                            log.debug("leader: could not end spare %s's registration: %s", info.node_id, e)
+                            log.debug("leader: could not end node %s's registration: %s", info.node_id, e)
         except Exception as e:
             events.put_nowait(e)
 
-    def _spares(self) -> list[NodeInfo]:
-        """The registered nodes outside the running round whose liveness ports once accepted."""
+    def _outside_round(self) -> list[NodeInfo]:
+        """The registered nodes outside the running round (all, before one runs) whose liveness ports once accepted."""
         current = self._records.round
-        if current is None or not current.participants:
-            return []
-        members = current.node_ranks()
+        members = current.node_ranks() if current is not None and self._running() else {}
         return [
             seen.info
             for node_id, seen in self._nodes.items()
             if node_id not in members and node_id in self._reachable and node_id != self._node_id
         ]
 
+    def _running(self) -> bool:
+        """Whether a round with members runs (else the registered nodes wait for one)."""
+        current = self._records.round
+        return current is not None and bool(current.participants)
+
     async def _look(self, info: NodeInfo) -> Verdict:
-        """One connection to `info`'s port, among _CHECKS_AT_ONCE at most (newcomers' checks and spares' looks)."""
+        """One connection to `info`'s port, among _CHECKS_AT_ONCE at most.
+
+        Newcomers' checks and the looks outside the round share them."""
         async with self._checks:
             return await probe(info.addr, info.liveness_port)
 
-    async def _end_spare(self, info: NodeInfo) -> None:
-        line = "spare node %s: its liveness port refused a connection: its agent is gone; ending its registration"
-        if await self._end_registration(info, logging.WARNING, line):
-            await self._event(info.node_id, "lost", "spare: its liveness port refused a connection: its agent is gone")
+    async def _end_outsider(self, info: NodeInfo) -> None:
+        """End a dead spare's or waiting node's registration: a warning line and a `lost` event say so."""
+        role = "spare" if self._running() else "waiting"
+        gone = "its liveness port refused a connection: its agent is gone"
+        if await self._end_registration(info, logging.WARNING, f"{role} node %s: {gone}; ending its registration"):
+            await self._event(info.node_id, "lost", f"{role}: {gone}")
 
     def _apply_event(self, event: _Wake, awaiting_write: bool) -> tuple[bool, bool]:
         """Fold one event in; whether the leader still awaits its write, and whether it may change a decision.
