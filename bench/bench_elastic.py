@@ -45,6 +45,11 @@ Scenarios (t0 is taken just before the action; every wait is capped at --cap sec
              n3's agent and worker -> first step at world 3 again, n5 in n3's place
              (two deaths in one lease TTL: a dead spare lingers until its lease ends
              unless the leader finds its liveness port closed)
+  dead-waiting --nnodes=3 (fixed), n1 and n2 started and left to settle 5 s (both wait
+             for a third node), SIGKILL of n2's agent, and 2 s later n3 and n4 started
+             together -> first step at world 3 (n1, n3, n4), with the workers started
+             until then (3: the first round was the live nodes'; more: a round that
+             held the dead node started workers that never stepped)
   torchrun runs `grow` a second time with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
   ("torchrun-noshare"), for scale-up.
 A phase that did not happen within the cap is recorded as such, and the rest of that
@@ -55,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -337,6 +343,27 @@ def _spare_steps_in(job: Job, cap: float, spares: tuple[int, ...], phase: str, d
     return result
 
 
+def run_dead_waiting(job: Job, cap: float) -> dict[str, object]:
+    """--nnodes=3: a node dies while it waits for the first round ->
+    the first step at world 3 of the three live nodes started after it."""
+    result: dict[str, object] = {}
+    for i in (1, 2):
+        job.start_node(i)
+    time.sleep(SPARE_SETTLE)  # both register and wait for a third
+    kill_tree(job.nodes[2], signal.SIGKILL)
+    time.sleep(DEAD_SPARE_GAP)
+    t0 = time.time()
+    for i in (3, 4):
+        job.start_node(i)
+    t1 = job.step_at(3, t0, cap)
+    job.events.refresh()
+    end = math.inf if t1 is None else t1
+    starts = len([e for e in job.events.events if e["ev"] == "start" and t0 < float(e["t_script"]) <= end])  # type: ignore[arg-type]
+    _phase(result, "sigkill_waiting_first_round", t0, t1, cap, _spawned(job, t0, 3), job, worker_starts=starts)
+    print(f"      workers started until the first step: {starts}", flush=True)
+    return result
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` still runs; a zombie (exited, an orphan not yet reaped by us) does not."""
     try:
@@ -436,12 +463,13 @@ PHASES = {
     "head-restart": ["formation_3_of_max_3", "head_back"],
     "spare": ["formation_3_of_max_3", "sigkill_spare_in"],
     "dead-spare": ["formation_3_of_max_3", "sigkill_live_spare_in"],
+    "dead-waiting": ["sigkill_waiting_first_round"],
 }
 TARGETS = {"grow/formation": "≤ 3 s", "grow/scale_up": "≤ 5 s", "kill/sigkill": "≤ 10 s", "grow/sigterm": "≤ 3 s",
            "grow/crash": "≤ 3 s", "host-kill/host_lost": "store_host_grace (30 s) + ≤ 3 s"}
 RUNNERS: dict[str, Callable[[Job, float], dict[str, object]]] = {
     "grow": run_grow, "kill": run_kill, "host-kill": run_host_kill, "spare": run_spare, "dead-spare": run_dead_spare,
-    "head-restart": run_head_restart,
+    "dead-waiting": run_dead_waiting, "head-restart": run_head_restart,
 }
 
 
@@ -470,7 +498,7 @@ def main() -> int:
                 launchers.reverse()
             for launcher in launchers:
                 nnodes = (scenario.split("-")[1] if scenario.startswith("rdzv")
-                          else "3" if scenario in ("spare", "dead-spare") else "1:3")
+                          else "3" if scenario in ("spare", "dead-spare", "dead-waiting") else "1:3")
                 job = Job(launcher, nnodes, root / f"rep{rep}-{scenario}-{launcher}")
                 print(f"rep {rep} {scenario} {launcher} (load {loadavg()}, {time.monotonic() - started:.0f} s in)",
                       flush=True)
