@@ -49,7 +49,8 @@ _STATE_FANOUT = 200
 _CHECKS_AT_ONCE = 64
 #: the leader looks at the liveness ports of the nodes outside the round (the spares, or
 #: every node before the first round) about this often, and connects to at most
-#: _OUTSIDE_LOOKS_PER_S ports a second: a job with many such nodes looks at each less often
+#: _OUTSIDE_LOOKS_PER_S ports in any second: a job with many such nodes looks at each
+#: less often
 _OUTSIDE_LOOK_INTERVAL = 1.0
 _OUTSIDE_LOOKS_PER_S = 200
 #: events kept in the store (the leader prunes older ones)
@@ -545,17 +546,23 @@ class Leader:
         try:
             while True:
                 outside = self._outside_round()
-                await asyncio.sleep(max(_OUTSIDE_LOOK_INTERVAL, len(outside) / _OUTSIDE_LOOKS_PER_S))
-                outside = self._outside_round()
-                verdicts = await asyncio.gather(*(self._look(info) for info in outside))
-                for info, verdict in zip(outside, verdicts, strict=True):
-                    if verdict is Verdict.GONE and info in self._outside_round():
-                        try:
-                            await self._end_outsider(info)
-                        except StoreError as e:
-                            log.debug("leader: could not end node %s's registration: %s", info.node_id, e)
+                # a slice a second: never more than _OUTSIDE_LOOKS_PER_S connections in
+                # one second, so many waiting nodes are a steady trickle, not a burst
+                for first in range(0, max(len(outside), 1), _OUTSIDE_LOOKS_PER_S):
+                    await asyncio.sleep(_OUTSIDE_LOOK_INTERVAL)
+                    await self._look_at(outside[first:first + _OUTSIDE_LOOKS_PER_S])
         except Exception as e:
             events.put_nowait(e)
+
+    async def _look_at(self, nodes: list[NodeInfo]) -> None:
+        """Look at these nodes' ports; end the registration of each that refused and is still outside the round."""
+        verdicts = await asyncio.gather(*(self._look(info) for info in nodes))
+        for info, verdict in zip(nodes, verdicts, strict=True):
+            if verdict is Verdict.GONE and info in self._outside_round():
+                try:
+                    await self._end_outsider(info)
+                except StoreError as e:
+                    log.debug("leader: could not end node %s's registration: %s", info.node_id, e)
 
     def _outside_round(self) -> list[NodeInfo]:
         """The registered nodes outside the running round (all, before one runs) whose liveness ports once accepted."""
