@@ -5,7 +5,8 @@ real agents on both backends: with a lease TTL far longer than any wait of the t
 SIGKILLed participant is found gone by its refused port and the survivors go on, a
 SIGKILLed spare is found gone too (the leader looks at the nodes outside the round about
 once a second), and so is a node that dies while waiting for the first round, which is
-then formed without it; a SIGSTOPped agent (its kernel still accepts) is not removed.
+then formed without it, and a leader that dies then (the first waiting nodes look at it);
+a SIGSTOPped agent (its kernel still accepts) is not removed.
 """
 
 from __future__ import annotations
@@ -138,6 +139,29 @@ def test_a_node_killed_while_waiting_for_the_first_round_is_left_out_of_it(clust
     for p in nodes:
         step(p, 3, restart=0)
     assert re.search(r"round 1: ", boss.text()) and not re.search(r"round 2: ", boss.text())
+    finish(cluster, *nodes)
+
+
+def test_a_leader_killed_before_the_first_round_is_replaced_long_before_its_lease_ends(
+    cluster: Cluster, rdzv: Rdzv
+) -> None:
+    # no member's collective breaks to make a node look: the first waiting nodes look
+    waiting = [start(cluster, rdzv, n, i + 2, "3", conf=_conf(rdzv)) for i, n in enumerate("ab")]
+    for p in waiting:
+        p.wait_for(r"waiting for nodes: 2 of min 3 registered")
+    dead = leader(waiting)
+    heir = next(p for p in waiting if p is not dead)
+    mark = heir.mark()
+
+    dead.kill()
+
+    # within the wait, not the 120 s lease TTL: only the waiting node's look can end it
+    heir.wait_for(rf"leader {node_id(dead)}: its liveness port refused a connection", start=mark, timeout=30)
+    heir.wait_for(rf"node {node_id(heir)} leads job", start=mark, timeout=30)
+    nodes = [heir, *(start(cluster, rdzv, n, i + 4, "3", conf=_conf(rdzv)) for i, n in enumerate("cd"))]
+    for p in nodes:
+        step(p, 3, restart=0)
+    assert not re.search(r"round 2: ", heir.text())
     finish(cluster, *nodes)
 
 

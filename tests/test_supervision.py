@@ -1,11 +1,12 @@
 """Every background task of a node is supervised: one that dies of an unexpected error
 ends the node's membership with the cause (its workers stop, it registers again), so a
-node never looks alive while its heartbeat, job watch, reporter or leader (with its
-watch and its straggler judge) is dead."""
+node never looks alive while its heartbeat, job watch, reporter, look at the leader or
+leader (with its watch, its straggler judge and its look outside the round) is dead."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -63,6 +64,7 @@ def the_leader(*nodes: ElasticRendezvous) -> ElasticRendezvous:
         ("leader", "leader"),
         ("leader's watch", "leader"),  # the leader's own helper task: the leader fails
         ("straggler judge", "leader"),  # the leader's other helper: the step times judged
+        ("look outside the round", "leader"),  # and its look at the spares' ports
     ],
 )
 async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
@@ -74,7 +76,6 @@ async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
     first = await asyncio.gather(a.next_round(), b.next_round())
     victim = the_leader(a, b) if failed == "leader" else a
 
-    real_decide, real_judge = leader_module.decide, leader_module.judge
     if task == "leader":
         def decide(*args: object, **kw: object) -> object:
             raise Injected("decision")
@@ -83,6 +84,10 @@ async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
         def judge(*args: object, **kw: object) -> object:
             raise Injected("verdict")
         monkeypatch.setattr(leader_module, "judge", judge)
+    if task == "look outside the round":
+        def outside(self: object) -> object:
+            raise Injected("spares")
+        monkeypatch.setattr(leader_module.Leader, "_outside_round", outside)
     store.broken = task
     # Something for every task to act on: a write the watches and the leader see, and
     # an event to publish; the keep-alive runs by itself.
@@ -96,8 +101,7 @@ async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
 
     # The node registers again and the job goes on at the same size.
     store.broken = ""
-    monkeypatch.setattr(leader_module, "decide", real_decide)
-    monkeypatch.setattr(leader_module, "judge", real_judge)
+    monkeypatch.undo()
     other = b if victim is a else a
 
     async def after_round_ended(node: ElasticRendezvous) -> object:
@@ -108,6 +112,49 @@ async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
     assert again[0].round == again[1].round > first[0].round
     assert all(x.node_count == 2 and x.restart_count == first[0].restart_count for x in again)
     await asyncio.gather(a.aclose(), b.aclose())
+    await store.close()
+
+
+class _Said(logging.Handler):
+    """Sets `said` once the rendezvous logs a line that holds `text`."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.said = text, asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.said.set()
+
+
+async def test_a_watcher_whose_look_at_the_leader_dies_registers_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # before the first round, the waiting node the leader's state names looks at it
+    store = MemoryStore()
+    s = settings(3, 3)
+    a, b = make_node(store, "a", s), make_node(store, "b", s)
+    failed = asyncio.Event()
+    real_suspect = ElasticRendezvous._suspect_leader
+
+    async def suspect(self: ElasticRendezvous) -> None:
+        monkeypatch.setattr(ElasticRendezvous, "_suspect_leader", real_suspect)  # once
+        failed.set()
+        raise Injected("look")
+
+    monkeypatch.setattr(ElasticRendezvous, "_suspect_leader", suspect)
+    said = _Said("lost its membership: its leader look failed: Injected(")
+    logging.getLogger("elasticrun.rendezvous").addHandler(said)
+    try:
+        waits = [asyncio.ensure_future(n.next_round()) for n in (a, b)]
+        await asyncio.wait_for(failed.wait(), 10)
+        await asyncio.wait_for(said.said.wait(), 10)
+    finally:
+        logging.getLogger("elasticrun.rendezvous").removeHandler(said)
+
+    # it registers again, and the first round takes it with a third node
+    c = make_node(store, "c", s)
+    rounds = await asyncio.wait_for(asyncio.gather(*waits, c.next_round()), 10)
+    assert {x.round for x in rounds} == {rounds[0].round} and all(x.node_count == 3 for x in rounds)
+    await asyncio.gather(a.aclose(), b.aclose(), c.aclose())
     await store.close()
 
 
