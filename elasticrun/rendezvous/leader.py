@@ -567,7 +567,7 @@ class Leader:
     def _outside_round(self) -> list[NodeInfo]:
         """The registered nodes outside the running round (all, before one runs) whose liveness ports once accepted."""
         current = self._records.round
-        members = current.node_ranks() if current is not None and self._running() else {}
+        members = current.node_ranks() if current is not None and current.participants else {}
         return [
             seen.info
             for node_id, seen in self._nodes.items()
