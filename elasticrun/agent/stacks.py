@@ -45,6 +45,7 @@ from pathlib import Path
 
 from elasticrun.agent.runfolder import create_new, open_log
 from elasticrun.agent.sessions import Session, belongs, process_start
+from elasticrun.collectives import is_wrapper_frame
 from elasticrun.rendezvous.records import Frame, RankStacks, ThreadStack
 
 #: the worker's variable naming its stack file (read by the worker boot)
@@ -116,6 +117,8 @@ def parse_dump(text: str) -> tuple[tuple[ThreadStack, ...], int]:
         if current is None:
             continue
         frame = _FRAME.match(line)
+        if frame and is_wrapper_frame(frame[1], frame[3]):
+            continue  # the step timing's wrapper: ours, between the user's call and torch's
         if frame:
             number = 0 if frame[2] == "???" else int(frame[2])
             current[1].append(Frame(file=frame[1], line=number, function=frame[3]))

@@ -45,6 +45,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from elasticrun.collectives import COLLECTIVES
+
 if TYPE_CHECKING:
     from importlib.machinery import ModuleSpec
     from types import ModuleType
@@ -58,17 +60,6 @@ WRITE_INTERVAL = 0.5
 
 #: step sources, by precedence: a mark of a lower one is ignored once a higher one came
 SOURCES = ("optimizer", "heartbeat", "commit")
-
-#: torch.distributed's calls that block on peers (or queue a collective whose
-#: Work.wait() then does): each is wrapped where the script and torch find it
-COLLECTIVES = (
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_coalesced", "all_gather_into_tensor",
-    "all_gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
-    "barrier", "monitored_barrier", "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter",
-    "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
-    "recv_object_list",
-)
-
 
 class Recorder:
     """One process's steps and waits, and the summary the agent reads.
@@ -142,6 +133,13 @@ class Recorder:
             self._blocked += self._clock() - self._entered
             self._entered, self._entered_in = 0.0, ""
 
+    def waited(self, seconds: float) -> None:
+        """The current step waited `seconds` for its peers where no wrapper sees it (any thread).
+
+        DDP's reducer waits for its gradient all-reduce inside `backward()`
+        (elasticrun.worker.ddp_waits)."""
+        self._blocked += seconds
+
     def has_news(self) -> bool:
         """Whether there is anything to write: a step source seen, or a wait now.
 
@@ -184,11 +182,53 @@ def install(path: str) -> None:
     _recorder = Recorder(path)
     os.register_at_fork(after_in_child=_forget)
     atexit.register(_write_last)
+    sys.excepthook = _shown_without_wrappers(sys.excepthook)
+    threading.excepthook = _shown_without_wrappers(threading.excepthook)
     threading.Thread(target=_write_loop, args=(_recorder,), name="elasticrun step timing", daemon=True).start()
     if "torch" in sys.modules and hasattr(sys.modules["torch"], "optim"):
         install_torch(sys.modules["torch"])
     else:
         sys.meta_path.insert(0, _AfterTorch())
+
+
+def _shown_without_wrappers(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook` (sys.excepthook, threading.excepthook), shown tracebacks without our wrappers' frames.
+
+    Python shows every frame an exception passed through, so each timed collective would
+    add one or two `steptime.py ... in timed` lines to the script's tracebacks."""
+
+    @functools.wraps(hook)
+    def shown(*args: Any) -> Any:
+        exc = args[0].exc_value if len(args) == 1 else args[1]  # threading's hook takes one argument
+        _drop_wrappers(exc, set())
+        if len(args) == 3 and exc is not None:
+            args = (args[0], exc, exc.__traceback__)
+        return hook(*args)
+
+    return shown
+
+
+def _drop_wrappers(exc: BaseException | None, seen: set[int]) -> None:
+    """Take the wrappers' frames out of `exc`'s traceback, its cause's and its context's."""
+    import types
+
+    from elasticrun.collectives import is_wrapper_frame
+
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        entries = []
+        tb = exc.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            if not is_wrapper_frame(code.co_filename, code.co_name):
+                entries.append(tb)
+            tb = tb.tb_next
+        rebuilt: types.TracebackType | None = None
+        for entry in reversed(entries):
+            rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+        exc.__traceback__ = rebuilt
+        _drop_wrappers(exc.__cause__, seen)
+        exc = exc.__context__
 
 
 def _write_last() -> None:
@@ -234,6 +274,12 @@ def waiting(name: str) -> Iterator[None]:
         if counted:
             assert recorder is not None
             recorder.leave()
+
+
+def _waited(seconds: float) -> None:
+    recorder = _recorder
+    if recorder is not None:
+        recorder.waited(seconds)
 
 
 def _write_loop(recorder: Recorder) -> None:
@@ -327,6 +373,11 @@ def install_torch(torch: Any) -> None:
         work = torch._C._distributed_c10d.Work
         if not getattr(work.wait, "_elasticrun_timed", False):
             work.wait = _timed(work.wait, "wait", is_compiling)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        from elasticrun.worker import ddp_waits
+
+        ddp_waits.install(torch.nn.parallel.DistributedDataParallel, dist.GradBucket, allreduce_hook, _waited)
     except Exception as e:  # a torch this was not written for: train untimed
         print(f"elasticrun: step timing is off in this worker: {type(e).__name__}: {e}", file=sys.stderr)
 
