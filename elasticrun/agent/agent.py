@@ -38,7 +38,7 @@ from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.runfolder import create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
-from elasticrun.agent.steptimes import READ_INTERVAL, StepTimes
+from elasticrun.agent.steptimes import READ_INTERVAL, StepTimes, stall_reason
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.agent.worker_link import WorkerChannel
 from elasticrun.errors import (
@@ -504,7 +504,7 @@ class Agent:
             self.metrics.running()
         broken = () if self._channel is None else (self._broken(assignment.round),)
         hung = () if dog is None or spec.progress_timeout is None else (self._hung(dog, group.steps),)
-        timed = () if group.steps is None else (self._time_steps(group.steps, assignment),)
+        timed = () if group.steps is None else (self._time_steps(group.steps, group.stacks, assignment),)
         try:
             # The round's end goes first: workers that failed because the round ended
             # elsewhere (peers gone, this node's lease lost) are no failure of theirs.
@@ -531,7 +531,7 @@ class Agent:
             self._channel.change(assignment.round, interrupt=self.handler.peers_lost())
             return _Attempt(outcome, reason, None, kept=True)
         if self._hang is not None:  # before the workers stop: where are they stuck?
-            self._hang_stacks = await group.stacks.of_hang(assignment, self._hang, spec.node_id)
+            self._hang_stacks = await group.stacks.of_hang(assignment, self._hang)
         elif outcome is Outcome.ROUND_ENDED and self.handler.peers_lost():
             await group.stacks.at_round_end(assignment, reason)
         if outcome in _LEAVING:
@@ -605,17 +605,28 @@ class Agent:
         self._hang = hang
         return Outcome.FAILED, "a worker hung"
 
-    async def _time_steps(self, steps: StepTimes, assignment: Assignment) -> tuple[Outcome, str]:
-        """Report this node's step timing while the round runs (it never ends an attempt)."""
-        last = None
+    async def _time_steps(self, steps: StepTimes, stacks: GroupStacks, assignment: Assignment) -> tuple[Outcome, str]:
+        """Report this node's step timing while the round runs (it never ends an attempt).
+
+        A node that stalls (no step for many of its usual steps) says so once, with where
+        the job's ranks are: no flag is needed to be told, and nothing is killed."""
+        last, stalled = None, 0.0
         while True:
             await asyncio.sleep(READ_INTERVAL)
             report = steps.report(self.spec.node_id, assignment)
-            if report is not None and dataclasses.replace(report, at=0.0) != last:
-                last = dataclasses.replace(report, at=0.0)
-                self.handler.report_steps(report)
-                if self.metrics is not None:
-                    self.metrics.steps(report)
+            if report is None or dataclasses.replace(report, at=0.0) == last:
+                continue
+            last = dataclasses.replace(report, at=0.0)
+            self.handler.report_steps(report)
+            if self.metrics is not None:
+                self.metrics.steps(report)
+            if report.stalled_since and not stalled:
+                await stacks.of_stall(assignment, stall_reason(report))
+            elif stalled and not report.stalled_since:
+                logger.warning(
+                    "the workers step again, after %.0fs without a step", report.last_step - stalled, extra=HEADLINE
+                )
+            stalled = report.stalled_since
 
     async def _warm_up(self, channel: WorkerChannel) -> None:
         """In-process mode: start the workers before joining.

@@ -7,6 +7,8 @@ One `GroupStacks` per worker group (an attempt's workers). Three moments:
 - `of_hang`: the progress watchdog found a hang; before the workers stop, capture them,
   ask every node of the round (`RendezvousHandler.job_stacks`), and log the summary of
   where every rank was (the failure report carries it too).
+- `of_stall`: the node made no step for long (elasticrun.agent.steptimes): the same
+  job-wide capture and summary, logged once; the workers run on.
 - `at_round_end`: a round ended because a peer was lost while the workers ran: capture
   this node's workers before they stop (this node only, briefly: the next round waits).
 
@@ -98,15 +100,25 @@ class GroupStacks:
             self.keep(mine.reason, mine.ranks)
             await self._handler.answer_stacks(replace(mine, request=request.id))
 
-    async def of_hang(self, assignment: Assignment, hang: Hang, node_id: str) -> tuple[list[str], Path | None]:
+    async def of_hang(self, assignment: Assignment, hang: Hang) -> tuple[list[str], Path | None]:
         """Where every rank of the job was when this node's watchdog found `hang`.
 
         The summary (logged), and the file that keeps it with this node's stacks (and,
         when this node asked, every node's)."""
         reason = hang.reason(assignment.rank_offset + hang.local_rank)
+        return await self._job_wide(assignment, reason, "where the ranks were when the hang was found")
+
+    async def of_stall(self, assignment: Assignment, reason: str) -> None:
+        """Where every rank of the job is now that this node has stalled (logged, kept).
+
+        Every node of a stalled job stalls together: the first request stands and the
+        others join it, so the job's stacks are captured once."""
+        await self._job_wide(assignment, f"stalled: {reason}", f"{reason}: where the ranks are")
+
+    async def _job_wide(self, assignment: Assignment, reason: str, headline: str) -> tuple[list[str], Path | None]:
         started = time.monotonic()
         mine = await self.capture(assignment, reason, CAPTURE_LIMIT)
-        job = await self._handler.job_stacks(mine, f"{node_id}: {reason}")
+        job = await self._handler.job_stacks(mine, f"{self._capture.node_id}: {reason}")
         took = f"{time.monotonic() - started:.2f}s"
         if job is not None:
             lines = list(job.request.summary)
@@ -117,10 +129,7 @@ class GroupStacks:
         head = [f"where the ranks were ({scope}):", *(f"  {line}" for line in lines), ""]
         path = self.keep(reason, [*mine.ranks, *others], head)
         logger.warning(
-            "where the ranks were when the hang was found (%s): %s%s",
-            scope,
-            one_line(lines),
-            f"; all stacks in {path}" if path else "",
+            "%s (%s): %s%s", headline, scope, one_line(lines), f"; all stacks in {path}" if path else "",
             extra=HEADLINE,
         )
         return lines, path

@@ -82,6 +82,10 @@ class AgentMetrics:
             "elasticrun_step_seconds", "The wall time per step of this node's slowest worker, median of its recent "
             "steps (0: no steps timed yet)", registry=r,
         )
+        self.stalled = Gauge(
+            "elasticrun_stalled", "1 while this node's workers make no step for many of their usual steps (and at "
+            "least a minute), else 0", registry=r,
+        )
         self.stragglers = Gauge(
             "elasticrun_stragglers", "On the leader's agent: nodes of the job named stragglers now", registry=r
         )
@@ -117,6 +121,7 @@ class AgentMetrics:
         """This node's step timing changed."""
         self.step_compute.set(report.compute)
         self.step_wall.set(report.wall)
+        self.stalled.set(1.0 if report.stalled_since else 0.0)
     def health_checked(self, result: CheckResult) -> None:
         """One run of --health-check ended."""
         assert self._health is not None, "made without health_check"

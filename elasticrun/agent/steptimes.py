@@ -34,6 +34,11 @@ _MAX_BYTES = 4096
 #: their usual steps, and at least LONG_WAIT seconds: a wait in every step is no news
 LONG_WAIT_STEPS = 10
 LONG_WAIT = 5.0
+#: a node whose workers made no step for this many of their usual steps, and at least
+#: STALL_MIN seconds, is stalled: shown, its stacks summarised, nothing killed (that is
+#: --progress-timeout's). A minute: a checkpoint save or an evaluation pass is no stall.
+STALL_STEPS = 20
+STALL_MIN = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,8 @@ class StepTimes:
             for path in self._files.values():
                 path.unlink(missing_ok=True)
         self._seen: dict[int, tuple[int, WorkerSteps]] = {}
+        #: each worker's step count and when (wall clock) this agent saw it change
+        self._stepped: dict[int, tuple[int, float]] = {}
 
     def env(self, local_rank: int) -> dict[str, str]:
         """What to add to worker `local_rank`'s environment."""
@@ -81,6 +88,8 @@ class StepTimes:
             steps = _parse(path)
             if steps is not None:
                 self._seen[rank] = (mtime, steps)
+                if self._stepped.get(rank, (-1, 0.0))[0] != steps.steps:
+                    self._stepped[rank] = (steps.steps, time.time())
         return {rank: steps for rank, (_, steps) in self._seen.items()}
 
     def report(self, node_id: str, assignment: Assignment) -> StepReport | None:
@@ -95,6 +104,8 @@ class StepTimes:
         now = time.time()
         if now - since < max(LONG_WAIT_STEPS * slowest.wall, LONG_WAIT):
             waiting, since = "", 0.0
+        last_step = max(self._stepped[r][1] for r in workers)
+        stalled = now - last_step >= max(STALL_STEPS * slowest.wall, STALL_MIN)
         return StepReport(
             node_id=node_id,
             round=assignment.round,
@@ -106,6 +117,8 @@ class StepTimes:
             waiting=waiting,
             waiting_since=since,
             at=now,
+            last_step=last_step,
+            stalled_since=last_step if stalled else 0.0,
         )
 
     def waiting_in(self, local_rank: int, now: float | None = None) -> str:
@@ -117,6 +130,12 @@ class StepTimes:
             return ""
         waited = max((time.time() if now is None else now) - steps.waiting_since, 0.0)
         return f"waiting in {steps.waiting} for {waited:.0f}s"
+
+
+def stall_reason(report: StepReport) -> str:
+    """`no step for 65s (usually 0.21s a step)`: why a stalled node says so."""
+    silent = report.at - report.stalled_since
+    return f"no step for {silent:.0f}s (usually {report.wall:.2f}s a step)"
 
 
 def _parse(path: Path) -> WorkerSteps | None:

@@ -102,12 +102,20 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
         lines.append(f"leader {view.state.leader}: {view.state.reason}")
     if r is not None and r.closed and r.detail:
         lines.append(f"{r.closed}: {r.detail.splitlines()[0] if r.detail else ''}")
+    steps, slow = _steps(view), _stragglers(view)
+    stalled = [s for s in steps.values() if s.stalled_since]
+    if stalled and r is not None and not r.closed:
+        stalled_at = min(s.stalled_since for s in stalled)
+        usual = max(s.wall for s in stalled)
+        lines.append(
+            f"stalled: no step for {age(now - stalled_at)} on {len(stalled)} of {len(r.participants)} nodes "
+            f"(usually {seconds(usual)} a step); nothing is stopped without --progress-timeout"
+        )
     if view.stacks is not None and view.stacks.done:
         lines.append(_stacks_line(view))
     ranked = r.node_ranks() if r else {}
     ranks = _global_ranks(r)
     held = view.quarantine.active(now)
-    steps, slow = _steps(view), _stragglers(view)
     order = sorted(view.nodes, key=lambda n: (ranked.get(n, len(ranked)), n))
     if r is not None and r.closed:  # the nodes are gone; their last reports stay for closed_ttl
         lines += _ended_nodes(view, now)
@@ -125,6 +133,9 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
                 state = "quarantined" if rank is None else state + " (quarantined)"
             if node_id in slow and rank is not None:
                 state += " (straggler)"
+            report = steps.get(node_id)
+            if report is not None and report.stalled_since and rank is not None and state.startswith("healthy"):
+                state = "stalled" + state[len("healthy"):]
             rows.append([
                 node_id,
                 state if rank is not None or state != "init" else "spare" if view.running else "waiting",

@@ -287,6 +287,11 @@ class StepReport:
     waiting: str = ""
     waiting_since: float = 0.0
     at: float = 0.0
+    #: when (wall clock) a worker of the node last made a step
+    last_step: float = 0.0
+    #: since when the node makes no step, once that is many of its usual steps and at
+    #: least a minute (elasticrun.agent.steptimes.stalled); 0: it steps
+    stalled_since: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

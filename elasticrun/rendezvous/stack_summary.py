@@ -28,6 +28,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from elasticrun.collectives import COLLECTIVES
 from elasticrun.rendezvous.records import Frame, RankStacks, ThreadStack
 
 #: groups of at most this many ranks are named rank by rank, with their nodes
@@ -80,8 +81,43 @@ def where(stacks: RankStacks) -> str:
     if user == 0:
         return f"{_at(mine)} in {mine.function}"
     inside = frames[:user]
-    called = next((f for f in inside if is_installed(f.file)), inside[-1])
-    return f"in {called.function} ({_at(mine)})"
+    return f"in {_called(inside).function} ({_at(mine)})"
+
+
+def _called(inside: Sequence[Frame]) -> Frame:
+    """The library function that user code called, of the frames inside it (innermost first)."""
+    return next((f for f in inside if is_installed(f.file)), inside[-1])
+
+
+def collective(stacks: RankStacks) -> str:
+    """The torch.distributed collective a rank waits in (`broadcast`), or ""."""
+    thread = main_thread(stacks)
+    if stacks.missing or thread is None:
+        return ""
+    frames = thread.frames
+    user = next((i for i, f in enumerate(frames) if not is_library(f.file)), None)
+    if not user:
+        return ""
+    name = _called(frames[:user]).function
+    return name if name in COLLECTIVES else ""
+
+
+def mismatch(stacks: Iterable[RankStacks]) -> str:
+    """`collective mismatch: rank 0 in broadcast, rank 1 in all_reduce (...)`, or "".
+
+    Every rank waits in a collective, but not all in the same one: they can never meet
+    (a certain deadlock, whatever the timeout)."""
+    ranks = list(stacks)
+    waits = {s.rank: collective(s) for s in ranks}
+    names = set(waits.values())
+    if len(ranks) < 2 or "" in names or len(names) < 2:
+        return ""
+    by_name: dict[str, list[int]] = {}
+    for rank, name in sorted(waits.items()):
+        by_name.setdefault(name, []).append(rank)
+    parts = [f"rank{'s' if len(r) > 1 else ''} {ranges(r)} in {name}" for name, r in
+             sorted(by_name.items(), key=lambda kv: (len(kv[1]), kv[1][0]))]
+    return f"collective mismatch: {', '.join(parts)}: the ranks wait in different collectives and can never meet"
 
 
 def ranges(ranks: Iterable[int]) -> str:
@@ -117,6 +153,7 @@ def summarise(stacks: Iterable[RankStacks], lines: int = LINES) -> list[str]:
 
     `rank 3 on node n7: train.py:88 in load_batch`, `15 ranks: in all_reduce
     (train.py:120)`."""
+    stacks = list(stacks)
     groups: dict[str, list[RankStacks]] = {}
     for s in stacks:
         groups.setdefault(where(s), []).append(s)
@@ -127,7 +164,8 @@ def summarise(stacks: Iterable[RankStacks], lines: int = LINES) -> list[str]:
     if rest:
         count = sum(len(g) for _, g in rest)
         said.append(f"{len(rest)} more places ({count} ranks): see elasticrun stacks")
-    return said
+    odd = mismatch(stacks)
+    return [odd, *said] if odd else said
 
 
 def one_line(lines: Sequence[str]) -> str:
