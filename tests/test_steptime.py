@@ -247,3 +247,50 @@ def test_the_boot_the_agent_and_the_recorder_name_the_same_variable() -> None:
     boot = Path(steptime.__file__).parent / "boot" / "sitecustomize.py"
     spelled = re.search(r'^STEPS_FILE_ENV = "([^"]+)"$', boot.read_text(), re.M)
     assert spelled is not None and spelled[1] == STEPS_FILE_ENV == steptime.STEPS_FILE_ENV
+
+
+DDP_WORKER = Path(__file__).parent / "workers" / "ddp_worker.py"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_a_ddp_or_fsdp2_script_waits_where_torch_waits_and_the_slow_rank_stands_out(
+    tmp_path: Path, wrapper: str
+) -> None:
+    """DDP waits for its gradient all-reduce inside backward(), in C++; FSDP2 in its own
+    collectives. Rank 1 computes three times as much a step (real compute): rank 0 waits
+    for it there, and only the compute time tells them apart."""
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "slow" / "node-1").touch()
+    port = free_port()
+    argv = [sys.executable, str(DDP_WORKER), "--steps", "25", "--slow-dir", str(tmp_path / "slow"),
+            *(["--fsdp"] if wrapper == "fsdp2" else [])]
+    procs = [
+        subprocess.Popen(argv, env=worker_env(tmp_path, r, port, f"node-{r}"), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        for r in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=100)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert all("step timing is off" not in out for out in outputs), outputs
+    files = StepTimes(tmp_path, (0, 1), keep=True)
+    fast, slow = files.read()[0], files.read()[1]
+    assert fast.steps == slow.steps == 24
+    # three times the compute; the leader names a node at 1.25x the others (straggler_relative).
+    # Without the DDP hook both measured the same (the wait counted as compute).
+    assert slow.compute > 1.5 * fast.compute, (fast, slow)
+    assert fast.wall > 1.5 * fast.compute, fast  # the fast rank spends much of its step waiting
+
+
+def test_a_workers_traceback_leaves_out_the_step_timings_wrapper(tmp_path: Path) -> None:
+    """A failed collective's traceback shows the script's lines and torch's, not ours."""
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.all_reduce(torch.ones(1), op=123)\n"
+    )
+    env = {**worker_env(tmp_path, 0, free_port(), "node-0"), "WORLD_SIZE": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 1 and "fails.py\", line 3, in <module>" in done.stderr, done.stderr
+    assert "distributed_c10d.py" in done.stderr and "elasticrun" not in done.stderr, done.stderr
