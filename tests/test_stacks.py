@@ -168,6 +168,32 @@ def test_the_summary_names_the_odd_ones_out_first_and_counts_the_rest() -> None:
     assert summarise([*missing, rank_of(0, ALL_REDUCE)])[1] == "ranks 5, 9 on nodes n5, n9: no stack: it has exited"
 
 
+def test_ranks_waiting_in_different_collectives_are_named_a_mismatch_first() -> None:
+    broadcast = ALL_REDUCE.replace("line 3252 in all_reduce", "line 2811 in broadcast").replace("line 120", "line 99")
+    lines = summarise([rank_of(0, broadcast), rank_of(1, ALL_REDUCE, "n1")])
+    assert lines[0] == (
+        "collective mismatch: rank 0 in broadcast, rank 1 in all_reduce: the ranks wait in different collectives "
+        "and can never meet"
+    ), lines
+    assert lines[1:] == [
+        "rank 0 on node n0: in broadcast (train.py:99)", "rank 1 on node n1: in all_reduce (train.py:120)"
+    ]
+    # one rank outside any collective is what the others wait for: a stuck rank, no mismatch
+    assert not summarise([rank_of(0, broadcast), rank_of(1, LOAD_BATCH)])[0].startswith("collective mismatch")
+    assert not summarise([rank_of(r, ALL_REDUCE) for r in range(4)])[0].startswith("collective mismatch")
+
+
+def test_the_step_timings_wrapper_is_no_frame_of_a_stack() -> None:
+    """Between the user's call and torch's all_reduce lies elasticrun's `timed`: never shown, never named."""
+    ours = "/site/elasticrun/worker/steptime.py"
+    wrapped = ALL_REDUCE.replace(
+        '  File "/job/train.py", line 120 in step',
+        f'  File "{ours}", line 380 in timed\n  File "/job/train.py", line 120 in step',
+    )
+    (main, _), _ = parse_dump(wrapped)
+    assert [f.function for f in main.frames] == ["all_reduce", "wrapper", "step", "main", "<module>"]
+
+
 def test_the_summary_has_a_bounded_number_of_lines() -> None:
     ranks = [rank_of(r, LOAD_BATCH.replace("line 88", f"line {r}")) for r in range(20)]
     lines = summarise(ranks, lines=4)
