@@ -34,6 +34,7 @@ from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import Assignment, RendezvousHandler
 from elasticrun.rendezvous.records import NodeStacks, RankStacks
 from elasticrun.rendezvous.stack_summary import one_line, render_ranks, summarise
+from elasticrun.rendezvous.stacks import ANSWER_WAIT
 
 logger = logging.getLogger("elasticrun.agent")
 
@@ -42,6 +43,12 @@ logger = logging.getLogger("elasticrun.agent")
 CAPTURE_LIMIT = 2.0
 #: the same when a round ends because a peer was lost: the next round waits for it
 LOST_PEER_CAPTURE_LIMIT = 0.5
+#: a round that ends this soon after this node answered a request for the job's stacks
+#: ends, most likely, because of what the request was about (a hang on another node,
+#: which then stopped its workers): that answer is where the workers were, and a capture
+#: now would catch them in their teardown (a broken collective's exception, the
+#: interpreter's exit)
+RECENT_ANSWER = ANSWER_WAIT + CAPTURE_LIMIT
 
 
 class GroupStacks:
@@ -61,6 +68,8 @@ class GroupStacks:
         self._files = dict(files)
         self._folder = folder
         self._kept = 0
+        #: the latest answer to a request for the job's stacks, when (monotonic), and its file
+        self._answered: tuple[float, NodeStacks, Path | None] | None = None
 
     async def capture(self, assignment: Assignment, reason: str, limit: float) -> NodeStacks:
         """The workers' stacks now, or why a worker has none."""
@@ -97,7 +106,7 @@ class GroupStacks:
         while True:
             request = await self._handler.stacks_asked()
             mine = await self.capture(assignment, f"asked by {request.by}: {request.reason}", CAPTURE_LIMIT)
-            self.keep(mine.reason, mine.ranks)
+            self._answered = (time.monotonic(), mine, self.keep(mine.reason, mine.ranks))
             await self._handler.answer_stacks(replace(mine, request=request.id))
 
     async def of_hang(self, assignment: Assignment, hang: Hang) -> tuple[list[str], Path | None]:
@@ -135,16 +144,24 @@ class GroupStacks:
         return lines, path
 
     async def at_round_end(self, assignment: Assignment, reason: str) -> None:
-        """Where the workers were when a peer was lost (logged, kept)."""
+        """Where the workers were when a peer was lost (logged, kept).
+
+        From the answer this node gave moments ago, if it did (`RECENT_ANSWER`): the
+        stacks from before the teardown began, not of it."""
         started = time.monotonic()
-        mine = await self.capture(assignment, reason, LOST_PEER_CAPTURE_LIMIT)
-        took = time.monotonic() - started
-        path = self.keep(reason, mine.ranks)
+        answered = self._answered
+        if answered is not None and started - answered[0] <= RECENT_ANSWER:
+            _, mine, path = answered
+            when = f"as answered {started - answered[0]:.1f}s before, for the job's stacks"
+        else:
+            mine = await self.capture(assignment, reason, LOST_PEER_CAPTURE_LIMIT)
+            when = f"captured in {time.monotonic() - started:.3f}s"
+            path = self.keep(reason, mine.ranks)
         logger.info(
-            "where this node's workers were when round %d ended (%s; captured in %.3fs): %s%s",
+            "where this node's workers were when round %d ended (%s; %s): %s%s",
             assignment.round,
             reason,
-            took,
+            when,
             one_line(summarise(mine.ranks)),
             f"; all stacks in {path}" if path else "",
         )  # not by default: a planned change (a drain, a join) is no news, and the file stays
