@@ -2,6 +2,7 @@
 
     python bench/bench_steptime.py overhead     # ~1 minute: the cost on a 50 ms step
     python bench/bench_steptime.py detect       # ~6 minutes: real agents, a 1.5x and a 3x node
+    python bench/bench_steptime.py ddp          # ~3 minutes: DDP and FSDP2, cost and time to name
 
 `overhead`, in this process, with torch and a gloo group of one, with the recorder of
 `elasticrun.worker.steptime` installed as the worker boot installs it:
@@ -19,7 +20,14 @@ script of the tests (tests/workers/straggler_worker.py: a sleep as the step's co
 then all_reduce and an optimizer step), one node slower by a factor; the steps the job
 made, and the seconds since its first step, when the leader logs the node a straggler.
 With the default settings (`straggler_interval=5`, `straggler_after=3`) and with the
-tests' (1 s, 2). Nothing here runs in CI.
+tests' (1 s, 2).
+
+`ddp`: the plain DDP (and FSDP2) script of the tests (tests/workers/ddp_worker.py: real
+compute, the gradients reduced by DDP's hook or FSDP2's collectives), two ranks on gloo:
+the seconds a run of its steps takes with the step timing (the worker boot, DDP's hook
+wrapped) against the same run without it, alternating; then three real agents with one
+node computing three times as much a step, and the steps and seconds until the leader
+names it (the tests' settings). Nothing here runs in CI.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from common import ProcessTracker, become_subreaper, free_port, machine  # noqa: E402
 
 WORKER = REPO / "tests" / "workers" / "straggler_worker.py"
+DDP_WORKER = REPO / "tests" / "workers" / "ddp_worker.py"
 STEP = 0.050  # the step's compute, seconds
 COLLECTIVES = 10  # all_reduces per step
 
@@ -157,8 +166,48 @@ def leader_cost(nodes: int) -> None:
           f"{statistics.median(times) * 1000:.1f} ms (median of 10)")
 
 
-def detect(factor: float, conf: str, step_time: float, nodes: int, log_dir: Path) -> tuple[int, float]:
-    """Steps and seconds from the job's first step until the leader names the slow node."""
+def ddp_cost(fsdp: bool, rounds: int, steps: int) -> None:
+    """Seconds for `steps` steps of the DDP (FSDP2) script on two ranks, timed and untimed, alternating."""
+    import subprocess
+
+    from elasticrun.agent.boot import boot_env
+
+    folder = Path(tempfile.mkdtemp(prefix="bench_ddp_"))
+    results: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for timed in (False, True):
+            port, procs = free_port(), []
+            for rank in (0, 1):
+                env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "PYTHONPATH"))}
+                env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           GLOO_SOCKET_IFNAME="lo")
+                if timed:
+                    env.update(boot_env(env), ELASTICRUN_STEPS_FILE=str(folder / f"rank_{rank}.json"))
+                argv = [sys.executable, str(DDP_WORKER), "--steps", str(steps), *(["--fsdp"] if fsdp else [])]
+                procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
+            starts, ends = [], []
+            for proc in procs:
+                first = last = None
+                for line in proc.stdout or ():
+                    if line.startswith("step="):
+                        last = time.perf_counter()
+                        first = first or last
+                proc.wait()
+                starts.append(first)
+                ends.append(last)
+            results[timed].append(max(ends) - min(starts))  # type: ignore[type-var,operator]
+    off, on = statistics.median(results[False]), statistics.median(results[True])
+    print(f"{'FSDP2' if fsdp else 'DDP'}: {steps - 1} steps on 2 ranks, median of {rounds}: {off:.3f} s untimed, "
+          f"{on:.3f} s timed: ratio {on / off:.4f} ({(on - off) / (steps - 1) * 1e3:+.2f} ms a step of "
+          f"{off / (steps - 1) * 1e3:.0f} ms)", flush=True)
+
+
+def detect(factor: float, conf: str, step_time: float, nodes: int, log_dir: Path,
+           worker: tuple[str, ...] = ()) -> tuple[int, float]:
+    """Steps and seconds from the job's first step until the leader names the slow node.
+
+    `worker`: another script and its arguments (it takes --slow-dir), instead of the
+    straggler worker slowed by `factor`."""
     tracker = ProcessTracker()
     try:
         port = free_port()
@@ -179,8 +228,9 @@ def detect(factor: float, conf: str, step_time: float, nodes: int, log_dir: Path
                 [sys.executable, "-m", "elasticrun", f"--nnodes={nodes}", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run}",
                  f"--rdzv-conf=is_host=false,last_call_timeout=0.5{conf}", f"--local-addr=127.0.0.{i + 2}",
-                 f"--log-dir={log_dir / 'agents'}", str(WORKER), "--step-time", str(step_time),
-                 "--slow-dir", str(slow_dir), "--slow-factor", str(factor)],
+                 f"--log-dir={log_dir / 'agents'}",
+                 *(worker or (str(WORKER), "--step-time", str(step_time), "--slow-factor", str(factor))),
+                 "--slow-dir", str(slow_dir)],
                 env=env, log=log,
             )
             if i == nodes - 1:
@@ -189,7 +239,7 @@ def detect(factor: float, conf: str, step_time: float, nodes: int, log_dir: Path
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             texts = [log.read_text(errors="replace") if log.exists() else "" for log in logs]
-            if first is None and any(re.search(r"step=0 rank=", t) for t in texts):
+            if first is None and any(re.search(r"step=[01] rank=", t) for t in texts):
                 first = time.monotonic()
             for text in texts:
                 named = re.search(r"node \S+ is a straggler", text)
@@ -205,7 +255,7 @@ def detect(factor: float, conf: str, step_time: float, nodes: int, log_dir: Path
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["overhead", "detect"])
+    p.add_argument("what", choices=["overhead", "detect", "ddp"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--step-time", type=float, default=0.2, help="detect: each step's compute on a normal node")
@@ -217,6 +267,16 @@ def main() -> None:
         return
     become_subreaper()
     log_dir = Path(tempfile.mkdtemp(prefix="bench_straggler_"))
+    if args.what == "ddp":
+        for fsdp in (False, True):
+            ddp_cost(fsdp, args.rounds, args.steps)
+        tests = ",straggler_interval=1,straggler_after=2"
+        for fsdp in (False, True):
+            steps, seconds = detect(3.0, tests, 0.0, args.nodes, log_dir,
+                                    (str(DDP_WORKER), *(["--fsdp"] if fsdp else [])))
+            print(f"{'FSDP2' if fsdp else 'DDP'}, the tests' settings (interval 1 s, after 2): a node computing 3x "
+                  f"named after {steps} steps, {seconds:.1f} s after the first step ({args.nodes} nodes)", flush=True)
+        return
     for name, conf in (("default (interval 5 s, after 3)", ""),
                        ("the tests' (interval 1 s, after 2)", ",straggler_interval=1,straggler_after=2")):
         for factor in (1.5, 3.0):

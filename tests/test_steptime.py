@@ -130,25 +130,29 @@ def worker_env(tmp: Path, rank: int, port: int, node: str) -> dict[str, str]:
     return env
 
 
-@pytest.mark.timeout(120)
-def test_a_plain_gloo_script_is_timed_by_the_boot_and_the_slow_rank_stands_out(tmp_path: Path) -> None:
-    """No change to the script: the boot wraps all_reduce and hooks optimizer.step().
-    Rank 1 computes three times as long; both wait for each other, so their wall steps
-    are alike, and only the compute time tells them apart."""
-    slow = tmp_path / "slow"
-    slow.mkdir()
-    (slow / "node-1").touch()
+def run_two_ranks(tmp: Path, script: Path, *args: str) -> StepTimes:
+    """Run `script` as ranks 0 and 1 under the boot, node-1 marked slow (--slow-dir), to their end."""
+    (tmp / "slow").mkdir()
+    (tmp / "slow" / "node-1").touch()
     port = free_port()
-    argv = [sys.executable, str(WORKER), "--steps", "12", "--step-time", "0.05", "--slow-dir", str(slow)]
+    argv = [sys.executable, str(script), *args, "--slow-dir", str(tmp / "slow")]
     procs = [
-        subprocess.Popen(argv, env=worker_env(tmp_path, r, port, f"node-{r}"), stdout=subprocess.PIPE,
+        subprocess.Popen(argv, env=worker_env(tmp, r, port, f"node-{r}"), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
         for r in (0, 1)
     ]
     outputs = [p.communicate(timeout=100)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert all("step timing is off" not in out for out in outputs), outputs
-    files = StepTimes(tmp_path, (0, 1), keep=True)
+    return StepTimes(tmp, (0, 1), keep=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_gloo_script_is_timed_by_the_boot_and_the_slow_rank_stands_out(tmp_path: Path) -> None:
+    """No change to the script: the boot wraps all_reduce and hooks optimizer.step().
+    Rank 1 computes three times as long; both wait for each other, so their wall steps
+    are alike, and only the compute time tells them apart."""
+    files = run_two_ranks(tmp_path, WORKER, "--steps", "12", "--step-time", "0.05")
     fast, slow_rank = files.read()[0], files.read()[1]  # written last as each script ended
     assert (fast.source, fast.steps) == ("optimizer", 11)  # 12 optimizer steps: 11 between them
     assert slow_rank.compute > 2 * fast.compute  # 0.15 s against 0.05 s a step, with margin
@@ -260,20 +264,7 @@ def test_a_ddp_or_fsdp2_script_waits_where_torch_waits_and_the_slow_rank_stands_
     """DDP waits for its gradient all-reduce inside backward(), in C++; FSDP2 in its own
     collectives. Rank 1 computes three times as much a step (real compute): rank 0 waits
     for it there, and only the compute time tells them apart."""
-    (tmp_path / "slow").mkdir()
-    (tmp_path / "slow" / "node-1").touch()
-    port = free_port()
-    argv = [sys.executable, str(DDP_WORKER), "--steps", "25", "--slow-dir", str(tmp_path / "slow"),
-            *(["--fsdp"] if wrapper == "fsdp2" else [])]
-    procs = [
-        subprocess.Popen(argv, env=worker_env(tmp_path, r, port, f"node-{r}"), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-        for r in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=100)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert all("step timing is off" not in out for out in outputs), outputs
-    files = StepTimes(tmp_path, (0, 1), keep=True)
+    files = run_two_ranks(tmp_path, DDP_WORKER, "--steps", "25", *(["--fsdp"] if wrapper == "fsdp2" else []))
     fast, slow = files.read()[0], files.read()[1]
     assert fast.steps == slow.steps == 24
     # three times the compute; the leader names a node at 1.25x the others (straggler_relative).
