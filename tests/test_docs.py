@@ -539,7 +539,8 @@ def heading_anchors(page: Path) -> set[str]:
 
 def test_links_to_a_heading_find_it() -> None:
     """A link to `page.md#anchor` (or `#anchor` on the same page) names a heading there."""
-    pages = [*sorted(DOCS.glob("*.md")), *(ROOT / name for name in ("README.md", "CONTRIBUTING.md", "BENCHMARKS.md"))]
+    roots = ("README.md", "CONTRIBUTING.md", "BENCHMARKS.md", "BENCHMARKS-HISTORY.md")
+    pages = [*sorted(DOCS.glob("*.md")), *(ROOT / name for name in roots)]
     broken, checked = [], 0
     for page in pages:
         for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
@@ -551,6 +552,12 @@ def test_links_to_a_heading_find_it() -> None:
                 broken.append(f"{page.relative_to(ROOT)} -> {target}#{anchor}")
     assert checked > 20, "the link scan found too little: is it broken?"
     assert not broken, broken
+
+
+def test_benchmarks_fit_a_screen() -> None:
+    """BENCHMARKS.md is the summary and the latest sections; the rest is its journal's."""
+    lines = len((ROOT / "BENCHMARKS.md").read_text().splitlines())
+    assert lines <= 300, f"BENCHMARKS.md has {lines} lines: move what is superseded to BENCHMARKS-HISTORY.md"
 
 
 def test_the_anchor_check_can_fail(tmp_path: Path) -> None:

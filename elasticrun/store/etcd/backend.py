@@ -189,7 +189,7 @@ class EtcdStore(Store):
         grant and its first use). Not grpc's blocking channel's futures: their calls
         contend for the GIL with that channel's polling thread and come back through
         `call_soon_threadsafe`, which cost a simulated node's registration a fifth to
-        two fifths of its client CPU (BENCHMARKS.md, "Scale"). The response is etcd's
+        two fifths of its client CPU (BENCHMARKS-HISTORY.md, "Scale"). The response is etcd's
         message, untyped (pyetcd ships no type information).
         """
 
@@ -349,7 +349,7 @@ class EtcdStore(Store):
                 # The stream stays: a try that fails over asks the next member on a new
                 # one; a try on the same member (the only one) waits for this exchange,
                 # since a new stream there could not be answered sooner and costs a busy
-                # client more than the wait (BENCHMARKS.md, "a slow renewal's stream").
+                # client more than the wait (BENCHMARKS-HISTORY.md, "a slow renewal's stream").
                 raise StreamFailure(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to a lease keep-alive"
                 ) from None

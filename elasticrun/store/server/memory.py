@@ -253,7 +253,7 @@ class MemoryStore(Store):
         self._ring_bytes = 0
         #: open watches by the key they watch, and by the prefix they watch: a write
         #: looks at each prefix once, not at each watcher (10,000 nodes watching one
-        #: job's prefix made every write cost 10,000 checks: BENCHMARKS.md, "Scale")
+        #: job's prefix made every write cost 10,000 checks: BENCHMARKS-HISTORY.md, "Scale")
         self._exact_watchers: dict[str, set[_Watcher]] = {}
         self._prefix_watchers: dict[str, set[_Watcher]] = {}
         self._leases: dict[int, _Lease] = {}
