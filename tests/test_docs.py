@@ -10,6 +10,7 @@
   text the code prints.
 - Every relative link between the docs (and from README.md) points at a file that exists
   in this repository: a clone has nothing beside it to link to.
+- docs/architecture.md's module map names every module of the package, once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import itertools
 import re
 from pathlib import Path
 
@@ -564,6 +566,66 @@ def test_the_anchor_check_can_fail(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("# Title\n## Stacks (bench/x.py)\n```\n# not a heading\n```\n## Stacks (bench/x.py)\n")
     assert heading_anchors(page) == {"title", "stacks-benchxpy", "stacks-benchxpy-1"}
+
+
+# --- architecture.md's module map -------------------------------------------------------------
+
+_MAP_NAME = re.compile(r"[\w/]+\.py|\w+/")
+
+
+def module_map(text: str) -> list[str]:
+    """The modules architecture.md's map names, as paths under elasticrun/: each line of
+    the map's block starts with names (`cli.py`, `boot/sitecustomize.py`, a folder `store/`,
+    several on a line) indented under their folder, then says what they are; a line that
+    does not start with a name continues a description."""
+    block = text[text.index("\n    elasticrun/\n") + 1 :]
+    block = block[: block.index("\n\n")]
+    named: list[str] = []
+    folders: list[tuple[int, str]] = []
+    for line in block.splitlines()[1:]:
+        indent = len(line) - len(line.lstrip())
+        names = list(itertools.takewhile(_MAP_NAME.fullmatch, line.split()))
+        if not names:
+            continue
+        folders = [(i, f) for i, f in folders if i < indent]
+        prefix = "".join(f for _, f in folders)
+        for name in names:
+            if name.endswith("/"):
+                folders.append((indent, name))
+            else:
+                named.append(prefix + name)
+    return named
+
+
+def package_modules() -> list[str]:
+    """Every module of elasticrun/ but the packages' __init__ and the generated stubs."""
+    package = ROOT / "elasticrun"
+    return sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name != "__init__.py" and "_pb2" not in path.name
+    )
+
+
+def test_the_module_map_names_every_module_once() -> None:
+    """docs/architecture.md's module map lists each module of the package exactly once."""
+    named = module_map((DOCS / "architecture.md").read_text())
+    modules = package_modules()
+    assert len(modules) > 100, "the package scan found too little: is it broken?"
+    assert sorted(set(named) - set(modules)) == [], "named in the map, but no such module"
+    assert sorted(set(modules) - set(named)) == [], "modules the map does not name"
+    assert sorted(n for n in set(named) if named.count(n) > 1) == [], "named twice"
+
+
+def test_the_module_map_check_can_fail() -> None:
+    text = (DOCS / "architecture.md").read_text()
+    named = module_map(text)
+    assert "launcher/spelling.py" in named and "store/server/memory.py" in named
+    assert "worker/boot/sitecustomize.py" in named and "store/client/grpc_store.py" in named
+    without = text.replace("        spelling.py ", "        ")
+    assert "launcher/spelling.py" not in module_map(without)
+    twice = text.replace("        run_path.py ", "        run_path.py call.py ")
+    assert module_map(twice).count("worker/call.py") == 2
 
 
 # --- README's demo output -------------------------------------------------------------------
