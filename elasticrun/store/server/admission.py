@@ -16,7 +16,6 @@ import contextlib
 import contextvars
 import inspect
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -24,10 +23,6 @@ from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
 from elasticrun.store.server.callers import Caller
 from elasticrun.store.server.limits import MAX_KEY_LIST_BYTES, MAX_KEYS_PER_CALL, MESSAGE_DEADLINE
-
-if TYPE_CHECKING:
-    from elasticrun.store.server.c10d_service import C10dService
-    from elasticrun.store.server.kv_service import StoreService
 
 #: The caller of the call in progress, set once per call before its handler runs (each
 #: call has a task, and so a context, of its own).
@@ -86,13 +81,13 @@ _PARSED_BY_HANDLER: dict[str, dict[str, int | None]] = {
 }
 
 
-def add_store_service(servicer: StoreService, server: grpc.aio.Server, count: _CallCounter) -> None:
+def add_store_service(servicer: pb_grpc.StoreServicer, server: grpc.aio.Server, count: _CallCounter) -> None:
     capture = _Capture()
     pb_grpc.add_StoreServicer_to_server(servicer, capture)
     _register(server, capture.name, _encoded_by_handler(capture.handlers, "Store"), count)
 
 
-def add_c10d_service(servicer: C10dService, server: grpc.aio.Server, count: _CallCounter) -> None:
+def add_c10d_service(servicer: pb_grpc.C10dStoreServicer, server: grpc.aio.Server, count: _CallCounter) -> None:
     capture = _Capture()
     pb_grpc.add_C10dStoreServicer_to_server(servicer, capture)
     _register(server, capture.name, _encoded_by_handler(capture.handlers, "C10dStore"), count)

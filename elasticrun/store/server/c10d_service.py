@@ -12,7 +12,7 @@ import operator
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TypeVar, cast
 
 import grpc
 
@@ -29,10 +29,9 @@ from elasticrun.store.server.limits import (
     MAX_MULTI_SET_KEYS,
 )
 from elasticrun.store.server.memory import SpaceQuota
+from elasticrun.store.server.service_host import ServiceHost
 from elasticrun.store.server.status_codes import unary
 
-if TYPE_CHECKING:
-    from elasticrun.store.server.store_server import StoreServer
 
 class C10dService(pb_grpc.C10dStoreServicer):
     """torch.distributed.Store semantics over the engine.
@@ -46,7 +45,7 @@ class C10dService(pb_grpc.C10dStoreServicer):
     and its writes keep to the server's quota for worker credentials.
     """
 
-    def __init__(self, server: StoreServer) -> None:
+    def __init__(self, server: ServiceHost) -> None:
         self._server = server
         self._engine = server.engine
 
@@ -102,7 +101,7 @@ class C10dService(pb_grpc.C10dStoreServicer):
 
         Each look at them all is one pass with no suspension (a consistent snapshot), in
         the caller's turn when `in_turn`."""
-        async with self._server._long_call(context):
+        async with self._server.long_call(context):
             try:
                 async with asyncio.timeout(timeout if timeout > 0 else None):
                     while True:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -19,10 +18,9 @@ from elasticrun.proto import store_pb2_grpc as pb_grpc
 from elasticrun.store.api import EventType, KeyValue, WatchEvent
 from elasticrun.store.server.admission import CALLER, encode
 from elasticrun.store.server.limits import PAGE_BYTES, PAGE_KEYS
+from elasticrun.store.server.service_host import ServiceHost
 from elasticrun.store.server.status_codes import status_of, unary
 
-if TYPE_CHECKING:
-    from elasticrun.store.server.store_server import StoreServer
 
 def _kv_message(kv: KeyValue) -> pb.KeyValue:
     return pb.KeyValue(
@@ -68,7 +66,7 @@ def _range_reply(kvs: Sequence[KeyValue], revision: int, hosted_by_agent: bool) 
 
 
 class StoreService(pb_grpc.StoreServicer):
-    def __init__(self, server: StoreServer) -> None:
+    def __init__(self, server: ServiceHost) -> None:
         self._server = server
         self._engine = server.engine
         self._confirm = self._reply().SerializeToString()
@@ -150,7 +148,7 @@ class StoreService(pb_grpc.StoreServicer):
         request_iterator: AsyncIterator[pb.LeaseKeepAliveRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.LeaseKeepAliveReply]:
-        async with self._server._long_call(context):
+        async with self._server.long_call(context):
             async for request in request_iterator:
                 try:
                     await self._engine.keep_alive(request.lease)
@@ -173,7 +171,7 @@ class StoreService(pb_grpc.StoreServicer):
         write = context.write
         caller = CALLER.get()
         turn = self._server.shares.turn
-        async with self._server.counted_watch(context), self._server._long_call(context):
+        async with self._server.counted_watch(context), self._server.long_call(context):
             await write(self._confirm)
             batches = self._engine.watch_batches(
                 request.key, request.start_revision, request.prefix

@@ -198,7 +198,7 @@ class StoreServer:
         logger.debug("store on %s stopped", self.endpoint)
 
     @contextlib.asynccontextmanager
-    async def _long_call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    async def long_call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         """Track a call that may run for long (watch, wait) so that stop() can end it."""
         task = cast("asyncio.Task[object]", asyncio.current_task())  # grpc.aio: always one
         self._streams.add(task)
