@@ -26,8 +26,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from common import machine, write_json  # noqa: E402
 
-from elasticrun.rendezvous.decide import RendezvousSettings, SeenNode, View, decide  # noqa: E402
+from elasticrun.rendezvous.decide import decide  # noqa: E402
 from elasticrun.rendezvous.records import NodeInfo  # noqa: E402
+from elasticrun.rendezvous.settings import RendezvousSettings  # noqa: E402
+from elasticrun.rendezvous.view import SeenNode, View  # noqa: E402
 
 
 def registered(count: int) -> dict[str, SeenNode]:

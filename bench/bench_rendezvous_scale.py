@@ -180,9 +180,9 @@ def role_nodes(backend: str, endpoint: str, run_id: str, first: int, count: int,
     "leading" once its node holds the job's leader key."""
     import logging
 
-    from elasticrun.rendezvous.decide import RendezvousSettings
     from elasticrun.rendezvous.elastic import ElasticRendezvous
     from elasticrun.rendezvous.records import JobSpec, NodeInfo
+    from elasticrun.rendezvous.settings import RendezvousSettings
 
     if not lead:
         os.nice(5)  # the store and the leader first: in a cluster each node has its own host
@@ -479,7 +479,7 @@ def summarise_ops(counts: dict[str, float], backend: str) -> tuple[int, int, dic
 
 
 def main() -> int:
-    from elasticrun.rendezvous.decide import RendezvousSettings
+    from elasticrun.rendezvous.settings import RendezvousSettings
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="*", default=[100, 300, 1000])

@@ -143,9 +143,9 @@ def leader_cost(nodes: int) -> None:
     """What one evaluation costs the leader at `nodes` nodes: decoding their reports (one
     read of c/steps/) and judging them."""
     from elasticrun.rendezvous.codec import decode, encode
-    from elasticrun.rendezvous.decide import RendezvousSettings
     from elasticrun.rendezvous.records import StepReport
     from elasticrun.rendezvous.rounds import Participant, Round
+    from elasticrun.rendezvous.settings import RendezvousSettings
     from elasticrun.rendezvous.stragglers import Judgement, judge
 
     names = [f"host{i:05d}_1234" for i in range(nodes)]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
+from elasticrun.rendezvous.decide import decide
 from elasticrun.rendezvous.records import NodeInfo, QuarantineEntry, QuarantineTable, RestartRequest
 from elasticrun.rendezvous.rounds import Participant, Round
+from elasticrun.rendezvous.settings import RendezvousSettings
+from elasticrun.rendezvous.view import Decision, SeenNode, View
 
 SETTINGS = RendezvousSettings(run_id="job", min_nodes=2, max_nodes=3, last_call=1.0)
 

@@ -25,10 +25,10 @@ from elasticrun.agent.spec import WorkerSpec, WorkerState
 from elasticrun.errors import EXIT_INFRASTRUCTURE, GpuUnhealthyError
 from elasticrun.launcher.launch import gpu_reclaim, gpu_watches
 from elasticrun.rendezvous.codec import decode
-from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import Event, JobSpec, NodeInfo, QuarantineTable
+from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.store.server.memory import MemoryStore
 from tests.agent_helpers import make_spec, static_for, write_script
 from tests.helpers import eventually

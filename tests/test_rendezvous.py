@@ -20,11 +20,11 @@ import pytest
 
 from elasticrun.errors import LeaseExpiredError, RendezvousClosedError, RendezvousTimeoutError, SpecMismatchError
 from elasticrun.rendezvous.codec import FORMAT_VERSION, decode
-from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.records import JOB_SPEC_VERSION, JobSpec, NodeInfo, QuarantineEntry, QuarantineTable
+from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.store.api import Store
 from elasticrun.store.server.memory import MemoryStore
 from tests.helpers import eventually

@@ -14,10 +14,10 @@ from dataclasses import replace
 
 import pytest
 
-from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import Frame, JobSpec, NodeInfo, NodeStacks, RankStacks, ThreadStack
+from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.rendezvous.stacks import answer, ask, gather, new_request
 from elasticrun.store.server.memory import MemoryStore
 

@@ -8,11 +8,11 @@ import time
 from dataclasses import replace
 
 from elasticrun.rendezvous.codec import decode
-from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import NodeInfo, StepReport
 from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.rounds import Participant, Round
+from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.rendezvous.stragglers import MIN_STEPS, Judgement, judge
 from elasticrun.store.server.memory import MemoryStore
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from elasticrun.agent.spec import WorkerSpec
 from elasticrun.launcher.metrics_http import MetricsAddress
-from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.records import JobSpec
+from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.store.settings import StoreAccess
 
 

@@ -23,7 +23,7 @@ from elasticrun.launcher.flag_values import (
     whole_number,
 )
 from elasticrun.launcher.spelling import closest
-from elasticrun.rendezvous.decide import RendezvousSettings
+from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.store.wire import DEFAULT_TIMEOUT, TOKEN_ENV
 
 Reader = Callable[[str | None, str, Any], Any]

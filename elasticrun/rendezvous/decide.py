@@ -7,159 +7,13 @@ membership policy in one readable place, tested without sleeping.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from elasticrun.rendezvous.records import NodeInfo, QuarantineEntry, QuarantineTable, RestartRequest
+from elasticrun.rendezvous.quarantine import QuarantineBook
 from elasticrun.rendezvous.rounds import Participant, Round
-
-
-@dataclass(frozen=True, slots=True)
-class RendezvousSettings:
-    """How the rendezvous forms rounds; one job, one set of settings.
-
-    The defaults are chosen for fast recovery: a dead node is noticed within
-    `heartbeat_ttl`, a formation or scale-up waits `last_call` for stragglers.
-    """
-
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    #: after `min_nodes` are registered (or a newcomer arrives), wait this long for more
-    last_call: float = 1.0
-    #: a node that gets no place in a round within this time gives up
-    join_timeout: float = 600.0
-    #: when the store an agent hosted refuses us (its agent is gone), how long to wait
-    #: for a new one at the same endpoint (the head restarted by its scheduler)
-    store_host_grace: float = 30.0
-    #: lease TTL: a node that stops renewing is removed after this long
-    heartbeat_ttl: float = 5.0
-    #: how long a closed job stays closed, so late agents exit instead of starting anew
-    closed_ttl: float = 60.0
-    #: seconds between lease renewals; 0: a third of heartbeat_ttl
-    heartbeat_interval: float = 0.0
-    #: failures of one node (worker failures attributed to it, drops out of a round)
-    #: after which it is quarantined; 0: never
-    quarantine_after: int = 3
-    #: seconds of a node's first quarantine; each further one lasts twice as long
-    quarantine_cooldown: float = 60.0
-    #: the longest quarantine; a node quiet this long has its record forgotten
-    quarantine_cooldown_max: float = 3600.0
-    #: every round's node count is a multiple of this (`--node-unit`; min_nodes and
-    #: max_nodes are multiples too): the registered nodes left over wait as spares
-    node_unit: int = 1
-    #: --straggler: off (no step timing), report (name stragglers), replace (and take
-    #: one out when a spare or the elastic range allows; elasticrun.rendezvous.stragglers)
-    straggler: str = "report"
-    #: a node is slow when its compute time per step is this many times the other nodes' median
-    straggler_relative: float = 1.25
-    #: evaluations in a row that find a node slow before it is named (and not, before it is cleared)
-    straggler_after: int = 3
-    #: seconds between evaluations, and between a node's step reports
-    straggler_interval: float = 5.0
-
-    @staticmethod
-    def default_heartbeat_ttl(max_nodes: int) -> float:
-        """5 s, or longer for a job that may grow past 2,000 nodes.
-
-        Each node renews its lease three times a TTL, so a TTL of max_nodes / 400 s
-        holds the store's keep-alives near 1,200 a second at any size (what both stores
-        served on two cores with room to spare; BENCHMARKS.md). A dead agent is still
-        found within about a second by its liveness port; only a vanished host waits out
-        the TTL."""
-        return max(5.0, max_nodes / 400)
-
-    @property
-    def keep_alive_interval(self) -> float:
-        return self.heartbeat_interval or self.heartbeat_ttl / 3
-
-    def cooldown(self, times: int) -> float:
-        """How long a node's `times`-th quarantine lasts."""
-        return min(self.quarantine_cooldown * 2.0 ** min(max(times - 1, 0), 64), self.quarantine_cooldown_max)
-
-
-@dataclass(frozen=True, slots=True)
-class SeenNode:
-    """A registered node and when the leader first saw it (leader's monotonic clock).
-
-    Its `participant` is made once: a decision puts every waiting node in a group, and
-    at 10,000 nodes building them anew was a quarter of each decision's time."""
-
-    info: NodeInfo
-    seen_at: float
-    participant: Participant = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        info = self.info
-        object.__setattr__(self, "participant", Participant(node_id=info.node_id, addr=info.addr, nproc=info.nproc))
-
-
-@dataclass(frozen=True, slots=True)
-class View:
-    """Everything the leader knows when it decides."""
-
-    nodes: Mapping[str, SeenNode]
-    round: Round | None
-    restart: RestartRequest | None = None
-    #: when the leader first saw `restart` (its clock)
-    restart_seen_at: float = 0.0
-    #: nodes that answered the liveness ping of the current round
-    acks: frozenset[str] = frozenset()
-    #: failure records and quarantines, with times on the leader's clock (as `now`)
-    quarantine: QuarantineTable = QuarantineTable()
-    #: nodes an operator asked to leave (`elasticrun drain`): their going is no failure
-    draining: frozenset[str] = frozenset()
-    #: nodes that said they leave on purpose (a signal, a drain, a sick GPU): nor is theirs
-    departed: frozenset[str] = frozenset()
-    #: of those, the nodes that asked to be kept out (`Departure.keep_out`), with their
-    #: reason: each is quarantined with it once its registration is gone
-    keep_out: Mapping[str, str] = field(default_factory=dict)
-    #: members whose liveness port refused the leader's connection after the current
-    #: round's restart request (their port had accepted one before): their agent is gone
-    refused: frozenset[str] = frozenset()
-    #: members of the current round named stragglers, the slowest first, with why
-    #: (--straggler=replace): one is kept out when a spare or the elastic range allows
-    slow: tuple[tuple[str, str], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """Open `round`, or (when None) wait, looking again at `recheck_at` at the latest.
-
-    `ping` (a round number) asks every node of that round to show it is alive; `fail`
-    ends the job as failed with that report.
-    """
-
-    reason: str
-    round: Round | None = None
-    recheck_at: float | None = None
-    ping: int = 0
-    #: end the job as failed, with this report
-    fail: str = ""
-    #: the quarantine table changed: store this one (before the round)
-    quarantine: QuarantineTable | None = None
-    #: members declared dead because they did not answer the liveness ping for a
-    #: lease TTL, or their liveness port refused a connection: the leader ends their
-    #: registrations (the store keeps a dead node's lease until its TTL, etcd even
-    #: longer), or the next decision would admit them again as newcomers
-    dead: tuple[str, ...] = ()
-    #: the job has ended: there is nothing left to lead (a round after it would
-    #: re-form a job that every agent already took for finished)
-    ended: bool = False
-    #: nodes of `View.keep_out` that are gone and held by the quarantine: their
-    #: departure has done its work, and the leader deletes the records of those outside
-    #: the round (a member's goes with the round that lets it go, as any departure's),
-    #: so that each departure holds its node once
-    settled: tuple[str, ...] = ()
-
-
-def _names(nodes: list[str], limit: int = 8) -> str:
-    shown = ", ".join(nodes[:limit])
-    return shown + (f", ... ({len(nodes) - limit} more)" if len(nodes) > limit else "")
-
-
-def _count(n: int) -> str:
-    return f"{n} node" if n == 1 else f"{n} nodes"
+from elasticrun.rendezvous.settings import RendezvousSettings
+from elasticrun.rendezvous.view import Decision, SeenNode, View
+from elasticrun.rendezvous.wording import duration, names, plural
 
 
 def _lost_reason(missing: list[str], back: list[str], view: View) -> str:
@@ -171,13 +25,13 @@ def _lost_reason(missing: list[str], back: list[str], view: View) -> str:
     drained = [n for n in missing if n in view.draining]
     left = [n for n in missing if n in view.departed and n not in view.draining]
     lost = [n for n in missing if n not in view.draining and n not in view.departed]
-    parts = [f"drained {_names(drained)}"] if drained else []
+    parts = [f"drained {names(drained)}"] if drained else []
     if left:
-        parts.append(f"{_names(left)} left")
+        parts.append(f"{names(left)} left")
     if lost:
-        parts.append(f"lost {_names(lost)}")
+        parts.append(f"lost {names(lost)}")
     if back:
-        parts.append(f"{_names(back)} registered again")
+        parts.append(f"{names(back)} registered again")
     return "; ".join(parts)
 
 
@@ -199,20 +53,20 @@ def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
     current = view.round
     if current is not None and current.closed:
         return Decision(reason=f"job {current.closed}", ended=True)
-    book = _Book(view.quarantine, settings, now)
+    book = QuarantineBook(view.quarantine, settings, now)
     settled = _hold_kept_out(view, book)
     decision = _decide(view, settings, now, book)
     if settled:
         decision = replace(decision, settled=settled)
     if decision.round is None:
-        decision = replace(decision, recheck_at=_earliest(decision.recheck_at, book.release_at(view.nodes)))
+        decision = replace(decision, recheck_at=earliest(decision.recheck_at, book.release_at(view.nodes)))
     table = book.table()
     if table != view.quarantine:
         decision = replace(decision, quarantine=table)
     return decision
 
 
-def _hold_kept_out(view: View, book: _Book) -> tuple[str, ...]:
+def _hold_kept_out(view: View, book: QuarantineBook) -> tuple[str, ...]:
     """Quarantine the nodes that left asking to be kept out, once their registration is gone.
 
     A node writes its departure, then gives up its lease. Returns the ones that are.
@@ -226,7 +80,7 @@ def _hold_kept_out(view: View, book: _Book) -> tuple[str, ...]:
     return gone
 
 
-def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -> Decision:
+def _decide(view: View, settings: RendezvousSettings, now: float, book: QuarantineBook) -> Decision:
     current = view.round
     members = current.participants if current else ()
     # A member registered with a round at or past the current one has run it and
@@ -291,7 +145,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         pick = _pick(members, survivors, newcomers, book, settings)
         reason = _lost_reason(missing, back, view)
         if set(dead) & view.refused:
-            reason += f" (agent gone: {_names(sorted(set(dead) & view.refused))} refused the liveness check)"
+            reason += f" (agent gone: {names(sorted(set(dead) & view.refused))} refused the liveness check)"
         if len(pick.group) >= settings.min_nodes:
             return open_round(pick.group, reason + pick.joined + pick.notes(book, settings))
         # Too few to continue: an empty round stops the survivors' workers now.
@@ -307,7 +161,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         if unanswered and now < deadline:
             return Decision(
                 reason=f"worker failure on {restart.node_id}: checking that every node is "
-                f"alive (no answer yet from {_names(unanswered)})",
+                f"alive (no answer yet from {names(unanswered)})",
                 recheck_at=deadline,
                 ping=current.number,
             )
@@ -339,7 +193,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         # A member under quarantine (a new leader found it so, or it was only kept
         # while the job needed it) goes: at once when the others are enough, else
         # after the last call for the newcomers that take its place. Free.
-        reason = f"quarantined {_names(pick.kept_out)}{pick.joined}{pick.notes(book, settings)}"
+        reason = f"quarantined {names(pick.kept_out)}{pick.joined}{pick.notes(book, settings)}"
         if len(group) - len(admitted) >= settings.min_nodes or len(group) >= settings.max_nodes:
             return open_round(group, reason)
         deadline = book.arrival(admitted[0]) + settings.last_call
@@ -347,7 +201,7 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
             return open_round(group, reason)
         return Decision(
             reason=f"last call for more nodes: {len(admitted)} waiting to replace quarantined "
-            f"{_names(pick.kept_out)}{held}",
+            f"{names(pick.kept_out)}{held}",
             recheck_at=deadline,
         )
 
@@ -356,11 +210,12 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
             blocked = book.held()
             waiting = [n for n in newcomers if n.info.node_id not in blocked]
             full = f" ({_spares(len(waiting), len(members), settings)})" if waiting else ""
-            return Decision(reason=f"round {current.number} running with {_count(len(members))}{full}{held}")
+            return Decision(reason=f"round {current.number} running with {plural(len(members), 'node')}{full}{held}")
         # the last call runs from the arrival that completed the first new unit
         deadline = book.arrival(admitted[min(settings.node_unit, len(admitted)) - 1]) + settings.last_call
         if len(group) >= settings.max_nodes or now >= deadline:
-            return open_round(group, f"scale up to {_count(len(group))}{pick.joined}{pick.notes(book, settings)}")
+            notes = pick.notes(book, settings)
+            return open_round(group, f"scale up to {plural(len(group), 'node')}{pick.joined}{notes}")
         return Decision(
             reason=f"last call for more nodes: {len(admitted)} waiting to join "
             f"{len(members)} running (max {settings.max_nodes}){held}",
@@ -371,8 +226,8 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: _Book) -
         return Decision(reason=_waiting([n.info.node_id for n in newcomers], settings) + held)
     deadline = book.arrival(admitted[settings.min_nodes - 1]) + settings.last_call
     if len(admitted) >= settings.max_nodes or now >= deadline:
-        formed = _names([p.node_id for p in group])
-        return open_round(group, f"formed with {_count(len(group))}: {formed}{pick.notes(book, settings)}")
+        formed = names([p.node_id for p in group])
+        return open_round(group, f"formed with {plural(len(group), 'node')}: {formed}{pick.notes(book, settings)}")
     return Decision(
         reason=f"last call for more nodes: {len(admitted)} registered "
         f"(min {settings.min_nodes}, max {settings.max_nodes}){held}",
@@ -385,7 +240,7 @@ def _keep_out_slow(
     members: tuple[Participant, ...],
     survivors: list[Participant],
     newcomers: list[SeenNode],
-    book: _Book,
+    book: QuarantineBook,
     settings: RendezvousSettings,
 ) -> str:
     """Quarantine the slowest straggler whose going leaves a whole round of at least min nodes.
@@ -402,110 +257,13 @@ def _keep_out_slow(
         if node_id not in {p.node_id for p in trial.group} and len(trial.group) >= settings.min_nodes:
             return ""
         book.undo_hold(node_id, before)
-    names = [n for n, _ in slow if n in running]
-    if not names:
+    still = [n for n, _ in slow if n in running]
+    if not still:
         return ""
     return (
-        f"; straggler {_names(names)} kept: no spare, and the job runs at its minimum of "
-        f"{settings.min_nodes} {'node' if settings.min_nodes == 1 else 'nodes'}"
+        f"; straggler {names(still)} kept: no spare, and the job runs at its minimum of "
+        f"{plural(settings.min_nodes, 'node')}"
     )
-
-
-#: the most nodes the quarantine table remembers (the oldest quiet ones go first)
-QUARANTINE_ENTRIES_KEPT = 1024
-
-
-class _Book:
-    """The quarantine table while one decision is made: a local working copy.
-
-    A node's record is forgotten once it has been quiet (no failure, no quarantine)
-    for `quarantine_cooldown_max`; until then a node released from quarantine is on
-    probation: its next failure quarantines it again, for twice as long.
-    """
-
-    def __init__(self, table: QuarantineTable, settings: RendezvousSettings, now: float) -> None:
-        self.settings = settings
-        self.now = now
-        self.counted = table.counted_round
-        window = settings.quarantine_cooldown_max
-        kept = [e for e in table.entries if now - max(e.last_failure_at, e.until) <= window]
-        if len(kept) > QUARANTINE_ENTRIES_KEPT:
-            kept.sort(key=lambda e: (not e.active(now), -max(e.last_failure_at, e.until)))
-            kept = kept[:QUARANTINE_ENTRIES_KEPT]
-        self.entries = {e.node_id: e for e in kept}
-        #: nodes this decision quarantined
-        self.new: list[str] = []
-
-    def table(self) -> QuarantineTable:
-        return QuarantineTable(entries=tuple(self.entries[n] for n in sorted(self.entries)), counted_round=self.counted)
-
-    def blocked(self, node_id: str) -> bool:
-        entry = self.entries.get(node_id)
-        return entry is not None and entry.active(self.now)
-
-    def held(self) -> set[str]:
-        """The nodes `blocked` now: one set to test thousands of nodes against."""
-        return {n for n, e in self.entries.items() if e.active(self.now)}
-
-    def arrival(self, node: SeenNode) -> float:
-        """When a newcomer counts as arrived: when the leader saw it, or its release."""
-        entry = self.entries.get(node.info.node_id)
-        if entry is not None and not entry.active(self.now):
-            return max(node.seen_at, entry.until)
-        return node.seen_at
-
-    def counts(self, number: int) -> bool:
-        """Whether the failures of round `number` are still to count (then they are)."""
-        if self.settings.quarantine_after <= 0 or number <= self.counted:
-            return False
-        self.counted = number
-        return True
-
-    def count(self, node_id: str, failure: str) -> None:
-        """Count one failure of `node_id`; quarantine it when that makes enough."""
-        s = self.settings
-        entry = self.entries.get(node_id) or QuarantineEntry(node_id=node_id)
-        quiet = entry.last_failure_at and self.now - entry.last_failure_at > s.quarantine_cooldown_max
-        failures = (0 if quiet else entry.failures) + 1
-        threshold = 1 if entry.times else s.quarantine_after  # released ones are on probation
-        if failures < threshold:
-            self.entries[node_id] = replace(entry, failures=failures, reason=failure, last_failure_at=self.now)
-            return
-        why = (
-            f"{_plural(failures, 'failure')}, the latest: {failure}" if threshold > 1
-            else f"again after its release: {failure}"
-        )
-        self.hold(node_id, why)
-
-    def hold(self, node_id: str, reason: str) -> None:
-        """Quarantine `node_id` now, for a cooldown that doubles with each time.
-
-        After enough failures (`count`), or at once when the node asked to be kept out."""
-        entry = self.entries.get(node_id) or QuarantineEntry(node_id=node_id)
-        times = entry.times + 1
-        self.entries[node_id] = replace(
-            entry, failures=0, times=times, until=self.now + self.settings.cooldown(times), reason=reason,
-            last_failure_at=self.now,
-        )
-        self.new.append(node_id)
-
-    def undo_hold(self, node_id: str, before: QuarantineEntry | None) -> None:
-        """Take back the latest `hold(node_id)`: the node's record is `before` again."""
-        self.new.remove(node_id)
-        if before is None:
-            del self.entries[node_id]
-        else:
-            self.entries[node_id] = before
-
-    def release_at(self, registered: Mapping[str, SeenNode]) -> float | None:
-        """When the first registered node under quarantine is released (to look again)."""
-        ends = [e.until for n, e in self.entries.items() if n in registered and e.active(self.now)]
-        return min(ends) if ends else None
-
-    def held_note(self, registered: Mapping[str, SeenNode], group: Collection[str]) -> str:
-        """`; quarantined: x` for the registered nodes kept out of `group`."""
-        held = sorted(n for n in self.held() if n in registered and n not in group)
-        return f"; quarantined: {_names(held)}" if held else ""
 
 
 @dataclass(slots=True)
@@ -521,20 +279,20 @@ class _Pick:
 
     @property
     def joined(self) -> str:
-        names = [n.info.node_id for n in self.admitted]
-        return f"; joined: {_names(names)}" if names else ""
+        joined = [n.info.node_id for n in self.admitted]
+        return f"; joined: {names(joined)}" if joined else ""
 
-    def notes(self, book: _Book, settings: RendezvousSettings) -> str:
+    def notes(self, book: QuarantineBook, settings: RendezvousSettings) -> str:
         """Who this decision quarantined, and who was kept all the same."""
         text = "".join(
-            f"; quarantined {n} for {_seconds(book.entries[n].until - book.now)} ({book.entries[n].reason})"
+            f"; quarantined {n} for {duration(book.entries[n].until - book.now)} ({book.entries[n].reason})"
             for n in book.new
         )
         if self.last_resort:
             them = "it" if len(self.last_resort) == 1 else "them"
             without = len(self.group) - len(self.last_resort)
             text += (
-                f"; kept {_names(self.last_resort)} despite the quarantine: without {them} only "
+                f"; kept {names(self.last_resort)} despite the quarantine: without {them} only "
                 f"{without} of min {settings.min_nodes} nodes"
             )
         return text
@@ -544,7 +302,7 @@ def _pick(
     members: tuple[Participant, ...],
     survivors: list[Participant],
     newcomers: list[SeenNode],
-    book: _Book,
+    book: QuarantineBook,
     settings: RendezvousSettings,
 ) -> _Pick:
     """Survivors in their order, then newcomers by arrival, up to max.
@@ -610,29 +368,20 @@ def _in_units(
 
 def _spares(waiting: int, running: int, settings: RendezvousSettings) -> str:
     """What the registered nodes outside a running round wait for, as spares."""
-    spares = _plural(waiting, "spare")
+    spares = plural(waiting, "spare")
     if running >= settings.max_nodes:
         return f"{spares}, max {settings.max_nodes} reached"
     return f"{spares}, node unit {settings.node_unit}"
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def _seconds(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    return f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
-
-
-def _earliest(a: float | None, b: float | None) -> float | None:
+def earliest(a: float | None, b: float | None) -> float | None:
+    """The earlier of two times to look again, either of which may be none."""
     return b if a is None else a if b is None else min(a, b)
 
 
 def _waiting(registered: list[str], settings: RendezvousSettings) -> str:
-    names = f": {_names(sorted(registered))}" if registered else ""
+    listed = f": {names(sorted(registered))}" if registered else ""
     return (
         f"waiting for nodes: {len(registered)} of min {settings.min_nodes} registered "
-        f"(max {settings.max_nodes}){names}"
+        f"(max {settings.max_nodes}){listed}"
     )

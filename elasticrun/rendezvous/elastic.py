@@ -37,7 +37,6 @@ from elasticrun.errors import (
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.rendezvous.codec import decode, encode
-from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.job_records import JobRecords
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.leader import DETAIL_LIMIT, Leader, close_job
@@ -58,6 +57,7 @@ from elasticrun.rendezvous.records import (
 )
 from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.rounds import Placed, RankShard, RoundHead, shard_of
+from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.rendezvous.stacks import ANSWER_WAIT, JobStacks, answer, ask, conclude, gather, new_request
 from elasticrun.store.api import EventType, RangeResult, Store
 

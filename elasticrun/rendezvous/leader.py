@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from elasticrun.errors import RendezvousError, StoreError, StoreGoneError
 from elasticrun.rendezvous.codec import decode, encode
-from elasticrun.rendezvous.decide import Decision, RendezvousSettings, SeenNode, View, decide
+from elasticrun.rendezvous.decide import decide, earliest
 from elasticrun.rendezvous.job_records import JobRecords
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.liveness import Verdict, probe
@@ -33,7 +33,10 @@ from elasticrun.rendezvous.records import (
     StepReport,
 )
 from elasticrun.rendezvous.rounds import Round, RoundHead, split_round
+from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.rendezvous.stragglers import Judgement, judge
+from elasticrun.rendezvous.view import Decision, SeenNode, View
+from elasticrun.rendezvous.wording import plural
 from elasticrun.store.api import EventType, RangeResult, Store, WatchEvent
 
 log = logging.getLogger("elasticrun.rendezvous")
@@ -184,7 +187,7 @@ class Leader:
                     recheck = decision.recheck_at
                     held = len(self._quarantine.active(self._clock()))  # nodes kept out now
                     if self._published != (decision.reason, held):
-                        recheck = _earliest(recheck, await self._publish(decision, held))
+                        recheck = earliest(recheck, await self._publish(decision, held))
                 wake = self._rest_until if stale and not awaiting_write else recheck
                 try:
                     async with asyncio.timeout(None if wake is None else max(wake - self._clock(), 0.0)):
@@ -443,7 +446,7 @@ class Leader:
     async def _record_round(self, new_round: Round) -> None:
         """Log the round in the job's events, and prune the oldest events."""
         keys, at = self._keys, new_round.opened_at
-        world = f"{_plural(len(new_round.participants), 'node')}, world size {new_round.world_size}"
+        world = f"{plural(len(new_round.participants), 'node')}, world size {new_round.world_size}"
         detail = f"round {new_round.number} ({world}): {new_round.reason}"
         event = Event(at=at, node=self._node_id, kind="round", detail=detail)
         await self._store.put(keys.event(at, event.node), encode(event))
@@ -686,17 +689,9 @@ async def clear_job_records(store: Store, keys: Keys) -> None:
         await store.delete_prefix(folder)
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 def _ordinal(n: int) -> str:
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
-
-
-def _earliest(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else min(a, b)
 
 
 def _registration(value: bytes) -> NodeInfo | None:

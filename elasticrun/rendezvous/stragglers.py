@@ -31,9 +31,10 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.records import StepReport, Straggler, StragglerReport
 from elasticrun.rendezvous.rounds import Round
+from elasticrun.rendezvous.settings import RendezvousSettings
+from elasticrun.rendezvous.wording import step_time
 
 #: steps a node's workers must have made in the round before the node is scored: the
 #: first steps of a round carry its start (compilation, warm-up)
@@ -161,10 +162,6 @@ def _reason(report: StepReport, score: NodeScore, others: float) -> str:
         else "as slow since the round began"
     )
     return (
-        f"compute {_seconds(report.compute)} a step, {score.relative:.1f}x the other nodes' median "
-        f"({_seconds(others)}); {trend} (slowest: worker rank {report.rank})"
+        f"compute {step_time(report.compute)} a step, {score.relative:.1f}x the other nodes' median "
+        f"({step_time(others)}); {trend} (slowest: worker rank {report.rank})"
     )
-
-
-def _seconds(value: float) -> str:
-    return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.2f}s"

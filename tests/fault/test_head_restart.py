@@ -27,9 +27,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from elasticrun.errors import StoreGoneError
-from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.records import JobSpec, NodeInfo
+from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.server.store_server import StoreServer
 from tests.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id

@@ -30,10 +30,10 @@ import pytest
 from elasticrun.launcher.control import JobTarget, read_job
 from elasticrun.launcher.status_cmd import as_json, render
 from elasticrun.rendezvous.codec import decode
-from elasticrun.rendezvous.decide import RendezvousSettings
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import JobSpec, NodeInfo, QuarantineEntry, QuarantineTable
+from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.settings import StoreAccess
 from tests.elastic_cluster import Cluster, Proc, run_id
