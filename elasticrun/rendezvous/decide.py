@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from elasticrun.rendezvous.quarantine import QuarantineBook
+from elasticrun.rendezvous.records import RestartRequest
 from elasticrun.rendezvous.rounds import Participant, Round
 from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.rendezvous.view import Decision, SeenNode, View
@@ -81,6 +82,82 @@ def _hold_kept_out(view: View, book: QuarantineBook) -> tuple[str, ...]:
 
 
 def _decide(view: View, settings: RendezvousSettings, now: float, book: QuarantineBook) -> Decision:
+    """The policy in order: a member lost, a worker failure, else who joins or leaves."""
+    case = _assess(view, settings, now, book)
+    if case.lost:
+        return _after_loss(case)
+    restart = _pending_restart(view)
+    if restart is not None:
+        return _after_failure(case, restart)
+    pick = _pick(case.members, case.survivors, case.newcomers, book, settings)
+    slow_note = ""
+    if view.slow and case.members and not pick.kept_out:
+        slow_note = _keep_out_slow(view.slow, case.members, case.survivors, case.newcomers, book, settings)
+        if not slow_note:
+            pick = _pick(case.members, case.survivors, case.newcomers, book, settings)
+    held = book.held_note(view.nodes, [p.node_id for p in pick.group]) + slow_note
+    if case.members and pick.kept_out and len(pick.group) >= settings.min_nodes:
+        return _replace_quarantined(case, pick, held)
+    if case.current is not None and case.members:
+        return _running(case, case.current, pick, held)
+    return _forming(case, pick, held)
+
+
+@dataclass(slots=True)
+class _Case:
+    """What became of the current round's members, and the next round's number and budget."""
+
+    view: View
+    settings: RendezvousSettings
+    now: float
+    book: QuarantineBook
+    current: Round | None
+    members: tuple[Participant, ...]
+    #: members still registered and alive, in their order
+    survivors: list[Participant]
+    #: members gone: their registration vanished, or found dead (`dead`)
+    missing: list[str]
+    #: members registered again since they ran the round: they left it
+    back: list[str]
+    #: registered nodes that are not members
+    newcomers: list[SeenNode]
+    number: int
+    restarts: int
+    forgiven: int
+    #: members found dead by the liveness check
+    dead: tuple[str, ...]
+
+    @property
+    def lost(self) -> list[str]:
+        return self.missing + self.back
+
+    def open_round(
+        self, group: list[Participant], reason: str, restart_count: int | None = None, forgiven_count: int | None = None
+    ) -> Decision:
+        return Decision(
+            reason=reason,
+            dead=self.dead,
+            round=Round(
+                number=self.number,
+                participants=tuple(group),
+                restart_count=self.restarts if restart_count is None else restart_count,
+                reason=reason,
+                opened_at=0.0,  # stamped with wall time by the writer
+                forgiven=self.forgiven if forgiven_count is None else forgiven_count,
+            ),
+        )
+
+
+def _pending_restart(view: View) -> RestartRequest | None:
+    """The restart request of the current round, if a member asked for one."""
+    current, restart = view.round, view.restart
+    if current is not None and current.participants and restart is not None and restart.round == current.number:
+        return restart
+    return None
+
+
+def _assess(view: View, settings: RendezvousSettings, now: float, book: QuarantineBook) -> _Case:
+    """Who of the current round is still there, who is lost, who is new."""
     current = view.round
     members = current.participants if current else ()
     # A member registered with a round at or past the current one has run it and
@@ -98,9 +175,8 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: Quaranti
     number = max([number_now, *(i.ran_round for i in ran)]) + 1
     restarts = max([current.restart_count if current else 0, *(i.ran_restarts for i in ran)])
     forgiven = max([current.forgiven if current else 0, *(i.ran_forgiven for i in ran)])
-    restart = view.restart
     dead: tuple[str, ...] = ()
-    if current is not None and members and restart is not None and restart.round == current.number:
+    if _pending_restart(view) is not None:
         # A member that has not answered the liveness ping within a lease TTL is dead,
         # whether or not the store has expired its lease yet (etcd expires leases late):
         # failing the job, or restarting with it, would blame the living for its death.
@@ -112,122 +188,119 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: Quaranti
             survivors = [p for p in survivors if p.node_id not in gone]
             missing += sorted(gone)
             dead = tuple(sorted(gone))
-    lost = missing + back
     not_new = set(missing) | {p.node_id for p in survivors}
     newcomers = [n for n in view.nodes.values() if n.info.node_id not in not_new]
+    return _Case(
+        view=view, settings=settings, now=now, book=book, current=current, members=members, survivors=survivors,
+        missing=missing, back=back, newcomers=newcomers, number=number, restarts=restarts, forgiven=forgiven,
+        dead=dead,
+    )
 
-    def open_round(
-        group: list[Participant], reason: str, restart_count: int = restarts, forgiven_count: int = forgiven
-    ) -> Decision:
+
+def _after_loss(case: _Case) -> Decision:
+    """Members left: the next round at once, with whoever can take part, or an empty one."""
+    view, settings, book, current = case.view, case.settings, case.book, case.current
+    assert current is not None
+    # A node that drops out of rounds while the others stay is flapping (one that
+    # said it leaves, drained or not, is not: it was preempted or asked). When no
+    # member stayed, the store stalled or restarted (or the whole job went down):
+    # that is nobody's fault, and counting it would quarantine every node.
+    if case.survivors and book.counts(current.number):
+        for node_id in case.missing:
+            if node_id not in view.draining and node_id not in view.departed:
+                book.count(node_id, f"dropped out of round {current.number}")
+    pick = _pick(case.members, case.survivors, case.newcomers, book, settings)
+    reason = _lost_reason(case.missing, case.back, view)
+    if set(case.dead) & view.refused:
+        reason += f" (agent gone: {names(sorted(set(case.dead) & view.refused))} refused the liveness check)"
+    if len(pick.group) >= settings.min_nodes:
+        return case.open_round(pick.group, reason + pick.joined + pick.notes(book, settings))
+    # Too few to continue: an empty round stops the survivors' workers now.
+    registered = _waiting(list(view.nodes), settings)
+    return case.open_round([], f"{reason}{pick.notes(book, settings)}; {registered}{book.held_note(view.nodes, ())}")
+
+
+def _after_failure(case: _Case, restart: RestartRequest) -> Decision:
+    """A member's workers failed: once every member showed it is alive, restart them all."""
+    view, settings, book = case.view, case.settings, case.book
+    # A peer that died breaks the others' collectives too, and their workers fail
+    # before its lease expires. Only when every member shows it is alive is this a
+    # worker failure (spending the budget); a dead one's lease expires first.
+    unanswered = [p.node_id for p in case.members if p.node_id not in view.acks]
+    deadline = view.restart_seen_at + settings.heartbeat_ttl
+    if unanswered and case.now < deadline:
         return Decision(
-            reason=reason,
-            dead=dead,
-            round=Round(
-                number=number,
-                participants=tuple(group),
-                restart_count=restart_count,
-                reason=reason,
-                opened_at=0.0,  # stamped with wall time by the writer
-                forgiven=forgiven_count,
-            ),
-        )
-
-    if lost:
-        assert current is not None
-        # A node that drops out of rounds while the others stay is flapping (one that
-        # said it leaves, drained or not, is not: it was preempted or asked). When no
-        # member stayed, the store stalled or restarted (or the whole job went down):
-        # that is nobody's fault, and counting it would quarantine every node.
-        if survivors and book.counts(current.number):
-            for node_id in missing:
-                if node_id not in view.draining and node_id not in view.departed:
-                    book.count(node_id, f"dropped out of round {current.number}")
-        pick = _pick(members, survivors, newcomers, book, settings)
-        reason = _lost_reason(missing, back, view)
-        if set(dead) & view.refused:
-            reason += f" (agent gone: {names(sorted(set(dead) & view.refused))} refused the liveness check)"
-        if len(pick.group) >= settings.min_nodes:
-            return open_round(pick.group, reason + pick.joined + pick.notes(book, settings))
-        # Too few to continue: an empty round stops the survivors' workers now.
-        registered = _waiting(list(view.nodes), settings)
-        return open_round([], f"{reason}{pick.notes(book, settings)}; {registered}{book.held_note(view.nodes, ())}")
-
-    if current is not None and members and restart is not None and restart.round == current.number:
-        # A peer that died breaks the others' collectives too, and their workers fail
-        # before its lease expires. Only when every member shows it is alive is this a
-        # worker failure (spending the budget); a dead one's lease expires first.
-        unanswered = [p.node_id for p in members if p.node_id not in view.acks]
-        deadline = view.restart_seen_at + settings.heartbeat_ttl
-        if unanswered and now < deadline:
-            return Decision(
-                reason=f"worker failure on {restart.node_id}: checking that every node is "
-                f"alive (no answer yet from {names(unanswered)})",
-                recheck_at=deadline,
-                ping=current.number,
-            )
-        if restart.final:
-            return Decision(
-                reason=f"job failed on {restart.node_id}: {restart.reason}", fail=restart.report or restart.reason
-            )
-        if book.counts(restart.round):
-            book.count(restart.node_id, f"worker failure: {restart.reason}")
-        pick = _pick(members, survivors, newcomers, book, settings)
-        free = " (forgiven: the workers had made progress)" if restart.forgiven else ""
-        return open_round(
-            pick.group,
-            f"restart after a worker failure on {restart.node_id}: {restart.reason}{free}"
-            f"{pick.joined}{pick.notes(book, settings)}",
-            restart_count=restarts + 1,
-            forgiven_count=forgiven + restart.forgiven,
-        )
-
-    pick = _pick(members, survivors, newcomers, book, settings)
-    slow_note = ""
-    if view.slow and members and not pick.kept_out:
-        slow_note = _keep_out_slow(view.slow, members, survivors, newcomers, book, settings)
-        if not slow_note:
-            pick = _pick(members, survivors, newcomers, book, settings)
-    group, admitted = pick.group, pick.admitted
-    held = book.held_note(view.nodes, [p.node_id for p in group]) + slow_note
-    if members and pick.kept_out and len(group) >= settings.min_nodes:
-        # A member under quarantine (a new leader found it so, or it was only kept
-        # while the job needed it) goes: at once when the others are enough, else
-        # after the last call for the newcomers that take its place. Free.
-        reason = f"quarantined {names(pick.kept_out)}{pick.joined}{pick.notes(book, settings)}"
-        if len(group) - len(admitted) >= settings.min_nodes or len(group) >= settings.max_nodes:
-            return open_round(group, reason)
-        deadline = book.arrival(admitted[0]) + settings.last_call
-        if now >= deadline:
-            return open_round(group, reason)
-        return Decision(
-            reason=f"last call for more nodes: {len(admitted)} waiting to replace quarantined "
-            f"{names(pick.kept_out)}{held}",
+            reason=f"worker failure on {restart.node_id}: checking that every node is "
+            f"alive (no answer yet from {names(unanswered)})",
             recheck_at=deadline,
+            ping=restart.round,
         )
-
-    if current is not None and members:
-        if not admitted:
-            blocked = book.held()
-            waiting = [n for n in newcomers if n.info.node_id not in blocked]
-            full = f" ({_spares(len(waiting), len(members), settings)})" if waiting else ""
-            return Decision(reason=f"round {current.number} running with {plural(len(members), 'node')}{full}{held}")
-        # the last call runs from the arrival that completed the first new unit
-        deadline = book.arrival(admitted[min(settings.node_unit, len(admitted)) - 1]) + settings.last_call
-        if len(group) >= settings.max_nodes or now >= deadline:
-            notes = pick.notes(book, settings)
-            return open_round(group, f"scale up to {plural(len(group), 'node')}{pick.joined}{notes}")
+    if restart.final:
         return Decision(
-            reason=f"last call for more nodes: {len(admitted)} waiting to join "
-            f"{len(members)} running (max {settings.max_nodes}){held}",
-            recheck_at=deadline,
+            reason=f"job failed on {restart.node_id}: {restart.reason}", fail=restart.report or restart.reason
         )
+    if book.counts(restart.round):
+        book.count(restart.node_id, f"worker failure: {restart.reason}")
+    pick = _pick(case.members, case.survivors, case.newcomers, book, settings)
+    free = " (forgiven: the workers had made progress)" if restart.forgiven else ""
+    return case.open_round(
+        pick.group,
+        f"restart after a worker failure on {restart.node_id}: {restart.reason}{free}"
+        f"{pick.joined}{pick.notes(book, settings)}",
+        restart_count=case.restarts + 1,
+        forgiven_count=case.forgiven + restart.forgiven,
+    )
 
+
+def _replace_quarantined(case: _Case, pick: _Pick, held: str) -> Decision:
+    """A member under quarantine goes, free: at once, or after a last call for its stand-in.
+
+    At once when the others are enough; else the newcomers that take its place get the
+    last call. A new leader found it quarantined, or it was only kept while the job
+    needed it."""
+    settings, group, admitted = case.settings, pick.group, pick.admitted
+    reason = f"quarantined {names(pick.kept_out)}{pick.joined}{pick.notes(case.book, settings)}"
+    if len(group) - len(admitted) >= settings.min_nodes or len(group) >= settings.max_nodes:
+        return case.open_round(group, reason)
+    deadline = case.book.arrival(admitted[0]) + settings.last_call
+    if case.now >= deadline:
+        return case.open_round(group, reason)
+    return Decision(
+        reason=f"last call for more nodes: {len(admitted)} waiting to replace quarantined "
+        f"{names(pick.kept_out)}{held}",
+        recheck_at=deadline,
+    )
+
+
+def _running(case: _Case, current: Round, pick: _Pick, held: str) -> Decision:
+    """A round runs: it goes on, or scales up after the last call for the newcomers."""
+    settings, members, group, admitted = case.settings, case.members, pick.group, pick.admitted
+    if not admitted:
+        blocked = case.book.held()
+        waiting = [n for n in case.newcomers if n.info.node_id not in blocked]
+        full = f" ({_spares(len(waiting), len(members), settings)})" if waiting else ""
+        return Decision(reason=f"round {current.number} running with {plural(len(members), 'node')}{full}{held}")
+    # the last call runs from the arrival that completed the first new unit
+    deadline = case.book.arrival(admitted[min(settings.node_unit, len(admitted)) - 1]) + settings.last_call
+    if len(group) >= settings.max_nodes or case.now >= deadline:
+        notes = pick.notes(case.book, settings)
+        return case.open_round(group, f"scale up to {plural(len(group), 'node')}{pick.joined}{notes}")
+    return Decision(
+        reason=f"last call for more nodes: {len(admitted)} waiting to join "
+        f"{len(members)} running (max {settings.max_nodes}){held}",
+        recheck_at=deadline,
+    )
+
+
+def _forming(case: _Case, pick: _Pick, held: str) -> Decision:
+    """No round runs: wait for min nodes, then the last call, then form the first."""
+    settings, group, admitted = case.settings, pick.group, pick.admitted
     if len(group) < settings.min_nodes:
-        return Decision(reason=_waiting([n.info.node_id for n in newcomers], settings) + held)
-    deadline = book.arrival(admitted[settings.min_nodes - 1]) + settings.last_call
-    if len(admitted) >= settings.max_nodes or now >= deadline:
-        formed = names([p.node_id for p in group])
-        return open_round(group, f"formed with {plural(len(group), 'node')}: {formed}{pick.notes(book, settings)}")
+        return Decision(reason=_waiting([n.info.node_id for n in case.newcomers], settings) + held)
+    deadline = case.book.arrival(admitted[settings.min_nodes - 1]) + settings.last_call
+    if len(admitted) >= settings.max_nodes or case.now >= deadline:
+        formed = f"{plural(len(group), 'node')}: {names([p.node_id for p in group])}"
+        return case.open_round(group, f"formed with {formed}{pick.notes(case.book, settings)}")
     return Decision(
         reason=f"last call for more nodes: {len(admitted)} registered "
         f"(min {settings.min_nodes}, max {settings.max_nodes}){held}",
