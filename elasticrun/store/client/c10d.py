@@ -22,11 +22,10 @@ import grpc
 from elasticrun.errors import StoreTimeoutError
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
+from elasticrun.store.backoff import Backoff
 from elasticrun.store.client.dial import (
     CLIENT_OPTIONS,
     ETCD_STATUS_METHOD,
-    FIRST_BACKOFF,
-    MAX_BACKOFF,
     PROBE_TIMEOUT,
     call_metadata,
     credentials,
@@ -81,9 +80,8 @@ class C10dClient:
         `wait` is how long the server may hold a waiting call (0: no limit); the
         deadline is that plus `timeout`, and the retries stop after `timeout`.
         """
-        start = time.monotonic()
-        deadline = None if wait == 0 else start + self.timeout + (wait or 0.0)
-        delay = FIRST_BACKOFF
+        retries = Backoff(self.timeout)
+        deadline = None if wait == 0 else retries.deadline + (wait or 0.0)
         while True:
             try:
                 return method(
@@ -97,10 +95,9 @@ class C10dClient:
                 refusal = tls_refusal(self.endpoint, self._tls, self._client_tls) if hung_up(e) else None
                 if refusal is not None:
                     raise refusal from None
-                if not retryable(e) or time.monotonic() + delay >= start + self.timeout:
+                if not retryable(e) or retries.out_of_time():
                     raise error_from(e, self.endpoint) from None
-            time.sleep(delay)
-            delay = min(2 * delay, MAX_BACKOFF)
+            time.sleep(retries.pause())
 
     def _answers_etcd(self, error: grpc.RpcError) -> bool:
         """Whether the gRPC server that lacks our service is etcd (asked without our token)."""

@@ -2,7 +2,7 @@
 
 `GrpcStore` (async, `store/client/grpc_store.py`) and `C10dClient` (blocking, `store/client/c10d.py`)
 dial the server the same way (endpoint check, channel options, TLS, the token header),
-retry the same failures with the same backoff, and turn a gRPC status into our errors
+retry the same failures with the same backoff (`store/backoff.py`), and turn a gRPC status into our errors
 through one table, so both report an unreachable or refusing server alike. Kept apart
 from either client so that a worker loading the blocking one does not load the other.
 """
@@ -35,11 +35,6 @@ from elasticrun.store.wire import (
     TlsKeyPair,
     bearer,
 )
-
-#: The first pause before retrying a call that found the server unreachable, and the
-#: longest: the pause doubles in between.
-FIRST_BACKOFF = 0.05
-MAX_BACKOFF = 1.0
 
 #: Reconnect fast (grpc's default backoff grows to two minutes); ping idle connections
 #: so that a dead server is noticed by a quiet watch too.

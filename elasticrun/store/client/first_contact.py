@@ -29,12 +29,11 @@ from collections.abc import Callable, Sequence
 
 from elasticrun.errors import StoreUnavailableError
 from elasticrun.store.api import Store
+from elasticrun.store.backoff import Backoff
 
 #: after this long without an answer, a command says what it is connecting to
 NOTICE_AFTER = 1.0
 
-_FIRST_BACKOFF = 0.05
-_MAX_BACKOFF = 1.0
 #: the least time a try is given, the last one too: a refusal comes back in microseconds
 _LAST_TRY = 0.25
 
@@ -85,21 +84,18 @@ def _proxied() -> bool:
 
 async def _reach(endpoints: Sequence[str], timeout: float, patient: bool, tried: list[str]) -> None:
     """Return once one endpoint takes a TCP connection (see `first_contact`)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    delay = _FIRST_BACKOFF
+    retries = Backoff(timeout, clock=asyncio.get_running_loop().time)
     while True:
-        cause = await _reach_any(endpoints, max(deadline - loop.time(), _LAST_TRY))
+        cause = await _reach_any(endpoints, max(retries.left(), _LAST_TRY))
         if cause is None:
             return
         tried.append(cause)
         if not patient:
             raise StoreUnavailableError(",".join(endpoints), f"{cause}; {CHECK}")
-        left = deadline - loop.time()
+        left = retries.left()
         if left <= 0:
             raise StoreUnavailableError(",".join(endpoints), f"{cause} (gave up after {timeout:g} s)")
-        await asyncio.sleep(min(delay, left))
-        delay = min(2 * delay, _MAX_BACKOFF)
+        await asyncio.sleep(min(retries.pause(), left))
 
 
 async def _reach_any(endpoints: Sequence[str], timeout: float) -> str | None:

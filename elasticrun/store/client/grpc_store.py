@@ -46,11 +46,10 @@ from elasticrun.store.api import (
     Store,
     WatchEvent,
 )
+from elasticrun.store.backoff import Backoff
 from elasticrun.store.client.dial import (
     CLIENT_OPTIONS,
     ETCD_STATUS_METHOD,
-    FIRST_BACKOFF,
-    MAX_BACKOFF,
     PROBE_TIMEOUT,
     call_metadata,
     credentials,
@@ -134,16 +133,13 @@ class GrpcStore(Store):
 
     async def _retried(self, attempt: Callable[[float], Awaitable[_T]], *, lease: int = 0) -> _T:
         """`attempt(timeout)` under the deadline, tried again with backoff while the server is unreachable."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
-        delay = FIRST_BACKOFF
+        retries = Backoff(self.timeout, clock=asyncio.get_running_loop().time)
         while True:
             try:
-                return await attempt(max(deadline - loop.time(), 0.0))
+                return await attempt(retries.left())
             except grpc.aio.AioRpcError as e:
-                await self._retry_or_raise(e, lease, out_of_time=loop.time() + delay >= deadline)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, MAX_BACKOFF)
+                await self._retry_or_raise(e, lease, out_of_time=retries.out_of_time())
+            await asyncio.sleep(retries.pause())
 
     async def _retry_or_raise(self, error: grpc.RpcError, lease: int = 0, *, out_of_time: bool = False) -> None:
         """Return if `error` is worth another try, else raise what it means.
@@ -271,25 +267,22 @@ class GrpcStore(Store):
 
     async def keep_alive(self, lease: int) -> None:
         """Keep the lease alive over the shared keep-alive stream (reopened as needed)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
-        delay = FIRST_BACKOFF
+        retries = Backoff(self.timeout, clock=asyncio.get_running_loop().time)
         while True:
             if self._keepalive is None or self._keepalive.broken is not None:
                 self._keepalive = _KeepAliveStream(
                     self._stub.LeaseKeepAlive(metadata=self._metadata)
                 )
             try:
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(retries.deadline):
                     reply = await self._keepalive.send(lease)
             except TimeoutError:
                 raise StoreUnavailableError(
                     self.endpoint, f"no keep-alive reply within {self.timeout:g} s"
                 ) from None
             except grpc.aio.AioRpcError as e:
-                await self._retry_or_raise(e, lease, out_of_time=loop.time() + delay >= deadline)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, MAX_BACKOFF)
+                await self._retry_or_raise(e, lease, out_of_time=retries.out_of_time())
+                await asyncio.sleep(retries.pause())
                 continue
             if reply.expired:
                 raise LeaseExpiredError(lease)
@@ -306,8 +299,7 @@ class GrpcStore(Store):
         loop = asyncio.get_running_loop()
         cursor = max(start_revision, 1)
         history_id: int | None = None
-        lost_since: float | None = None  # when the stream broke, while reconnecting
-        delay = FIRST_BACKOFF
+        retries: Backoff | None = None  # from when the stream broke, while reconnecting
         while True:
             call = self._stub.Watch(
                 pb.WatchRequest(key=key, prefix=prefix, start_revision=cursor),
@@ -321,7 +313,7 @@ class GrpcStore(Store):
                     elif reply.store_id != history_id:
                         # A different server memory: none of our revisions exist there.
                         raise CompactedError(cursor, 0)
-                    lost_since, delay = None, FIRST_BACKOFF
+                    retries = None
                     if reply.compact_revision:
                         raise CompactedError(cursor, reply.compact_revision)
                     for event in reply.events:
@@ -337,15 +329,13 @@ class GrpcStore(Store):
             finally:
                 call.cancel()
             # The stream ended or broke: resume from `cursor` until the deadline.
-            now = loop.time()
-            lost_since = now if lost_since is None else lost_since
-            if now - lost_since + delay >= self.timeout:
+            retries = retries or Backoff(self.timeout, clock=loop.time)
+            if retries.out_of_time():
                 cause = error.details() if error is not None else "the watch stream ended"
                 raise StoreUnavailableError(
                     self.endpoint, f"{cause} (watch lost for {self.timeout:g} s)"
                 )
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, MAX_BACKOFF)
+            await asyncio.sleep(retries.pause())
 
     async def close(self) -> None:
         if self._keepalive is not None:

@@ -20,6 +20,7 @@ import grpc
 from pyetcd import etcdrpc
 
 from elasticrun.errors import StoreError, StoreUnavailableError
+from elasticrun.store.backoff import Backoff
 from elasticrun.store.client.dial import plain_cause
 from elasticrun.store.etcd.error_table import WRONG_ENDPOINT, Kind, classify, rpc_facts, store_error
 from elasticrun.store.wire import TlsKeyPair
@@ -74,11 +75,11 @@ class _Attempts:
 
     endpoint_list: str
     endpoint_count: int
-    deadline: float
+    #: the operation's deadline, and the pauses once every endpoint failed in a row
+    backoff: Backoff
     tls: bool
     causes: dict[str, str] = field(default_factory=dict)
     in_a_row: int = 0
-    pause: float = _RETRY_PAUSE_FIRST
     attempt_timeout: float = FIRST_ATTEMPT_TIMEOUT
     renewed_token: bool = False
     #: the error of each endpoint found to be no (usable) etcd server
@@ -89,7 +90,7 @@ class _Attempts:
         return min(self._remaining(), self.attempt_timeout)
 
     def _remaining(self) -> float:
-        left = self.deadline - time.monotonic()
+        left = self.backoff.left()
         if left <= 0:
             cause = "; ".join(f"{ep}: {why}" for ep, why in self.causes.items())
             if not self.tls and "socket closed" in cause.lower():
@@ -110,9 +111,7 @@ class _Attempts:
         self.in_a_row += 1
         if self.in_a_row % self.endpoint_count:
             return 0.0
-        pause = max(0.0, min(self.pause * random.uniform(0.5, 1.0), self.deadline - time.monotonic()))
-        self.pause = min(self.pause * 2, _RETRY_PAUSE_MAX)
-        return pause
+        return min(self.backoff.pause() * random.uniform(0.5, 1.0), self.backoff.left())
 
 
 def _timed_out(code: grpc.StatusCode, details: str) -> bool:
@@ -143,10 +142,8 @@ class Cluster:
         self.credentials = credentials
 
     def attempts(self, first_timeout: float = FIRST_ATTEMPT_TIMEOUT) -> _Attempts:
-        deadline = time.monotonic() + self.timeout
-        return _Attempts(
-            self.endpoint_list, len(self._stubs), deadline, self._tls, attempt_timeout=first_timeout
-        )
+        backoff = Backoff(self.timeout, first=_RETRY_PAUSE_FIRST, longest=_RETRY_PAUSE_MAX)
+        return _Attempts(self.endpoint_list, len(self._stubs), backoff, self._tls, attempt_timeout=first_timeout)
 
     def current(self) -> Stubs:
         return self._stubs[self._current]
