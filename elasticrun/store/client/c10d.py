@@ -24,18 +24,14 @@ from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
 from elasticrun.store.backoff import Backoff
 from elasticrun.store.client.dial import (
-    CLIENT_OPTIONS,
     ETCD_STATUS_METHOD,
     PROBE_TIMEOUT,
-    call_metadata,
-    credentials,
+    Dial,
     error_from,
     foreign,
     foreign_error,
-    grpc_target,
     hung_up,
     retryable,
-    tls_refusal,
 )
 from elasticrun.store.wire import DEFAULT_TIMEOUT, TlsKeyPair
 
@@ -59,18 +55,11 @@ class C10dClient:
         client_tls: TlsKeyPair | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
+        self._dial = Dial(endpoint, token=token, tls_ca=tls_ca, client_tls=client_tls, timeout=timeout)
         self.endpoint = endpoint
         self.timeout = timeout
-        self._client_tls = client_tls
-        target = grpc_target(endpoint)
-        creds = credentials(tls_ca, client_tls)
-        self._tls = creds is not None
-        if creds is None:
-            self._channel = grpc.insecure_channel(target, options=CLIENT_OPTIONS)
-        else:
-            self._channel = grpc.secure_channel(target, creds, options=CLIENT_OPTIONS)
+        self._channel = self._dial.channel()
         self._stub = pb_grpc.C10dStoreStub(self._channel)
-        self._metadata = call_metadata(token)
 
     def _call(
         self, method: Callable[..., _T], request: object, wait: float | None = None
@@ -87,12 +76,12 @@ class C10dClient:
                 return method(
                     request,
                     timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0),
-                    metadata=self._metadata,
+                    metadata=self._dial.metadata,
                 )
             except grpc.RpcError as e:
                 if foreign(e):
                     raise foreign_error(e, self.endpoint, etcd=self._answers_etcd(e)) from None
-                refusal = tls_refusal(self.endpoint, self._tls, self._client_tls) if hung_up(e) else None
+                refusal = self._dial.tls_refusal() if hung_up(e) else None
                 if refusal is not None:
                     raise refusal from None
                 if not retryable(e) or retries.out_of_time():

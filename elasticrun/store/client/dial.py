@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -29,6 +30,7 @@ from elasticrun.errors import (
 from elasticrun.store.wire import (
     CLIENT_PING_MS,
     DEFAULT_C10D_PORT,
+    DEFAULT_TIMEOUT,
     MAX_REPLY_BYTES,
     TOKEN_ENV,
     TOKEN_METADATA_KEY,
@@ -89,6 +91,51 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 #: How long a probe of the server may take (`tls_refusal`, etcd's status call): a server answers at once.
 PROBE_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Dial:
+    """Where and how a client reaches the store server: what both clients are made from.
+
+    Checked when made: a malformed endpoint or TLS material grpc refuses fails here,
+    before any call. `timeout` bounds each call with its retries."""
+
+    endpoint: str
+    token: str | None = None
+    #: the CA to trust (PEM): the client speaks TLS
+    tls_ca: bytes | None = None
+    #: the certificate to present to a server that asks for one (mutual TLS)
+    client_tls: TlsKeyPair | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    #: what every call carries: the token's header, when there is a token
+    metadata: tuple[tuple[str, str], ...] = field(init=False)
+    _target: str = field(init=False, repr=False)
+    _credentials: grpc.ChannelCredentials | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_target", grpc_target(self.endpoint))
+        object.__setattr__(self, "metadata", call_metadata(self.token))
+        object.__setattr__(self, "_credentials", credentials(self.tls_ca, self.client_tls))
+
+    @property
+    def tls(self) -> bool:
+        return self._credentials is not None
+
+    def channel(self) -> grpc.Channel:
+        """A blocking channel to the server (the c10d client's)."""
+        if self._credentials is None:
+            return grpc.insecure_channel(self._target, options=CLIENT_OPTIONS)
+        return grpc.secure_channel(self._target, self._credentials, options=CLIENT_OPTIONS)
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        """An asyncio channel to the server, to be made inside the loop that will use it."""
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(self._target, options=CLIENT_OPTIONS)
+        return grpc.aio.secure_channel(self._target, self._credentials, options=CLIENT_OPTIONS)
+
+    def tls_refusal(self) -> StoreAuthError | None:
+        """After the server hung up on this client: the error if it refused our TLS (`tls_refusal`)."""
+        return tls_refusal(self.endpoint, self.tls, self.client_tls)
 
 
 def hung_up(error: grpc.RpcError) -> bool:

@@ -13,7 +13,7 @@ every call fails at once with StoreGoneError, as torchrun's agents do when the a
 hosting their TCPStore dies, rather than after the whole timeout. Whether to wait for a
 new store at the same endpoint (the agent restarted there) is the rendezvous's call
 (`store_host_grace`). Nor are calls retried when the server refuses the
-client's TLS (`channel.tls_refusal`: a plaintext client of a TLS server, a client
+client's TLS (`dial.tls_refusal`: a plaintext client of a TLS server, a client
 certificate the server does not take): StoreAuthError at once.
 
 The blocking client of the c10d operations is `store/client/c10d.py`; what both share
@@ -48,18 +48,14 @@ from elasticrun.store.api import (
 )
 from elasticrun.store.backoff import Backoff
 from elasticrun.store.client.dial import (
-    CLIENT_OPTIONS,
     ETCD_STATUS_METHOD,
     PROBE_TIMEOUT,
-    call_metadata,
-    credentials,
+    Dial,
     error_from,
     foreign,
     foreign_error,
-    grpc_target,
     hung_up,
     retryable,
-    tls_refusal,
 )
 from elasticrun.store.wire import DEFAULT_TIMEOUT, TlsKeyPair
 
@@ -96,12 +92,9 @@ class GrpcStore(Store):
         client_tls: TlsKeyPair | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
+        self._dial = Dial(endpoint, token=token, tls_ca=tls_ca, client_tls=client_tls, timeout=timeout)
         self.endpoint = endpoint
         self.timeout = timeout
-        self._target = grpc_target(endpoint)
-        self._metadata = call_metadata(token)
-        self._credentials = credentials(tls_ca, client_tls)
-        self._client_tls = client_tls
         self._channel: grpc.aio.Channel | None = None
         self._stub_cache: pb_grpc.StoreStub | None = None
         self._keepalive: _KeepAliveStream | None = None
@@ -114,12 +107,7 @@ class GrpcStore(Store):
     def _stub(self) -> pb_grpc.StoreStub:
         # Created on first use, inside the loop that will run it.
         if self._stub_cache is None:
-            if self._credentials is None:
-                self._channel = grpc.aio.insecure_channel(self._target, options=CLIENT_OPTIONS)
-            else:
-                self._channel = grpc.aio.secure_channel(
-                    self._target, self._credentials, options=CLIENT_OPTIONS
-                )
+            self._channel = self._dial.aio_channel()
             self._stub_cache = pb_grpc.StoreStub(self._channel)
         return self._stub_cache
 
@@ -128,7 +116,7 @@ class GrpcStore(Store):
     ) -> _T:
         """One unary call under the deadline, retried with backoff while unreachable."""
         return await self._retried(
-            lambda timeout: method(request, timeout=timeout, metadata=self._metadata), lease=lease
+            lambda timeout: method(request, timeout=timeout, metadata=self._dial.metadata), lease=lease
         )
 
     async def _retried(self, attempt: Callable[[float], Awaitable[_T]], *, lease: int = 0) -> _T:
@@ -150,8 +138,7 @@ class GrpcStore(Store):
             raise foreign_error(error, self.endpoint, etcd=await self._answers_etcd(error)) from None
         worth_it = self._worth_retrying(error)
         if worth_it and hung_up(error):
-            tls = self._credentials is not None
-            refusal = await asyncio.to_thread(tls_refusal, self.endpoint, tls, self._client_tls)
+            refusal = await asyncio.to_thread(self._dial.tls_refusal)
             if refusal is not None:
                 raise refusal from None
         if not worth_it or out_of_time:
@@ -218,7 +205,7 @@ class GrpcStore(Store):
         async def read(timeout: float) -> RangeResult:
             kvs: list[KeyValue] = []
             revision = 0
-            call = self._stub.RangePages(request, timeout=timeout, metadata=self._metadata)
+            call = self._stub.RangePages(request, timeout=timeout, metadata=self._dial.metadata)
             try:
                 async for page in call:
                     kvs.extend(map(_key_value, page.kvs))
@@ -271,7 +258,7 @@ class GrpcStore(Store):
         while True:
             if self._keepalive is None or self._keepalive.broken is not None:
                 self._keepalive = _KeepAliveStream(
-                    self._stub.LeaseKeepAlive(metadata=self._metadata)
+                    self._stub.LeaseKeepAlive(metadata=self._dial.metadata)
                 )
             try:
                 async with asyncio.timeout_at(retries.deadline):
@@ -303,7 +290,7 @@ class GrpcStore(Store):
         while True:
             call = self._stub.Watch(
                 pb.WatchRequest(key=key, prefix=prefix, start_revision=cursor),
-                metadata=self._metadata,
+                metadata=self._dial.metadata,
             )
             try:
                 async for reply in call:
