@@ -59,7 +59,8 @@ async def job():
 async def test_when_every_watchdog_fires_at_once_one_request_stands(job) -> None:
     store, nodes, places = job
     mine = [stacks_of(n._me.node_id, p.rank_offset, p.round, stuck=3) for n, p in zip(nodes, places, strict=True)]
-    results = await asyncio.gather(*(n.job_stacks(m, f"{m.node_id}: hang") for n, m in zip(nodes, mine, strict=True)))
+    asks = (n.control.job_stacks(m, f"{m.node_id}: hang") for n, m in zip(nodes, mine, strict=True))
+    results = await asyncio.gather(*asks)
     assert all(r is not None for r in results)
     requests = {r.request.id for r in results if r is not None}
     assert len(requests) == 1, "one request stood"
@@ -73,20 +74,20 @@ async def test_when_every_watchdog_fires_at_once_one_request_stands(job) -> None
             "5 ranks: in all_reduce (train.py:120)",
         )
     # a node whose watchdog fires moments later takes that summary: no new request
-    again = await nodes[0].job_stacks(mine[0], "a: hang")
+    again = await nodes[0].control.job_stacks(mine[0], "a: hang")
     assert again is not None and again.request.id in requests and not again.answers
 
 
 async def test_a_node_answers_each_request_of_its_round_once_and_none_of_another(job) -> None:
     store, nodes, places = job
     a, keys = nodes[0], Keys("job")
-    asked = asyncio.ensure_future(a.stacks_asked())
+    asked = asyncio.ensure_future(a.control.stacks_asked())
     first = new_request("op", "on demand", places[0].round, 3)
     revision = await ask(store, keys, first, 0)
     assert revision is not None and (await asked).id == first.id
-    await a.answer_stacks(stacks_of("a", places[0].rank_offset, places[0].round))
+    await a.control.answer_stacks(stacks_of("a", places[0].rank_offset, places[0].round))
     # answered: a request of another round is skipped, the next one of this round comes
-    asked = asyncio.ensure_future(a.stacks_asked())
+    asked = asyncio.ensure_future(a.control.stacks_asked())
     other = new_request("op", "stale", places[0].round + 7, 3)
     later = new_request("op", "again", places[0].round, 3)
     r1 = await ask(store, keys, other, revision)

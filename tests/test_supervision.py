@@ -91,7 +91,7 @@ async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
     store.broken = task
     # Something for every task to act on: a write the watches and the leader see, and
     # an event to publish; the keep-alive runs by itself.
-    victim.report_event("test", "poke")
+    victim.control.report_event("test", "poke")
     await store.put(KEYS.job + "poke", b"")
 
     ended = await asyncio.wait_for(victim.round_ended(), 10)

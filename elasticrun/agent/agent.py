@@ -617,7 +617,7 @@ class Agent:
             if report is None or dataclasses.replace(report, at=0.0) == last:
                 continue
             last = dataclasses.replace(report, at=0.0)
-            self.handler.report_steps(report)
+            self.handler.control.report_steps(report)
             if self.metrics is not None:
                 self.metrics.steps(report)
             if report.stalled_since and not stalled:
@@ -721,7 +721,7 @@ class Agent:
             assert self._warden is not None  # run() started it
             workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)
         duplicates = Duplicates(attempt_dir, spec.duplicate_filters) if spec.duplicate_filters else None
-        stacks = GroupStacks(self._stacks, self.handler, workers, stack_files, attempt_dir)
+        stacks = GroupStacks(self._stacks, self.handler.control, workers, stack_files, attempt_dir)
         group = _Group(workers, {}, error_files, stacks, duplicates, steps)
         try:
             for local_rank, proc in workers.procs.items():
@@ -729,7 +729,7 @@ class Agent:
                     proc,
                     (assignment.rank_offset if assignment else 0) + local_rank,
                     plans[local_rank],
-                    publish=self.handler.report_output,
+                    publish=self.handler.control.report_output,
                     prefix_template=spec.log_line_prefix_template,
                     local_rank=local_rank,
                     role=spec.role,
@@ -926,8 +926,8 @@ class Agent:
         if state is not WorkerState.INIT:
             # A wait ("round 3 opened: reading this node's place in it") is every node's
             # at every round: in the job's events it would push the causes out of sight.
-            self.handler.report_event(state.value, reason)
-        self.handler.report_status(
+            self.handler.control.report_event(state.value, reason)
+        self.handler.control.report_status(
             AgentStatus(state.value, reason, self._assignment, self._pids, self._attempts)
         )
 

@@ -5,7 +5,7 @@ One `GroupStacks` per worker group (an attempt's workers). Three moments:
 - `answer`: while the workers run, every request for the job's stacks (an operator's
   `elasticrun stacks`, another node's hang) is answered with a fresh capture.
 - `of_hang`: the progress watchdog found a hang; before the workers stop, capture them,
-  ask every node of the round (`RendezvousHandler.job_stacks`), and log the summary of
+  ask every node of the round (`JobControl.job_stacks`), and log the summary of
   where every rank was (the failure report carries it too).
 - `of_stall`: the node made no step for long (elasticrun.agent.steptimes): the same
   job-wide capture and summary, logged once; the workers run on.
@@ -31,7 +31,7 @@ from elasticrun.agent.stacks import StackCapture, Target, keep
 from elasticrun.agent.watchdog import Hang
 from elasticrun.errors import UsageError
 from elasticrun.loglines import HEADLINE
-from elasticrun.rendezvous.api import Assignment, RendezvousHandler
+from elasticrun.rendezvous.api import Assignment, JobControl
 from elasticrun.rendezvous.records import NodeStacks, RankStacks
 from elasticrun.rendezvous.stack_summary import one_line, render_ranks, summarise
 from elasticrun.rendezvous.stacks import ANSWER_WAIT
@@ -57,13 +57,13 @@ class GroupStacks:
     def __init__(
         self,
         capture: StackCapture,
-        handler: RendezvousHandler,
+        control: JobControl,
         workers: WorkerGroup,
         files: Mapping[int, Path],
         folder: Path,
     ) -> None:
         self._capture = capture
-        self._handler = handler
+        self._control = control
         self._workers = workers
         self._files = dict(files)
         self._folder = folder
@@ -104,10 +104,10 @@ class GroupStacks:
     async def answer(self, assignment: Assignment) -> NoReturn:
         """Answer every request for the job's stacks while the workers run."""
         while True:
-            request = await self._handler.stacks_asked()
+            request = await self._control.stacks_asked()
             mine = await self.capture(assignment, f"asked by {request.by}: {request.reason}", CAPTURE_LIMIT)
             self._answered = (time.monotonic(), mine, self.keep(mine.reason, mine.ranks))
-            await self._handler.answer_stacks(replace(mine, request=request.id))
+            await self._control.answer_stacks(replace(mine, request=request.id))
 
     async def of_hang(self, assignment: Assignment, hang: Hang) -> tuple[list[str], Path | None]:
         """Where every rank of the job was when this node's watchdog found `hang`.
@@ -127,7 +127,7 @@ class GroupStacks:
     async def _job_wide(self, assignment: Assignment, reason: str, headline: str) -> tuple[list[str], Path | None]:
         started = time.monotonic()
         mine = await self.capture(assignment, reason, CAPTURE_LIMIT)
-        job = await self._handler.job_stacks(mine, f"{self._capture.node_id}: {reason}")
+        job = await self._control.job_stacks(mine, f"{self._capture.node_id}: {reason}")
         took = f"{time.monotonic() - started:.2f}s"
         if job is not None:
             lines = list(job.request.summary)

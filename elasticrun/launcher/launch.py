@@ -111,7 +111,7 @@ async def run_node(config: LaunchConfig) -> AgentResult:
         handler, hosted = await _open_handler(config, stack, store_metrics)
         if metrics is not None:
             metrics.quarantine_from(handler.quarantined_nodes)
-            metrics.stragglers_from(handler.straggler_scores)
+            metrics.stragglers_from(handler.control.straggler_scores)
             stack.enter_context(serving(metrics_at, metrics.registry))
         result = await Agent(
             config.worker, handler, watches=watches, reclaim=reclaim, metrics=metrics, events=events,

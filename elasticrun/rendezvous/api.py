@@ -56,15 +56,18 @@ class AgentStatus:
 
 
 class RendezvousHandler(abc.ABC):
-    """One node's handle on the job's rendezvous.
+    """One node's membership in the job's rendezvous.
 
     The agent's loop is: `next_round()`, start workers, then wait for the first of
     (workers ended, `round_ended()`, a signal), and report what happened with
-    `request_restart()`, `fail()`, `finish()` or `leave()`.
+    `request_restart()`, `fail()`, `finish()` or `leave()`. What the node reports for
+    job control, and the job's stacks, go through its `control` channel.
     """
 
     #: the job's id (`--rdzv-id`)
     run_id: str
+    #: this node's reports and the job's stacks (the base: a backend without a store)
+    control: JobControl
 
     @abc.abstractmethod
     async def next_round(self) -> Assignment:
@@ -149,8 +152,17 @@ class RendezvousHandler(abc.ABC):
         await asyncio.Event().wait()
         return ""
 
-    # Stacks, job-wide (rendezvous/stacks.py). Backends without a store have no job to
-    # ask: a node's stacks stay its own.
+
+class JobControl:
+    """One node's channel to job control: its reports, and the job's stacks.
+
+    What `elasticrun status`, `logs`, `stacks` and the leader's straggler check read of
+    this node, apart from its membership (`RendezvousHandler`). This base class is a
+    backend without a store: it publishes nothing, and a node's stacks stay its own;
+    the elastic rendezvous's is `rendezvous/job_control.py`'s.
+    """
+
+    # Stacks, job-wide (rendezvous/stacks.py).
 
     async def stacks_asked(self) -> StacksRequest:
         """Return when someone asks every node for its workers' stacks.
@@ -170,8 +182,8 @@ class RendezvousHandler(abc.ABC):
         summary came in time."""
         return None
 
-    # Reports for job control. Best effort and never blocking: a backend publishes
-    # them in the background (or, without a store, not at all).
+    # Reports for job control. Best effort and never blocking: published in the
+    # background.
 
     def report_status(self, status: AgentStatus) -> None:
         """This node's state changed."""

@@ -21,7 +21,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 
 from elasticrun.errors import (
@@ -35,8 +35,9 @@ from elasticrun.errors import (
     StoreGoneError,
 )
 from elasticrun.loglines import HEADLINE
-from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
+from elasticrun.rendezvous.api import Assignment, RendezvousHandler
 from elasticrun.rendezvous.codec import decode, encode
+from elasticrun.rendezvous.job_control import ElasticJobControl
 from elasticrun.rendezvous.job_records import JobRecords
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.leader import DETAIL_LIMIT, Leader, close_job
@@ -48,17 +49,14 @@ from elasticrun.rendezvous.records import (
     JobSpec,
     Master,
     NodeInfo,
-    NodeStacks,
     Ping,
     QuarantineEntry,
     RestartRequest,
-    StacksRequest,
-    StepReport,
 )
 from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.rounds import Placed, RankShard, RoundHead, shard_of
 from elasticrun.rendezvous.settings import RendezvousSettings
-from elasticrun.rendezvous.stacks import ANSWER_WAIT, JobStacks, answer, ask, conclude, gather, new_request
+from elasticrun.rendezvous.stragglers import Judgement
 from elasticrun.store.api import EventType, RangeResult, Store
 
 log = logging.getLogger("elasticrun.rendezvous")
@@ -68,9 +66,6 @@ log = logging.getLogger("elasticrun.rendezvous")
 WAIT_REPORT_INTERVAL = 5.0
 #: a node waiting this long alone at the store its agent hosts says the endpoint may be wrong
 LONE_HOST_AFTER = 30.0
-#: how much longer than whoever asked a node that joined a request for the job's stacks
-#: waits for the summary (whoever asked waits ANSWER_WAIT for the answers, then writes it)
-SUMMARY_MARGIN = 2.0
 #: seconds between tries to register while the store an agent hosted refuses us. A try
 #: on a refused connection fails at once, without a packet: the client's channel dials
 #: again on its own backoff (at most a second), so a short pause adds little to that.
@@ -160,10 +155,10 @@ class ElasticRendezvous(RendezvousHandler):
         #: the store an agent hosted refused us (its agent is gone), and when it first
         #: did (self._clock): until a store answers there again (see _register_or_wait)
         self._refused: tuple[StoreGoneError, float] | None = None
-        #: the revision of the latest request for the job's stacks this node answered,
-        #: and when (self._clock) this node's watch brought the request record last
-        self._stacks_answered = 0
-        self._stacks_seen_at = -math.inf
+        #: this node's reports and the job's stacks, over its membership
+        self.control: ElasticJobControl = ElasticJobControl(
+            self, store, self._keys, me.node_id, self._reports, clock=clock
+        )
 
     # --- RendezvousHandler -----------------------------------------------------------
 
@@ -260,90 +255,39 @@ class ElasticRendezvous(RendezvousHandler):
             await self._pulse.wait()
         return f"drained: {drain.reason}"
 
-    async def stacks_asked(self) -> StacksRequest:
-        while True:
-            request, revision = self._job.stacks, self._job.stacks_revision
-            if request is not None and not request.done and revision > self._stacks_answered:
-                self._stacks_answered = revision
-                if request.round == self._last_round:  # else: about workers this node no longer runs
-                    return request
-            await self._pulse.wait()
+    # --- what its job control reads (job_control.Membership) ------------------------
 
-    async def answer_stacks(self, stacks: NodeStacks) -> None:
-        lease = self._lease
-        if lease is None or self._lost:
-            return
-        try:
-            await answer(self._store, self._keys, stacks, lease)
-        except StoreError as e:
-            log.debug("could not publish this node's stacks: %s", e)
+    @property
+    def job(self) -> JobRecords:
+        """What this node knows of the job's records (its watch of job/)."""
+        return self._job
 
-    async def job_stacks(self, mine: NodeStacks, reason: str) -> JobStacks | None:
-        """The first request stands.
+    @property
+    def ran(self) -> RoundHead | None:
+        """The round this node last ran."""
+        return self._ran
 
-        A node that finds one of its round made moments ago (all the watchdogs of a hung
-        job fire at once), done or not, or that loses the race to write its own, takes
-        part in it, and only whoever asked reads the answers."""
-        lease, ran = self._lease, self._ran
-        if lease is None or self._lost or ran is None:
-            return None
-        store, keys = self._store, self._keys
-        try:
-            current, at = self._job.stacks, self._job.stacks_revision
-            recent = self._clock() - self._stacks_seen_at < ANSWER_WAIT
-            if current is None or current.round != ran.number or not recent:
-                request = new_request(self._me.node_id, reason, ran.number, ran.nodes)
-                revision = await ask(store, keys, request, at)
-                if revision is not None:
-                    self._stacks_answered = max(self._stacks_answered, revision)
-                    await answer(store, keys, replace(mine, request=request.id), lease)
-                    answers = await gather(store, keys, request.id, revision, ran.nodes, ANSWER_WAIT)
-                    done = await conclude(store, keys, request, revision, list(answers.values()))
-                    return JobStacks(done, tuple(answers.values()))
-                kv = await store.get(keys.stacks)  # another request came first: take part in it
-                if kv is None:
-                    return None
-                current, at = decode(StacksRequest, kv.value), kv.mod_revision
-            if current.done:
-                return JobStacks(current)
-            await answer(store, keys, replace(mine, request=current.id), lease)
-            return await self._summary_of(current.id, at)
-        except StoreError as e:
-            log.debug("could not ask the job's nodes for their stacks: %s", e)
-            return None
+    @property
+    def last_round(self) -> int:
+        """The number of the round this node last ran (0: none yet)."""
+        return self._last_round
 
-    async def _summary_of(self, request_id: str, revision: int) -> JobStacks | None:
-        """Request `request_id` (written at `revision`), once whoever asked concluded it (bounded wait).
+    def live_lease(self) -> int | None:
+        """This node's lease while its membership holds; None before it registers or once lost."""
+        return None if self._lost else self._lease
 
-        None if it did not in time, or a newer request replaced it."""
-        deadline = self._clock() + ANSWER_WAIT + SUMMARY_MARGIN
-        while (left := deadline - self._clock()) > 0:
-            current = self._job.stacks
-            if current is not None and current.id == request_id and current.done:
-                return JobStacks(current)
-            if current is not None and current.id != request_id and self._job.stacks_revision > revision:
-                return None
-            await self._pulse.wait(left)
-        return None
+    async def changed(self, timeout: float | None = None) -> None:
+        """Wait until what this node knows of the job changes, or `timeout` passes."""
+        await self._pulse.wait(timeout)
 
-    def report_status(self, status: AgentStatus) -> None:
-        self._reports.status(status)
-
-    def report_output(self, rank: int, stream: str, lines: list[str]) -> None:
-        self._reports.output(rank, stream, lines)
-
-    def report_event(self, kind: str, detail: str) -> None:
-        self._reports.event(kind, detail)
-
-    def report_steps(self, report: StepReport) -> None:
-        self._reports.steps(report)
-
-    def straggler_scores(self) -> Mapping[str, tuple[float, float, bool]]:
+    def judgement(self) -> Judgement | None:
+        """The straggler verdict of the leader this node runs; None when it does not lead."""
         leader, task = self._leader, self._leader_task
         if leader is None or task is None or task.done():
-            return {}
-        judgement = leader.judgement
-        return {n: (s.relative, s.individual, n in judgement.named) for n, s in judgement.scores.items()}
+            return None
+        return leader.judgement
+
+    # --- RendezvousHandler, continued --------------------------------------------------
 
     async def next_round(self) -> Assignment:
         self._release_port()  # the round it was for is over
@@ -492,7 +436,7 @@ class ElasticRendezvous(RendezvousHandler):
 
     async def leave(self, reason: str, *, keep_out: bool = False) -> None:
         log.info("node %s leaving job '%s': %s", self._me.node_id, self.run_id, reason)
-        self.report_event("left", reason)
+        self._reports.event("left", reason)
         if self._lease is not None and not self._lost:
             # Not bound to the lease: a leader that takes over once we (its leader) are
             # gone still finds it; the leader deletes it once it let us go.
@@ -724,7 +668,7 @@ class ElasticRendezvous(RendezvousHandler):
                     start_revision = event.revision + 1
                     self._job.apply(event.key, event.value if event.type is EventType.PUT else None, event.revision)
                     if event.key == self._keys.stacks:
-                        self._stacks_seen_at = self._clock()
+                        self.control.saw_stacks_request()
                     if event.key == self._keys.leader and event.type is EventType.DELETE:
                         self._leader_seen = None
                         await self._try_lead()

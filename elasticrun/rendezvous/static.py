@@ -14,7 +14,7 @@ import logging
 
 from elasticrun.errors import RendezvousClosedError, RendezvousError, UsageError
 from elasticrun.loglines import HEADLINE
-from elasticrun.rendezvous.api import Assignment, RendezvousHandler
+from elasticrun.rendezvous.api import Assignment, JobControl, RendezvousHandler
 
 logger = logging.getLogger("elasticrun.rendezvous")
 
@@ -60,6 +60,7 @@ class StaticRendezvous(RendezvousHandler):
         if not 0 < master_port < 65536:
             raise UsageError(f"--master-port must be in [1, 65535], got {master_port}")
         self.run_id = run_id
+        self.control = JobControl()  # no store: nothing to publish, no job to ask
         self._next: Assignment | None = Assignment(
             round=0,
             node_rank=node_rank,
