@@ -188,7 +188,8 @@ def _run(config: LaunchConfig) -> AgentResult:
         busy = False
     if threading.current_thread() is threading.main_thread() and not busy:
         return asyncio.run(run_node(config))
-    config = replace(config, worker=replace(config.worker, signals_to_handle=()))
+    worker = config.worker
+    config = replace(config, worker=replace(worker, options=replace(worker.options, signals_to_handle=())))
     outcome: list[AgentResult | BaseException] = []
 
     def run() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import TypeVar
 
-from elasticrun.agent.spec import WorkerSpec
+from elasticrun.agent.spec import WorkerOptions, WorkerSpec
 from elasticrun.rendezvous.static import StaticRendezvous
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,12 +27,17 @@ def write_script(tmp_path: Path, name: str, code: str) -> Path:
 
 
 def make_spec(script: Path, **kwargs: object) -> WorkerSpec:
-    """A spec running `script` with this interpreter, unbuffered, as the launcher does."""
+    """A spec running `script` with this interpreter, unbuffered, as the launcher does.
+
+    The `WorkerOptions` fields among `kwargs` (stop_grace, log_dir, ...) go into its options."""
     kwargs.setdefault("run_id", "test")
     kwargs.setdefault("nproc_per_node", 1)
     kwargs.setdefault("node_id", "node0")
-    kwargs.setdefault("stop_grace", 10.0)
-    return WorkerSpec(entrypoint=(sys.executable, "-u", str(script)), **kwargs)  # type: ignore[arg-type]
+    options = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(WorkerOptions) if f.name in kwargs}
+    options.setdefault("stop_grace", 10.0)
+    return WorkerSpec(
+        entrypoint=(sys.executable, "-u", str(script)), options=WorkerOptions(**options), **kwargs  # type: ignore[arg-type]
+    )
 
 
 def static_for(spec: WorkerSpec, *, node_rank: int = 0, nnodes: int = 1,
@@ -52,14 +58,14 @@ _AGENT_MAIN = """
 import asyncio, json, logging, sys
 from pathlib import Path
 from elasticrun.agent.agent import Agent
-from elasticrun.agent.spec import Std, WorkerSpec
+from elasticrun.agent.spec import Std, WorkerOptions, WorkerSpec
 from elasticrun.rendezvous.static import StaticRendezvous
 logging.basicConfig(level=logging.INFO, format="agent: %(message)s")
 c = json.loads(sys.argv[1])
 spec = WorkerSpec(run_id="test", node_id=f"node{c['node_rank']}",
                   entrypoint=tuple(c["entrypoint"]), nproc_per_node=c["nproc"],
-                  max_restarts=c.get("max_restarts", 0), stop_grace=c.get("stop_grace", 10),
-                  log_dir=Path(c["log_dir"]),
+                  max_restarts=c.get("max_restarts", 0),
+                  options=WorkerOptions(stop_grace=c.get("stop_grace", 10), log_dir=Path(c["log_dir"])),
                   tee={r: Std(c.get("tee", 0)) for r in range(c["nproc"])})
 handler = StaticRendezvous("test", node_rank=c["node_rank"], nnodes=c["nnodes"],
                            nproc_per_node=c["nproc"], master_addr="127.0.0.1",

@@ -100,9 +100,11 @@ def test_the_agents_secrets_are_withheld_and_the_token_comes_as_a_file() -> None
 
 def test_isolated_workers_see_local_rank_0_as_under_virtual_local_rank(tmp_path: Path) -> None:
     """--isolate-gpus: one GPU each, as cuda:0, so set_device(LOCAL_RANK) finds it."""
-    from elasticrun.agent.spec import WorkerSpec
+    from elasticrun.agent.spec import WorkerOptions, WorkerSpec
 
-    spec = WorkerSpec(run_id="r", entrypoint=("x",), nproc_per_node=3, gpu_devices=(6, 2, 3), isolate_gpus=True)
+    spec = WorkerSpec(
+        run_id="r", entrypoint=("x",), nproc_per_node=3, gpu_devices=(6, 2, 3), options=WorkerOptions(isolate_gpus=True)
+    )
     env = worker_env(spec, ASSIGNMENT, 2, {"ELASTICRUN_LOCAL_RANK": "9"}, tmp_path / "e.json")
     assert (env["LOCAL_RANK"], env["CUDA_VISIBLE_DEVICES"], env["ELASTICRUN_LOCAL_RANK"]) == ("0", "3", "2")
     plain = worker_env(WorkerSpec(run_id="r", entrypoint=("x",), nproc_per_node=3), ASSIGNMENT, 2,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.agent.agent import Action, Agent, AgentResult, Outcome, decide
-from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
+from elasticrun.agent.spec import Std, WorkerOptions, WorkerSpec, WorkerState
 from elasticrun.errors import EXIT_INFRASTRUCTURE, RendezvousClosedError, WorkerStartError
 from tests.agent_helpers import (
     kill_and_reap,
@@ -207,7 +207,7 @@ async def test_a_missing_executable_is_a_start_error(tmp_path: Path) -> None:
         node_id="node0",
         entrypoint=(str(tmp_path / "missing"),),
         nproc_per_node=1,
-        log_dir=tmp_path / "logs",
+        options=WorkerOptions(log_dir=tmp_path / "logs"),
     )
     with pytest.raises(WorkerStartError, match="missing"):
         await Agent(spec, static_for(spec)).run()

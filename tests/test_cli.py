@@ -253,12 +253,12 @@ def test_a_torchrun_command_line_with_underscores_builds_the_whole_config(tmp_pa
     assert (s.join_timeout, s.heartbeat_ttl) == (9.0, 4.0)
     w = cfg.worker
     assert w.entrypoint == (sys.executable, "-u", str(SPEAK), "--epochs", "3")
-    assert (w.nproc_per_node, w.max_restarts, w.role, w.stop_grace) == (2, 3, "trainer", 4.0)
+    assert (w.nproc_per_node, w.max_restarts, w.role, w.options.stop_grace) == (2, 3, "trainer", 4.0)
     assert w.redirects == {0: Std.ALL, 1: Std.OUT}
     assert w.tee == {0: Std.ERR, 1: Std.ERR}
-    assert w.local_ranks_filter == frozenset({0})
-    assert w.log_dir == tmp_path
-    assert [s.name for s in w.signals_to_handle] == ["SIGTERM", "SIGUSR1"]
+    assert w.options.local_ranks_filter == frozenset({0})
+    assert w.options.log_dir == tmp_path
+    assert [s.name for s in w.options.signals_to_handle] == ["SIGTERM", "SIGUSR1"]
     assert cfg.job_spec.command == (str(SPEAK), "--epochs", "3")
     assert cfg.job_spec.nnodes == "1:3"
 
@@ -292,7 +292,7 @@ def test_pet_environment_gives_the_defaults(monkeypatch: pytest.MonkeyPatch) -> 
     assert cfg.rdzv.settings.last_call == 2.0
     assert cfg.worker.max_restarts == 2
     assert cfg.worker.role == "trainer"
-    assert cfg.worker.stop_grace == 6.0
+    assert cfg.worker.options.stop_grace == 6.0
 
 
 def test_flags_override_pet_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from elasticrun.agent.agent import Agent, AgentResult
 from elasticrun.agent.gpu import open_gpus
-from elasticrun.agent.spec import WorkerSpec, WorkerState
+from elasticrun.agent.spec import WorkerOptions, WorkerSpec, WorkerState
 from elasticrun.errors import EXIT_INFRASTRUCTURE, GpuUnhealthyError
 from elasticrun.launcher.launch import gpu_reclaim, gpu_watches
 from elasticrun.rendezvous.codec import decode
@@ -48,8 +48,7 @@ def node(
         entrypoint=(sys.executable, "-u", str(TICKER), "--stop-file", str(stop_file), "--every", "0.05"),
         nproc_per_node=1,
         node_id=name,
-        stop_grace=5.0,
-        log_dir=tmp / "logs",
+        options=WorkerOptions(stop_grace=5.0, log_dir=tmp / "logs"),
         gpu_devices=(0,),
     )
     me = NodeInfo(node_id=name, host="localhost", addr="127.0.0.1", nproc=1, pid=os.getpid(), started_at=0.0)

@@ -439,12 +439,14 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     assert os.getcwd() == str(join_dir)
     assert joined.job_spec == first.job_spec
     w, f = joined.worker, first.worker
-    carried = ("entrypoint", "nproc_per_node", "role", "max_restarts", "stop_grace", "signals_to_handle", "redirects",
-               "tee", "local_ranks_filter", "isolate_gpus", "progress_timeout", "in_process")
+    carried = ("entrypoint", "nproc_per_node", "role", "max_restarts", "redirects", "tee", "progress_timeout",
+               "in_process")
     assert {k: getattr(w, k) for k in carried} == {k: getattr(f, k) for k in carried}
-    assert (w.stop_grace, w.isolate_gpus, joined.agent.health_interval) == (4.0, True, 3.0)
+    carried_options = ("stop_grace", "signals_to_handle", "local_ranks_filter", "isolate_gpus")
+    assert {k: getattr(w.options, k) for k in carried_options} == {k: getattr(f.options, k) for k in carried_options}
+    assert (w.options.stop_grace, w.options.isolate_gpus, joined.agent.health_interval) == (4.0, True, 3.0)
     assert joined.rdzv.local_addr == "127.0.0.5" and joined.rdzv.settings.join_timeout == 60.0
-    assert (w.log_dir, joined.agent.event_log_handler) == (None, "null")
+    assert (w.options.log_dir, joined.agent.event_log_handler) == (None, "null")
     assert not any(a.startswith(("--log-dir", "--event-log-handler")) for a in argv), argv
     # a health check runs code: join's own only, never the first node's from the store
     assert (joined.agent.health_check, joined.agent.health_check_timeout) == ("test -d /scratch", 5.0)

@@ -263,7 +263,7 @@ class Agent:
         #: seconds the workers ran, and whether every worker called heartbeat()
         self._ran_since_failure = 0.0
         self._heartbeat_since_failure = False
-        root = spec.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
+        root = spec.options.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
         #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/; absolute,
         #: since the paths in it reach the workers (the token file), which may chdir
         self.run_dir = root.absolute() / f"{spec.run_id}_{spec.node_id}"
@@ -273,17 +273,17 @@ class Agent:
         self._token_run: str | None = None
         #: the run folder's events.jsonl, open while the agent runs (see `_write_event`)
         self._event_log: int | None = None
-        #: torchrun's file timer, when asked for (spec.file_timer)
+        #: torchrun's file timer, when asked for (spec.options.file_timer)
         self._timers: FileTimerServer | None = None
-        if spec.file_timer is not None:
-            path = Path(spec.file_timer) if spec.file_timer else self.run_dir / "timer_fifo"
+        if spec.options.file_timer is not None:
+            path = Path(spec.options.file_timer) if spec.options.file_timer else self.run_dir / "timer_fifo"
             self._timers = FileTimerServer(path, lambda: self._pids)
 
     async def run(self) -> AgentResult:
         """Run until the job ends for this node; signals to the agent are handled here."""
         loop = asyncio.get_running_loop()
         self._warden = await Warden.start(self.spec.withheld_env)
-        for sig in self.spec.signals_to_handle:
+        for sig in self.spec.options.signals_to_handle:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             self._make_run_folder()
@@ -306,7 +306,7 @@ class Agent:
                     self._event_log = None
             if self._channel is not None:
                 await self._channel.close()
-            for sig in self.spec.signals_to_handle:
+            for sig in self.spec.options.signals_to_handle:
                 loop.remove_signal_handler(sig)
 
     def _make_run_folder(self) -> None:
@@ -356,7 +356,7 @@ class Agent:
         if self._signal is None:
             logger.warning(
                 "agent received %s: stopping workers (they have %gs to exit, --shutdown-timeout; a second "
-                "signal kills them at once), leaving the job", sig.name, self.spec.stop_grace,
+                "signal kills them at once), leaving the job", sig.name, self.spec.options.stop_grace,
             )
             self._signal = sig
             self._signalled.set()
@@ -720,7 +720,7 @@ class Agent:
         with worker_stdio(plans) as stdio:
             assert self._warden is not None  # run() started it
             workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)
-        duplicates = Duplicates(attempt_dir, spec.duplicate_filters) if spec.duplicate_filters else None
+        duplicates = Duplicates(attempt_dir, spec.options.duplicate_filters) if spec.options.duplicate_filters else None
         stacks = GroupStacks(self._stacks, self.handler.control, workers, stack_files, attempt_dir)
         group = _Group(workers, {}, error_files, stacks, duplicates, steps)
         try:
@@ -730,7 +730,7 @@ class Agent:
                     (assignment.rank_offset if assignment else 0) + local_rank,
                     plans[local_rank],
                     publish=self.handler.control.report_output,
-                    prefix_template=spec.log_line_prefix_template,
+                    prefix_template=spec.options.log_line_prefix_template,
                     local_rank=local_rank,
                     role=spec.role,
                     duplicates=duplicates,
@@ -788,7 +788,7 @@ class Agent:
             # who may hold GPU memory, found while they live; on the loop (as the stop's
             # own first scan), since an await here could lose the stop to a cancellation
             self._stopped = group.workers.tree()
-        await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.stop_grace, hurry=self._hurry)
+        await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.options.stop_grace, hurry=self._hurry)
         await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in group.outputs.values()))
         if group.duplicates is not None:
             group.duplicates.close()

@@ -53,16 +53,16 @@ def worker_env(
     if token_file is not None:
         env[TOKEN_FILE_ENV] = str(token_file)
     env.update(spec.extra_env)
-    env.update(worker_gpu_env(spec.gpu_devices, local_rank, spec.isolate_gpus))
+    env.update(worker_gpu_env(spec.gpu_devices, local_rank, spec.options.isolate_gpus))
     if "OMP_NUM_THREADS" not in env and spec.nproc_per_node > 1:
         # torchrun's default: N workers each using every core would oversubscribe them.
         env["OMP_NUM_THREADS"] = "1"
-    if spec.isolate_gpus:
+    if spec.options.isolate_gpus:
         env.update(_virtual_local_rank_env(spec, local_rank, base_env))
     env.update(boot_env(env))  # the worker boot (elasticrun.agent.boot) runs before the script
     env.update(
         {
-            "LOCAL_RANK": "0" if spec.isolate_gpus else str(local_rank),
+            "LOCAL_RANK": "0" if spec.options.isolate_gpus else str(local_rank),
             "LOCAL_WORLD_SIZE": str(spec.nproc_per_node),
             "ROLE_NAME": spec.role,
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),

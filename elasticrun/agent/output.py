@@ -74,7 +74,7 @@ def plan_streams(
     """For Std.OUT and Std.ERR of `local_rank`: console or not, which file if any."""
     redirect = spec.redirects.get(local_rank, Std.NONE)
     tee = spec.tee.get(local_rank, Std.NONE)
-    shown = spec.local_ranks_filter is None or local_rank in spec.local_ranks_filter
+    shown = spec.options.local_ranks_filter is None or local_rank in spec.options.local_ranks_filter
     plans = {}
     for std, name in ((Std.OUT, "stdout"), (Std.ERR, "stderr")):
         to_file = bool((redirect | tee) & std)

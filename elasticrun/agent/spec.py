@@ -46,6 +46,46 @@ def default_node_id() -> str:
 
 
 @dataclass(frozen=True)
+class WorkerOptions:
+    """How the agent runs and shows its workers, as the launcher's flags ask for it.
+
+    One object from the checked flags (`LaunchRequest.worker_options`) to the worker
+    spec (`WorkerSpec.options`): the host adds nothing to these, so they pass unchanged.
+    """
+
+    #: seconds between SIGTERM and SIGKILL when stopping workers (torchrun's
+    #: --shutdown-timeout, default 30)
+    stop_grace: float = 30.0
+    #: signals that make the agent stop its workers (forwarding the same signal) and
+    #: leave (torchrun's --signals-to-handle)
+    signals_to_handle: tuple[signal.Signals, ...] = (
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+    )
+    #: root of the per-attempt log folders; None: a fresh temporary folder
+    log_dir: Path | None = None
+    #: local ranks whose output reaches the console; None: every rank
+    local_ranks_filter: frozenset[int] | None = None
+    #: the console lines' prefix, torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
+    #: (`${rank}`, `${local_rank}`, `${role_name}`); None: `[<rank>]<stdout>: `
+    log_line_prefix_template: str | None = None
+    #: "stdout"/"stderr" -> torchrun's --duplicate-*-filters (elasticrun.agent.output.Duplicates)
+    duplicate_filters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker) and
+    #: LOCAL_RANK=0 (torchrun's --virtual-local-rank)
+    isolate_gpus: bool = False
+    #: torchrun's file timer (TORCHELASTIC_ENABLE_FILE_TIMER=1): the FIFO's path, or ""
+    #: for one in the agent's run folder; None: off (elasticrun.agent.filetimer)
+    file_timer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.stop_grace < 0:
+            raise UsageError(f"the stop grace period must be >= 0, got {self.stop_grace}")
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """Everything the agent needs to run this node's workers, round after round.
 
@@ -60,30 +100,12 @@ class WorkerSpec:
     node_id: str = field(default_factory=default_node_id)
     role: str = "default"
     max_restarts: int = 0
-    #: seconds between SIGTERM and SIGKILL when stopping workers (torchrun's
-    #: --shutdown-timeout, default 30)
-    stop_grace: float = 30.0
-    #: signals that make the agent stop its workers (forwarding the same signal) and
-    #: leave (torchrun's --signals-to-handle)
-    signals_to_handle: tuple[signal.Signals, ...] = (
-        signal.SIGTERM,
-        signal.SIGINT,
-        signal.SIGHUP,
-        signal.SIGQUIT,
-    )
+    #: how the workers are stopped, logged and shown (the flags' part, unchanged)
+    options: WorkerOptions = field(default_factory=WorkerOptions)
     #: local rank -> streams that go to log files only, not to the console
     redirects: Mapping[int, Std] = field(default_factory=dict)
     #: local rank -> streams that go to the console and to log files
     tee: Mapping[int, Std] = field(default_factory=dict)
-    #: root of the per-attempt log folders; None: a fresh temporary folder
-    log_dir: Path | None = None
-    #: local ranks whose output reaches the console; None: every rank
-    local_ranks_filter: frozenset[int] | None = None
-    #: the console lines' prefix, torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
-    #: (`${rank}`, `${local_rank}`, `${role_name}`); None: `[<rank>]<stdout>: `
-    log_line_prefix_template: str | None = None
-    #: "stdout"/"stderr" -> torchrun's --duplicate-*-filters (elasticrun.agent.output.Duplicates)
-    duplicate_filters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: --numa-binding: local rank -> the CPUs it runs on (elasticrun.agent.numa)
     cpu_affinity: Mapping[int, frozenset[int]] = field(default_factory=dict)
     #: added to every worker's environment (the torchrun variables still win)
@@ -99,9 +121,6 @@ class WorkerSpec:
     store_token: str | None = field(default=None, repr=False)
     #: the workers' GPUs (NVML indices, in local-rank order); () without GPUs
     gpu_devices: tuple[int, ...] = ()
-    #: give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker) and
-    #: LOCAL_RANK=0 (torchrun's --virtual-local-rank)
-    isolate_gpus: bool = False
     #: opt-in hang watchdog: a worker that has not called `elasticrun.worker.heartbeat()`
     #: for this many seconds is hung (None: no watchdog)
     progress_timeout: float | None = None
@@ -119,9 +138,6 @@ class WorkerSpec:
     #: give each worker a step timing file (elasticrun.agent.steptimes) and report the
     #: node's step compute time for the straggler check (--straggler other than off)
     step_timing: bool = False
-    #: torchrun's file timer (TORCHELASTIC_ENABLE_FILE_TIMER=1): the FIFO's path, or ""
-    #: for one in the agent's run folder; None: off (elasticrun.agent.filetimer)
-    file_timer: str | None = None
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
@@ -132,8 +148,6 @@ class WorkerSpec:
             )
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.stop_grace < 0:
-            raise UsageError(f"the stop grace period must be >= 0, got {self.stop_grace}")
         if self.progress_timeout is not None and not 0 < self.progress_timeout < float("inf"):
             raise UsageError(f"--progress-timeout must be a positive number of seconds, got {self.progress_timeout:g}")
         start = self.progress_start_timeout

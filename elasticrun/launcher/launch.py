@@ -104,9 +104,9 @@ async def run_node(config: LaunchConfig) -> AgentResult:
             from elasticrun.launcher.logs_specs import torch_log_layout
 
             layout = torch_log_layout(
-                agent.logs_specs, log_dir=str(worker.log_dir) if worker.log_dir else None,
+                agent.logs_specs, log_dir=str(worker.options.log_dir) if worker.options.log_dir else None,
                 redirects=agent.std_flags[0], tee=agent.std_flags[1],
-                local_ranks_filter=worker.local_ranks_filter,
+                local_ranks_filter=worker.options.local_ranks_filter,
             )
         handler, hosted = await _open_handler(config, stack, store_metrics)
         if metrics is not None:

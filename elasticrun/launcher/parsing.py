@@ -12,10 +12,10 @@ import math
 import signal
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from elasticrun.agent.spec import Std
+from elasticrun.agent.spec import Std, WorkerOptions
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import AgentOptions, RendezvousConfig
 from elasticrun.launcher.flag_values import (
@@ -186,21 +186,12 @@ class LaunchRequest:
     entrypoint: tuple[str, ...]
     #: --gpus: the GPUs to use, among those visible and healthy (None: all of them)
     gpus: str | None
-    stop_grace: float
-    signals_to_handle: tuple[signal.Signals, ...]
     #: --redirects and --tee: one Std for every local rank, or one per named rank
     redirects: Std | dict[int, Std]
     tee: Std | dict[int, Std]
-    log_dir: Path | None
-    local_ranks_filter: frozenset[int] | None
-    isolate_gpus: bool
+    #: how the workers are stopped, logged and shown: into the WorkerSpec unchanged
+    worker_options: WorkerOptions
     agent: AgentOptions
-    #: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, as torchrun reads it
-    log_line_prefix_template: str | None = None
-    #: TORCHELASTIC_ENABLE_FILE_TIMER=1: TORCHELASTIC_TIMER_FILE or "" (WorkerSpec.file_timer)
-    file_timer: str | None = None
-    #: --duplicate-stdout-filters and --duplicate-stderr-filters, by stream
-    duplicate_filters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: --numa-binding's mode (elasticrun.agent.numa), or None
     numa_binding: str | None = None
 
@@ -266,18 +257,32 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     local_ranks = _local_ranks(args.local_ranks_filter)
     job_spec = _job_spec(args, argv, nproc_request, min_nodes, max_nodes, rdzv.conf)
     _check_health_flags(args)
+    signals = parse_signals(args.signals_to_handle)
     return LaunchRequest(
         rdzv=rdzv,
         job_spec=job_spec,
         entrypoint=argv,
         gpus=args.gpus,
-        stop_grace=stop_grace,
-        signals_to_handle=parse_signals(args.signals_to_handle),
         redirects=parse_std(args.redirects, "--redirects"),
         tee=parse_std(args.tee, "--tee"),
-        log_dir=Path(args.log_dir) if args.log_dir else None,
-        local_ranks_filter=local_ranks,
-        isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
+        worker_options=WorkerOptions(
+            stop_grace=stop_grace,
+            signals_to_handle=signals,
+            log_dir=Path(args.log_dir) if args.log_dir else None,
+            local_ranks_filter=local_ranks,
+            isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
+            log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+            file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "")
+            if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
+            else None,
+            duplicate_filters={
+                stream: comma_list(value)
+                for stream, value in (
+                    ("stdout", args.duplicate_stdout_filters), ("stderr", args.duplicate_stderr_filters)
+                )
+                if value
+            },
+        ),
         agent=AgentOptions(
             health_interval=args.health_interval,
             health_check=args.health_check or None,
@@ -288,15 +293,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
             std_flags=(args.redirects, args.tee),
             metrics=metrics_address(args.metrics_port),
         ),
-        log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
-        file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "") if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
-        else None,
         numa_binding=args.numa_binding,
-        duplicate_filters={
-            stream: comma_list(value)
-            for stream, value in (("stdout", args.duplicate_stdout_filters), ("stderr", args.duplicate_stderr_filters))
-            if value
-        },
     )
 
 

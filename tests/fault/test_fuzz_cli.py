@@ -373,10 +373,10 @@ def check_sane(config: LaunchConfig, argv: Sequence[str]) -> None:
     assert s.run_id and "/" not in s.run_id, why
     s.run_id.encode("utf-8")  # it becomes part of every store key (protobuf strings)
     assert w.nproc_per_node >= 1 and w.max_restarts >= 0, why
-    assert math.isfinite(w.stop_grace) and w.stop_grace >= 0, why
+    assert math.isfinite(w.options.stop_grace) and w.options.stop_grace >= 0, why
     assert math.isfinite(config.agent.health_interval) and config.agent.health_interval > 0, why
     assert math.isfinite(config.agent.health_check_timeout) and config.agent.health_check_timeout > 0, why
-    assert not {signal.SIGKILL, signal.SIGSTOP} & set(w.signals_to_handle), why
+    assert not {signal.SIGKILL, signal.SIGSTOP} & set(w.options.signals_to_handle), why
     assert all(rank >= 0 for rank in (*w.redirects, *w.tee)), why
     if "store_timeout" in config.rdzv.conf:
         timeout = float(config.rdzv.conf["store_timeout"])
