@@ -17,10 +17,11 @@ source the script has (a mark of a lower source is ignored once a higher one was
 Where the waits are. Once the script imports torch, torch.distributed's collective
 calls (`all_reduce`, `barrier`, `send`/`recv`, ...) and `Work.wait()` of the async ones
 are wrapped: the time inside them, on the main thread, is time blocked. `waiting()`
-marks the same for a collective of the script's own. Not seen: DDP's gradient
-all-reduce (C++, inside `backward()`), collectives inside `torch.compile`d code, and
-with NCCL the wait itself (the call returns once the collective is queued on the GPU):
-see docs/concepts.md, "How slow is judged".
+marks the same for a collective of the script's own. DDP's gradient all-reduce (C++,
+inside `backward()`) is timed through its communication hook (elasticrun.worker.
+ddp_waits). Not seen: collectives inside `torch.compile`d code, and with NCCL the wait
+itself (the call returns once the collective is queued on the GPU): see
+docs/concepts.md, "How slow is judged".
 
 What it costs. A mark or a wrapped call is a few clock reads (about a microsecond); a
 thread writes the summary at most twice a second, and only when it changed, to the file
@@ -174,8 +175,12 @@ def _median(values: list[float]) -> float:
 _recorder: Recorder | None = None
 
 
-def install(path: str) -> None:
-    """Record this process's steps into `path` (the worker boot calls this once)."""
+def install(path: str, progressed: Callable[[], None] = lambda: None) -> None:
+    """Record this process's steps into `path` (the worker boot calls this once).
+
+    `progressed` is called (from the writer thread) when steps were made since its last
+    look: the boot passes the hang watchdog's touch of the progress file
+    (elasticrun.worker.progress, which imports this module: not the other way round)."""
     global _recorder
     if _recorder is not None:
         return
@@ -184,7 +189,9 @@ def install(path: str) -> None:
     atexit.register(_write_last)
     sys.excepthook = _shown_without_wrappers(sys.excepthook)
     threading.excepthook = _shown_without_wrappers(threading.excepthook)
-    threading.Thread(target=_write_loop, args=(_recorder,), name="elasticrun step timing", daemon=True).start()
+    threading.Thread(
+        target=_write_loop, args=(_recorder, progressed), name="elasticrun step timing", daemon=True
+    ).start()
     if "torch" in sys.modules and hasattr(sys.modules["torch"], "optim"):
         install_torch(sys.modules["torch"])
     else:
@@ -282,19 +289,17 @@ def _waited(seconds: float) -> None:
         recorder.waited(seconds)
 
 
-def _write_loop(recorder: Recorder) -> None:
+def _write_loop(recorder: Recorder, progressed: Callable[[], None]) -> None:
     """Write the summary when it changed, at most every WRITE_INTERVAL.
 
-    Touch the progress file when the worker made steps since the last look."""
-    from elasticrun.worker.progress import touch
-
+    Call `progressed` when the worker made steps since the last look."""
     written: dict[str, Any] = {}
     progress = (-1, 0)
     while _recorder is recorder:
         time.sleep(WRITE_INTERVAL)
         now = (recorder.level, recorder.steps)
         if now != progress and recorder.steps:
-            touch()
+            progressed()
         progress = now
         summary = recorder.summary(time.time())
         if summary != written and recorder.has_news():

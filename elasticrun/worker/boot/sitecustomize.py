@@ -62,9 +62,10 @@ def _install_step_timing(path: str) -> None:
     """Time this worker's steps, if elasticrun can be imported here."""
     try:
         steptime = importlib.import_module("elasticrun.worker.steptime")
+        progress = importlib.import_module("elasticrun.worker.progress")
     except ImportError:
         return
-    steptime.install(path)
+    steptime.install(path, progress.touch)
 
 
 def _forget_boot(here: str) -> None:
