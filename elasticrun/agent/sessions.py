@@ -40,12 +40,15 @@ never hit either.
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from elasticrun.descriptors import exhausted, waiting_for_descriptors
 
 #: how long to wait for SIGKILLed processes to end before giving up on them (a process
 #: stuck in the kernel, e.g. in a GPU driver, ends only when the kernel lets it)
@@ -117,10 +120,13 @@ def _stat(pid: int) -> _Stat | None:
 def _read(path: str, limit: int) -> bytes | None:
     """The file's first `limit` bytes, or None when it cannot be read.
 
-    It cannot when the process is gone, or its files are not this user's to read."""
+    It cannot when the process is gone, or its files are not this user's to read. Out
+    of descriptors, it raises: that says nothing about the process."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    except OSError as e:
+        if exhausted(e):
+            raise
         return None
     try:
         chunks = []
@@ -167,7 +173,14 @@ def _carries(pid: int, mark: Mark) -> bool:
 def _members(sessions: Iterable[Session], mark: Mark | None = None) -> list[_Stat]:
     """The live processes of `sessions` or with `mark`, and their descendants.
 
-    A session whose id was reused is skipped."""
+    A session whose id was reused is skipped. Out of descriptors (a flood of
+    connections on the store this agent hosts), the scan waits for some: a scan that
+    failed must not read as "nothing left to kill"."""
+    sessions = list(sessions)
+    return waiting_for_descriptors("scanning /proc", lambda: _scan(sessions, mark))
+
+
+def _scan(sessions: list[Session], mark: Mark | None) -> list[_Stat]:
     stats = [s for s in map(_stat, _pids()) if s is not None]
     by_pid = {s.pid: s for s in stats}
     ours = set()
@@ -204,7 +217,7 @@ def _signal_members(sessions: Iterable[Session], mark: Mark | None, sig: signal.
     pidfds: dict[int, int] = {}
     for member in _members(sessions, mark):
         try:
-            pidfd = os.pidfd_open(member.pid)
+            pidfd = waiting_for_descriptors("signalling workers", functools.partial(os.pidfd_open, member.pid))
         except ProcessLookupError:
             continue
         now = _stat(member.pid)

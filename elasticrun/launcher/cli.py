@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from elasticrun.descriptors import raise_soft_limit
 from elasticrun.errors import ElasticrunError, UsageError
 from elasticrun.launcher import log_format
 from elasticrun.launcher.flags import Parser, launch_parser
@@ -89,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     log_format.setup_logging()
+    raise_soft_limit()  # an agent or a store serves connections: one descriptor each
     _quiet_grpc()
     try:
         if argv and argv[0] in SUBCOMMANDS:

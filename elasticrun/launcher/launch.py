@@ -23,6 +23,7 @@ from elasticrun.agent.agent import Agent, AgentResult, Reclaim, Watch
 from elasticrun.agent.gpu import RECLAIM_LIMIT, Gpus, open_gpus
 from elasticrun.agent.health_check import CheckResult, HealthCheck
 from elasticrun.agent.undumpable import forbid_dumps
+from elasticrun.descriptors import quiet_exhaustion
 from elasticrun.errors import GpuUnhealthyError, HealthCheckError
 from elasticrun.launcher import log_format
 from elasticrun.launcher.config import LaunchConfig, RendezvousConfig
@@ -63,7 +64,13 @@ def run_launch(config: LaunchConfig) -> int:
         os.environ.pop(name, None)
     settle_gc()
     log_format.tag(config.worker.node_id)
-    return asyncio.run(run_node(config)).exit_code
+    return asyncio.run(_run_node_quietly(config)).exit_code
+
+
+async def _run_node_quietly(config: LaunchConfig) -> AgentResult:
+    """`run_node`, its loop saying once a minute that it is out of descriptors (a flood of connections)."""
+    quiet_exhaustion(asyncio.get_running_loop())
+    return await run_node(config)
 
 
 async def run_node(config: LaunchConfig) -> AgentResult:

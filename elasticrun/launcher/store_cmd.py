@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticrun import __version__
+from elasticrun.descriptors import quiet_exhaustion
 from elasticrun.errors import UsageError
 from elasticrun.launcher import log_format
 from elasticrun.launcher.flags import Parser
@@ -103,6 +104,7 @@ async def serve(config: ServeConfig) -> int:
 async def _serve_until_stopped(server: StoreServer, config: ServeConfig) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    quiet_exhaustion(loop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # On stdout, whatever the level: a script that asked for --port 0 reads it there.

@@ -66,7 +66,8 @@ while not stop.exists():
 class Job:
     """A token-protected store, and agents of one run id on it."""
 
-    def __init__(self, cluster: Cluster, tmp: Path) -> None:
+    def __init__(self, cluster: Cluster, tmp: Path, store_prefix: tuple[str, ...] | None = ()) -> None:
+        """`store_prefix`: what runs `store serve` (e.g. under `prlimit`); None: no store (an agent hosts it)."""
         self.cluster = cluster
         self.tmp = tmp
         self.token = "job-token-" + secrets.token_hex(10)
@@ -80,28 +81,30 @@ class Job:
             path.write_text(TICKER)
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        self.store = self.serve()
+        if store_prefix is not None:
+            self.store = self.serve(prefix=store_prefix)
 
-    def serve(self, name: str = "store") -> Proc:
+    def serve(self, name: str = "store", prefix: tuple[str, ...] = ()) -> Proc:
         """`elasticrun store serve` on the job's port, once it serves."""
         store = self.cluster.launch(
             name,
             "store", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), "--token-file", str(self.token_file),
+             "--port", str(self.port), "--token-file", str(self.token_file), prefix=prefix,
         )
         store.wait_for(r"serving on")
         return store
 
     def agent(self, name: str, *, script: Path | None = None, nnodes: str = "1:3", nproc: int = 1,
-              max_restarts: int = 0, token_file: Path | None | str = "default", conf: str = "") -> Proc:
+              max_restarts: int = 0, token_file: Path | None | str = "default", conf: str = "",
+              is_host: bool = False, prefix: tuple[str, ...] = ()) -> Proc:
         token_file = self.token_file if token_file == "default" else token_file
-        conf = f"{RDZV_CONF},is_host=false{conf}" + (f",token_file={token_file}" if token_file else "")
+        conf = f"{RDZV_CONF},is_host={str(is_host).lower()}{conf}" + (f",token_file={token_file}" if token_file else "")
         return self.cluster.launch(
             name, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", f"--max-restarts={max_restarts}",
             "--shutdown-timeout=5", f"--log-dir={self.tmp / 'logs'}",
-            str(script or self.script), str(self.stop_file),
+            str(script or self.script), str(self.stop_file), prefix=prefix,
         )
 
     def view(self) -> JobView:

@@ -59,5 +59,27 @@ SERVER_OPTIONS = [
     # by gRPC's transport, before any call exists. An agent holds a few, a worker one.
     ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
     # a connection that has not finished its TLS handshake by then is closed
-    ("grpc.server_handshake_timeout_ms", 10_000),
+    ("grpc.server_handshake_timeout_ms", 5_000),
+    # A connection with no call in progress (or never one: a flood of bare connections,
+    # no token needed) is closed after this, with a GOAWAY: a client opens a new one for
+    # its next call, and an agent always has one in progress (its watches).
+    ("grpc.max_connection_idle_ms", 5_000),
 ]
+
+#: Descriptors the serving process keeps for itself, out of reach of connections: an
+#: agent hosting the store needs them for its workers' pipes, logs and /proc scans.
+DESCRIPTOR_RESERVE = 512
+#: Connections served at once at most, however many descriptors the process may have:
+#: a 1,000-node job with 8 workers a node holds about 9,000.
+MOST_CONNECTIONS = 50_000
+
+
+def connection_cap(descriptors: int) -> int:
+    """Connections served at once by a process that may hold `descriptors` descriptors.
+
+    gRPC closes each connection past it as soon as it is accepted, so a flood of
+    connections (each one descriptor) never takes the descriptors the process itself
+    needs (`DESCRIPTOR_RESERVE`), and the connections already served (the agents') keep
+    being served. It cannot keep some for authenticated callers: a connection shows who
+    it is only with its first call."""
+    return max(min(MOST_CONNECTIONS, descriptors - DESCRIPTOR_RESERVE), 64)

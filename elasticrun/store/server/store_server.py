@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, cast
 
 import grpc
 
+from elasticrun.descriptors import soft_limit
 from elasticrun.errors import (
     StoreAddressError,
     StoreSettingError,
@@ -53,7 +54,12 @@ from elasticrun.store.server.callers import (
     refusal,
 )
 from elasticrun.store.server.kv_service import StoreService
-from elasticrun.store.server.limits import DEFAULT_MAX_CALLS, DEFAULT_STOP_GRACE, SERVER_OPTIONS
+from elasticrun.store.server.limits import (
+    DEFAULT_MAX_CALLS,
+    DEFAULT_STOP_GRACE,
+    SERVER_OPTIONS,
+    connection_cap,
+)
 from elasticrun.store.server.memory import MemoryStore, SpaceQuota
 from elasticrun.store.wire import (
     BEARER_PREFIX,
@@ -146,6 +152,7 @@ class StoreServer:
             options=[
                 *SERVER_OPTIONS,
                 ("grpc.max_receive_message_length", max_request + REQUEST_SLACK_BYTES),
+                ("grpc.max_allowed_incoming_connections", connection_cap(soft_limit())),
             ],
         )
         add_store_service(StoreService(self), server, self.counted_call)
