@@ -12,12 +12,17 @@ the store's connection cap at once. Floods go to 127.0.0.1 only, bounded in coun
 
 from __future__ import annotations
 
+import asyncio
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from elasticrun.errors import StoreError
+from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.server.limits import DESCRIPTOR_RESERVE, connection_cap
 from tests.elastic_cluster import Cluster, Proc
 from tests.fault.test_security import Job
@@ -26,6 +31,7 @@ pytestmark = pytest.mark.timeout(150)
 
 WORKERS = Path(__file__).resolve().parents[1] / "workers"
 IDLE_FLOOD = WORKERS / "idle_flood.py"
+HEADERS_FLOOD = WORKERS / "headers_flood.py"
 #: the store's process may hold this many descriptors, no more (soft and hard)
 DESCRIPTORS = 1024
 PRLIMIT = ("prlimit", f"--nofile={DESCRIPTORS}:{DESCRIPTORS}", "--")
@@ -146,4 +152,75 @@ def test_an_idle_connection_flood_on_a_hosted_store(hosted: Job, reliability) ->
         f"{cap}) and closed them {closed_s:.0f} s after the last was made; `status` answered, a third node "
         "joined (round 2), every worker stepped on",
         recovery_s=joined_s, restarts=0, lost="nothing",
+    )
+
+
+#: the paced flood: HEADERS frames a second in all, over this many connections
+PACED_RATE, PACED_CONNECTIONS = 50_000, 64
+#: the victim's puts: one every 10 ms for this long, each given this long to answer
+VICTIM_SECONDS, VICTIM_TIMEOUT = 10.0, 5.0
+
+
+async def victim_calls(endpoint: str, token: str) -> tuple[list[float], int]:
+    """An admin client's put latencies (sorted), one put every 10 ms for `VICTIM_SECONDS`, and how many failed."""
+    victim = GrpcStore(endpoint, token=token, timeout=VICTIM_TIMEOUT)
+    latencies, failed = [], 0
+    end = time.monotonic() + VICTIM_SECONDS
+    try:
+        while time.monotonic() < end:
+            t = time.perf_counter()
+            try:
+                await victim.put("/elasticrun/victim/r/job/state", b"x" * 100)
+            except StoreError:
+                failed += 1
+            else:
+                latencies.append(time.perf_counter() - t)
+            await asyncio.sleep(0.01)
+    finally:
+        await victim.close()
+    return sorted(latencies), failed
+
+
+def test_a_paced_anonymous_headers_flood(served: Job, reliability) -> None:
+    """50,000 HEADERS frames a second over 64 connections, no token, while a 2-node job runs,
+    a third node joins and an admin client puts a key every 10 ms: its calls go through."""
+    job = served
+    a, b = job.agent("a", nnodes="2:3"), job.agent("b", nnodes="2:3")
+    for agent in (a, b):
+        agent.wait_for(r"^\[\d\]<stdout>: tick 3$")
+    seconds = int(VICTIM_SECONDS) + 50  # bounded: at most PACED_RATE * seconds frames
+    attack = job.cluster.start("paced-flood", [
+        sys.executable, str(HEADERS_FLOOD), job.endpoint, str(PACED_CONNECTIONS), str(PACED_RATE * seconds),
+        str(seconds), f"--rate={PACED_RATE}",
+    ])
+    attack.wait_for(r"^flooding$")
+    began = time.monotonic()
+    c = job.agent("c", nnodes="2:3")
+    latencies, failed = asyncio.run(victim_calls(job.endpoint, job.token))
+    stepped_on(a, b, c)
+    during = "flood-sent" not in attack.text()
+    flooded_s = time.monotonic() - began
+    attack.signal(signal.SIGTERM)
+    counts = dict(item.split("=") for item in attack.wait_for(r"^sent=.*$")[0].split())
+    assert during, f"the flood ended before the newcomer's round: the test showed nothing ({counts})"
+    calls = len(latencies) + failed
+    assert failed <= calls // 100, f"{failed} of {calls} of the victim's puts failed under the flood"
+    job.stop_file.touch()
+    for agent in (a, b, c):
+        assert agent.wait_exit() == 0, agent.text()[-3000:]
+    job.store.kill()
+    job.cluster.assert_no_orphans()
+    p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
+    # the rate the flood reached (the whole flood's frames over its whole time, the start included)
+    rate = int(counts["sent"]) / (time.monotonic() - began + 1)
+    reliability.record(
+        part="security",
+        scenario="paced anonymous headers flood",
+        injected=f"{PACED_CONNECTIONS} TCP connections paced at {PACED_RATE:,} raw HTTP/2 HEADERS frames a second "
+        f"(no token, no message; {int(counts['sent']):,} sent in {flooded_s:.0f} s, about {rate:,.0f} a second "
+        "reached) while a 2-node job ran, a third node joined, and an admin client put a key every 10 ms",
+        happened=f"{calls - failed} of {calls} puts went through (p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms); "
+        "the newcomer joined in round 2 and every worker stepped on",
+        restarts=0, lost="nothing",
+        victim_put_p50_ms=round(p50 * 1000, 1), victim_put_p99_ms=round(p99 * 1000, 1),
     )

@@ -1,12 +1,14 @@
 """An anonymous client that opens gRPC calls and never sends their message.
 
-    python tests/workers/headers_flood.py HOST:PORT CONNECTIONS CALLS SECONDS [PATH [CREDENTIAL]]
+    python tests/workers/headers_flood.py HOST:PORT CONNECTIONS CALLS SECONDS [PATH [CREDENTIAL]] [--rate=N]
 
 Over CONNECTIONS plain TCP connections it speaks HTTP/2 by hand: the preface, its
 SETTINGS, then HEADERS frames as fast as the server takes them, for SECONDS, until
 CALLS in all (spread over the connections) or until SIGTERM, whichever comes first, each opening a
 call of PATH (default `/elasticrun.store.v1.C10dStore/Set`) with no message, and no token
-(or CREDENTIAL as its bearer): what an attacker sends. It answers the server's SETTINGS and PINGs and reads
+(or CREDENTIAL as its bearer): what an attacker sends. With `--rate=N`, paced: N
+frames a second in all, sent every 10 ms, instead of as fast as the server takes them.
+It answers the server's SETTINGS and PINGs and reads
 everything else, counting what the server did with the calls, and holds the connections
 open until SIGTERM. Prints `flooding` once every connection has sent its first 1,000
 frames or stopped sending (or `flood-ended` if every connection closed first), `flood-sent` once all have
@@ -54,7 +56,8 @@ def header_block(authority: str, path: str, credential: str = "") -> bytes:
 
 
 async def connection(
-    host: str, port: int, path: str, credential: str, calls: int, seconds: float, counts: dict[str, int]
+    host: str, port: int, path: str, credential: str, calls: int, seconds: float, counts: dict[str, int],
+    rate: float = 0.0,
 ) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(PREFACE + frame(SETTINGS, 0, 0))
@@ -78,13 +81,17 @@ async def connection(
                 counts["goaway"] += 1
 
     async def send() -> None:
-        end = time.monotonic() + seconds
+        start = time.monotonic()
+        end = start + seconds
         sent = 0
         while sent < calls and not reading.done() and time.monotonic() <= end:
+            if rate and sent >= (due := int((time.monotonic() - start) * rate)):
+                await asyncio.sleep(0.01)  # paced: the frames due so far are sent
+                continue
             writer.write(frame(HEADERS, END_HEADERS, 2 * sent + 1, block))
             sent += 1
             counts["sent"] += 1
-            if sent % 64 == 0:
+            if sent % 64 == 0 or (rate and sent >= due):
                 await writer.drain()
             if sent == 1000:
                 counts["started"] += 1
@@ -108,12 +115,13 @@ async def connection(
 
 async def main(
     endpoint: str, connections: int, calls: int, seconds: float,
-    path: str = "/elasticrun.store.v1.C10dStore/Set", credential: str = "",
+    path: str = "/elasticrun.store.v1.C10dStore/Set", credential: str = "", rate: float = 0.0,
 ) -> None:
     host, _, port = endpoint.rpartition(":")
     counts = dict.fromkeys(("sent", "refused_streams", "answered", "goaway", "closed", "started", "stopped"), 0)
     each = -(-calls // connections)
-    tasks = [asyncio.create_task(connection(host.strip("[]"), int(port), path, credential, each, seconds, counts))
+    tasks = [asyncio.create_task(connection(host.strip("[]"), int(port), path, credential, each, seconds, counts,
+                                            rate / connections))
              for _ in range(connections)]
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -134,4 +142,6 @@ async def main(
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), *sys.argv[5:7]))
+    paced = [float(a.removeprefix("--rate=")) for a in sys.argv if a.startswith("--rate=")]
+    args = [a for a in sys.argv[1:] if not a.startswith("--rate=")]
+    asyncio.run(main(args[0], int(args[1]), int(args[2]), float(args[3]), *args[4:6], rate=sum(paced)))
