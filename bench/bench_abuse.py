@@ -19,6 +19,12 @@ and an unauthenticated or abusive worker's:
 - connections: the same from 1,000 connections of one host at once (the store cannot
   cap connections per peer: gRPC's Python server has no hook before a call; this shows
   what many connections cost it);
+- paced: the same, paced at 50,000 HEADERS frames a second over 64 connections (what
+  refused agents in the attack review of 2026-11-28; the flood above is a burst);
+- descriptors: tests/workers/idle_flood.py, 1,500 HTTP/2 connections (preface, pings
+  answered, no call, no token) on a store limited to 1,024 descriptors (`prlimit`, both
+  sides); the victim also opens a new connection every 0.5 s and reads one key (what a
+  joining agent or `status` does), and the figures say how many of those failed;
 - keylists: tests/workers/key_list_abuser.py, a job's worker credential sending c10d
   check, wait and multi_get calls, 16 at a time, each naming one key 340,000 times
   (1 MiB) or 10,000 distinct keys.
@@ -70,7 +76,13 @@ TOKEN = "bench-abuse-token"
 BIG_KEYS, BIG_VALUE = 64, (1 << 20) - 64
 #: the job whose worker credential the keylists abuser holds
 JOB = "bench-abuse-job"
-ABUSES = ("none", "range", "watch", "range+watch", "headers", "connections", "keylists")
+ABUSES = ("none", "range", "watch", "range+watch", "headers", "connections", "paced", "descriptors", "keylists")
+#: the paced flood: frames a second, connections
+PACED_RATE, PACED_CONNECTIONS = 50_000, 64
+#: the descriptor flood: the store's descriptors (soft and hard limit), the flood's connections
+STORE_DESCRIPTORS, IDLE_CONNECTIONS = 1024, 1500
+#: abuses that are floods, and the line each says once under way
+FLOODS = {"headers": "flooding", "connections": "flooding", "paced": "flooding", "descriptors": "opened"}
 
 
 def abuser_argv(abuse: str, endpoint: str, credentials: dict[str, str], seconds: float) -> list[str] | None:
@@ -79,6 +91,11 @@ def abuser_argv(abuse: str, endpoint: str, credentials: dict[str, str], seconds:
         connections = "8" if abuse == "headers" else "1000"
         flood = str(WORKERS / "headers_flood.py")
         return [sys.executable, flood, endpoint, connections, "20000000", f"{seconds + 5:g}"]
+    if abuse == "paced":
+        return [sys.executable, str(WORKERS / "headers_flood.py"), endpoint, str(PACED_CONNECTIONS),
+                str(int(PACED_RATE * (seconds + 5))), f"{seconds + 5:g}", f"--rate={PACED_RATE}"]
+    if abuse == "descriptors":
+        return [sys.executable, str(WORKERS / "idle_flood.py"), endpoint, str(IDLE_CONNECTIONS), f"{seconds + 5:g}"]
     if abuse == "keylists":
         return [sys.executable, str(WORKERS / "key_list_abuser.py"), endpoint, credentials["worker"]]
     watches = 2_000 if "watch" in abuse else 0
@@ -137,6 +154,8 @@ async def trial(tree: Path, credentials: dict[str, str], abuse: str, seconds: fl
         (Path(tmp) / "token").write_text(TOKEN)
         serve = [sys.executable, "-m", "elasticrun", "store", "serve", "--host", "127.0.0.1", "--port", "0",
                  "--token-file", str(Path(tmp) / "token")]
+        if abuse == "descriptors":
+            serve = ["prlimit", f"--nofile={STORE_DESCRIPTORS}:{STORE_DESCRIPTORS}", "--", *serve]
         async with _process(tree, *serve) as server:
             endpoint = (await _line_with(server, "serving on")).split()[-1]
             victim = GrpcStore(endpoint, token=TOKEN, timeout=30)
@@ -147,9 +166,8 @@ async def trial(tree: Path, credentials: dict[str, str], abuse: str, seconds: fl
             argv = abuser_argv(abuse, endpoint, credentials, seconds)
             async with _process(tree, *argv) if argv else contextlib.nullcontext() as abuser:
                 if abuser is not None:
-                    ready = "flooding" if abuse in ("headers", "connections") else "abusing"
-                    await _line_with(abuser, ready, timeout=300)
-                figures = await _victim(victim, seconds)
+                    await _line_with(abuser, FLOODS.get(abuse, "abusing"), timeout=300)
+                figures = await _victim(victim, seconds, endpoint if abuse == "descriptors" else None)
                 if abuser is not None:
                     report = (await _stop(abuser)).strip().splitlines()[-1]
             await victim.close()
@@ -157,7 +175,9 @@ async def trial(tree: Path, credentials: dict[str, str], abuse: str, seconds: fl
     return figures
 
 
-async def _victim(victim: GrpcStore, seconds: float) -> dict[str, object]:
+async def _victim(victim: GrpcStore, seconds: float, newcomers_to: str | None = None) -> dict[str, object]:
+    """The victim's figures; with `newcomers_to`, also how many of the new connections made there every 0.5 s
+    failed to read a key within 2 s."""
     lease = await victim.grant_lease(2.0)
     renewals: list[float] = []
     lapsed = False
@@ -178,7 +198,22 @@ async def _victim(victim: GrpcStore, seconds: float) -> dict[str, object]:
                 return
             renewals.append(time.perf_counter() - t)
 
+    newcomers = [0, 0]  # tried, failed
+
+    async def newcome() -> None:
+        while newcomers_to is not None:
+            newcomers[0] += 1
+            newcomer = GrpcStore(newcomers_to, token=TOKEN, timeout=2)
+            try:
+                await newcomer.get("/elasticrun/marker")
+            except Exception:  # refused, or no answer in time: what a joining agent would see
+                newcomers[1] += 1
+            finally:
+                await newcomer.close()
+            await asyncio.sleep(0.5)
+
     renewing = asyncio.create_task(keep_alive())
+    newcoming = asyncio.create_task(newcome())
     latencies, failures = [], 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -189,9 +224,10 @@ async def _victim(victim: GrpcStore, seconds: float) -> dict[str, object]:
             failures += 1
         latencies.append(time.perf_counter() - t)
         await asyncio.sleep(0.01)
-    renewing.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await renewing
+    for task in (renewing, newcoming):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     latencies.sort()
     return {
         "puts": len(latencies),
@@ -201,6 +237,7 @@ async def _victim(victim: GrpcStore, seconds: float) -> dict[str, object]:
         "max_ms": round(latencies[-1] * 1000, 1),
         "renewal_max_ms": round(max(renewals, default=0.0) * 1000, 1),
         "lease_lapsed": lapsed,
+        **({"newcomers": newcomers[0], "newcomers_failed": newcomers[1]} if newcomers_to else {}),
     }
 
 
@@ -231,6 +268,9 @@ async def main(args: argparse.Namespace) -> None:
                     f"{name:12} {side[:6]:6}  put p50 {figures['p50_ms']:7.1f} ms  p99 {figures['p99_ms']:7.1f} ms  "
                     f"max {figures['max_ms']:7.1f} ms  failed {figures['failed_puts']}  renewal max "
                     f"{figures['renewal_max_ms']:6.1f} ms  lease lapsed {figures['lease_lapsed']}  "
+                    + (f"newcomers failed {figures['newcomers_failed']} of {figures['newcomers']}  "
+                       if "newcomers" in figures else "")
+                    +
                     f"[{figures['abuser']}]  load {row['load']}",
                     flush=True,
                 )
