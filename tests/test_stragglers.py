@@ -181,3 +181,51 @@ async def test_a_nodes_step_report_is_published_at_most_once_per_interval_the_la
         publishing.cancel()
         await asyncio.gather(publishing, return_exceptions=True)
         await store.close()
+
+
+def lying(reports_: dict[str, StepReport], node: str, **fields: float) -> dict[str, StepReport]:
+    return {**reports_, node: replace(reports_[node], **fields)}
+
+
+def test_a_lying_node_in_a_job_of_two_gets_its_honest_peer_named_but_not_replaced():
+    """The attack: a worker reports its compute as waiting (1 ms of a 144 ms step)."""
+    current, judged = a_round("liar", "honest"), Judgement()
+    for i in range(3):
+        judged = judge(judged, current, reports({"liar": 0.001, "honest": 0.144}, MIN_STEPS + 10 * i), SETTINGS,
+                       now=100.0 + i)
+    assert list(judged.named) == ["honest"] and not judged.scores["honest"].replaceable
+    assert "not replaced on one other node's word" in judged.named["honest"].reason
+    assert judged.worst_first() == ()
+
+
+def test_in_a_job_of_two_a_node_that_slowed_down_itself_is_replaced():
+    *_, last = run([{"a": 0.2, "b": 0.2}] + [{"a": 0.2, "b": 0.5}] * 3, a_round("a", "b"))
+    assert [n for n, _ in last.worst_first()] == ["b"] and last.scores["b"].replaceable
+
+
+def test_with_three_nodes_or_more_the_median_decides_alone():
+    *_, last = run([{"a": 0.2, "b": 0.2, "c": 0.6}] * 3, a_round("a", "b", "c"))
+    assert [n for n, _ in last.worst_first()] == ["c"]
+
+
+def test_an_implausible_report_is_doubted_neither_judged_nor_a_measure():
+    current = a_round("a", "b", "c")
+    honest = {"a": 0.2, "b": 0.2, "c": 0.2}
+    cases = {
+        "more compute than wall": lambda r: lying(r, "c", compute=5.0, wall=0.2),
+        "a wall far from the others'": lambda r: lying(r, "c", compute=0.001, wall=0.002),
+    }
+    for case, lie in cases.items():
+        judged = Judgement()
+        for i in range(3):
+            judged = judge(judged, current, lie(reports(honest, MIN_STEPS + 10 * i)), SETTINGS, now=100.0 + i)
+        assert list(judged.doubted) == ["c"], case
+        assert "c" not in judged.scores and not judged.named, case
+
+
+def test_steps_that_go_back_are_doubted():
+    current = a_round("a", "b", "c")
+    first = judge(Judgement(), current, reports({"a": 0.2, "b": 0.2, "c": 0.2}, MIN_STEPS + 20), SETTINGS, now=1.0)
+    back = lying(reports({"a": 0.2, "b": 0.2, "c": 0.6}, MIN_STEPS + 30), "c", steps=MIN_STEPS + 1)
+    second = judge(first, current, back, SETTINGS, now=2.0)
+    assert "fewer than the" in second.doubted["c"] and second.scores["c"].compute == 0.2

@@ -307,6 +307,8 @@ class Leader:
         after = self.judgement = judge(before, self._records.round, reports, self._settings, now)
         if [n for n, _ in self._slow(after.round)] != to_replace:
             events.put_nowait(_Judged())
+        for node_id in after.doubted.keys() - before.doubted.keys():
+            log.warning("node %s's step report is not believed: %s", node_id, after.doubted[node_id])
         if not after.named and not before.named:
             return
         await self._store.put(self._keys.stragglers, encode(after.report(now)), lease=self._lease)

@@ -20,6 +20,14 @@ part of the data, a shared file system), every individual score rises and no nod
 to blame, while the relative scores stay near 1. It says whether a straggler slowed
 down (a throttling GPU) or was slow since the round began, and is exported for alerts.
 
+A report is checked before it is believed: a node's workers write it, and a worker may
+lie (report its compute as waiting, to have an honest node named). One whose compute
+exceeds its own wall time, whose steps went back, or whose wall time is far from the
+other nodes' (ranks of one synchronous job step together) is doubted: it is neither
+judged nor a measure for the others. And a node is replaced (`worst_first`) on the word
+of one other node alone (a job of two) only when it also slowed against its own best:
+a liar can make its honest peer look slow, not make it slow down.
+
 A new round starts the scores afresh: its membership and so its step times differ.
 No I/O, no clock of its own, like `decide()`: tested without sleeping.
 """
@@ -29,7 +37,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from elasticrun.rendezvous.records import StepReport, Straggler, StragglerReport
 from elasticrun.rendezvous.rounds import Round
@@ -39,6 +47,13 @@ from elasticrun.rendezvous.wording import step_time
 #: steps a node's workers must have made in the round before the node is scored: the
 #: first steps of a round carry its start (compilation, warm-up)
 MIN_STEPS = 5
+#: how far a node's compute may exceed its wall time (both medians of its recent steps,
+#: taken apart, so they need not fit exactly) before its report is doubted
+WALL_SLACK = 0.1
+#: how many times longer or shorter than the other nodes' median a node's wall time
+#: may be before its report is doubted: every rank of a synchronous job waits for the
+#: others, so their steps take as long
+WALL_SPREAD = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +72,9 @@ class NodeScore:
     #: evaluations in a row that found it slow, and not slow
     slow_for: int = 0
     fine_for: int = 0
+    #: whether it may be replaced when named: compared with two other nodes or more, or
+    #: slower than its own best by `straggler_relative` (not one other node's word alone)
+    replaceable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +87,8 @@ class Judgement:
     scores: Mapping[str, NodeScore] = field(default_factory=dict)
     #: the stragglers, by node id
     named: Mapping[str, Straggler] = field(default_factory=dict)
+    #: the nodes whose latest report was not believed, and why
+    doubted: Mapping[str, str] = field(default_factory=dict)
 
     def report(self, at: float) -> StragglerReport:
         """The record for `elasticrun status` (c/stragglers)."""
@@ -78,8 +98,12 @@ class Judgement:
     def worst_first(self) -> tuple[tuple[str, str], ...]:
         """The stragglers as (node id, why), the slowest first.
 
-        What `--straggler=replace` takes out, one at a time."""
-        return tuple((s.node_id, s.reason) for s in self.report(0.0).nodes)
+        What `--straggler=replace` takes out, one at a time: only the replaceable ones
+        (`NodeScore.replaceable`)."""
+        return tuple(
+            (s.node_id, s.reason) for s in self.report(0.0).nodes
+            if (score := self.scores.get(s.node_id)) is None or score.replaceable
+        )
 
 
 def judge(before: Judgement, current: Round | None, reports: Mapping[str, StepReport],
@@ -92,12 +116,18 @@ def judge(before: Judgement, current: Round | None, reports: Mapping[str, StepRe
     if before.round != current.number:
         before = Judgement(round=current.number)
     members = [p.node_id for p in current.participants]
-    usable = {
+    reported = {
         n: r for n in members
         if (r := reports.get(n)) is not None and r.round == current.number and r.steps >= MIN_STEPS and r.compute > 0
     }
+    walls = sorted(r.wall for r in reported.values())
+    doubted = {
+        n: why for n, r in reported.items()
+        if (why := _doubt(r, before.scores.get(n), _median_without(walls, r.wall))) is not None
+    }
+    usable = {n: r for n, r in reported.items() if n not in doubted}
     if not usable:
-        return before
+        return replace(before, doubted=doubted)
     ordered = sorted(r.compute for r in usable.values())
     scores = dict(before.scores)
     named = dict(before.named)
@@ -109,14 +139,16 @@ def judge(before: Judgement, current: Round | None, reports: Mapping[str, StepRe
         relative = report.compute / others if others else 0.0
         best = min(old.best, report.compute) if old is not None else report.compute
         slow = others > 0 and relative >= settings.straggler_relative
+        individual = report.compute / best
         score = NodeScore(
             compute=report.compute,
             relative=relative,
-            individual=report.compute / best,
+            individual=individual,
             best=best,
             steps=report.steps,
             slow_for=(old.slow_for if old else 0) + 1 if slow else 0,
             fine_for=0 if slow else (old.fine_for if old else 0) + 1,
+            replaceable=len(ordered) > 2 or individual >= settings.straggler_relative,
         )
         scores[node_id] = score
         if score.slow_for >= settings.straggler_after:
@@ -133,7 +165,24 @@ def judge(before: Judgement, current: Round | None, reports: Mapping[str, StepRe
         median=statistics.median(ordered),
         scores={n: s for n, s in scores.items() if n in kept},
         named={n: s for n, s in named.items() if n in kept},
+        doubted=doubted,
     )
+
+
+def _doubt(report: StepReport, old: NodeScore | None, others_wall: float) -> str | None:
+    """Why `report` is not believed, or None.
+
+    `others_wall`: the median wall time of the other nodes' reports (0: none)."""
+    if report.wall <= 0 or report.compute > report.wall * (1 + WALL_SLACK):
+        return f"compute {step_time(report.compute)} a step, more than its wall time {step_time(report.wall)}"
+    if old is not None and report.steps < old.steps:
+        return f"{report.steps} steps, fewer than the {old.steps} it reported before in this round"
+    if others_wall > 0 and not others_wall / WALL_SPREAD <= report.wall <= others_wall * WALL_SPREAD:
+        return (
+            f"wall time {step_time(report.wall)} a step, against the other nodes' {step_time(others_wall)}: "
+            "the ranks of a job step together"
+        )
+    return None
 
 
 def _median_without(ordered: list[float], value: float) -> float:
@@ -161,7 +210,8 @@ def _reason(report: StepReport, score: NodeScore, others: float) -> str:
         f"{score.individual:.1f}x its own best: it slowed down" if score.individual >= 1.1
         else "as slow since the round began"
     )
+    kept = "" if score.replaceable else "; not replaced on one other node's word without a slowdown of its own"
     return (
         f"compute {step_time(report.compute)} a step, {score.relative:.1f}x the other nodes' median "
-        f"({step_time(others)}); {trend} (slowest: worker rank {report.rank})"
+        f"({step_time(others)}); {trend} (slowest: worker rank {report.rank}){kept}"
     )
