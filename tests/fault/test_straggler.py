@@ -181,3 +181,49 @@ def test_with_a_spare_the_straggler_is_replaced_and_kept_out(
         restarts=0,
         lost="the steps since the last checkpoint (restart mode: every worker restarts)",
     )
+
+
+def test_a_lying_worker_does_not_get_its_honest_peer_replaced(
+    cluster: Cluster, rdzv: Rdzv, tmp_path: Path, reliability
+) -> None:
+    """One node of two reports almost no compute (its worker computes inside
+    `steptime.waiting()`): the honest node is named, said not replaced, and a spare stays out."""
+    lie_dir, slow_dir = tmp_path / "lie", tmp_path / "slow"
+    lie_dir.mkdir()
+    slow_dir.mkdir()
+    lying_args = ["--lie-dir", str(lie_dir)]
+
+    def agent(name: str, addr: int) -> Proc:
+        return cluster.agent(
+            name, backend=rdzv.backend, endpoint=rdzv.endpoint, run_id=rdzv.run_id, local_addr=f"127.0.0.{addr}",
+            nnodes="2", conf=rdzv.conf, worker=WORKER, extra=["--straggler=replace"],
+            worker_args=["--step-time", str(STEP_TIME), "--slow-dir", str(slow_dir), *lying_args],
+        )
+
+    honest, liar = agent("honest", 2), agent("liar", 3)
+    (lie_dir / node_id(liar)).touch()
+    honest.wait_for(STEP.replace(r"(?P<round>\d+)", "1"))
+    spare = agent("spare", 4)
+    spare.wait_for(r"waiting: spare: ")
+    leader, at = named([honest, liar, spare], node_id(honest))
+    assert "not replaced on one other node's word" in leader.text()[at:].splitlines()[0], leader.text()[at:][:500]
+    # 20 more steps after the verdict: still round 1, the honest node in it, the spare waiting
+    start_at = honest.mark()
+    honest.wait_for(STEP.replace(r"(?P<round>\d+)", "1"), start=start_at, count=20)
+    data = json.loads(control(rdzv, "status", "--json"))
+    assert data["job"]["round"] == 1 and sorted(data["job"]["nodes"]) == sorted([node_id(honest), node_id(liar)])
+    assert not data["quarantine"], data["quarantine"]
+    assert "round=2" not in honest.text() + spare.text()
+    cluster.stop_training()
+    for p in (honest, liar, spare):
+        assert p.wait_exit() == 0, p.text()[-3000:]
+    cluster.assert_no_orphans()
+    reliability.record(
+        part="security",
+        scenario="a lying worker's step reports",
+        injected="in a 2-node job with a spare and --straggler=replace, one node's worker computed inside "
+        "steptime.waiting(), reporting almost no compute",
+        happened="the honest node was named (its compute over the liar's), with 'not replaced on one other node's "
+        "word without a slowdown of its own'; 20 steps later still round 1, no quarantine, the spare waiting",
+        restarts=0, lost="nothing",
+    )

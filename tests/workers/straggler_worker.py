@@ -13,6 +13,10 @@ It ends (exit 0, every rank at the same step) after --steps steps or once a rank
 --stop-file; SIGTERM ends it at once (143). A collective that breaks (a peer's agent
 stopped it) waits to be stopped by its own agent.
 
+A liar on demand: a worker whose node id names a file in --lie-dir does its step's
+compute inside `elasticrun.worker.steptime.waiting()`, so that its node reports almost
+no compute and its honest peers look slow (the attack on the straggler check).
+
 A hang on demand: a worker whose node id names a file in --hang-dir (only global rank
 --hang-rank, if given) removes the file and then sleeps without end after its step
 --hang-step, in Python, outside any collective (its peers wait for it in the next
@@ -22,6 +26,7 @@ all_reduce); started again, it trains on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import signal
@@ -32,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from elasticrun.worker.steptime import waiting  # only a liar uses it
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -40,6 +47,7 @@ def main() -> int:
     p.add_argument("--slow-dir", default="")
     p.add_argument("--slow-factor", type=float, default=3.0)
     p.add_argument("--stop-file", default="")
+    p.add_argument("--lie-dir", default="")
     p.add_argument("--hang-dir", default="")
     p.add_argument("--hang-step", type=int, default=3)
     p.add_argument("--hang-rank", type=int, default=-1)
@@ -49,6 +57,7 @@ def main() -> int:
     node = os.environ.get("ELASTICRUN_NODE_ID", "?")
     slow = Path(args.slow_dir) / node if args.slow_dir else None
     hang = Path(args.hang_dir) / node if args.hang_dir else None
+    lies = bool(args.lie_dir) and (Path(args.lie_dir) / node).exists()
     stop = Path(args.stop_file) if args.stop_file else None
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -57,7 +66,8 @@ def main() -> int:
     tag = f"rank={rank} world={world} round={os.environ.get('ELASTICRUN_ROUND', '0')} node={node}"
     for step in range(args.steps):
         factor = args.slow_factor if slow is not None and slow.exists() else 1.0
-        time.sleep(args.step_time * factor)  # the step's own compute
+        with waiting("all_reduce") if lies else contextlib.nullcontext():
+            time.sleep(args.step_time * factor)  # the step's own compute
         weight.grad = torch.ones(4)
         flags = torch.tensor([1.0 if stop is not None and stop.exists() else 0.0])
         try:
