@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 # the store prefix under which every job has its own (`elasticrun list` reads it): the
 # store knows it too, as it keeps each job's worker keys under it (credentials.py)
-from elasticrun.store.credentials import JOBS_PREFIX, RUN_RECORD, worker_prefix
+from elasticrun.store.credentials import JOBS_PREFIX, ROUND_RECORD, RUN_RECORD, worker_prefix
 
 
 def job_prefix(run_id: str) -> str:
@@ -106,7 +106,8 @@ class Keys:
 
     @property
     def round(self) -> str:
-        return self.job + "round"
+        # the record whose `closed` the store server checks worker credentials against
+        return self.prefix + ROUND_RECORD
 
     @property
     def leader(self) -> str:

@@ -24,7 +24,9 @@ whoever holds one cannot derive another, nor the token.
 names the run of the job it belongs to: the nonce its first node put in the job's launch
 record (`RUN_RECORD`, `run_of_launch`), new each time the job starts (and each time a
 store that restarted empty sees it again). The server takes it only while that run is
-the job's current one, so a credential that leaked from a run dies with it. A worker
+the job's current one and the job runs (its round record, `ROUND_RECORD`, is there and
+not closed: `run_is_on`), so a credential that leaked from a run dies with it, and
+`stop` ends it at once. A worker
 credential with no run (R empty: what `elasticrun store credential` mints, and a
 certificate's role) is a standing grant for the job, revoked only by a new token.
 
@@ -130,6 +132,26 @@ def worker_job_of(key: str) -> str | None:
 #: rendezvous's job launch record (`rendezvous/records.py`, `JobLaunch.run`).
 RUN_RECORD = "r/job/launch"
 RUN_FIELD = "run"
+
+
+#: The record (under a job's prefix) whose `CLOSED_FIELD` says the job has ended: the
+#: rendezvous's round record (`rendezvous/rounds.py`, `RoundHead.closed`).
+ROUND_RECORD = "r/job/round"
+CLOSED_FIELD = "closed"
+
+
+def run_is_on(raw_round: bytes | None) -> bool:
+    """Whether a job whose round record is `raw_round` (None: there is none) runs.
+
+    A job's workers run only in a round: before its first there are none, and once it
+    ended (closed, or its closed record expired) its run's credentials are dead."""
+    if raw_round is None:
+        return False
+    try:
+        closed = json.loads(raw_round).get(CLOSED_FIELD, "")
+    except (ValueError, AttributeError):
+        return False
+    return not closed
 
 
 def run_of_launch(raw: bytes | None) -> str:

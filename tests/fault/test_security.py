@@ -421,6 +421,19 @@ def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Pat
     first.wait_exit()
     assert asyncio.run(worker_keys()) == [], "the stopped job's worker keys outlived it"
 
+    def with_leaked() -> str:
+        client = C10dClient(job.endpoint, token=leaked, timeout=10)
+        try:
+            client.set("key0", b"evil")
+        except StoreAuthError as e:
+            return str(e)
+        finally:
+            client.close()
+        return "accepted"
+
+    # refused at once, while the closed record lives, and after
+    assert "that has ended" in (ended_at_once := with_leaked()), ended_at_once
+
     async def closed_record_gone() -> None:  # it lives closed_ttl: until then the id starts no job
         store = admin()
         try:
@@ -431,18 +444,10 @@ def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Pat
             await store.close()
 
     asyncio.run(closed_record_gone())
+    assert "that has ended" in (ended_later := with_leaked()), ended_later
+    assert asyncio.run(worker_keys()) == [], "the ended run's credential wrote"
     second = job.agent("second", script=writer, conf=",closed_ttl=0.5")
     second.wait_for(r"keys set round=1")
-
-    def with_leaked() -> str:
-        client = C10dClient(job.endpoint, token=leaked, timeout=10)
-        try:
-            client.set("key0", b"evil")
-        except StoreAuthError as e:
-            return str(e)
-        finally:
-            client.close()
-        return "accepted"
 
     refusal = with_leaked()
     assert "another run of job" in refusal, refusal
@@ -455,8 +460,9 @@ def test_worker_keys_and_credentials_live_with_their_run(job: Job, tmp_path: Pat
         scenario="worker keys and credentials outlive their job",
         injected="a job's worker set 5 c10d keys; its credential copied out; `elasticrun stop`; the job started "
         "again under the same id; the copied credential used against it",
-        happened="the keys were deleted with the job's close; the old run's credential was refused "
-        "(UNAUTHENTICATED: another run of the job); the new run's workers set their keys",
+        happened="the keys were deleted with the job's close; the ended run's credential was refused at once "
+        "after `stop` and after the closed record expired (UNAUTHENTICATED: a run that has ended), and once "
+        "the job ran again (another run of the job); the new run's workers set their keys",
         restarts=0, lost="nothing",
     )
 

@@ -34,6 +34,7 @@ from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.rendezvous.codec import encode
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import JobLaunch, JobSpec
+from elasticrun.rendezvous.rounds import RoundHead
 from elasticrun.store.client.c10d import C10dClient
 from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.credentials import reader_credential, worker_credential, worker_prefix
@@ -142,6 +143,7 @@ async def test_a_new_run_refuses_the_old_runs_credential_and_sweeps_its_keys(
     admin = GrpcStore(server.endpoint, token=TOKEN)
     launch = Keys("job-a").launch
     await admin.put(launch, encode(JobLaunch(cwd="/", created_at=0.0, created_by="n1", run="run-1")))
+    await admin.put(Keys("job-a").round, encode(RoundHead(1, 0, "", 0.0)))  # a run's workers work in a round
 
     def set_key(run: str, key: str) -> str:
         client = C10dClient(server.endpoint, token=worker_credential(TOKEN, "job-a", run), timeout=10)

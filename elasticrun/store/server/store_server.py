@@ -40,7 +40,15 @@ from elasticrun.errors import (
     StoreUnavailableError,
 )
 from elasticrun.proto import store_pb2 as pb
-from elasticrun.store.credentials import JOBS_PREFIX, RUN_RECORD, Grant, run_of_launch, worker_prefix
+from elasticrun.store.credentials import (
+    JOBS_PREFIX,
+    ROUND_RECORD,
+    RUN_RECORD,
+    Grant,
+    run_is_on,
+    run_of_launch,
+    worker_prefix,
+)
 from elasticrun.store.server.admission import CALLER, add_c10d_service, add_store_service, encode
 from elasticrun.store.server.c10d_service import C10dService
 from elasticrun.store.server.callers import (
@@ -297,7 +305,8 @@ class StoreServer:
     async def _check_run(self, grant: Grant) -> str | None:
         """Why a worker credential of one run of a job is refused, or None.
 
-        It is when that run is not the job's current one. The first call of a run that
+        It is when that run is not the job's current one, or the job does not run (it
+        ended: `stop`, or its workers' end; or no round has begun). The first call of a run that
         this server sees deletes the job's worker keys that earlier runs left (a job
         that ended without closing, agents killed, keys written after the close)."""
         kv = await self.engine.get(f"{JOBS_PREFIX}{grant.job}/{RUN_RECORD}")
@@ -310,6 +319,9 @@ class StoreServer:
                 f"this worker credential is of another run of job {grant.job!r} than the one running now "
                 "(a job's workers get a credential of their run each time it starts)"
             )
+        round_kv = await self.engine.get(f"{JOBS_PREFIX}{grant.job}/{ROUND_RECORD}")
+        if not run_is_on(round_kv.value if round_kv is not None else None):
+            return f"this worker credential is of a run of job {grant.job!r} that has ended (or not begun)"
         if self._runs.get(grant.job) != grant.run:
             await self.engine.delete_prefix(worker_prefix(grant.job))
             self._runs[grant.job] = grant.run
