@@ -22,6 +22,7 @@ from dataclasses import asdict
 
 from elasticrun.errors import ElasticrunError, StorePermissionError, UsageError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job, timeout_seconds
+from elasticrun.launcher.printable import shown
 from elasticrun.rendezvous.records import NodeStacks, RankStacks
 from elasticrun.rendezvous.stack_summary import render_groups, render_rank, summarise
 from elasticrun.rendezvous.stacks import ask, conclude, gather, latest, left_out, new_request
@@ -107,7 +108,7 @@ async def show(target: JobTarget, *, rank: int | None, as_data: bool, timeout: f
         }
         print(json.dumps(data, indent=2), flush=True)
         return 0
-    print("\n".join(_page(header, lines, ranks, rank is not None)), flush=True)
+    print(shown("\n".join(_page(header, lines, ranks, rank is not None))), flush=True)
     return 0
 
 

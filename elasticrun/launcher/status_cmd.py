@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 from elasticrun.errors import StoreUnavailableError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, job_view, read_records
+from elasticrun.launcher.printable import shown
 from elasticrun.rendezvous.job_records import JobRecords
 from elasticrun.rendezvous.records import StepReport, Straggler
 from elasticrun.rendezvous.rounds import Round
@@ -345,7 +346,7 @@ class _Page:
                 print("\033[2J\033[H", end="")  # redraw in place; piped, one page after another
             elif self.watching:
                 print(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
-            print(render(view, time.time()), flush=True)
+            print(shown(render(view, time.time())), flush=True)
         self.shown = key
 
 
