@@ -19,9 +19,6 @@ need, and they never hold the token (`WorkerSpec.withheld_env`).
 from __future__ import annotations
 
 import ctypes
-import logging
-
-logger = logging.getLogger(__name__)
 
 #: from <linux/prctl.h>
 PR_SET_DUMPABLE = 4
@@ -38,7 +35,9 @@ def forbid_dumps() -> bool:
     except (OSError, AttributeError):  # no prctl: not Linux
         return False
     if prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        logger.warning(
+        import logging  # here: the launcher calls this before it imports anything else (`elasticrun.__main__`)
+
+        logging.getLogger(__name__).warning(
             "could not make the agent non-dumpable (prctl: errno %d): processes of this user can read "
             "its environment, and with it the store's token",
             ctypes.get_errno(),
