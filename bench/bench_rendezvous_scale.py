@@ -88,7 +88,7 @@ CAP_S = 60.0  # --cap
 #: client queues the rest: a simulated node holds a watch or two and a few calls in
 #: flight, so more nodes than this on one client would wait on each other's streams,
 #: as no real node (which has a connection of its own) does. etcd sets no such limit.
-GRPC_NODES_PER_CONNECTION = 8
+GRPC_NODES_PER_CONNECTION = 16
 
 
 # --- children ---------------------------------------------------------------------------

@@ -44,9 +44,10 @@ DEFAULT_STOP_GRACE = 2.0
 #: worker one call. It also bounds what an anonymous flood queues ahead of the agents'
 #: calls: gRPC's transport refuses the streams past it in C, but the ones it lets through
 #: wait for the server's Python, in one queue with everyone's. With 256, 64 connections
-#: queued 16,384 calls (an agent's put waited up to 2.7 s, p99 0.28-2.7 s, at 50,000
-#: HEADERS a second); with 32, 2,048 (p99 20-29 ms): BENCHMARKS.md, "A paced flood".
-MAX_STREAMS_PER_CONNECTION = 32
+#: queued 16,384 calls (an agent's put p99 0.3-2.7 s at 50,000 HEADERS a second); with
+#: 64, 4,096 (BENCHMARKS.md, "a paced flood"). Not fewer: a client whose long-lived
+#: streams (watches) fill its connection waits for one of them to end before any call.
+MAX_STREAMS_PER_CONNECTION = 64
 
 #: Pings keep idle connections (a quiet watch) alive through NATs and reveal dead
 #: peers; the server must accept the client's pace.
