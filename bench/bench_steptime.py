@@ -22,12 +22,14 @@ made, and the seconds since its first step, when the leader logs the node a stra
 With the default settings (`straggler_interval=5`, `straggler_after=3`) and with the
 tests' (1 s, 2).
 
-`ddp`: the plain DDP (and FSDP2) script of the tests (tests/workers/ddp_worker.py: real
-compute, the gradients reduced by DDP's hook or FSDP2's collectives), two ranks on gloo:
-the seconds a run of its steps takes with the step timing (the worker boot, DDP's hook
-wrapped) against the same run without it, alternating; then three real agents with one
-node computing three times as much a step, and the steps and seconds until the leader
-names it (the tests' settings). Nothing here runs in CI.
+`ddp`: first, in this process (a gloo group of one), a DDP module's forward and backward
+with the timed hook against the same on a module DDP made before the hook was installed
+(its built-in all-reduce), alternating rounds; then the plain DDP (and FSDP2) script of
+the tests (tests/workers/ddp_worker.py: real compute, the gradients reduced by DDP's hook
+or FSDP2's collectives), two ranks on gloo: the seconds a run of its steps takes with the
+step timing (the worker boot, DDP's hook wrapped) against the same run without it,
+alternating; then three real agents with one node computing three times as much a step,
+and the steps and seconds until the leader names it (the tests' settings). Nothing here runs in CI.
 """
 
 from __future__ import annotations
@@ -166,6 +168,48 @@ def leader_cost(nodes: int) -> None:
           f"{statistics.median(times) * 1000:.1f} ms (median of 10)")
 
 
+def ddp_hook_cost(rounds: int, steps: int) -> None:
+    """One process, a gloo group of one: a DDP step with the timed hook against the same step
+    on a DDP module made before the hook was installed (DDP's built-in all-reduce), alternating."""
+    from elasticrun.worker import steptime
+
+    folder = Path(tempfile.mkdtemp(prefix="bench_ddp_hook_"))
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=0, world_size=1)
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+    plain = nn.parallel.DistributedDataParallel(mlp())  # before the install: DDP's own all-reduce
+    steptime.install(str(folder / "rank_0.json"))
+    steptime.install_torch(torch)
+    timed = nn.parallel.DistributedDataParallel(mlp())
+    x, y = torch.randn(1024, 256), torch.randint(0, 10, (1024,))
+
+    def loop(model: nn.Module) -> list[float]:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            nn.functional.cross_entropy(model(x), y).backward()
+            times.append(time.perf_counter() - start)
+        return times
+
+    loop(plain), loop(timed)  # warm-up: the first forward registers the hook
+    off: list[float] = []
+    on: list[float] = []
+    for _ in range(rounds):
+        off += loop(plain)
+        on += loop(timed)
+    a, b = statistics.median(off), statistics.median(on)
+    print(f"DDP hook, one process, {rounds} alternating rounds of {steps} steps: median forward+backward "
+          f"{a * 1000:.3f} ms built-in, {b * 1000:.3f} ms timed hook: ratio {b / a:.4f} "
+          f"({(b - a) * 1e6:+.0f} us a step)", flush=True)
+    dist.destroy_process_group()
+
+
 def ddp_cost(fsdp: bool, rounds: int, steps: int) -> None:
     """Seconds for `steps` steps of the DDP (FSDP2) script on two ranks, timed and untimed, alternating."""
     import subprocess
@@ -268,6 +312,7 @@ def main() -> None:
     become_subreaper()
     log_dir = Path(tempfile.mkdtemp(prefix="bench_straggler_"))
     if args.what == "ddp":
+        ddp_hook_cost(args.rounds * 4, args.steps)
         for fsdp in (False, True):
             ddp_cost(fsdp, args.rounds, args.steps)
         tests = ",straggler_interval=1,straggler_after=2"
