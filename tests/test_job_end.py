@@ -8,6 +8,7 @@ a leader that lingers (closed_ttl=1 here, so a lingering leader would show at on
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -102,4 +103,58 @@ def test_stop_ends_a_job_whose_store_an_agent_hosts(cluster: Cluster) -> None:
         assert proc.wait_exit(timeout=EXIT_WITHIN) == 0, proc.text()[-3000:]
         assert "closed (stopped)" in proc.text()
     assert_ended_once(host)
+    cluster.assert_no_orphans()
+
+
+def test_a_nodes_failure_is_not_covered_by_another_nodes_success(cluster: Cluster, c10d_store: str) -> None:
+    """Rank 1 succeeds and its node leaves; rank 0 then fails: its node exits 1, the job failed.
+
+    As under torchrun, where the failing rank's node exits 1: another node's success
+    closed the job, but a failure here is never reported as success (docs/concepts.md,
+    "How a job ends")."""
+    go = cluster.tmp / "go"
+    script = cluster.tmp / "late_failure.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from pathlib import Path\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit(0)\n"
+        "print('rank 0 waits', flush=True)\n"
+        f"while not Path({str(go)!r}).exists():\n"
+        "    time.sleep(0.05)\n"
+        "sys.exit(3)\n"
+    )
+    job = run_id()
+    conf = RDZV_CONF + ",is_host=false"
+    nodes = [
+        cluster.launch(
+            name, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={c10d_store}",
+            f"--rdzv-id={job}", f"--rdzv-conf={conf}", f"--local-addr=127.0.0.{addr}", "--max-restarts=1",
+            f"--log-dir={cluster.tmp / 'logs'}", str(script),
+        )
+        for name, addr in (("a", 1), ("b", 2))
+    ]
+    ranks = {}
+    for proc in nodes:
+        found = proc.wait_for(r"ranks (\d)-\d of 2")
+        ranks[int(found.group(1))] = proc
+    failing, succeeding = ranks[0], ranks[1]
+    failing.wait_for(r"rank 0 waits")
+    assert succeeding.wait_exit(timeout=EXIT_WITHIN) == 0, succeeding.text()[-3000:]
+    go.touch()
+    assert failing.wait_exit(timeout=EXIT_WITHIN) == 1, failing.text()[-3000:]
+    text = failing.text()
+    assert "-> succeeded" not in text, text[-3000:]
+    assert re.search(r"-> failed: .*worker rank 0 failed with exit code 3", text), text[-3000:]
+    events = [json.loads(line) for path in (cluster.tmp / "logs").glob("*/events.jsonl")
+              for line in path.read_text().splitlines()]
+    last = {e["node"]: e["kind"] for e in events}
+    assert sorted(last.values()) == ["failed", "succeeded"], last
+    where = ("--rdzv-backend=c10d", f"--rdzv-endpoint={c10d_store}")
+    status = cluster.control("status", *where, f"--rdzv-id={job}")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert re.search(rf"^{job}\s+failed\s", status.stdout, re.MULTILINE), status.stdout
+    assert "worker rank 0 failed with exit code 3" in status.stdout, status.stdout
+    listed = cluster.control("list", *where)
+    assert re.search(rf"^{job}\s+failed\s", listed.stdout, re.MULTILINE), listed.stdout
     cluster.assert_no_orphans()

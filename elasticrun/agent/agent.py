@@ -259,6 +259,8 @@ class Agent:
         self._failure: tuple[str, FailureReport | None, str] | None = None
         #: how the job ended elsewhere, as the round's end said
         self._closure: RendezvousClosedError | None = None
+        #: this node's last attempt, when its workers failed and no round has run since
+        self._failed_attempt: _Attempt | None = None
         #: progress since this node's previous worker failure (--forgive-progress):
         #: seconds the workers ran, and whether every worker called heartbeat()
         self._ran_since_failure = 0.0
@@ -382,7 +384,7 @@ class Agent:
                     *(self._watched(watch) for watch in self.watches),
                 )
             except RendezvousClosedError as e:
-                return self._closed(e)
+                return await self._closed(e)
             if isinstance(assignment, tuple):  # a watch fired: leave, kept out
                 _, reason = assignment
                 await self.handler.leave(reason, keep_out=True)
@@ -397,6 +399,7 @@ class Agent:
                 # a worker failure, here or on another node: progress counts from it
                 self._ran_since_failure, self._heartbeat_since_failure = 0.0, False
             self._assignment = assignment
+            self._failed_attempt = None
             if self.metrics is not None:
                 self.metrics.round_started(assignment)
             if self._events is not None:
@@ -409,6 +412,9 @@ class Agent:
                 raise
             forgiven = ""
             if attempt.outcome in (Outcome.FAILED, Outcome.BROKEN):
+                self._failed_attempt = attempt
+                if self.handler.closed_by_success():
+                    return await self._failed_after_success(attempt)
                 forgiven = self._forgiveness()
             spent, budget = assignment.budget_spent, self.spec.max_restarts
             action = decide(attempt.outcome, spent, budget, bool(forgiven))
@@ -459,7 +465,7 @@ class Agent:
                     return self._end(WorkerState.STOPPED, self._leaving_code(attempt.outcome), attempt.reason)
                 case Action.END:
                     assert self._closure is not None  # set with Outcome.CLOSED
-                    return self._closed(self._closure)
+                    return await self._closed(self._closure)
 
     async def _run_attempt(self, assignment: Assignment) -> _Attempt:
         """Run the workers in `assignment`'s round until it ends; stop them unless kept.
@@ -874,7 +880,10 @@ class Agent:
     def _signal_name(self) -> str:
         return self._signal.name if self._signal is not None else "a signal"
 
-    def _closed(self, e: RendezvousClosedError) -> AgentResult:
+    async def _closed(self, e: RendezvousClosedError) -> AgentResult:
+        if e.outcome == "succeeded" and self._failed_attempt is not None:
+            # it closed while this node asked for a restart (or the job's end)
+            return await self._failed_after_success(self._failed_attempt)
         if e.outcome == "failed" and self._failure is not None:
             message, report, text = self._failure
             if text:
@@ -888,6 +897,24 @@ class Agent:
             "failed": WorkerState.FAILED,
         }.get(e.outcome, WorkerState.STOPPED)
         return self._end(state, code, str(e))
+
+    async def _failed_after_success(self, attempt: _Attempt) -> AgentResult:
+        """This node's workers failed after another node's succeeded and closed the job.
+
+        No round can follow (the nodes that succeeded have finished), and a failure is
+        never covered by a success: the job failed, and this node exits as torchrun's
+        node of a failed rank does (1), whatever the others' exit codes."""
+        report = attempt.report
+        text = report.text if report is not None else attempt.text
+        message = (
+            f"{attempt.reason}, after another node's workers succeeded and closed the job: "
+            "no restart can follow, the job failed"
+        )
+        detail = f"{attempt.reason} on node {self.spec.node_id}, after another node's workers succeeded"
+        await self.handler.fail(f"{detail}\n{text}" if text else detail)
+        if text:
+            logger.error("%s", text)
+        return self._end(WorkerState.FAILED, EXIT_TRAINING_FAILED, message, report)
 
     def _end(
         self,

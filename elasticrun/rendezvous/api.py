@@ -99,6 +99,14 @@ class RendezvousHandler(abc.ABC):
         """
         return True
 
+    def closed_by_success(self) -> bool:
+        """Whether another node's workers succeeded and closed the job.
+
+        Its other nodes' workers run on to their end, but no round follows: a failure
+        here can restart nothing, and ends the job as failed (`fail()`). Backends
+        without a job shared by several nodes are never closed by another node."""
+        return False
+
     @abc.abstractmethod
     async def request_restart(self, reason: str, *, forgiven: bool = False) -> None:
         """Ask for a new round with the same members after a worker failure here.
@@ -110,7 +118,10 @@ class RendezvousHandler(abc.ABC):
 
     @abc.abstractmethod
     async def fail(self, report: str) -> None:
-        """End the job for every node: this node's failure is beyond the budget."""
+        """End the job for every node: this node's failure is beyond the budget.
+
+        Or it came after the job closed as succeeded (`closed_by_success()`): the job
+        failed all the same."""
 
     @abc.abstractmethod
     async def finish(self) -> None:

@@ -375,6 +375,10 @@ class ElasticRendezvous(RendezvousHandler):
                 raise RendezvousClosedError(self.run_id, current.closed, current.detail)
             await self._pulse.wait()
 
+    def closed_by_success(self) -> bool:
+        current = self._job.head
+        return current is not None and current.closed == "succeeded"
+
     def peers_lost(self) -> bool:
         ran, current = self._ran, self._job.head
         if self._lost or ran is None or current is None or current.closed:
@@ -397,6 +401,13 @@ class ElasticRendezvous(RendezvousHandler):
         It does, once every member shows it is alive; a member that died instead is
         what broke our workers, and the leader opens a new round without it.
         """
+        head = self._job.head
+        if head is not None and head.closed == "succeeded":
+            # No leader left to ask, no round to follow: the others have finished. A
+            # failure is never covered by their success: the job failed.
+            with contextlib.suppress(StoreError):  # gone with them: this node's exit code says it
+                await self._close("failed", report)
+            return
         first_line = next((ln.strip() for ln in report.splitlines() if any(c.isalnum() for c in ln)), "workers failed")
         request = RestartRequest(
             round=self._last_round,

@@ -659,11 +659,15 @@ async def close_job(store: Store, keys: Keys, outcome: str, detail: str, closed_
 
 
 async def close_round(store: Store, keys: Keys, outcome: str, detail: str, closed_ttl: float) -> bool:
-    """The part of `close_job` that ends the job: every agent sees it and exits."""
+    """The part of `close_job` that ends the job: every agent sees it and exits.
+
+    A job closed as succeeded may still be closed as failed: a node whose workers fail
+    after another node's succeeded makes the job a failure (docs/concepts.md, "How a job
+    ends"); nothing else changes a closed job's outcome."""
     while True:
         kv = await store.get(keys.round)
         current = decode(RoundHead, kv.value) if kv else None
-        if current is not None and current.closed:
+        if current is not None and current.closed and (current.closed, outcome) != ("succeeded", "failed"):
             return False
         closed = replace(
             current or RoundHead(0, 0, "", 0.0),
