@@ -121,3 +121,17 @@ def test_node_unit_must_divide_nnodes(cluster: Cluster) -> None:
     )
     assert p.wait_exit() == 2
     assert "MIN and MAX must be multiples of --node-unit=2" in p.text()
+
+
+def test_a_spare_waits_as_long_as_the_job_runs(cluster: Cluster, rdzv: Rdzv) -> None:
+    """A spare of a job at its maximum outlives join_timeout (1 s here): it is there for failover."""
+    conf = rdzv.conf.replace("join_timeout=60", "join_timeout=1")
+    a = start(cluster, rdzv, "a", 2, "1", conf=conf)
+    step(a, 1)
+    spare = start(cluster, rdzv, "spare", 3, "1", conf=conf)
+    said = spare.wait_for(r"waiting: spare: .*max 1 reached.*")
+    # the same wait is said again every few seconds while nothing changes: past join_timeout
+    again = spare.wait_for(r"waiting: spare: .*", start=said.end())
+    assert "join_timeout" not in again.group(0), again.group(0)
+    assert spares(rdzv) == [node_id(spare)]
+    finish(cluster, a, spare)

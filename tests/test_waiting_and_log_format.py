@@ -96,7 +96,7 @@ def test_the_lines_of_a_job_joined_with_room_drained_and_stopped_are_true(
     for p in (a, b):
         p.wait_for(r"tick=2 rank=\d world=2")
     c = walker(cluster, "c", 4, c10d_store, job, "2:4", level="INFO")
-    joining = c.wait_for(r"node \S+ waiting: (.*); \d+ s of join_timeout 60 s$")[1]
+    joining = c.wait_for(r"node \S+ waiting: (.*); waits as long as the job runs$")[1]
     # round 1 runs 2 of max 4: c is no spare, it joins at the next round (which the
     # leader may have opened already, after the last call, when c first says so)
     room = r"not in round 1 \(2 of max 4 nodes\): the leader adds it after the last call(; the leader: .*)?"

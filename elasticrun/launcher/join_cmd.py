@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -193,7 +194,11 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.json:
         log_format.use("json")
-    return run_launch(build_config(launch_parser().parse_args(argv), os.environ))
+    config = build_config(launch_parser().parse_args(argv), os.environ)
+    if args.timeout is not None:  # the operator bounds the wait for a place, a spare's too
+        settings = dataclasses.replace(config.rdzv.settings, spares_wait=False)
+        config = dataclasses.replace(config, rdzv=dataclasses.replace(config.rdzv, settings=settings))
+    return run_launch(config)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -204,7 +209,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_job_flags(p)
     p.add_argument("--timeout", type=float, default=None,
-                   help="leave and fail if not admitted within this many seconds (default: join_timeout, 600)")
+                   help="leave and fail if not admitted within this many seconds, as a spare too (default: wait "
+                        "as long as the job runs, or join_timeout, 600, while it does not)")
     p.add_argument("--local-addr", default=None, help="this node's address as the others reach it")
     p.add_argument("--log-dir", default=None, help="folder for this node's worker logs")
     p.add_argument("--json", action="store_true", help="the agent's own lines as JSON, one object a line")

@@ -318,10 +318,19 @@ class ElasticRendezvous(RendezvousHandler):
                 continue
             status = self.waiting_status or ""  # not None: the job is open, the store there
             now = self._clock()
+            runs = self._job.head is not None and self._job.head.nodes > 0
+            if runs and self._settings.spares_wait:
+                # A spare waits as long as the job runs, for the failover it is there for:
+                # join_timeout counts only while no round runs.
+                deadline = max(deadline, now + self._settings.join_timeout)
             if status != logged or now - said_at >= WAIT_REPORT_INTERVAL:
                 # on each change, and every few seconds while nothing changes; shown by
                 # default once the wait lasts (a round that forms at once is no news)
-                waited = f"{now - started:.0f} s of join_timeout {self._settings.join_timeout:g} s"
+                timeout = self._settings.join_timeout
+                waited = (
+                    "waits as long as the job runs" if runs and self._settings.spares_wait
+                    else f"{timeout - (deadline - now):.0f} s of join_timeout {timeout:g} s"
+                )
                 lasts = now - started >= WAIT_REPORT_INTERVAL
                 log.info("node %s waiting: %s; %s", self._me.node_id, status, waited, extra=HEADLINE if lasts else None)
                 logged, said_at = status, now
@@ -336,10 +345,12 @@ class ElasticRendezvous(RendezvousHandler):
                 deadline = max(deadline, self._clock() + held.until - time.time() + self._settings.join_timeout)
             remaining = deadline - self._clock()
             if remaining <= 0:
+                advice = (
+                    "the job runs without it" if runs else "start more nodes, or raise join_timeout with --rdzv-conf"
+                )
                 raise RendezvousTimeoutError(
                     f"no round of job '{self.run_id}' took node {self._me.node_id} within "
-                    f"join_timeout={self._settings.join_timeout:g}s; last state: {status} "
-                    "(start more nodes, or raise join_timeout with --rdzv-conf)"
+                    f"join_timeout={self._settings.join_timeout:g}s; last state: {status} ({advice})"
                 )
             await self._pulse.wait(min(remaining, wake - self._clock()))
 

@@ -23,8 +23,12 @@ class RendezvousSettings:
     max_nodes: int
     #: after `min_nodes` are registered (or a newcomer arrives), wait this long for more
     last_call: float = 1.0
-    #: a node that gets no place in a round within this time gives up
+    #: a node that gets no place in a round within this time gives up; counted only
+    #: while no round runs, unless `spares_wait` is off
     join_timeout: float = 600.0
+    #: a spare waits as long as the job runs; off for `elasticrun join --timeout`,
+    #: whose operator bounds the wait for a place
+    spares_wait: bool = True
     #: when the store an agent hosted refuses us (its agent is gone), how long to wait
     #: for a new one at the same endpoint (the head restarted by its scheduler)
     store_host_grace: float = 30.0
