@@ -48,6 +48,11 @@ MISTAKES = [
      "--rdzv-conf: unknown key 'read_timeot'; did you mean read_timeout?"),
     (["--foo", "train.py"], "unrecognized arguments: --foo (see --help)"),
     (["trian.py"], "training script not found: trian.py"),  # close to no subcommand: a missing script
+    # elastic nodes without a backend: static is the default, as torchrun's
+    (["--nnodes=1:3", str(SPEAK)],
+     "--nnodes=1:3 is elastic, which the static rendezvous (the default --rdzv-backend) cannot run: give "
+     "--rdzv-backend=c10d (the built-in store) or etcd, with --rdzv-endpoint=host:port; or --nnodes=N for a "
+     "fixed number of nodes"),
 ]
 
 
@@ -56,6 +61,11 @@ def test_a_mistake_gets_one_line_and_a_suggestion(tmp_path: Path) -> None:
     for proc, line in started:
         done = finish(proc)
         assert (done.returncode, done.stdout, done.stderr) == (2, "", f"elasticrun: error: {line}\n"), done.args
+
+
+def test_help_says_the_default_backend_is_static_and_what_elastic_needs() -> None:
+    text = " ".join(launch_parser().format_help().split())
+    assert "static (the default, as torchrun's: a fixed number of nodes; --nnodes=MIN:MAX needs c10d or etcd)" in text
 
 
 def test_help_lists_every_rdzv_conf_key() -> None:

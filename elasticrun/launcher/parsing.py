@@ -311,7 +311,11 @@ def _backend(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> str:
     if backend in ("c10d", "etcd") and not args.rdzv_endpoint:
         raise UsageError(f"--rdzv-backend={backend} needs --rdzv-endpoint=host:port")
     if backend == "static" and min_nodes != max_nodes:
-        raise UsageError("--rdzv-backend=static runs a fixed number of nodes: give --nnodes=N")
+        raise UsageError(
+            f"--nnodes={args.nnodes} is elastic, which the static rendezvous (the default --rdzv-backend) cannot "
+            "run: give --rdzv-backend=c10d (the built-in store) or etcd, with --rdzv-endpoint=host:port; or "
+            "--nnodes=N for a fixed number of nodes"
+        )
     if backend == "static" and not 0 <= args.node_rank < max_nodes:
         raise UsageError(f"--node-rank must be within 0..{max_nodes - 1}, got {args.node_rank}")
     return backend
