@@ -13,6 +13,7 @@ from elasticrun.rendezvous.codec import FORMAT_VERSION, decode, encode
 from elasticrun.rendezvous.job_records import JobRecords
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import (
+    RUN_PATH_MODULE,
     Departure,
     DrainRequest,
     Event,
@@ -151,3 +152,29 @@ def test_a_closed_round_reads_without_its_members() -> None:
     records.apply(KEYS.round, encode(replace(HEAD, closed="failed")))
     assert records.round is not None and records.round.closed == "failed"
     assert isinstance(records.head, RoundHead)
+
+
+@pytest.mark.parametrize(
+    ("theirs", "mine"),
+    [
+        (("train.py", "--epochs", "3"), ("/home/me/code/train.py", "--epochs", "3")),
+        (("../x/train.py",), ("train.py",)),
+        (("-m", RUN_PATH_MODULE, "train.py", "--lr=1"), ("-m", RUN_PATH_MODULE, "a/train.py", "--lr=1")),
+    ],
+)
+def test_the_same_script_by_another_path_is_the_same_spec(theirs: tuple[str, ...], mine: tuple[str, ...]) -> None:
+    """Code sits at different paths on different nodes: the script's name and arguments must agree."""
+    assert JobSpec(command=theirs).differences(JobSpec(command=mine)) == []
+
+
+@pytest.mark.parametrize(
+    ("theirs", "mine"),
+    [
+        (("train.py", "--epochs", "3"), ("/home/me/code/train.py", "--epochs", "4")),  # its arguments
+        (("train.py",), ("code/eval.py",)),  # another script
+        (("-m", "pkg.train"), ("-m", "other.train")),  # another module
+    ],
+)
+def test_another_script_or_other_arguments_differ(theirs: tuple[str, ...], mine: tuple[str, ...]) -> None:
+    (line,) = JobSpec(command=theirs).differences(JobSpec(command=mine))
+    assert line == f"command: job has {list(theirs)!r}, this node {list(mine)!r}"

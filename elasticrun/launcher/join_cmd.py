@@ -45,7 +45,7 @@ from elasticrun.launcher import log_format
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job, timeout_seconds
 from elasticrun.launcher.parsing import CARRIED_FLAGS, RUN_PATH_MODULE, worker_argv
 from elasticrun.launcher.rdzv_conf import SHARED_RDZV_CONF
-from elasticrun.rendezvous.records import JobSpec
+from elasticrun.rendezvous.records import JobSpec, by_name
 
 log = logging.getLogger("elasticrun")
 
@@ -92,7 +92,7 @@ def check_command(view: JobView, spec: JobSpec, mine: tuple[tuple[str, ...], boo
             f"join runs only the command given to it: job '{view.run_id}' runs `{theirs}`{where}; "
             f"repeat it after join's flags: elasticrun join [flags] -- {theirs}"
         )
-    if mine != (spec.command, spec.no_python):
+    if (by_name(mine[0]), mine[1]) != (by_name(spec.command), spec.no_python):
         raise UsageError(
             f"this join runs `{shown_command(*mine)}`, but job '{view.run_id}' runs `{theirs}`: "
             "give the job's command exactly"

@@ -25,7 +25,7 @@ from elasticrun.launcher.flag_values import (
 )
 from elasticrun.launcher.metrics_http import metrics_address
 from elasticrun.launcher.rdzv_conf import SHARED_RDZV_CONF, parse_rdzv_conf, rendezvous_settings
-from elasticrun.rendezvous.records import JobSpec
+from elasticrun.rendezvous.records import RUN_PATH_MODULE, JobSpec
 from elasticrun.store.wire import DEFAULT_C10D_PORT, DEFAULT_ETCD_PORT
 
 #: the job id without --rdzv-id, torchrun's: every job on a store without one shares it
@@ -128,10 +128,6 @@ def _port(text: str, endpoint: str) -> int:
     if not digits_only(text) or not 0 < int(text) < 65536:
         raise UsageError(f"--rdzv-endpoint has a bad port: {endpoint!r} (1..65535)")
     return int(text)
-
-
-#: the module a `--run-path` worker runs (elasticrun/worker/run_path.py)
-RUN_PATH_MODULE = "elasticrun.worker.run_path"
 
 
 def worker_argv(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, ...]:

@@ -6,10 +6,14 @@ under its key (`rendezvous/keys.py`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
 from elasticrun.rendezvous.rounds import RankShard, Round, RoundHead
+
+#: the module a `--run-path` worker runs (elasticrun/worker/run_path.py)
+RUN_PATH_MODULE = "elasticrun.worker.run_path"
 
 #: the job spec's own version, bumped whenever what a spec holds changes: a node whose
 #: spec has another version is refused as a mismatch, never compared field by field
@@ -92,9 +96,24 @@ class JobSpec:
                 continue
             if name == "min_nodes":
                 name, theirs, ours = "nnodes", self.nnodes, mine.nnodes
+            if name == "command" and by_name(self.command) == by_name(mine.command):
+                continue
             if theirs != ours:
                 found.append(f"{name}: job has {_shown(theirs)!r}, this node {_shown(ours)!r}")
         return found
+
+
+def by_name(command: tuple[str, ...]) -> tuple[str, ...]:
+    """`command` as the job's nodes must agree on it: its script (or program) by file name.
+
+    Code sits at different paths on different nodes (`train.py` on one, its absolute
+    path or `../x/train.py` on another): what must agree is which script runs with
+    which arguments, not how each node spells its path. A module (`-m pkg.mod`) is
+    its name already."""
+    at = 2 if command[:2] == ("-m", RUN_PATH_MODULE) else 0 if command[:1] != ("-m",) else None
+    if at is None or len(command) <= at:
+        return command
+    return (*command[:at], os.path.basename(command[at]), *command[at + 1:])
 
 
 def _shown(value: object) -> object:
