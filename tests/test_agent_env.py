@@ -21,13 +21,13 @@ ASSIGNMENT = Assignment(
 ERROR_FILE = Path("/logs/attempt_3/1/error.json")
 
 #: what torchrun 2.13 sets for every worker (measured with a probe script under
-#: `python -m torch.distributed.run --standalone`), minus what it inherits by accident
+#: `python -m torch.distributed.run --standalone`)
 TORCHRUN_VARIABLES = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
     "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
     "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS",
 }
 
 
@@ -53,6 +53,8 @@ def test_values_match_torchrun_for_the_second_worker_of_the_second_node() -> Non
         "TORCHELASTIC_ERROR_FILE": str(ERROR_FILE),
         # Workers create their own store in each round: no shared agent store.
         "TORCHELASTIC_USE_AGENT_STORE": "False",
+        # torchrun's workers inherit its --signals-to-handle (its default here)
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "OMP_NUM_THREADS": "1",
     }

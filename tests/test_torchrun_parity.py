@@ -42,9 +42,8 @@ pytestmark = pytest.mark.timeout(90)
 COMPARED_PREFIXES = ("RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_")
 #: different on every run by nature: a free port, a fresh run id, a temporary folder
 PER_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
-#: documented in elasticrun/agent/env.py: our workers create their own store each round,
-#: and torchrun's own signal list only reaches its workers by inheritance
-DOCUMENTED = {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+#: documented in elasticrun/agent/env.py: our workers create their own store each round
+DOCUMENTED = {"TORCHELASTIC_USE_AGENT_STORE"}
 
 
 def launcher_vars(env: dict[str, str]) -> dict[str, str]:
@@ -84,7 +83,7 @@ def assert_same_worker_env(
         # the documented differences, exactly
         assert t["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert o["TORCHELASTIC_USE_AGENT_STORE"] == "False"
-        assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in o
+        assert o["TORCHELASTIC_SIGNALS_TO_HANDLE"] == t["TORCHELASTIC_SIGNALS_TO_HANDLE"]
         # and the user's environment passes through unchanged
         assert ours[rank]["PARITY_MARK"] == theirs[rank]["PARITY_MARK"] == "kept"
     return theirs, ours
@@ -104,6 +103,7 @@ def test_standalone_worker_environment_matches_torchrun(tmp_path: Path) -> None:
         "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "1", "ROLE_WORLD_SIZE": "2",
         "ROLE_NAME": "default", "MASTER_ADDR": "localhost", "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     }
     assert ours[1]["OMP_NUM_THREADS"] == theirs[1]["OMP_NUM_THREADS"] == "1"
 

@@ -1,13 +1,14 @@
 """The environment of one worker: torchrun's variables, so scripts run unchanged.
 
 Checked against torchrun 2.13 (`python -m torch.distributed.run --standalone`), variable
-by variable. Two deliberate differences:
+by variable. One deliberate difference: `TORCHELASTIC_USE_AGENT_STORE` is "False":
+torchrun's workers share the agent's long-lived TCPStore, which keeps stale keys from one
+round to the next. Ours create a fresh TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts
+it) in every round.
 
-- `TORCHELASTIC_USE_AGENT_STORE` is "False": torchrun's workers share the agent's
-  long-lived TCPStore, which keeps stale keys from one round to the next. Ours create a
-  fresh TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it) in every round.
-- `TORCHELASTIC_SIGNALS_TO_HANDLE` is not set: torchrun sets it in its own process for its
-  own signal handling, and workers only inherit it by accident.
+`TORCHELASTIC_SIGNALS_TO_HANDLE` is the agent's `--signals-to-handle`, as torchrun's
+workers inherit it from their agent (which sets it in its own environment): scripts
+and libraries read it to learn which signals the launcher forwards.
 
 And one on purpose beyond torchrun: the agent's secrets (`spec.withheld_env`: the store
 token's variable, etcd's password_env) are not inherited. A worker that needs the store
@@ -69,6 +70,7 @@ def worker_env(
             "TORCHELASTIC_RUN_ID": spec.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "False",
             "TORCHELASTIC_ERROR_FILE": str(error_file),
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(sig.name for sig in spec.options.signals_to_handle),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get(
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
             ),
