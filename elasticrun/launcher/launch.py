@@ -235,7 +235,15 @@ async def _open_store(
     with settings_from_flags():
         server = await serve_here(rdzv.store, probe, metrics)
     if server is not None:
-        log.info("hosting the rendezvous store on %s", server.endpoint, extra=HEADLINE)
+        # Said at once, where it is run: the README's main set-up puts the store on a
+        # node like any other, which a preemptible pool may take away.
+        log.info(
+            "hosting the rendezvous store on %s: this node is the job's single point of failure: preempted "
+            "(SIGTERM), it stays up while the job runs, until its machine goes; gone, every other node exits 200 "
+            "after store_host_grace=%gs. On preemptible machines run the store on a stable host (elasticrun store "
+            "serve) or use etcd (--rdzv-backend=etcd)",
+            server.endpoint, rdzv.settings.store_host_grace, extra=HEADLINE,
+        )
         warning = exposure_warning(
             server.endpoint, rdzv.store.token, rdzv_flag("token_file"), client_ca=rdzv.store.client_ca,
             tls=rdzv.store.server_tls is not None, tls_flags=f"{rdzv_flag('tls_cert')} and {rdzv_flag('tls_key')}",
