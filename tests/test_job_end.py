@@ -158,3 +158,24 @@ def test_a_nodes_failure_is_not_covered_by_another_nodes_success(cluster: Cluste
     listed = cluster.control("list", *where)
     assert re.search(rf"^{job}\s+failed\s", listed.stdout, re.MULTILINE), listed.stdout
     cluster.assert_no_orphans()
+
+
+def test_status_shows_how_the_job_ended_once_the_store_host_is_gone(cluster: Cluster) -> None:
+    """The store ended with the agent that hosted it: this machine's run folders say how the job ended."""
+    endpoint, job = hosting_endpoint(), run_id()
+    script = failing_script(cluster, rank=1)
+    host = agent(cluster, "host", 1, endpoint, job, "2", script)
+    host.wait_for(r"hosting the rendezvous store on")
+    guest = agent(cluster, "guest", 2, endpoint, job, "2", script)
+    for proc in (host, guest):
+        assert proc.wait_exit(timeout=EXIT_WITHIN) == 1, proc.text()[-3000:]
+    where = (f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", "--rdzv-conf=store_timeout=2")
+    done = cluster.control("status", *where, f"--log-dir={cluster.tmp / 'logs'}")
+    assert done.returncode == 200, done.stdout + done.stderr
+    assert "is unreachable" in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"job '{job}' as this machine's run folders last recorded it (the store is gone):", done.stdout
+    ended = re.findall(r"^  (\S+)  (\w+)  [\d-]+ [\d:]+  (.*)$", done.stdout, re.MULTILINE)
+    assert len(ended) == 2 and {kind for _, kind, _ in ended} == {"failed"}, done.stdout
+    assert any("worker failed on purpose" in why or "worker rank 1 failed" in why for _, _, why in ended), done.stdout
+    cluster.assert_no_orphans()

@@ -35,7 +35,7 @@ from elasticrun.agent.filetimer import TIMER_FILE_ENV, FileTimerServer
 from elasticrun.agent.group_stacks import GroupStacks
 from elasticrun.agent.output import Duplicates, StreamPlan, WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import Warden, WorkerGroup
-from elasticrun.agent.runfolder import create_new, make_private_folder, open_log
+from elasticrun.agent.runfolder import DEFAULT_ROOT_PREFIX, create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
 from elasticrun.agent.steptimes import READ_INTERVAL, StepTimes, stall_reason
@@ -265,7 +265,7 @@ class Agent:
         #: seconds the workers ran, and whether every worker called heartbeat()
         self._ran_since_failure = 0.0
         self._heartbeat_since_failure = False
-        root = spec.options.log_dir or Path(tempfile.mkdtemp(prefix="elasticrun_"))
+        root = spec.options.log_dir or Path(tempfile.mkdtemp(prefix=DEFAULT_ROOT_PREFIX))
         #: per attempt: <log root>/<run id>_<node id>/attempt_<n>/<local rank>/; absolute,
         #: since the paths in it reach the workers (the token file), which may chdir
         self.run_dir = root.absolute() / f"{spec.run_id}_{spec.node_id}"

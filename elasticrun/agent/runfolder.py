@@ -25,6 +25,10 @@ from pathlib import Path
 
 from elasticrun.errors import UsageError
 
+#: without --log-dir, the agent's log root is a fresh temporary folder named so
+#: (`tempfile.mkdtemp(prefix=...)`): `elasticrun status` looks there for run folders
+DEFAULT_ROOT_PREFIX = "elasticrun_"
+
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 

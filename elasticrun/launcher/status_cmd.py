@@ -9,8 +9,10 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from elasticrun.errors import StoreUnavailableError
+from elasticrun.launcher import ended_here
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, job_view, read_records
 from elasticrun.launcher.printable import shown
 from elasticrun.rendezvous.job_records import JobRecords
@@ -365,10 +367,18 @@ def _page_key(view: JobView, as_data: bool) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    target = job_target(args)
     try:
-        return asyncio.run(show(job_target(args), as_data=args.json, watch=args.watch))
+        return asyncio.run(show(target, as_data=args.json, watch=args.watch))
     except KeyboardInterrupt:
         return 0
+    except StoreUnavailableError:
+        # The store an agent hosted ends with it: what this machine recorded shows how
+        # the job ended, before the error says the store is gone.
+        events = ended_here.last_events(target.run_id, args.log_dir)
+        if events and not args.json:
+            print(ended_here.render(target.run_id, events), flush=True)
+        raise
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -376,4 +386,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_job_flags(p)
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--watch", action="store_true", help="redraw whenever the job changes (Ctrl-C ends)")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="where this machine's agents of the job wrote their logs (their --log-dir): when the store "
+                        "is gone, their last events there say how the job ended (default: the temporary folders "
+                        "agents without --log-dir make)")
     p.set_defaults(run=_run)
