@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -103,11 +104,50 @@ def test_logs_of_a_rank_that_is_not_there_or_has_printed_nothing(cluster: Cluste
     missing = run_cli(["logs", *job, "--rank", "7"])
     assert (missing.returncode, missing.stdout, missing.stderr) == (
         2, "", f"elasticrun: error: no rank 7 in job '{rid}': its ranks are 0-1 (see elasticrun status)\n")
+    node = f"{socket.gethostname()}_{agent.pid}"
     quiet = run_cli(["logs", *job, "--rank", "1"])
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (
-        0, "", f"elasticrun: rank 1 of job '{rid}' has printed nothing yet\n")
+        0, f"[1]<round>: --- round 1: rank 1 of 2 on node {node}, restart 0 ---\n",
+        f"elasticrun: rank 1 of job '{rid}' has printed nothing yet\n")
     spoke = run_cli(["logs", *job, "--rank", "0"])
-    assert (spoke.returncode, spoke.stdout, spoke.stderr) == (0, "[0]<stdout>: rank 0 speaks\n", "")
+    assert (spoke.returncode, spoke.stdout, spoke.stderr) == (
+        0, f"[0]<round>: --- round 1: rank 0 of 2 on node {node}, restart 0 ---\n[0]<stdout>: rank 0 speaks\n", "")
+    cluster.stop_training()
+    assert agent.wait_exit() == 0
+
+
+FAILS_ONCE = """\
+import os, sys, time
+from pathlib import Path
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+print(f"attempt {restart}", flush=True)
+if restart == "0":
+    sys.exit("first attempt fails on purpose")
+while not Path(sys.argv[1]).exists():
+    time.sleep(0.05)
+"""
+
+
+def test_logs_mark_where_each_round_began(cluster: Cluster, c10d_store: str) -> None:
+    """An old round's traceback never reads as the latest output: each round starts with a line of its own."""
+    script = cluster.tmp / "fails_once.py"
+    script.write_text(FAILS_ONCE)
+    rid = run_id()
+    agent = cluster.launch("agent", "--nnodes=1", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={rid}", "--rdzv-conf=is_host=false,last_call_timeout=0.1",
+        str(script), str(cluster.stop_file),
+    )
+    job = [f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={rid}"]
+    wait_until(lambda: "[0]<stdout>: attempt 1" in run_cli(["logs", *job]).stdout, what="the second attempt's line")
+    node = f"{socket.gethostname()}_{agent.pid}"
+    lines = run_cli(["logs", *job]).stdout.splitlines()
+    rounds = [i for i, line in enumerate(lines) if line.startswith("[0]<round>: ")]
+    assert [lines[i] for i in rounds] == [
+        f"[0]<round>: --- round 1: rank 0 of 1 on node {node}, restart 0 ---",
+        f"[0]<round>: --- round 2: rank 0 of 1 on node {node}, restart 1 ---",
+    ], lines
+    assert rounds[0] < lines.index("[0]<stdout>: attempt 0") < lines.index(
+        "[0]<stderr>: first attempt fails on purpose") < rounds[1] < lines.index("[0]<stdout>: attempt 1"), lines
     cluster.stop_training()
     assert agent.wait_exit() == 0
 

@@ -53,6 +53,7 @@ from elasticrun.errors import (
 from elasticrun.first_of import first_of
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
+from elasticrun.rendezvous.records import ROUND_STREAM
 from elasticrun.store.credentials import worker_credential
 
 if TYPE_CHECKING:  # imported by the launcher only when metrics are asked for
@@ -506,6 +507,12 @@ class Agent:
             f"master {assignment.master_addr}:"
             f"{assignment.master_port}",
         )
+        for local_rank in range(spec.nproc_per_node):
+            rank = assignment.rank_offset + local_rank
+            self.handler.control.report_output(rank, ROUND_STREAM, [
+                f"--- round {assignment.round}{' (re-formed in place)' if in_place else ''}: rank {rank} of "
+                f"{assignment.world_size} on node {spec.node_id}, restart {assignment.restart_count} ---"
+            ])
         if self.metrics is not None:
             self.metrics.running()
         broken = () if self._channel is None else (self._broken(assignment.round),)

@@ -1,8 +1,9 @@
 """`elasticrun logs`: the latest output of every rank, from any host.
 
 Agents keep a bounded window of each rank's latest lines in the store; this prints it
-as the console shows it (`[3]<stdout>: ...`). The full logs stay in each node's
-`--log-dir`.
+as the console shows it (`[3]<stdout>: ...`), with a line where each round began
+(`[3]<round>: --- round 4: ...`), so that an old round's traceback never reads as the
+latest output. The full logs stay in each node's `--log-dir`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from elasticrun.errors import UsageError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job
 from elasticrun.rendezvous.codec import decode
-from elasticrun.rendezvous.records import LogWindow
+from elasticrun.rendezvous.records import ROUND_STREAM, LogWindow
 from elasticrun.store.api import EventType
 
 
@@ -37,7 +38,8 @@ async def show(target: JobTarget, *, tail: int, follow: bool, rank: int | None, 
         windows = [decode(LogWindow, kv.value) for kv in snapshot.kvs]
         if rank is not None:
             windows = [w for w in windows if w.rank == rank]
-            _check_rank(view, rank, printed=any(w.lines for w in windows), follow=follow)
+            printed = any(line.stream != ROUND_STREAM for w in windows for line in w.lines)
+            _check_rank(view, rank, printed=printed, follow=follow)
         for window in windows:
             for text in _lines(window, 0, as_data)[-tail:] if tail else []:
                 print(text)

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field, fields, replace
 
 from elasticrun.rendezvous.rounds import RankShard, Round, RoundHead
 
+#: the stream of the line an agent adds to each of its ranks' output windows as a round
+#: starts: `elasticrun logs` shows where one round's output ends and the next begins
+ROUND_STREAM = "round"
+
 #: the module a `--run-path` worker runs (elasticrun/worker/run_path.py)
 RUN_PATH_MODULE = "elasticrun.worker.run_path"
 
@@ -342,6 +346,8 @@ class StragglerReport:
 
 @dataclass(frozen=True, slots=True)
 class LogLine:
+    """One line of a rank's output window; `stream` is stdout, stderr or `ROUND_STREAM`."""
+
     seq: int
     stream: str
     text: str
