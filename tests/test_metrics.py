@@ -226,5 +226,23 @@ def test_metrics_port_is_part_of_the_launch_configuration() -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "elasticrun: error: --metrics-port takes PORT or HOST:PORT with a port within 1..65535, got '99999'"
+        "elasticrun: error: --metrics-port takes PORT or HOST:PORT with a port within 0..65535 (0: a free one), "
+        "got '99999'"
     ], bad.stderr
+
+
+def test_metrics_port_0_takes_a_free_port_and_says_which(cluster: Cluster) -> None:
+    """Many agents on one host each serve their metrics without a port chosen by hand."""
+    script = cluster.tmp / "wait.py"
+    script.write_text(
+        "import sys, time\nfrom pathlib import Path\n"
+        "while not Path(sys.argv[1]).exists():\n    time.sleep(0.05)\n"
+    )
+    agent = cluster.launch("agent", "--standalone", "--metrics-port=127.0.0.1:0", str(script), str(cluster.stop_file))
+    said = agent.wait_for(r"metrics on (http://127\.0\.0\.1:(\d+)/metrics)")
+    assert int(said.group(2)) > 0
+    agent.wait_for(r"workers init -> healthy")
+    with urllib.request.urlopen(said.group(1), timeout=30) as page:
+        assert "elasticrun_worker_state" in page.read().decode()
+    cluster.stop_training()
+    assert agent.wait_exit() == 0, agent.text()[-3000:]

@@ -36,13 +36,16 @@ class MetricsAddress:
 def metrics_address(
     value: str | None, flag: str = "--metrics-port", default_host: str = "0.0.0.0"
 ) -> MetricsAddress | None:
-    """`PORT` (on `default_host`: every interface unless told) or `HOST:PORT`; None (not given): no metrics."""
+    """`PORT` (on `default_host`: every interface unless told) or `HOST:PORT`; None (not given): no metrics.
+
+    Port 0 is a free port, which the `metrics on ...` line names (many agents on one
+    host, as in tests and demos)."""
     if value is None:
         return None
     host, _, port = value.rpartition(":")
     host = host.strip("[]") or default_host
-    if not (port.isdigit() and 0 < int(port) < 65536):
-        raise UsageError(f"{flag} takes PORT or HOST:PORT with a port within 1..65535, got {value!r}")
+    if not (port.isdigit() and 0 <= int(port) < 65536):
+        raise UsageError(f"{flag} takes PORT or HOST:PORT with a port within 0..65535 (0: a free one), got {value!r}")
     return MetricsAddress(host, int(port))
 
 
@@ -59,7 +62,7 @@ def serving(address: MetricsAddress | None, registry: CollectorRegistry) -> Iter
         server, thread = start_http_server(address.port, addr=address.host, registry=registry)
     except (OSError, ValueError) as e:  # busy port, unknown address
         raise UsageError(f"metrics cannot listen on {address.host}:{address.port}: {e}") from None
-    log.info("metrics on %s", address.url, extra=HEADLINE)
+    log.info("metrics on %s", MetricsAddress(address.host, server.server_port).url, extra=HEADLINE)
     try:
         yield
     finally:
