@@ -69,6 +69,14 @@ def test_help_says_the_default_backend_is_static_and_what_elastic_needs() -> Non
     assert "static (the default, as torchrun's: a fixed number of nodes; --nnodes=MIN:MAX needs c10d or etcd)" in text
 
 
+def test_help_names_every_subcommand() -> None:
+    text = " ".join(launch_parser().format_help().split())
+    found = re.search(r"Job control: elasticrun \{([a-z,]+)\} --help; the standalone store: elasticrun store", text)
+    assert found is not None, text
+    subcommands = subcommand_parser()._subparsers._group_actions[0].choices
+    assert sorted([*found.group(1).split(","), "store"]) == sorted(subcommands)
+
+
 def test_help_lists_every_rdzv_conf_key() -> None:
     """Generated from the one table of keys, so that it cannot drift from it."""
     def listed(parser: argparse.ArgumentParser) -> list[str]:

@@ -177,7 +177,7 @@ def launch_parser() -> argparse.ArgumentParser:
         prog="elasticrun",
         description=_paragraphs(
             "Elastic, fault-tolerant launcher for distributed PyTorch training, "
-            "used exactly like torchrun. Job control: elasticrun {list,status,logs,join,drain,stop} --help; "
+            "used exactly like torchrun. Job control: elasticrun {list,status,logs,stacks,join,drain,stop} --help; "
             "the standalone store: elasticrun store serve --help"
         ),
         epilog=_paragraphs(
