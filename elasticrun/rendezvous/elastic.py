@@ -655,6 +655,14 @@ class ElasticRendezvous(RendezvousHandler):
         while True:
             await asyncio.sleep(max(due - self._clock(), 0.0))
             sent = self._clock()
+            if due < renewed + ttl <= sent and sent - due >= interval:
+                # Due before the lease's end, woken well past it: this process did not
+                # run (stopped, frozen, starved of CPU), which no store could help. (A
+                # renewal retried after failures may be due past the lease's end itself.)
+                return self._lose(
+                    f"this agent did not run for {sent - due:.1f}s (stopped, frozen or starved of CPU), past its "
+                    f"lease of {ttl:g}s"
+                )
             try:
                 async with asyncio.timeout(max(renewed + ttl - sent, 0.0)):
                     await self._store.keep_alive(lease)

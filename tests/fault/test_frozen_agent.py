@@ -76,7 +76,9 @@ def test_frozen_agent_is_lost_then_rejoins_without_disturbing_the_job(
         os.kill(c.pid, signal.SIGCONT)
     marks = {p.name: p.mark() for p in (a, b, c)}
 
-    c.wait_for(r"lost its membership")
+    lost = c.wait_for(r"lost its membership: (.*)$").group(1)
+    # it froze, not the store: the line says so
+    assert lost.startswith("this agent did not run for"), lost
     {p.name: p.wait_for(step_pattern(3, restart=0), start=marks[p.name]) for p in (a, b, c)}
     assert not pid_alive(c_worker)
 
