@@ -80,12 +80,16 @@ def test_full_job_leaves_newcomers_waiting():
     assert d.round is None and "1 spare, max 3 reached" in d.reason
 
 
+#: why a member whose registration vanished is lost
+LAPSED = "its lease lapsed, no heartbeat: dead, frozen or cut off from the store"
+
+
 def test_lost_node_ends_round_at_once_and_admits_waiting():
     view = View(nodes=nodes(node("a"), node("c"), node("d", 99.9)), round=running("a", "b", "c", number=2, restarts=1))
     d = decide(view, SETTINGS, now=100.0)
     assert members(d) == ["a", "c", "d"]
     assert d.round is not None and d.round.restart_count == 1  # membership never uses the budget
-    assert d.reason.startswith("lost b")
+    assert d.reason.startswith(f"lost b ({LAPSED})")  # and why: a bare "lost" names no cause
 
 
 def test_too_few_after_loss_writes_an_empty_round():
@@ -174,7 +178,7 @@ def test_members_that_registered_again_get_a_new_round_for_free():
     # one member back, one gone: the one back rejoins at once, the lost one is named
     one = View(nodes=nodes(node("c", 1.0), ran(node("a"), 4)), round=running("a", "b", "c", number=4))
     d = decide(one, SETTINGS, now=10.0)
-    assert sorted(members(d)) == ["a", "c"] and d.reason.startswith("lost b; a registered again")
+    assert sorted(members(d)) == ["a", "c"] and d.reason.startswith(f"lost b ({LAPSED}); a registered again")
     # a member still registered from before the round (it has not run it yet) stays
     waiting = View(nodes=nodes(ran(node("a"), 3), node("b")), round=running("a", "b", number=4))
     assert decide(waiting, SETTINGS, now=10.0).round is None
@@ -431,7 +435,7 @@ def test_every_member_going_at_once_counts_against_nobody():
         stalled = replace(view, nodes=nodes(ran(node("a"), number)), round=running("a", "b", "c", number=number))
         d = decide(stalled, Q, now=10.0 * number)
         assert d.quarantine is None or not d.quarantine.entries, d.quarantine
-        assert d.reason.startswith("lost b, c; a registered again")
+        assert d.reason.startswith(f"lost b, c ({LAPSED}); a registered again")
 
 
 def test_a_new_leader_takes_a_quarantined_member_out_of_the_round():
@@ -615,5 +619,5 @@ def test_a_straggler_waits_while_the_round_changes_for_another_reason():
     # a node was lost: that round comes first, the straggler is judged again in the next
     view = View(nodes=nodes(node("a"), node("b")), round=running("a", "b", "c", number=3), slow=SLOW)
     d = decide(view, SETTINGS, now=100.0)
-    assert members(d) == ["a", "b"] and d.reason == "lost c"
+    assert members(d) == ["a", "b"] and d.reason == f"lost c ({LAPSED})"
     assert d.quarantine is not None and not d.quarantine.active(100.0)  # c's drop-out counted, b kept

@@ -17,12 +17,14 @@ from elasticrun.rendezvous.view import Decision, SeenNode, View
 from elasticrun.rendezvous.wording import duration, names, plural
 
 
-def _lost_reason(missing: list[str], back: list[str], view: View) -> str:
+def _lost_reason(missing: list[str], back: list[str], view: View, dead: tuple[str, ...] = ()) -> str:
     """Why members left the round.
 
     Drained by an operator, left on purpose (a signal, a sick GPU), gone without a word
     (dead, frozen, cut off), or back with a new registration. Calling a node that left
-    on purpose lost would send whoever reads the survivors' logs looking for a crash."""
+    on purpose lost would send whoever reads the survivors' logs looking for a crash.
+    A node lost without a word either failed the liveness check (`dead`, said by the
+    caller) or its lease lapsed, which is said here: a bare `lost` names no cause."""
     drained = [n for n in missing if n in view.draining]
     left = [n for n in missing if n in view.departed and n not in view.draining]
     lost = [n for n in missing if n not in view.draining and n not in view.departed]
@@ -30,7 +32,14 @@ def _lost_reason(missing: list[str], back: list[str], view: View) -> str:
     if left:
         parts.append(f"{names(left)} left")
     if lost:
-        parts.append(f"lost {names(lost)}")
+        lapsed = [n for n in lost if n not in dead]
+        cause = "its lease lapsed, no heartbeat: dead, frozen or cut off from the store"
+        if lapsed == lost:
+            parts.append(f"lost {names(lost)} ({cause})")
+        elif lapsed:
+            parts.append(f"lost {names(lost)} ({names(lapsed)}: {cause})")
+        else:
+            parts.append(f"lost {names(lost)}")
     if back:
         parts.append(f"{names(back)} registered again")
     return "; ".join(parts)
@@ -210,7 +219,7 @@ def _after_loss(case: _Case) -> Decision:
             if node_id not in view.draining and node_id not in view.departed:
                 book.count(node_id, f"dropped out of round {current.number}")
     pick = _pick(case.members, case.survivors, case.newcomers, book, settings)
-    reason = _lost_reason(case.missing, case.back, view)
+    reason = _lost_reason(case.missing, case.back, view, case.dead)
     if set(case.dead) & view.refused:
         reason += f" (agent gone: {names(sorted(set(case.dead) & view.refused))} refused the liveness check)"
     if len(pick.group) >= settings.min_nodes:
