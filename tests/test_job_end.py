@@ -179,3 +179,38 @@ def test_status_shows_how_the_job_ended_once_the_store_host_is_gone(cluster: Clu
     assert len(ended) == 2 and {kind for _, kind, _ in ended} == {"failed"}, done.stdout
     assert any("worker failed on purpose" in why or "worker rank 1 failed" in why for _, _, why in ended), done.stdout
     cluster.assert_no_orphans()
+
+
+def test_a_worker_failure_among_several_nodes_says_the_restart_is_asked_not_spent(
+    cluster: Cluster, c10d_store: str
+) -> None:
+    """Whether it spends a restart is the leader's to find (a node lost meanwhile spends none).
+
+    The failing node says it asks; the next round's line says what was spent."""
+    script = cluster.tmp / "fails_once.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        "if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    sys.exit('worker failed on purpose')\n"
+        f"runpy.run_path({str(TICKER)!r}, run_name='__main__')\n"
+    )
+    job, conf = run_id(), RDZV_CONF + ",is_host=false"
+    nodes = [
+        cluster.launch(
+            name, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={c10d_store}",
+            f"--rdzv-id={job}", f"--rdzv-conf={conf}", f"--local-addr=127.0.0.{addr}", "--max-restarts=2",
+            f"--log-dir={cluster.tmp / 'logs'}", str(script), "--stop-file", str(cluster.stop_file),
+        )
+        for name, addr in (("a", 1), ("b", 2))
+    ]
+    for proc in nodes:
+        proc.wait_for(r"tick=2 rank=\d world=2")
+    failed = next(p for p in nodes if "worker failed on purpose" in p.text())
+    text = failed.text()
+    assert "asking the leader to restart (it spends 1/2 unless a node was lost meanwhile)" in text, text[-3000:]
+    assert "restarting (" not in text, text[-3000:]
+    failed.wait_for(r"round 2: node rank \d/2, ranks \d-\d of 2, restart 1/2")
+    cluster.stop_training()
+    for proc in nodes:
+        assert proc.wait_exit(timeout=EXIT_WITHIN) == 0, proc.text()[-3000:]
+    cluster.assert_no_orphans()

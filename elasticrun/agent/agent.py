@@ -429,11 +429,13 @@ class Agent:
                     return result
                 case Action.RESTART:
                     count = f"forgiven: {forgiven}; {spent}/{budget} spent" if forgiven else f"{spent + 1}/{budget}"
+                    doing = f"restarting ({count})"
                     if assignment.node_count > 1 and not forgiven:
-                        # a peer that died breaks our collectives too: then the leader
-                        # opens a round without it, and no restart is spent
-                        count += ", none if a node was lost meanwhile"
-                    self._set_state(WorkerState.STOPPED, f"{attempt.reason}; restarting ({count})")
+                        # A peer that died breaks our collectives too: then the leader
+                        # opens a round without it, and no restart is spent. Not yet
+                        # known here: the next round's line says which it was.
+                        doing = f"asking the leader to restart (it spends {count} unless a node was lost meanwhile)"
+                    self._set_state(WorkerState.STOPPED, f"{attempt.reason}; {doing}")
                     if attempt.text:  # in-process: the worker said one line; the rest is here
                         logger.info("worker traceback:\n%s", attempt.text)
                     await self.handler.request_restart(attempt.reason, forgiven=bool(forgiven))
