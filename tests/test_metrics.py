@@ -246,3 +246,24 @@ def test_metrics_port_0_takes_a_free_port_and_says_which(cluster: Cluster) -> No
         assert "elasticrun_worker_state" in page.read().decode()
     cluster.stop_training()
     assert agent.wait_exit() == 0, agent.text()[-3000:]
+
+
+def test_an_agent_that_hosts_no_store_exports_no_store_metric(cluster: Cluster, c10d_store: str) -> None:
+    script = cluster.tmp / "wait.py"
+    script.write_text(
+        "import sys, time\nfrom pathlib import Path\n"
+        "while not Path(sys.argv[1]).exists():\n    time.sleep(0.05)\n"
+    )
+    port = free_port()
+    agent = cluster.launch(
+        "agent", "--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={c10d_store}", f"--rdzv-id={run_id()}",
+        "--rdzv-conf=is_host=false,last_call_timeout=0.1", f"--metrics-port=127.0.0.1:{port}",
+        str(script), str(cluster.stop_file),
+    )
+    agent.wait_for(r"workers init -> healthy")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as page:
+        text = page.read().decode()
+    assert "elasticrun_worker_state" in text
+    assert "elasticrun_store_" not in text, [ln for ln in text.splitlines() if "elasticrun_store_" in ln]
+    cluster.stop_training()
+    assert agent.wait_exit() == 0, agent.text()[-3000:]

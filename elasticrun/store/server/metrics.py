@@ -30,21 +30,25 @@ class ServerLoad:
 
 
 class StoreMetrics:
-    """The store's metrics in `registry`; `serving` is set by the server it watches."""
+    """The store's metrics, in `registry` once `serving` is called by the server it watches.
+
+    Not before: an agent made ready to host the store (`--metrics-port`) that finds
+    another host's endpoint exports no store metric at all."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.calls = Counter(
             "elasticrun_store_calls",
             "Calls the store answered, by service, method and gRPC status code (OK, NOT_FOUND, ...)",
-            ["service", "method", "code"], registry=registry,
+            ["service", "method", "code"], registry=None,
         )
         self._load: Callable[[], ServerLoad] | None = None
-        registry.register(_LoadCollector(self))
 
     def serving(self, load: Callable[[], ServerLoad]) -> None:
-        """Read the server's load from `load` at each scrape (a thread-safe read)."""
+        """Read the server's load from `load` at each scrape (a thread-safe read), from now on."""
         self._load = load
+        self.registry.register(self.calls)
+        self.registry.register(_LoadCollector(self))
 
     def load(self) -> ServerLoad | None:
         return self._load() if self._load is not None else None

@@ -165,8 +165,6 @@ class StoreServer:
         )
         add_store_service(StoreService(self), server, self.counted_call)
         add_c10d_service(C10dService(self), server, self.counted_call)
-        if self.metrics is not None:
-            self.metrics.serving(self.load)
         address = _host_port(self.host, self._requested_port)
         # grpc would only fail to bind on a bad certificate: "port in use"
         if self._tls is not None:
@@ -192,6 +190,8 @@ class StoreServer:
             )
         await server.start()
         self._server = server
+        if self.metrics is not None:  # once it serves: an agent that hosts nothing exports no store metric
+            self.metrics.serving(self.load)
         logger.debug(
             "store serving on %s (%s, %s)",
             self.endpoint,
