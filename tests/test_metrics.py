@@ -206,6 +206,37 @@ def test_agent_metrics_tell_causes_apart() -> None:
     assert count("elasticrun_worker_state", state="init") == 0
 
 
+def test_the_time_to_the_first_step_after_a_change_is_its_own() -> None:
+    """Starting the processes takes milliseconds; their imports and joining the
+    collective are where a change's time goes: the first step after it has a histogram."""
+    from elasticrun.agent.metrics import AgentMetrics
+    from elasticrun.rendezvous.api import Assignment
+    from elasticrun.rendezvous.records import StepReport
+
+    m = AgentMetrics("job42", "host_7")
+
+    def step(number: int, steps: int) -> None:
+        m.steps(StepReport("host_7", number, steps, 0.1, 0.1, 0, "optimizer"))
+
+    def first_steps() -> float:
+        return m.registry.get_sample_value("elasticrun_change_to_first_step_seconds_count") or 0.0
+
+    m.round_started(Assignment(1, 0, 2, 0, 2, "127.0.0.1", 1, 0))
+    m.running()
+    step(1, 5)
+    assert first_steps() == 0  # the job's first start is no change
+    m.round_over()
+    m.round_started(Assignment(2, 0, 3, 0, 3, "127.0.0.1", 1, 0))
+    m.running()
+    step(1, 6)  # a late report of the old round
+    step(2, 0)
+    assert first_steps() == 0
+    step(2, 1)
+    step(2, 2)
+    assert first_steps() == 1
+    assert m.registry.get_sample_value("elasticrun_change_to_running_seconds_count") == 1
+
+
 def test_metrics_port_is_part_of_the_launch_configuration() -> None:
     """--metrics-port reaches the LaunchConfig (so the CLI, `join` and `elasticrun.launch`
     serve metrics alike), a bad one is a usage line, and parsing it loads no prometheus_client."""

@@ -63,7 +63,14 @@ class AgentMetrics:
         self.recovery = Histogram(
             "elasticrun_change_to_running_seconds",
             "Seconds from the moment this node saw its round end (a membership change or a failure) to its "
-            "workers running in the next round",
+            "workers started in the next round (their imports and joining the collective come after: see "
+            "elasticrun_change_to_first_step_seconds)",
+            buckets=RECOVERY_BUCKETS, registry=r,
+        )
+        self.first_step = Histogram(
+            "elasticrun_change_to_first_step_seconds",
+            "Seconds from the moment this node saw its round end (a membership change or a failure) to its "
+            "workers' first step in the next round, read within a second (workers whose steps are timed only)",
             buckets=RECOVERY_BUCKETS, registry=r,
         )
         self.worker_state = Gauge(
@@ -105,6 +112,9 @@ class AgentMetrics:
         self._ran: Assignment | None = None
         self._ended_at: float | None = None  # when the last round ended, until running again
         self._failed_here = False
+        #: when the change the workers have not made a step since began (the first of
+        #: several, should rounds end before a step)
+        self._step_since: float | None = None
 
     def quarantine_from(self, count: Callable[[], int]) -> None:
         """Read the job's quarantined nodes from `count` at each scrape (a thread-safe read)."""
@@ -122,6 +132,11 @@ class AgentMetrics:
         self.step_compute.set(report.compute)
         self.step_wall.set(report.wall)
         self.stalled.set(1.0 if report.stalled_since else 0.0)
+        ran, since = self._ran, self._step_since
+        if since is not None and report.steps > 0 and ran is not None and report.round == ran.round:
+            self.first_step.observe(time.monotonic() - since)
+            self._step_since = None
+
     def health_checked(self, result: CheckResult) -> None:
         """One run of --health-check ended."""
         assert self._health is not None, "made without health_check"
@@ -167,6 +182,8 @@ class AgentMetrics:
         """This node's workers run in the round it started last."""
         if self._ended_at is not None:
             self.recovery.observe(time.monotonic() - self._ended_at)
+            if self._step_since is None:
+                self._step_since = self._ended_at
             self._ended_at = None
 
 
