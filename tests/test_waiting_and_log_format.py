@@ -258,6 +258,14 @@ def test_a_job_that_goes_well_says_little(tmp_path: Path) -> None:
     assert missing.returncode == 2 and record["level"] == "ERROR"
     assert record["message"] == "--max-restarts must be >= 0, got -1"
 
+    # in JSON, the workers' lines are JSON too: a log pipeline reads every line of both streams
+    both = run("--log-format=json", LOGLEVEL="INFO")
+    assert both.returncode == 0, both.stderr
+    records = [json.loads(line) for line in (both.stdout + both.stderr).splitlines()]
+    said = sorted((r["rank"], r["stream"], r["text"]) for r in records if "rank" in r)
+    assert said == [(0, "stdout", "hello from 0"), (1, "stdout", "hello from 1")], records
+    assert all(re.fullmatch(ISO, r["time"]) and r["node"] for r in records), records
+
 
 def test_a_waiting_node_says_what_it_waits_for_and_how_long(cluster: Cluster, c10d_store: str) -> None:
     rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())

@@ -749,6 +749,7 @@ class Agent:
                     local_rank=local_rank,
                     role=spec.role,
                     duplicates=duplicates,
+                    json_node=spec.node_id if spec.options.console_json else None,
                 )
         except BaseException:
             self._group = group

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import functools
+import json
 import logging
 import os
 import sys
@@ -164,16 +166,20 @@ class WorkerOutput:
         local_rank: int = 0,
         role: str = "default",
         duplicates: Duplicates | None = None,
+        json_node: str | None = None,
     ) -> None:
         """`proc` was started with `worker_stdio(...)` of the same `plans`.
 
-        `publish(global_rank, stream, lines)` also gets every whole line, decoded.
+        `publish(global_rank, stream, lines)` also gets every whole line, decoded. With
+        `json_node` (--log-format=json), each console line is a JSON object, as the
+        agent's own lines are: `time`, `node`, `rank`, `stream`, `text`.
         """
         #: the worker's global rank, for prefixes and reports; in-process mode updates
         #: it when a round moves the worker
         self.global_rank = global_rank
         self._template = Template(prefix_template) if prefix_template is not None else None
         self._local_rank, self._role = local_rank, role
+        self._json_node = json_node
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._tails: list[FileTail] = []
         streams = (
@@ -207,6 +213,7 @@ class WorkerOutput:
                     functools.partial(self._prefix, stream),
                     console if plans[std].console else None,
                     sink(stream, plans[std]),
+                    functools.partial(self._json_line, stream) if json_node is not None else None,
                 )
             )
             for reader, (_, std, stream, console) in zip(readers, streams, strict=True)
@@ -231,6 +238,13 @@ class WorkerOutput:
                 role_name=self._role, rank=self.global_rank, local_rank=self._local_rank
             ).encode()
         return f"[{self.global_rank}]<{stream}>: ".encode()
+
+    def _json_line(self, stream: str, line: bytes) -> bytes:
+        at = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
+        text = line.decode(errors="replace")
+        return json.dumps(
+            {"time": at, "node": self._json_node, "rank": self.global_rank, "stream": stream, "text": text}
+        ).encode()
 
     def _reader(self, pipe: asyncio.StreamReader | None, plan: StreamPlan) -> _Reader:
         if plan.file is not None:
@@ -274,13 +288,15 @@ async def _copy(
     prefix: Callable[[], bytes],
     console: BinaryIO | None,
     sink: Callable[[list[str]], None],
+    as_json: Callable[[bytes], bytes] | None = None,
 ) -> None:
     """Read one stream to its end.
 
-    Whole prefixed lines to the console, decoded lines to the sink; on a terminal, the
-    frames of a line that redraws itself as they come."""
+    Whole prefixed lines to the console (or each as a JSON object, `as_json`), decoded
+    lines to the sink; on a terminal, the frames of a line that redraws itself as they
+    come (not in JSON, whose lines are whole)."""
     partial = b""
-    live = _Terminal.of(console)
+    live = _Terminal.of(console) if as_json is None else None
     me = object()  # this stream, as the owner of the terminal's open line
     while True:
         chunk = await reader.read(_CHUNK)
@@ -288,7 +304,9 @@ async def _copy(
         if lines:
             if console is not None:
                 head = prefix()
-                if live is None:
+                if as_json is not None:
+                    data = b"".join(as_json(line) + b"\n" for line in lines)
+                elif live is None:
                     data = b"".join(head + line + b"\n" for line in lines)
                 else:
                     data = live.lines(me, head, lines)

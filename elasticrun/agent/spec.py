@@ -71,6 +71,9 @@ class WorkerOptions:
     #: the console lines' prefix, torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
     #: (`${rank}`, `${local_rank}`, `${role_name}`); None: `[<rank>]<stdout>: `
     log_line_prefix_template: str | None = None
+    #: --log-format=json: the workers' console lines are JSON objects too, so that the
+    #: console stays one JSON object a line (elasticrun.agent.output)
+    console_json: bool = False
     #: "stdout"/"stderr" -> torchrun's --duplicate-*-filters (elasticrun.agent.output.Duplicates)
     duplicate_filters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: give each worker only its own GPU (CUDA_VISIBLE_DEVICES per worker) and

@@ -194,6 +194,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.json:
         log_format.use("json")
+        argv = ["--log-format=json", *argv]
     config = build_config(launch_parser().parse_args(argv), os.environ)
     if args.timeout is not None:  # the operator bounds the wait for a place, a spare's too
         settings = dataclasses.replace(config.rdzv.settings, spares_wait=False)

@@ -8,7 +8,8 @@ and `--log-format=json` (or ELASTICRUN_LOG_FORMAT=json) writes one object a line
 `time`, `level`, `logger`, `node` and `message` (plus `error`, a traceback, when one is
 logged). A dozen lines of `logging.Formatter` rather than a JSON-logging library: the
 fields are fixed and few, and the launcher stays at its four dependencies.
-Only the agent's own lines change; the workers' output is passed on as it comes.
+In JSON the workers' console lines are objects too (elasticrun.agent.output), so that
+a pipeline reads every line of both streams; their log files keep the bytes as written.
 Which lines show by default is elasticrun.loglines' matter (LOGLEVEL changes it).
 """
 

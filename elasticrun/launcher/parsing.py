@@ -268,6 +268,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
             local_ranks_filter=local_ranks,
             isolate_gpus=args.isolate_gpus or args.virtual_local_rank,
             log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+            console_json=args.log_format == "json",
             file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "")
             if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
             else None,
