@@ -52,8 +52,9 @@ class Step:
     expect: str
 
 
-def steps(port: int, token: Path) -> list[Step]:
+def steps(port: int, token: Path, host_port: int = 0) -> list[Step]:
     store = f"--rdzv-endpoint=127.0.0.1:{port}"
+    hosted = f"--rdzv-endpoint=127.0.0.1:{host_port}"
     c10d = "--rdzv-backend=c10d"
     return [
         Step("One machine, two workers: a job that goes well says little.",
@@ -68,12 +69,22 @@ def steps(port: int, token: Path) -> list[Step]:
         Step("What happened, after the end: the nodes' last reports stay for closed_ttl.",
              ("status", store, "--rdzv-id=none"), 0,
              r"^\S+_\d+\s+succeeded\s"),
-        Step("Their last lines too.",
-             ("logs", store, "--rdzv-id=none", "--tail=1"), 0,
-             r"^\[0\]<stdout>: rank 0 done$"),
+        Step("Their last lines too, each round's marked where it began.",
+             ("logs", store, "--rdzv-id=none", "--tail=3"), 0,
+             r"^\[0\]<round>: --- round 1: rank 0 of 1 on node \S+, restart 0 ---\n.*\n\[0\]<stdout>: rank 0 done$"),
         Step("A scheduler's clean-up stops the ended job: nothing to do, and no error.",
              ("stop", store, "--rdzv-id=none"), 0,
              r"job 'none' had already ended \(succeeded: .*\): nothing to stop"),
+        Step("An elastic job without --rdzv-backend: the default is static, as torchrun's.",
+             ("--nnodes=1:3", "train.py"), 2,
+             r"--nnodes=1:3 is elastic, which the static rendezvous \(the default --rdzv-backend\) cannot run: "
+             r"give --rdzv-backend=c10d"),
+        Step("The README's set-up: the node on the endpoint hosts the store, and says what that means.",
+             ("--nnodes=1", c10d, hosted, "--rdzv-id=hosted", "--log-dir=logs", "train.py"), 0,
+             r"hosting the rendezvous store on 127\.0\.0\.1:\d+: this node is the job's single point of failure"),
+        Step("How that job ended, once its store ended with it: this machine's run folders say.",
+             ("status", hosted, "--rdzv-id=hosted", "--log-dir=logs", "--rdzv-conf=store_timeout=1"), 200,
+             r"^  \S+  succeeded  .*  all workers succeeded$"),
         Step("A misspelt --rdzv-conf key.",
              ("--nnodes=1", c10d, store, "--rdzv-id=second", "--rdzv-conf=join_timout=60", "train.py"), 2,
              r"unknown key 'join_timout'; did you mean join_timeout\?"),
@@ -98,9 +109,10 @@ def run(folder: Path) -> str:
     token = folder / "token"
     token.write_text("first-hour-token-0123456789\n")
     token.chmod(0o600)
-    with socket.socket() as s:
+    with socket.socket() as s, socket.socket() as h:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        h.bind(("127.0.0.1", 0))
+        port, host_port = s.getsockname()[1], h.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "LOGLEVEL"))}
     elasticrun = [sys.executable, "-m", "elasticrun"]
     server = subprocess.Popen([*elasticrun, "store", "serve", "--host", "127.0.0.1", "--port", str(port)],
@@ -109,7 +121,7 @@ def run(folder: Path) -> str:
         assert server.stdout is not None
         server.stdout.readline()  # it says it serves once it does
         out = [f"$ elasticrun store serve --host 127.0.0.1 --port {port} &"]
-        for step in steps(port, token):
+        for step in steps(port, token, host_port):
             done = subprocess.run([*elasticrun, *step.argv], cwd=folder, env=env, capture_output=True, text=True,
                                   timeout=120)
             # the checkout's own path says nothing to a reader (`.venv/bin/python`)
