@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticrun.agent.runfolder import DEFAULT_ROOT_PREFIX
+from elasticrun.launcher.printable import shown
 
 #: at most this many run folders are shown, the latest first
 SHOWN = 8
@@ -69,8 +70,8 @@ def render(run_id: str, events: list[LastEvent]) -> str:
     lines = [f"job '{run_id}' as this machine's run folders last recorded it (the store is gone):"]
     for e in events:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.at))
-        lines.append(f"  {_printable(e.node)}  {e.kind}  {when}  {_printable(_one_line(e.detail))}")
-        lines.append(f"    {_printable(str(e.folder))}")
+        lines.append(f"  {shown(e.node)}  {shown(e.kind)}  {when}  {shown(_one_line(e.detail))}")
+        lines.append(f"    {shown(str(e.folder))}")
     return "\n".join(lines)
 
 
@@ -79,8 +80,3 @@ def _one_line(detail: str) -> str:
     parts = [ln.strip(" =-") for ln in detail.splitlines()]
     text = " / ".join(p for p in parts if any(c.isalnum() for c in p))
     return text if len(text) <= DETAIL_SHOWN else text[: DETAIL_SHOWN - 3] + "..."
-
-
-def _printable(text: str) -> str:
-    """One line of text, with any control character shown escaped (run folders hold worker text)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
