@@ -414,7 +414,7 @@ class Agent:
             forgiven = ""
             if attempt.outcome in (Outcome.FAILED, Outcome.BROKEN):
                 self._failed_attempt = attempt
-                if self.handler.closed_by_success():
+                if self.handler.closed_by_success(assignment.round):
                     return await self._failed_after_success(attempt)
                 forgiven = self._forgiveness()
             spent, budget = assignment.budget_spent, self.spec.max_restarts
@@ -891,9 +891,11 @@ class Agent:
         return self._signal.name if self._signal is not None else "a signal"
 
     async def _closed(self, e: RendezvousClosedError) -> AgentResult:
-        if e.outcome == "succeeded" and self._failed_attempt is not None:
-            # it closed while this node asked for a restart (or the job's end)
-            return await self._failed_after_success(self._failed_attempt)
+        failed, assignment = self._failed_attempt, self._assignment
+        if failed is not None and assignment is not None and self.handler.closed_by_success(assignment.round):
+            # it closed while this node asked for a restart (or the job's end) in that round;
+            # a failure the leader answered with a round without this node (a quarantine) is over
+            return await self._failed_after_success(failed)
         if e.outcome == "failed" and self._failure is not None:
             message, report, text = self._failure
             if text:

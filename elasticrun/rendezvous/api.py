@@ -99,12 +99,14 @@ class RendezvousHandler(abc.ABC):
         """
         return True
 
-    def closed_by_success(self) -> bool:
-        """Whether another node's workers succeeded and closed the job.
+    def closed_by_success(self, round_number: int) -> bool:
+        """Whether another node's workers succeeded and closed the job in round `round_number`.
 
         Its other nodes' workers run on to their end, but no round follows: a failure
-        here can restart nothing, and ends the job as failed (`fail()`). Backends
-        without a job shared by several nodes are never closed by another node."""
+        here in that round can restart nothing, and ends the job as failed (`fail()`). A
+        failure of an earlier round was answered already (a round without this node, a
+        quarantine). Backends without a job shared by several nodes are never closed by
+        another node."""
         return False
 
     @abc.abstractmethod

@@ -386,9 +386,9 @@ class ElasticRendezvous(RendezvousHandler):
                 raise RendezvousClosedError(self.run_id, current.closed, current.detail)
             await self._pulse.wait()
 
-    def closed_by_success(self) -> bool:
+    def closed_by_success(self, round_number: int) -> bool:
         current = self._job.head
-        return current is not None and current.closed == "succeeded"
+        return current is not None and current.closed == "succeeded" and current.number == round_number
 
     def peers_lost(self) -> bool:
         ran, current = self._ran, self._job.head
