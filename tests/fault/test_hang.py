@@ -85,7 +85,10 @@ def test_a_plain_script_without_heartbeat_is_watched_and_the_hang_says_where_it_
     # Both workers' last step was step 3, so either watchdog may be first: b's finds its
     # worker silent outside any collective; a's finds its worker waiting for b's in the
     # all_reduce of step 4 (no step, so no progress), and says so.
-    verdict = r"worker rank (\d+) hung: no progress for (\d+)s( \(waiting in all_reduce for (\d+)s\))?; asking the leader to restart"
+    verdict = (
+        r"worker rank (\d+) hung: no progress for (\d+)s( \(waiting in all_reduce for (\d+)s\))?; "
+        r"asking the leader to restart"
+    )
     found = {p.name: m for p in (a, b) if (m := re.search(verdict, p.text()))}
     assert found, a.text()[-3000:] + b.text()[-3000:]
     for name, hung in found.items():
