@@ -476,7 +476,10 @@ class ElasticRendezvous(RendezvousHandler):
         """Give up the membership, then the liveness port, then a drain request.
 
         The node is done with the job. Its last status and output outlive it by
-        closed_ttl when the job has ended (`Reporter.keep`)."""
+        closed_ttl when the job has ended (`Reporter.keep`): the background publisher
+        stops first, or a flush of its own could put a window back on the old lease
+        just before that lease's revocation deletes it."""
+        await self._stop_tasks()
         if self._ended and self._lease is not None and not self._lost:
             with contextlib.suppress(StoreError):
                 await self._reports.keep(self._settings.closed_ttl)
@@ -491,6 +494,13 @@ class ElasticRendezvous(RendezvousHandler):
     async def _end_membership(self) -> None:
         """Stop the background tasks, give up the lease (deleting our keys now) and the port."""
         self._release_port()
+        await self._stop_tasks()
+        lease, self._lease = self._lease, None
+        if lease is not None and not self._lost:
+            with contextlib.suppress(StoreError):
+                await self._store.revoke_lease(lease)
+
+    async def _stop_tasks(self) -> None:
         # A task's own failure was handled as it ended (`_task_ended`); the caller's
         # cancellation still propagates out of the gather.
         tasks = list(self._tasks)
@@ -498,10 +508,6 @@ class ElasticRendezvous(RendezvousHandler):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
-        lease, self._lease = self._lease, None
-        if lease is not None and not self._lost:
-            with contextlib.suppress(StoreError):
-                await self._store.revoke_lease(lease)
 
     # --- membership -------------------------------------------------------------------
 
