@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
 import socket
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, pid_alive, run_id
+from tests.elastic_cluster import RDZV_CONF, WORKER, Cluster, Proc, Rdzv, pid_alive, run_id
 from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -292,6 +293,31 @@ def test_a_rerun_of_the_default_id_says_the_job_ended_and_this_node_ran_nothing(
     assert again.wait_exit() == 0, again.text()  # the exit code of the ended job, which succeeded
     again.wait_for(r"job 'none' ended \d+s ago \(succeeded: .*\), before this node started: this node ran nothing")
     assert default_id in again.text() and "worker started" not in again.text()
+
+
+def test_a_script_that_differs_in_content_is_named_and_the_job_runs(cluster: Cluster, c10d_store: str) -> None:
+    """Code sits at different paths on different nodes, and one node's copy may be stale:
+    the path never matters, the content is said (once per node, as a warning), and the
+    job runs, since a debug print is no reason to refuse a node."""
+    workers = WORKER.parent
+    same, edited = cluster.tmp / "same", cluster.tmp / "edited"
+    for folder in (same, edited):
+        folder.mkdir()
+        for name in ("train_worker.py", "collective.py", "worker_tag.py"):
+            shutil.copy(workers / name, folder / name)
+    (edited / "train_worker.py").write_text((workers / "train_worker.py").read_text() + "# a stale copy\n")
+    rdzv = Rdzv("c10d", c10d_store, RDZV_CONF + ",is_host=false", run_id())
+    a = start(cluster, rdzv, "a", 2, "3")
+    a.wait_for(r"waiting: registered")  # a's spec is the job's
+    b = start(cluster, rdzv, "b", 3, "3", worker=same / "train_worker.py")
+    c = start(cluster, rdzv, "c", 4, "3", worker=edited / "train_worker.py")
+    for p in (a, b, c):
+        step(p, 3)
+    differs = r"this node's train_worker\.py differs in content from the one the job's first node read"
+    c.wait_for(r"WARNING .*" + differs + r" \(sha256 [0-9a-f]{12} here, [0-9a-f]{12} there\): "
+               r"the nodes may train different code")
+    assert not re.search(differs, a.text() + b.text())
+    finish(cluster, a, b, c)
 
 
 # --- scenario 8: what a lone node waits for ---------------------------------------------

@@ -47,7 +47,7 @@ def assemble(request: LaunchRequest, host: HostFacts) -> LaunchConfig:
     return LaunchConfig(
         rdzv=rdzv,
         worker=worker,
-        job_spec=spec,
+        job_spec=replace(spec, script_digest=host.script_digest),
         nproc_request=spec.nproc_per_node,
         gpu_names=host.gpu_names,
         agent=request.agent,

@@ -7,6 +7,7 @@ and the store's settings with the files they name (`elasticrun.store.settings`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -21,7 +22,7 @@ from elasticrun.errors import UsageError
 from elasticrun.launcher.flag_values import digits_only
 from elasticrun.launcher.parsing import RUN_PATH_MODULE, LaunchRequest, parse_endpoint
 from elasticrun.launcher.rdzv_conf import settings_from_flags
-from elasticrun.rendezvous.records import JobSpec
+from elasticrun.rendezvous.records import JobSpec, script_at
 from elasticrun.store.settings import StoreAccess, parse_access
 
 
@@ -42,6 +43,8 @@ class HostFacts:
     store: StoreAccess | None = None
     #: --numa-binding: local rank -> the CPUs it runs on
     cpu_affinity: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    #: sha256 of the training script ("" for a module, a program, or one too large)
+    script_digest: str = ""
 
 
 def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
@@ -72,7 +75,29 @@ def discover(request: LaunchRequest, environ: Mapping[str, str]) -> HostFacts:
         gpu_names=names,
         store=store,
         cpu_affinity=numa_affinity(request.numa_binding, devices, nproc) if request.numa_binding else {},
+        script_digest=script_digest(request.job_spec),
     )
+
+
+#: the largest script whose content is compared between nodes; a larger "script" is
+#: data or a bundle, and reading it at every start would cost more than it tells
+_DIGEST_LIMIT = 4 << 20
+
+
+def script_digest(spec: JobSpec) -> str:
+    """sha256 of the Python script the workers run, so that nodes can tell that theirs differ.
+
+    A module is found only by the workers' interpreter and a --no-python program may
+    be anything: neither is read."""
+    at = script_at(spec.command)
+    if spec.no_python or at is None:
+        return ""
+    try:
+        with open(spec.command[at], "rb") as f:
+            content = f.read(_DIGEST_LIMIT + 1)
+    except OSError:
+        return ""
+    return hashlib.sha256(content).hexdigest() if len(content) <= _DIGEST_LIMIT else ""
 
 
 def numa_affinity(mode: str, devices: tuple[int, ...], nproc: int) -> dict[int, frozenset[int]]:

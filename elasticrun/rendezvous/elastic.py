@@ -646,6 +646,10 @@ class ElasticRendezvous(RendezvousHandler):
                 f"this node's job spec differs from the running job '{self.run_id}' ({'; '.join(differ)}); "
                 "start it with the same arguments, or use another --rdzv-id"
             )
+        differs = job.content_differs(self._spec)
+        if differs:
+            log.warning("node %s: %s", self._me.node_id, differs)
+            self._reports.event("script", differs)
 
     async def _keep_alive(self, lease: int) -> None:
         """Renew the lease; give the membership up as soon as the lease may have lapsed.

@@ -21,7 +21,7 @@ RUN_PATH_MODULE = "elasticrun.worker.run_path"
 
 #: the job spec's own version, bumped whenever what a spec holds changes: a node whose
 #: spec has another version is refused as a mismatch, never compared field by field
-JOB_SPEC_VERSION = 3
+JOB_SPEC_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,10 @@ class JobSpec:
     straggler: str = "report"
     #: the --rdzv-conf timings every node must share
     rdzv_conf: Mapping[str, str] = field(default_factory=dict)
+    #: sha256 of the script as the node that stored the spec read it ("" for a module,
+    #: a program, or a script it could not read): compared, never refused, since
+    #: nodes may legitimately run builds of one script that differ (a debug print)
+    script_digest: str = ""
     version: int = JOB_SPEC_VERSION
 
     @property
@@ -96,7 +100,7 @@ class JobSpec:
         found = []
         for f in fields(self):
             name, theirs, ours = f.name, getattr(self, f.name), getattr(mine, f.name)
-            if name == "max_nodes":
+            if name in ("max_nodes", "script_digest"):
                 continue
             if name == "min_nodes":
                 name, theirs, ours = "nnodes", self.nnodes, mine.nnodes
@@ -107,6 +111,25 @@ class JobSpec:
         return found
 
 
+    def content_differs(self, mine: JobSpec) -> str:
+        """A line saying that this node's script is not the job's, or "" (same, or unknown)."""
+        if not (self.script_digest and mine.script_digest) or self.script_digest == mine.script_digest:
+            return ""
+        at = script_at(mine.command)
+        name = os.path.basename(mine.command[at]) if at is not None else "script"
+        return (
+            f"this node's {name} differs in content from the one the job's first node read "
+            f"(sha256 {mine.script_digest[:12]} here, {self.script_digest[:12]} there): "
+            "the nodes may train different code"
+        )
+
+
+def script_at(command: tuple[str, ...]) -> int | None:
+    """Where `command` names its script or program (None: a module, `-m pkg.mod`)."""
+    at = 2 if command[:2] == ("-m", RUN_PATH_MODULE) else 0 if command[:1] != ("-m",) else None
+    return at if at is not None and len(command) > at else None
+
+
 def by_name(command: tuple[str, ...]) -> tuple[str, ...]:
     """`command` as the job's nodes must agree on it: its script (or program) by file name.
 
@@ -114,8 +137,8 @@ def by_name(command: tuple[str, ...]) -> tuple[str, ...]:
     path or `../x/train.py` on another): what must agree is which script runs with
     which arguments, not how each node spells its path. A module (`-m pkg.mod`) is
     its name already."""
-    at = 2 if command[:2] == ("-m", RUN_PATH_MODULE) else 0 if command[:1] != ("-m",) else None
-    if at is None or len(command) <= at:
+    at = script_at(command)
+    if at is None:
         return command
     return (*command[:at], os.path.basename(command[at]), *command[at + 1:])
 
