@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from elasticrun.agent import worker_link as agent_link
 from elasticrun.agent.worker_link import WorkerChannel
 from elasticrun.worker.elastic import MembershipChanged, State
 from elasticrun.worker.elastic import link as worker_link
 from elasticrun.worker.elastic.link import AgentGoneError, AgentLink, WorkerAssignment
+from elasticrun.worker.elastic.run import broken_by_peer
 from elasticrun.worker.elastic.session import GroupSession, SupersededError, _shut_down, _socket_inodes
 from tests.helpers import free_port, wait_until
 
@@ -63,9 +65,10 @@ async def test_assign_ready_change_interrupt_and_broken_travel_over_the_line() -
         ch.assign(4, {0: {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}})
         assert (await asyncio.to_thread(link.next_assignment, 3)).round == 4
 
-        link.report_broken(4, "Traceback ...\nRuntimeError: boom")
+        link.report_broken(4, "Traceback ...\nRuntimeError: boom", by_peer=True)
         report = await asyncio.wait_for(ch.broken(4), 10)
-        assert (report.local_rank, report.round) == (0, 4) and "boom" in report.error
+        assert (report.local_rank, report.round, report.by_peer) == (0, 4, True) and "boom" in report.error
+        assert report.last_line() == "RuntimeError: boom" and ch.broken_in(3) is None
 
         ch.disconnect()  # the agent stops its workers: the line closes
         with pytest.raises(AgentGoneError):
@@ -114,6 +117,35 @@ def test_a_lost_peer_breaks_a_join_in_progress(monkeypatch: pytest.MonkeyPatch) 
     joining.join(20)
     assert not joining.is_alive() and len(outcome) == 1 and isinstance(outcome[0], SupersededError)
     session.leave()
+
+
+def _raised(error: BaseException, through: str = "") -> BaseException:
+    """`error` as raised (with its traceback), from a function compiled as if in file `through`."""
+    code = compile("def fail(error):\n    raise error\n", through or "train.py", "exec")
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        scope["fail"](error)
+    except BaseException as e:
+        return e
+    raise AssertionError("not raised")
+
+
+@pytest.mark.parametrize(
+    ("error", "by_peer"),
+    [
+        (_raised(ValueError("shapes (3,) and (4,) do not match")), False),  # the script's own bug
+        (_raised(RuntimeError("CUDA out of memory")), False),
+        # gloo's words for a peer that left, as DDP's reducer raises them from backward()
+        (_raised(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:4000")), True),
+        (_raised(dist.DistBackendError("NCCL communicator was aborted on rank 1")), True),
+        # anything raised on its way through torch.distributed
+        (_raised(RuntimeError("timed out"), through=os.path.join(os.path.dirname(dist.__file__), "c10d.py")), True),
+    ],
+)
+def test_a_failure_out_of_a_collective_is_told_apart(error: BaseException, by_peer: bool) -> None:
+    """Only a failure that a peer's re-formation could cause waits for the round's end."""
+    assert broken_by_peer(error) is by_peer
 
 
 def test_commit_and_restore_cover_model_optimizer_and_values() -> None:

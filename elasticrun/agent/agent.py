@@ -40,7 +40,7 @@ from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
 from elasticrun.agent.steptimes import READ_INTERVAL, StepTimes, stall_reason
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
-from elasticrun.agent.worker_link import WorkerChannel
+from elasticrun.agent.worker_link import BrokenReport, WorkerChannel
 from elasticrun.errors import (
     EXIT_INFRASTRUCTURE,
     EXIT_TRAINING_FAILED,
@@ -517,7 +517,7 @@ class Agent:
             ])
         if self.metrics is not None:
             self.metrics.running()
-        broken = () if self._channel is None else (self._broken(assignment.round),)
+        broken = () if self._channel is None else (self._broken(assignment),)
         hung = () if dog is None or spec.progress_timeout is None else (self._hung(dog, group.steps),)
         timed = () if group.steps is None else (self._time_steps(group.steps, group.stacks, assignment),)
         try:
@@ -544,6 +544,12 @@ class Agent:
         if outcome is Outcome.ROUND_ENDED and self._keeps_workers():
             assert self._channel is not None
             self._channel.change(assignment.round, interrupt=self.handler.peers_lost())
+            broke = self._channel.broken_in(assignment.round)
+            if broke is not None:  # a peer's re-formation, not a failure: said in the same line
+                reason += (
+                    f" (worker rank {self._global_rank(broke)}'s collective broke as its peers re-formed: "
+                    f"{broke.last_line()})"
+                )
             return _Attempt(outcome, reason, None, kept=True)
         if self._hang is not None:  # before the workers stop: where are they stuck?
             self._hang_stacks = await group.stacks.of_hang(assignment, self._hang)
@@ -871,15 +877,23 @@ class Agent:
     async def _watched(self, watch: Watch) -> tuple[Outcome, str]:
         return Outcome.WATCH, await watch()
 
-    async def _broken(self, round_number: int) -> tuple[Outcome, str]:
+    async def _broken(self, assignment: Assignment) -> tuple[Outcome, str]:
+        """A worker's failure in `assignment`'s round, once it is known to be one.
+
+        A collective that broke may be a peer's re-formation (its agent heard of a new
+        round, or lost its lease, a moment before this one): it counts as a failure
+        only if the round has not ended within `assignment.settle`. The round's end
+        wins the race (`_run_attempt`), and the workers re-form in place, no restart
+        spent."""
         assert self._channel is not None
-        report = await self._channel.broken(round_number)
-        rank = (self._assignment.rank_offset if self._assignment else 0) + report.local_rank
-        last = next(
-            (ln.strip() for ln in reversed(report.error.splitlines()) if ln.strip()), "an error"
-        )
+        report = await self._channel.broken(assignment.round)
+        if report.by_peer and assignment.node_count > 1:
+            await asyncio.sleep(assignment.settle)
         self._broken_text = report.error
-        return Outcome.BROKEN, f"worker rank {rank}: training failed: {last}"
+        return Outcome.BROKEN, f"worker rank {self._global_rank(report)}: training failed: {report.last_line()}"
+
+    def _global_rank(self, report: BrokenReport) -> int:
+        return (self._assignment.rank_offset if self._assignment else 0) + report.local_rank
 
     def _leaving_code(self, outcome: Outcome) -> int:
         """Drained: done (0). Signalled: 128+N. A watch (a sick GPU): the infrastructure."""

@@ -8,7 +8,7 @@ lines:
 
     worker -> agent   {"hello": <local rank>, "pid": <pid>}
                       {"ready": true}
-                      {"broken": <round>, "error": "<traceback>"}
+                      {"broken": <round>, "error": "<traceback>", "by_peer": <bool>}
     agent -> worker   {"assign": <round>, "env": {"RANK": ..., ...}}
                       {"change": <round>, "interrupt": <bool>}
 
@@ -28,6 +28,7 @@ import json
 import logging
 import shutil
 import tempfile
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ SOCKET_VAR = "ELASTICRUN_AGENT_SOCKET"
 #: the longest line a worker may send (a traceback), bounded so a bad client cannot
 #: make the agent buffer without end
 _LINE_LIMIT = 1 << 20
+#: the longest exception line a status line quotes
+_LAST_LINE_CHARS = 160
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,13 @@ class BrokenReport:
     local_rank: int
     round: int
     error: str
+    #: the failure came out of a collective, which a peer's re-formation breaks too
+    by_peer: bool = False
+
+    def last_line(self) -> str:
+        """The exception's line, shortened (gloo's run to several hundred characters)."""
+        last = next((ln.strip() for ln in reversed(self.error.splitlines()) if ln.strip()), "an error")
+        return textwrap.shorten(last, _LAST_LINE_CHARS, placeholder=" ...")
 
 
 class WorkerChannel:
@@ -111,12 +121,13 @@ class WorkerChannel:
 
     async def broken(self, round_number: int) -> BrokenReport:
         """Wait for a worker to report a failure in `round_number`."""
-        def found() -> BrokenReport | None:
-            return next((r for r in self._broken if r.round == round_number), None)
-
-        while (report := found()) is None:
-            await self._wait(lambda: found() is not None)
+        while (report := self.broken_in(round_number)) is None:
+            await self._wait(lambda: self.broken_in(round_number) is not None)
         return report
+
+    def broken_in(self, round_number: int) -> BrokenReport | None:
+        """The first failure a worker reported in `round_number`, if any."""
+        return next((r for r in self._broken if r.round == round_number), None)
 
     def disconnect(self) -> None:
         """Forget the current workers (they are being stopped): new ones say hello anew."""
@@ -143,7 +154,10 @@ class WorkerChannel:
                     self._changed.set()
                 elif "broken" in message and local_rank is not None:
                     self._broken.append(
-                        BrokenReport(local_rank, int(message["broken"]), str(message.get("error", "")))
+                        BrokenReport(
+                            local_rank, int(message["broken"]), str(message.get("error", "")),
+                            by_peer=bool(message.get("by_peer")),
+                        )
                     )
                     self._changed.set()
         except (ValueError, TypeError, ConnectionError, asyncio.LimitOverrunError) as e:

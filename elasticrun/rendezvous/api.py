@@ -37,6 +37,11 @@ class Assignment:
     forgiven: int = 0
     #: the job's run (its launch record's nonce): the workers' store credential names it
     run: str = ""
+    #: seconds within which this node hears of any change of the round (the lease
+    #: TTL; 0 where rounds never change): in-process workers whose collective broke
+    #: wait this long for the round's end before their break counts as a failure,
+    #: since a peer's re-formation breaks it a moment before this node hears of it
+    settle: float = 0.0
 
     @property
     def budget_spent(self) -> int:

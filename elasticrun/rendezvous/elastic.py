@@ -860,6 +860,7 @@ class ElasticRendezvous(RendezvousHandler):
             restart_count=current.restart_count,
             forgiven=current.forgiven,
             run=self._job.launch.run if self._job.launch is not None else "",
+            settle=self._settings.heartbeat_ttl,
         )
 
     async def _close(self, outcome: str, detail: str) -> None:

@@ -8,7 +8,8 @@ collective in flight must be broken now rather than left to hang). The worker sa
 `hello` when the script imports the API, `ready` when it first asks for a round (its
 start-up is done: the agent of a node joining a running job joins only then), and
 `broken` when its training failed with no change announced, so the
-agent can ask the rendezvous for a restart (a failure the budget pays for).
+agent can ask the rendezvous for a restart (a failure the budget pays for), unless the
+round ends meanwhile (a collective that a peer's re-formation broke).
 
 One JSON object per line in both directions. A reader thread keeps the latest word of
 the agent, so the training loop only ever reads memory: `commit()` costs no syscall.
@@ -110,9 +111,11 @@ class AgentLink:
         """Whether the agent said round `round_number` lost a peer (read from memory)."""
         return self._lost >= round_number
 
-    def report_broken(self, round_number: int, error: str) -> None:
-        """Training failed in `round_number` with no change announced: tell the agent."""
-        self._send({"broken": round_number, "error": error})
+    def report_broken(self, round_number: int, error: str, *, by_peer: bool) -> None:
+        """Training failed in `round_number` with no change announced: tell the agent.
+
+        `by_peer`: it failed in a collective, which a peer's re-formation breaks too."""
+        self._send({"broken": round_number, "error": error, "by_peer": by_peer})
 
     def _send(self, message: Mapping[str, object]) -> None:
         data = (json.dumps(message) + "\n").encode()

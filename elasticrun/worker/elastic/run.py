@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime
 import functools
-import sys
+import os
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -109,26 +109,34 @@ def _run_elastic(
             return call()
         except MembershipChanged:
             pass  # noticed by commit(): the state is that commit
-        except Exception:
+        except Exception as e:
             state.restore()
             if not link.superseded(assignment.round):
-                # No change announced: a failure the agent must judge (a peer's death it
-                # has not seen yet, or a bug here); it answers with a new round or a stop.
-                # One line here: the traceback goes to the agent, which shows it once the
-                # failure is one (not a lost peer's doing, which every survivor sees).
-                error = traceback.format_exc()
-                last = next((ln.strip() for ln in reversed(error.splitlines()) if ln.strip()), "an error")
-                print(
-                    f"elasticrun: training failed in round {assignment.round} ({last}), rolled back to "
-                    f"commit {state.commits}; the agent decides what follows",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                link.report_broken(assignment.round, error)
+                # No change announced: a failure the agent must judge (a peer's death or
+                # re-formation it has not heard of yet, or a bug here); it answers with a
+                # new round or a stop. Nothing printed here: the agent says what it was,
+                # with the traceback only if it was a failure.
+                link.report_broken(assignment.round, traceback.format_exc(), by_peer=broken_by_peer(e))
         finally:
             state._attach(None)
             link.on_change(None)
             session.leave()
+
+
+#: what gloo and nccl say when a peer closed its end of the group
+_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted")
+
+
+def broken_by_peer(error: BaseException) -> bool:
+    """Whether `error` came out of a collective (which a peer leaving the group breaks).
+
+    By its type, a frame of torch.distributed or DDP on its way, or gloo's and nccl's
+    words for a closed peer (DDP's reducer raises them from inside `backward()`). A
+    user's error taken for one only waits the agent's settle time before it counts."""
+    if isinstance(error, dist.DistError) or any(word in str(error) for word in _PEER_WORDS):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return any(f"{os.sep}torch{os.sep}distributed{os.sep}" in frame.filename for frame in frames)
 
 
 def _check_membership(link: AgentLink, round_number: int) -> None:
