@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.agent import worker_link as agent_link
+from elasticrun.agent.env import round_env
 from elasticrun.agent.worker_link import WorkerChannel
+from elasticrun.rendezvous.api import Assignment
 from elasticrun.worker.elastic import MembershipChanged, State
 from elasticrun.worker.elastic import link as worker_link
 from elasticrun.worker.elastic.link import AgentGoneError, AgentLink, WorkerAssignment
@@ -305,3 +308,58 @@ def test_sync_copies_to_a_node_that_froze_with_another_state_under_the_same_coun
     for r in range(3):
         assert after[r]["tag"] == "survivors" and after[r]["step"] == 2, (r, after[r])
         assert torch.equal(after[r]["weight"], before[0]["weight"]), r
+
+
+@pytest.mark.timeout(90)  # two gloo processes on two cores
+async def test_a_round_superseded_while_forming_is_abandoned_for_the_next(tmp_path: Path) -> None:
+    """Rounds 4 and 5 opened back to back: node A's agent heard of round 4 and its worker
+    began forming that group; node B's agent saw only round 5. A must leave round 4's
+    join when told it is over, or it waits for B there until the group's timeout, and
+    B waits for it in round 5."""
+    channels = [WorkerChannel(), WorkerChannel()]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for ch in channels:
+            await ch.start()
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKERS / "inprocess_worker.py"), "--steps", "3", "--sleep", "0"],
+                env={**os.environ, agent_link.SOCKET_VAR: ch.path, "LOCAL_RANK": "0", "GLOO_SOCKET_IFNAME": "lo"},
+                stdout=open(tmp_path / f"{len(procs)}.out", "wb"), stderr=subprocess.STDOUT,
+            ))
+        for ch in channels:
+            await asyncio.wait_for(ch.wait_ready([0]), 60)
+        ports = {4: free_port(), 5: free_port()}
+
+        def env(round_number: int, rank: int) -> dict[str, str]:
+            a = Assignment(round=round_number, node_rank=rank, node_count=2, rank_offset=rank, world_size=2,
+                           master_addr="127.0.0.1", master_port=ports[round_number], restart_count=0)
+            return round_env(a, 0)
+
+        channels[0].assign(4, {0: env(4, 0)})
+        # A's worker is forming round 4 once its rank-0 store listens (B never comes there)
+        await asyncio.to_thread(wait_until, lambda: _accepts(ports[4]), 30, "round 4's store", 0.01)
+        for ch in channels:
+            ch.change(4, interrupt=False)  # nodes joined: not a lost peer
+        for rank, ch in enumerate(channels):
+            ch.assign(5, {0: env(5, rank)})
+        for proc in procs:
+            assert await asyncio.to_thread(proc.wait, 60) == 0
+        out = [(tmp_path / f"{i}.out").read_text() for i in range(2)]
+        for rank, text in enumerate(out):
+            assert re.search(rf"joined rank={rank} world=2 round=5 .* step=0", text), text
+            assert re.search(rf"step=3 rank={rank} world=2 round=5 ", text), text
+            assert "Traceback" not in text, text
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        for ch in channels:
+            await ch.close()
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True

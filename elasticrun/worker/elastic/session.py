@@ -84,6 +84,7 @@ class GroupSession:
         self._interrupted = False
         self._before: set[str] | None = None  # sockets open before joining began
         self._sockets: set[str] | None = None  # the group's own, once joined
+        self._joining = False
         self._store: dist.TCPStore | None = None
 
     def join(self) -> None:
@@ -94,26 +95,30 @@ class GroupSession:
             if self._interrupted:
                 raise SupersededError(f"round {a.round} was superseded before it began")
             self._before = _socket_inodes()
-        if a.rank != 0:
-            self._await_master(a.master_addr, a.master_port)
-        self._store = dist.TCPStore(
-            a.master_addr,
-            a.master_port,
-            a.world_size,
-            is_master=a.rank == 0,
-            timeout=self._timeout,
-            wait_for_workers=False,
-        )
-        dist.init_process_group(
-            self._backend,
-            store=dist.PrefixStore(f"elasticrun/round/{a.round}", self._store),
-            rank=a.rank,
-            world_size=a.world_size,
-            timeout=self._timeout,
-        )
-        with self._lock:
-            self._sockets = _socket_inodes() - self._before
-            interrupted = self._interrupted
+            self._joining = True
+        try:
+            if a.rank != 0:
+                self._await_master(a.master_addr, a.master_port)
+            self._store = dist.TCPStore(
+                a.master_addr,
+                a.master_port,
+                a.world_size,
+                is_master=a.rank == 0,
+                timeout=self._timeout,
+                wait_for_workers=False,
+            )
+            dist.init_process_group(
+                self._backend,
+                store=dist.PrefixStore(f"elasticrun/round/{a.round}", self._store),
+                rank=a.rank,
+                world_size=a.world_size,
+                timeout=self._timeout,
+            )
+        finally:
+            with self._lock:
+                self._joining = False
+                self._sockets = _socket_inodes() - self._before
+                interrupted = self._interrupted
         if interrupted:
             raise SupersededError(f"round {a.round} was superseded while joining it")
 
@@ -142,37 +147,74 @@ class GroupSession:
             time.sleep(_PROBE_INTERVAL)
 
     def round_over(self, round_number: int, interrupt: bool) -> None:
-        """The agent said `round_number` is over (any thread).
+        """The agent said `round_number` is over (any thread); news of an earlier round is stale.
 
-        Only a lost peer (`interrupt`) breaks this round's group, joining or joined; news
-        of an earlier round is stale. A change without it (nodes joined) is left at the
-        next commit, where every rank notices it together: breaking a join for it would
-        strand the peers still joining (a TCPStore client whose server went away retries
-        for the whole timeout, and its retries open sockets the interrupt never saw).
+        A lost peer (`interrupt`) breaks this round's group, joining or joined. A change
+        without it (nodes joined) leaves a formed group be until the next commit, where
+        every rank notices it together; but a group still forming is abandoned: the
+        rounds were opened back to back, some peers never heard of this one, and the
+        others would wait for them here until the group's timeout. Every agent of the
+        round says it is over, so all of its joining ranks leave it.
         """
-        if interrupt and round_number >= self.assignment.round:
+        if round_number < self.assignment.round:
+            return
+        with self._lock:
+            forming = self._sockets is None  # joining, or not yet begun
+        if interrupt or forming:
             self.interrupt()
 
     def interrupt(self) -> None:
-        """Break whatever collective is in flight (thread-safe, any thread)."""
+        """Break whatever collective is in flight (thread-safe, any thread).
+
+        While the group forms, its sockets are those opened since the join began, and
+        the C++ join retries what fails (a TCPStore client reconnects, gloo dials its
+        peers again): they are shut down again as they appear, until the join gives up.
+        """
         with self._lock:
             self._interrupted = True
             if self._before is None:
                 return  # not joining yet: join() will refuse
-            # While joining, every socket opened since it began is the group's.
-            sockets = self._sockets if self._sockets is not None else _socket_inodes() - self._before
+            if self._joining:
+                threading.Thread(target=self._break_join, name="elasticrun-break-join", daemon=True).start()
+                return
+            sockets = self._sockets or set()
         _shut_down(sockets)
         world = dist.group.WORLD if dist.is_initialized() else None
         if world is not None and "nccl" in str(dist.get_backend()):
             with contextlib.suppress(RuntimeError):
                 world.abort()
 
+    def _break_join(self) -> None:
+        while True:
+            with self._lock:
+                if not self._joining or self._before is None:
+                    return  # the join is over: joined (join() raises, interrupted) or failed
+                sockets = _socket_inodes() - self._before
+            _shut_down(sockets)
+            time.sleep(_PROBE_INTERVAL)
+
     def leave(self) -> None:
         """Destroy the group (whatever state it is in) so a new one can be made."""
         if dist.is_initialized():
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group()
+        else:
+            _forget_failed_join()
         self._store = None
+
+
+def _forget_failed_join() -> None:
+    """Give back the group name that a failed `init_process_group` took.
+
+    torch names each group it makes by a process-wide count, and gives the count back
+    only when the default group is destroyed: after a join that broke inside
+    `init_process_group` (its round superseded, a peer lost), this process would name
+    its next round's group "1" while its peers name theirs "0", and each would wait
+    for the other's keys under another prefix until the timeout. torch has no public
+    call for this; `destroy_process_group` resets the same counter."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def flag_device() -> torch.device:
