@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.agent.agent import Action, Agent, AgentResult, Outcome, decide
+from elasticrun.agent.agent import Action, Agent, AgentResult, Outcome, next_action
 from elasticrun.agent.spec import Std, WorkerOptions, WorkerSpec, WorkerState
 from elasticrun.errors import EXIT_INFRASTRUCTURE, RendezvousClosedError, WorkerStartError
 from tests.agent_helpers import (
@@ -42,7 +42,7 @@ from tests.helpers import free_port
 def test_policy(
     outcome: Outcome, restart_count: int, max_restarts: int, action: Action
 ) -> None:
-    assert decide(outcome, restart_count, max_restarts) is action
+    assert next_action(outcome, restart_count, max_restarts) is action
 
 
 async def _run(spec: WorkerSpec) -> tuple[Agent, AgentResult]:

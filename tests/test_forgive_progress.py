@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.agent.agent import Action, Agent, Outcome, decide
+from elasticrun.agent.agent import Action, Agent, Outcome, next_action
 from elasticrun.agent.spec import WorkerState
 from tests.agent_helpers import make_spec, static_for, write_script
 from tests.helpers import ELASTICRUN
@@ -23,9 +23,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_policy_forgives_a_failure_after_progress_even_with_the_budget_spent() -> None:
-    assert decide(Outcome.FAILED, 1, 1, progressed=True) is Action.RESTART
-    assert decide(Outcome.BROKEN, 5, 1, progressed=True) is Action.RESTART
-    assert decide(Outcome.FAILED, 1, 1, progressed=False) is Action.FAIL
+    assert next_action(Outcome.FAILED, 1, 1, progressed=True) is Action.RESTART
+    assert next_action(Outcome.BROKEN, 5, 1, progressed=True) is Action.RESTART
+    assert next_action(Outcome.FAILED, 1, 1, progressed=False) is Action.FAIL
 
 
 def _flaky(tmp_path: Path, *, progress: bool, failures: int) -> Path:

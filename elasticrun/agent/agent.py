@@ -3,7 +3,7 @@
 One loop over a `RendezvousHandler`: `next_round()`, start the worker group, wait for
 the first of (a worker failed or all succeeded, the round ended elsewhere, a signal to
 the agent, an extra watch), stop the workers, then act. What to do is decided by one
-small pure function, `decide()`, which holds the whole restart policy.
+small pure function, `next_action()`, which holds the whole restart policy.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Action(enum.Enum):
     END = "end"
 
 
-def decide(outcome: Outcome, budget_spent: int, max_restarts: int, progressed: bool = False) -> Action:
+def next_action(outcome: Outcome, budget_spent: int, max_restarts: int, progressed: bool = False) -> Action:
     """The restart policy, whole.
 
     Only worker failures spend the budget; a round ended by others (a node joined or
@@ -418,7 +418,7 @@ class Agent:
                     return await self._failed_after_success(attempt)
                 forgiven = self._forgiveness()
             spent, budget = assignment.budget_spent, self.spec.max_restarts
-            action = decide(attempt.outcome, spent, budget, bool(forgiven))
+            action = next_action(attempt.outcome, spent, budget, bool(forgiven))
             if self.metrics is not None and action in (Action.RESTART, Action.FAIL, Action.NEXT_ROUND):
                 cause = "hang" if self._hang is not None else "worker_failure"
                 self.metrics.round_over(failure=cause if action is Action.RESTART else "")
