@@ -77,9 +77,9 @@ async def test_a_task_that_dies_ends_the_membership_and_the_node_comes_back(
     victim = the_leader(a, b) if failed == "leader" else a
 
     if task == "leader":
-        def decide(*args: object, **kw: object) -> object:
+        def decide_round(*args: object, **kw: object) -> object:
             raise Injected("decision")
-        monkeypatch.setattr(leader_module, "decide", decide)
+        monkeypatch.setattr(leader_module, "decide_round", decide_round)
     if task == "straggler judge":
         def judge(*args: object, **kw: object) -> object:
             raise Injected("verdict")

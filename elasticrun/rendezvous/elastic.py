@@ -2,7 +2,7 @@
 
 Every node holds a lease and registers under it; one node (whoever holds the
 lease-bound `job/leader` key) watches the registrations and writes rounds, deciding with
-the pure `decide()`. Every node watches `job/` and runs the rounds it is in. A node that
+the pure `decide_round()`. Every node watches `job/` and runs the rounds it is in. A node that
 dies vanishes when its lease expires; one that leaves on purpose revokes its lease, so
 the leader sees it go at once.
 

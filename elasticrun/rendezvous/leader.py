@@ -1,10 +1,10 @@
-"""The leader of an elastic job: one watch on the rendezvous records, `decide()`, writes.
+"""The leader of an elastic job: one watch on the rendezvous records, `decide_round()`, writes.
 
 Whoever holds the lease-bound `job/leader` key runs this. It keeps a `View` of the
 registered nodes, the current round, restart requests and liveness answers up to date
-from a single watch, asks the pure `decide()` what to do, and does it: write a round,
+from a single watch, asks the pure `decide_round()` what to do, and does it: write a round,
 ping the members, or end the job. It never sleeps on a poll: it waits for the next
-event, or for the time `decide()` said to look again.
+event, or for the time `decide_round()` said to look again.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 
 from elasticrun.errors import RendezvousError, StoreError, StoreGoneError
 from elasticrun.rendezvous.codec import decode, encode
-from elasticrun.rendezvous.decide import decide, earliest
 from elasticrun.rendezvous.job_records import JobRecords
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.liveness import Verdict, probe
@@ -32,6 +31,7 @@ from elasticrun.rendezvous.records import (
     RestartRequest,
     StepReport,
 )
+from elasticrun.rendezvous.round_policy import decide_round, earliest
 from elasticrun.rendezvous.rounds import Round, RoundHead, split_round
 from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.rendezvous.stragglers import Judgement, judge
@@ -59,7 +59,7 @@ _OUTSIDE_LOOKS_PER_S = 200
 #: events kept in the store (the leader prunes older ones)
 EVENTS_KEPT = 200
 #: after a decision that took t seconds, the leader folds events in for _DECIDE_REST * t
-#: before it decides again: at most 1 / (1 + _DECIDE_REST) of its loop goes to decide().
+#: before it decides again: at most 1 / (1 + _DECIDE_REST) of its loop goes to decide_round().
 #: A decision costs O(registered nodes), and nodes registering one by one wake the
 #: leader once each: 1,000 nodes on 2 cores cost 939 decisions and 5.9 s of the leader's
 #: CPU before round 1 (bench_rendezvous_scale.py, --profile-leader); a decision that
@@ -166,7 +166,7 @@ class Leader:
         judging = asyncio.ensure_future(self._judge(events)) if self._settings.straggler != "off" else None
         looking = asyncio.ensure_future(self._look_outside_round(events))
         try:
-            # `stale`: what decide() sees may have changed since it last ran. Only then,
+            # `stale`: what decide_round() sees may have changed since it last ran. Only then,
             # or at the time it asked to look again, does it run again, and not before
             # its rest (_DECIDE_REST) is over: at 10,000 nodes a decision takes ~10 ms,
             # and each newcomer's liveness check answering (10,000 answers, none of
@@ -208,13 +208,13 @@ class Leader:
             self._probes.clear()
 
     def _decide(self) -> Decision:
-        """decide() on the view now; the leader rests in proportion to what it took.
+        """decide_round() on the view now; the leader rests in proportion to what it took.
 
         Taken as the thread's CPU time, not the wall clock's: a decision is pure
         computation, and a process stopped or starved while it ran (a loaded host, a
         paused VM) must not rest for four times the stall."""
         started = time.thread_time()
-        decision = decide(self._view(), self._settings, self._clock())
+        decision = decide_round(self._view(), self._settings, self._clock())
         self._rest_until = self._clock() + (time.thread_time() - started) * _DECIDE_REST
         return decision
 

@@ -3,7 +3,7 @@
 Worker failures attributed to a node and its drops out of a round are counted; after
 `quarantine_after` of them the node is kept out of rounds for a cooldown that doubles
 with each repeat (`RendezvousSettings.cooldown`). The book is a working copy of the
-stored `QuarantineTable`: `decide()` counts and holds in it, and hands the table back
+stored `QuarantineTable`: `decide_round()` counts and holds in it, and hands the table back
 for the leader to store when it changed.
 """
 

@@ -262,7 +262,7 @@ class QuarantineTable:
     """The leader's failure records (r/quarantine), one entry per node id.
 
     Stored with wall-clock times, so that the next leader and `elasticrun status` read
-    them; the leader shifts them to its own clock for `decide()` (`shifted`).
+    them; the leader shifts them to its own clock for `decide_round()` (`shifted`).
     """
 
     entries: tuple[QuarantineEntry, ...] = ()

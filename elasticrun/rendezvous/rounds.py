@@ -6,7 +6,7 @@ its members in shards of about `SHARD_SIZE` (`r/ranks/`, which no node watches);
 node reads the one shard its id hashes to (`shard_of`). A round's bytes are then O(N)
 in total, not O(N) to every node. The leader, which watches `r/`, and job control,
 which reads the whole job, put the shards back together into the `Round` that
-`decide()` made (`JobRecords.round`).
+`decide_round()` made (`JobRecords.round`).
 """
 
 from __future__ import annotations

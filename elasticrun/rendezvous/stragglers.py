@@ -29,7 +29,7 @@ of one other node alone (a job of two) only when it also slowed against its own 
 a liar can make its honest peer look slow, not make it slow down.
 
 A new round starts the scores afresh: its membership and so its step times differ.
-No I/O, no clock of its own, like `decide()`: tested without sleeping.
+No I/O, no clock of its own, like `decide_round()`: tested without sleeping.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the leader's decision sees (`View`, its `SeenNode`s) and what it returns (`Decision`).
 
 Plain frozen records: the leader builds a View from its watch (`leader.py`), the pure
-`decide()` (`decide.py`) turns it into a Decision, and the leader carries it out.
+`decide_round()` (`round_policy.py`) turns it into a Decision, and the leader carries it out.
 """
 
 from __future__ import annotations

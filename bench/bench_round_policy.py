@@ -1,7 +1,7 @@
-"""The leader's policy, decide(), on its own: its CPU time per decision at a job's size.
+"""The leader's policy, decide_round(), on its own: its CPU time per decision at a job's size.
 
-    python bench/bench_decide.py                       # 1,000, 5,000, 10,000 nodes, a few seconds
-    python bench/bench_decide.py --sizes 10000 --reps 50
+    python bench/bench_round_policy.py                 # 1,000, 5,000, 10,000 nodes, a few seconds
+    python bench/bench_round_policy.py --sizes 10000 --reps 50
 
 A decision reads every registered node, so the leader's CPU grows with the job; it
 decides at most once per four times a decision's cost (leader.py, _DECIDE_REST), so
@@ -26,8 +26,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from common import machine, write_json  # noqa: E402
 
-from elasticrun.rendezvous.decide import decide  # noqa: E402
 from elasticrun.rendezvous.records import NodeInfo  # noqa: E402
+from elasticrun.rendezvous.round_policy import decide_round  # noqa: E402
 from elasticrun.rendezvous.settings import RendezvousSettings  # noqa: E402
 from elasticrun.rendezvous.view import SeenNode, View  # noqa: E402
 
@@ -46,7 +46,7 @@ def per_decision(view: View, settings: RendezvousSettings, reps: int) -> tuple[f
     times, reason = [], ""
     for _ in range(reps):
         started = time.thread_time()
-        reason = decide(view, settings, 1e6).reason
+        reason = decide_round(view, settings, 1e6).reason
         times.append(time.thread_time() - started)
     return statistics.median(times), reason
 

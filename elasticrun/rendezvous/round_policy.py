@@ -1,6 +1,6 @@
 """The leader's round decision: a pure function of what it sees, the settings and now.
 
-No I/O, no clock of its own: `decide(view, settings, now)` returns the round to open, or
+No I/O, no clock of its own: `decide_round(view, settings, now)` returns the round to open, or
 nothing with the reason it waits and the time to look again. That keeps the whole
 membership policy in one readable place, tested without sleeping.
 """
@@ -45,7 +45,7 @@ def _lost_reason(missing: list[str], back: list[str], view: View, dead: tuple[st
     return "; ".join(parts)
 
 
-def decide(view: View, settings: RendezvousSettings, now: float) -> Decision:
+def decide_round(view: View, settings: RendezvousSettings, now: float) -> Decision:
     """The next round, or why there is none yet.
 
     Survivors keep their order (and so their node ranks); newcomers go last in the
