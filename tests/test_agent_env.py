@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from elasticrun.agent.env import worker_env
-from elasticrun.rendezvous.api import Assignment
+from elasticrun.rendezvous.handler import Assignment
 from tests.agent_helpers import make_spec
 
 ASSIGNMENT = Assignment(

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from elasticrun.agent import worker_link as agent_link
 from elasticrun.agent.env import round_env
 from elasticrun.agent.worker_link import WorkerChannel
-from elasticrun.rendezvous.api import Assignment
+from elasticrun.rendezvous.handler import Assignment
 from elasticrun.worker.elastic import MembershipChanged, State
 from elasticrun.worker.elastic import link as worker_link
 from elasticrun.worker.elastic.link import AgentGoneError, AgentLink, WorkerAssignment

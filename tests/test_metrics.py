@@ -168,7 +168,7 @@ def test_agent_metrics_tell_causes_apart() -> None:
     round's end to running again is observed once per change."""
     from elasticrun.agent.metrics import AgentMetrics
     from elasticrun.agent.spec import WorkerState
-    from elasticrun.rendezvous.api import Assignment
+    from elasticrun.rendezvous.handler import Assignment
 
     m = AgentMetrics("job42", "host_7")
     assert m.registry.get_sample_value("elasticrun_info", {"job_id": "job42", "node_id": "host_7",
@@ -210,7 +210,7 @@ def test_the_time_to_the_first_step_after_a_change_is_its_own() -> None:
     """Starting the processes takes milliseconds; their imports and joining the
     collective are where a change's time goes: the first step after it has a histogram."""
     from elasticrun.agent.metrics import AgentMetrics
-    from elasticrun.rendezvous.api import Assignment
+    from elasticrun.rendezvous.handler import Assignment
     from elasticrun.rendezvous.records import StepReport
 
     m = AgentMetrics("job42", "host_7")

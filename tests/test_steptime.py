@@ -20,7 +20,7 @@ import pytest
 
 from elasticrun.agent.boot import boot_env
 from elasticrun.agent.steptimes import STEPS_FILE_ENV, StepTimes
-from elasticrun.rendezvous.api import Assignment
+from elasticrun.rendezvous.handler import Assignment
 from elasticrun.worker import steptime
 from elasticrun.worker.steptime import Recorder
 from tests.helpers import free_port

@@ -52,7 +52,7 @@ from elasticrun.errors import (
 )
 from elasticrun.first_of import first_of
 from elasticrun.loglines import HEADLINE
-from elasticrun.rendezvous.api import AgentStatus, Assignment, RendezvousHandler
+from elasticrun.rendezvous.handler import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.rendezvous.records import ROUND_STREAM
 from elasticrun.store.credentials import worker_credential
 

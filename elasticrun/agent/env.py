@@ -25,7 +25,7 @@ from elasticrun.agent.gpu import worker_gpu_env
 from elasticrun.agent.spec import WorkerSpec
 from elasticrun.agent.worker_link import SOCKET_VAR
 from elasticrun.errors import UsageError
-from elasticrun.rendezvous.api import Assignment
+from elasticrun.rendezvous.handler import Assignment
 from elasticrun.store.wire import TOKEN_FILE_ENV
 
 

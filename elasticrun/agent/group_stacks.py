@@ -31,7 +31,7 @@ from elasticrun.agent.stacks import StackCapture, Target, keep
 from elasticrun.agent.watchdog import Hang
 from elasticrun.errors import UsageError
 from elasticrun.loglines import HEADLINE
-from elasticrun.rendezvous.api import Assignment, JobControl
+from elasticrun.rendezvous.handler import Assignment, JobControl
 from elasticrun.rendezvous.records import NodeStacks, RankStacks
 from elasticrun.rendezvous.stack_summary import one_line, render_ranks, summarise
 from elasticrun.rendezvous.stacks import ANSWER_WAIT

@@ -20,7 +20,7 @@ from prometheus_client.process_collector import ProcessCollector
 from elasticrun import __version__
 from elasticrun.agent.health_check import CheckResult
 from elasticrun.agent.spec import WorkerState
-from elasticrun.rendezvous.api import Assignment
+from elasticrun.rendezvous.handler import Assignment
 from elasticrun.rendezvous.records import StepReport
 
 #: seconds from a change to running again: a membership change in place takes well

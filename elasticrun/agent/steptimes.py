@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from elasticrun.rendezvous.api import Assignment
+from elasticrun.rendezvous.handler import Assignment
 from elasticrun.rendezvous.records import StepReport
 
 #: the worker's variable naming its file (elasticrun.worker.steptime.STEPS_FILE_ENV)

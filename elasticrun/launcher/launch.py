@@ -32,8 +32,8 @@ from elasticrun.launcher.metrics_http import serving
 from elasticrun.launcher.parsing import DEFAULT_RUN_ID
 from elasticrun.launcher.rdzv_conf import rdzv_flag, settings_from_flags
 from elasticrun.loglines import HEADLINE
-from elasticrun.rendezvous.api import RendezvousHandler
 from elasticrun.rendezvous.elastic import ElasticRendezvous
+from elasticrun.rendezvous.handler import RendezvousHandler
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import NodeInfo
 from elasticrun.rendezvous.static import StaticRendezvous

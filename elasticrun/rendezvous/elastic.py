@@ -35,8 +35,8 @@ from elasticrun.errors import (
     StoreGoneError,
 )
 from elasticrun.loglines import HEADLINE
-from elasticrun.rendezvous.api import Assignment, RendezvousHandler
 from elasticrun.rendezvous.codec import decode, encode
+from elasticrun.rendezvous.handler import Assignment, RendezvousHandler
 from elasticrun.rendezvous.job_control import ElasticJobControl
 from elasticrun.rendezvous.job_records import JobRecords
 from elasticrun.rendezvous.keys import Keys

@@ -1,6 +1,6 @@
 """ElasticJobControl: one node's reports and the job's stacks, over its membership.
 
-The elastic rendezvous's side of `JobControl` (`rendezvous/api.py`): the node's status,
+The elastic rendezvous's side of `JobControl` (`rendezvous/handler.py`): the node's status,
 output, events and step timing published for `elasticrun status`, `logs` and the
 leader's straggler check (`reports.py`), and the job-wide stacks (`stacks.py`): a
 request every node answers, the answers gathered by whoever asked, the summary written
@@ -18,8 +18,8 @@ from dataclasses import replace
 from typing import Protocol
 
 from elasticrun.errors import StoreError
-from elasticrun.rendezvous.api import AgentStatus, JobControl
 from elasticrun.rendezvous.codec import decode
+from elasticrun.rendezvous.handler import AgentStatus, JobControl
 from elasticrun.rendezvous.job_records import JobRecords
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import NodeStacks, StacksRequest, StepReport

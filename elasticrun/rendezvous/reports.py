@@ -18,8 +18,8 @@ import time
 from collections import deque
 
 from elasticrun.errors import StoreError
-from elasticrun.rendezvous.api import AgentStatus
 from elasticrun.rendezvous.codec import encode
+from elasticrun.rendezvous.handler import AgentStatus
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import Event, LogLine, LogWindow, NodeInfo, NodeStatus, StepReport
 from elasticrun.store.api import Store

@@ -14,7 +14,7 @@ import logging
 
 from elasticrun.errors import RendezvousClosedError, RendezvousError, UsageError
 from elasticrun.loglines import HEADLINE
-from elasticrun.rendezvous.api import Assignment, JobControl, RendezvousHandler
+from elasticrun.rendezvous.handler import Assignment, JobControl, RendezvousHandler
 
 logger = logging.getLogger("elasticrun.rendezvous")
 
