@@ -334,7 +334,7 @@ def role_observe(backend: str, endpoint: str, run_id: str) -> None:
     from elasticrun.rendezvous.codec import decode
     from elasticrun.rendezvous.keys import Keys
     from elasticrun.rendezvous.rounds import RoundHead
-    from elasticrun.store.api import EventType
+    from elasticrun.store.interface import EventType
 
     keys = Keys(run_id)
     nodes = keys.rdzv + "nodes/"

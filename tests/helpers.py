@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from elasticrun.store.api import WatchEvent
+from elasticrun.store.interface import WatchEvent
 
 T = TypeVar("T")
 

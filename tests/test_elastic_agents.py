@@ -233,7 +233,7 @@ async def _end_closed_window(rdzv: Rdzv, run_id: str) -> None:
     that is slow to start (a loaded machine) would miss the window and start a new job.
     """
     from elasticrun.rendezvous.keys import Keys
-    from elasticrun.store.api import EventType
+    from elasticrun.store.interface import EventType
 
     if rdzv.backend == "etcd":
         from elasticrun.store.settings import open_client, parse_access

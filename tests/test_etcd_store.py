@@ -27,8 +27,8 @@ from elasticrun.errors import (
     StoreSettingError,
     StoreUnavailableError,
 )
-from elasticrun.store.api import EventType, Store
 from elasticrun.store.etcd.backend import EtcdStore
+from elasticrun.store.interface import EventType, Store
 from elasticrun.store.settings import open_client, parse_access, parse_endpoints
 from tests.etcd_support import AUTH_PASSWORD, AUTH_USER, EtcdCluster
 from tests.helpers import next_events

@@ -29,10 +29,10 @@ from elasticrun.errors import (
 )
 from elasticrun.launcher import store_cmd
 from elasticrun.launcher.metrics_http import MetricsAddress
-from elasticrun.store.api import MAX_LEASE_TTL, EventType
 from elasticrun.store.client.c10d import C10dClient
 from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.credentials import reader_credential, worker_credential
+from elasticrun.store.interface import MAX_LEASE_TTL, EventType
 from elasticrun.store.server import admission as server_admission
 from elasticrun.store.server import limits as server_limits
 from elasticrun.store.server.callers import FairShare

@@ -19,8 +19,8 @@ from elasticrun.errors import (
     StoreRequestError,
     StoreUnavailableError,
 )
-from elasticrun.store.api import MAX_LEASE_TTL, EventType, WatchEvent
 from elasticrun.store.credentials import worker_prefix
+from elasticrun.store.interface import MAX_LEASE_TTL, EventType, WatchEvent
 from elasticrun.store.server import memory as memory_store
 from elasticrun.store.server.memory import MemoryStore, SpaceQuota
 

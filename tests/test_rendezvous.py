@@ -25,7 +25,7 @@ from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.ports import PortReservation
 from elasticrun.rendezvous.records import JOB_SPEC_VERSION, JobSpec, NodeInfo, QuarantineEntry, QuarantineTable
 from elasticrun.rendezvous.settings import RendezvousSettings
-from elasticrun.store.api import Store
+from elasticrun.store.interface import Store
 from elasticrun.store.server.memory import MemoryStore
 from tests.helpers import eventually
 

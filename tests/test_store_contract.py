@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from elasticrun.errors import CompactedError, LeaseExpiredError, StoreError
-from elasticrun.store.api import EventType, Store
 from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.etcd.backend import EtcdStore
+from elasticrun.store.interface import EventType, Store
 from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.server.store_server import StoreServer
 from tests.helpers import next_events

@@ -35,9 +35,9 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_s
 from pyetcd import etcdrpc
 
 from elasticrun.errors import LeaseExpiredError, StoreError, StoreRequestError
-from elasticrun.store.api import EventType, KeyValue, RangeResult, Store, WatchEvent
 from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.etcd.backend import EtcdStore
+from elasticrun.store.interface import EventType, KeyValue, RangeResult, Store, WatchEvent
 from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.server.store_server import StoreServer
 from tests.etcd_support import EtcdCluster

@@ -14,7 +14,7 @@ import pytest
 from elasticrun.rendezvous import leader as leader_module
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.keys import Keys
-from elasticrun.store.api import WatchEvent
+from elasticrun.store.interface import WatchEvent
 from elasticrun.store.server.memory import MemoryStore
 from tests.test_rendezvous import make_node, settings
 

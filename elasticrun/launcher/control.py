@@ -35,8 +35,8 @@ from elasticrun.rendezvous.records import (
     StragglerReport,
 )
 from elasticrun.rendezvous.rounds import Round
-from elasticrun.store.api import EventType, Store
 from elasticrun.store.client.first_contact import first_contact
+from elasticrun.store.interface import EventType, Store
 from elasticrun.store.settings import StoreAccess, open_client, parse_access
 
 #: the --rdzv-conf keys job control reads: how to reach the store

@@ -26,7 +26,7 @@ from elasticrun.rendezvous.codec import encode
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.liveness import Verdict, probe
 from elasticrun.rendezvous.records import DrainRequest, Event, NodeInfo
-from elasticrun.store.api import Store
+from elasticrun.store.interface import Store
 
 #: how often `drain` looks at a drained node that left the job but has not said it is done
 LOOK_EVERY = 1.0

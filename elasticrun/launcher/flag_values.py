@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from elasticrun.errors import UsageError
-from elasticrun.store.api import MAX_LEASE_TTL
+from elasticrun.store.interface import MAX_LEASE_TTL
 
 #: The longest a timing may be, in seconds: etcd's longest lease (`MaxLeaseTTL`, about
 #: 285 years), for every timing alike. Two of them become leases (heartbeat_timeout,

@@ -37,8 +37,8 @@ from elasticrun.rendezvous.handler import RendezvousHandler
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import NodeInfo
 from elasticrun.rendezvous.static import StaticRendezvous
-from elasticrun.store.api import EventType, Store
 from elasticrun.store.client.first_contact import first_contact
+from elasticrun.store.interface import EventType, Store
 from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.settings import exposure_warning, open_client, serve_here
 

@@ -17,7 +17,7 @@ from elasticrun.errors import UsageError
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, read_job
 from elasticrun.rendezvous.codec import decode
 from elasticrun.rendezvous.records import ROUND_STREAM, LogWindow
-from elasticrun.store.api import EventType
+from elasticrun.store.interface import EventType
 
 
 def _lines(window: LogWindow, after: int, as_data: bool = False) -> list[str]:

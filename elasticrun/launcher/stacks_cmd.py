@@ -26,7 +26,7 @@ from elasticrun.launcher.printable import shown
 from elasticrun.rendezvous.records import NodeStacks, RankStacks
 from elasticrun.rendezvous.stack_summary import render_groups, render_rank, summarise
 from elasticrun.rendezvous.stacks import ask, conclude, gather, latest, left_out, new_request
-from elasticrun.store.api import Store
+from elasticrun.store.interface import Store
 
 #: how often `stacks` writes its request again when another request won the race
 _TRIES = 3

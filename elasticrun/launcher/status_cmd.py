@@ -19,7 +19,7 @@ from elasticrun.rendezvous.job_records import JobRecords
 from elasticrun.rendezvous.records import StepReport, Straggler
 from elasticrun.rendezvous.rounds import Round
 from elasticrun.rendezvous.stack_summary import one_line
-from elasticrun.store.api import EventType, WatchEvent
+from elasticrun.store.interface import EventType, WatchEvent
 
 #: a live view redraws at most this often
 _WATCH_INTERVAL = 0.5

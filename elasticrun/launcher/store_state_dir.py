@@ -46,7 +46,7 @@ from elasticrun.errors import CompactedError, LeaseExpiredError, RendezvousError
 from elasticrun.rendezvous.codec import decode
 from elasticrun.rendezvous.keys import JOBS_PREFIX, Keys
 from elasticrun.rendezvous.rounds import RoundHead
-from elasticrun.store.api import MAX_LEASE_TTL, EventType
+from elasticrun.store.interface import MAX_LEASE_TTL, EventType
 from elasticrun.store.server.memory import MemoryStore
 
 #: the largest journal file read back: a round record is at most a store value (1 MiB),

@@ -57,7 +57,7 @@ from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.rounds import Placed, RankShard, RoundHead, shard_of
 from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.rendezvous.stragglers import Judgement
-from elasticrun.store.api import EventType, RangeResult, Store
+from elasticrun.store.interface import EventType, RangeResult, Store
 
 log = logging.getLogger("elasticrun.rendezvous")
 

@@ -27,7 +27,7 @@ from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.rounds import RoundHead
 from elasticrun.rendezvous.stacks import ANSWER_WAIT, JobStacks, answer, ask, conclude, gather, new_request
 from elasticrun.rendezvous.stragglers import Judgement
-from elasticrun.store.api import Store
+from elasticrun.store.interface import Store
 
 log = logging.getLogger("elasticrun.rendezvous")
 

@@ -37,7 +37,7 @@ from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.rendezvous.stragglers import Judgement, judge
 from elasticrun.rendezvous.view import Decision, SeenNode, View
 from elasticrun.rendezvous.wording import plural
-from elasticrun.store.api import EventType, RangeResult, Store, WatchEvent
+from elasticrun.store.interface import EventType, RangeResult, Store, WatchEvent
 
 log = logging.getLogger("elasticrun.rendezvous")
 

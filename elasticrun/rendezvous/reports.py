@@ -22,7 +22,7 @@ from elasticrun.rendezvous.codec import encode
 from elasticrun.rendezvous.handler import AgentStatus
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import Event, LogLine, LogWindow, NodeInfo, NodeStatus, StepReport
-from elasticrun.store.api import Store
+from elasticrun.store.interface import Store
 
 log = logging.getLogger("elasticrun.rendezvous")
 

@@ -32,7 +32,7 @@ from elasticrun.rendezvous.codec import decode, encode
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import NodeStacks, RankStacks, StacksRequest, ThreadStack
 from elasticrun.rendezvous.stack_summary import is_library, summarise
-from elasticrun.store.api import EventType, Store
+from elasticrun.store.interface import EventType, Store
 
 #: how long whoever asked waits for the nodes' answers
 ANSWER_WAIT = 5.0

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 from elasticrun.errors import NotAStoreError, StoreAddressError, StoreSettingError, StoreUnavailableError
 from elasticrun.loglines import HEADLINE
-from elasticrun.store.api import MAX_LEASE_TTL, Store
 from elasticrun.store.client.first_contact import first_contact
+from elasticrun.store.interface import MAX_LEASE_TTL, Store
 from elasticrun.store.wire import (
     CLIENT_CA_NEEDS_TLS,
     DEFAULT_C10D_PORT,

@@ -47,10 +47,10 @@ from elasticrun.launcher import cli, launch, store_cmd
 from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.rdzv_conf import RDZV_CONF_ALIASES, RDZV_CONF_KEYS, RDZV_CONF_TORCHRUN_ONLY
 from elasticrun.rendezvous.codec import encode
-from elasticrun.store.api import Store
 from elasticrun.store.client import dial as channel
 from elasticrun.store.client import grpc_store
 from elasticrun.store.etcd import backend as etcd_store
+from elasticrun.store.interface import Store
 from tests.helpers import ELASTICRUN, wait_until
 
 pytestmark = pytest.mark.timeout(120)

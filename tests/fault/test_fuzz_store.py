@@ -43,9 +43,9 @@ from hypothesis import strategies as st
 
 from elasticrun.errors import StoreSettingError
 from elasticrun.proto import store_pb2 as pb
-from elasticrun.store.api import MAX_LEASE_TTL
 from elasticrun.store.client.c10d import C10dClient
 from elasticrun.store.client.dial import grpc_target
+from elasticrun.store.interface import MAX_LEASE_TTL
 from elasticrun.store.server.limits import MAX_MULTI_SET_KEYS
 from elasticrun.store.server.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
 from tests.helpers import ELASTICRUN, wait_until

@@ -28,8 +28,8 @@ import socket
 from collections.abc import Callable, Sequence
 
 from elasticrun.errors import StoreUnavailableError
-from elasticrun.store.api import Store
 from elasticrun.store.backoff import Backoff
+from elasticrun.store.interface import Store
 
 #: after this long without an answer, a command says what it is connecting to
 NOTICE_AFTER = 1.0

@@ -39,13 +39,6 @@ from elasticrun.errors import (
 )
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
-from elasticrun.store.api import (
-    EventType,
-    KeyValue,
-    RangeResult,
-    Store,
-    WatchEvent,
-)
 from elasticrun.store.backoff import Backoff
 from elasticrun.store.client.dial import (
     ETCD_STATUS_METHOD,
@@ -56,6 +49,13 @@ from elasticrun.store.client.dial import (
     foreign_error,
     hung_up,
     retryable,
+)
+from elasticrun.store.interface import (
+    EventType,
+    KeyValue,
+    RangeResult,
+    Store,
+    WatchEvent,
 )
 from elasticrun.store.wire import DEFAULT_TIMEOUT, TlsKeyPair
 

@@ -56,14 +56,6 @@ from elasticrun.errors import (
     StoreSettingError,
     StoreUnavailableError,
 )
-from elasticrun.store.api import (
-    EventType,
-    KeyValue,
-    RangeResult,
-    Store,
-    WatchEvent,
-    check_lease_ttl,
-)
 from elasticrun.store.etcd.cluster import (
     CHANNEL_OPTIONS,
     FIRST_ATTEMPT_TIMEOUT,
@@ -73,6 +65,14 @@ from elasticrun.store.etcd.cluster import (
     channel_credentials,
 )
 from elasticrun.store.etcd.error_table import StreamFailure, classify_cancel, rpc_facts
+from elasticrun.store.interface import (
+    EventType,
+    KeyValue,
+    RangeResult,
+    Store,
+    WatchEvent,
+    check_lease_ttl,
+)
 from elasticrun.store.wire import DEFAULT_TIMEOUT, TlsKeyPair
 
 _T = TypeVar("_T")

@@ -19,8 +19,8 @@ import grpc
 from elasticrun.errors import StoreLimitError, StoreRequestError
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
-from elasticrun.store.api import EventType, KeyValue
 from elasticrun.store.credentials import Role, worker_prefix
+from elasticrun.store.interface import EventType, KeyValue
 from elasticrun.store.server.admission import CALLER, encode
 from elasticrun.store.server.limits import (
     KEY_LIST_LOOP_SHARE,

@@ -15,7 +15,7 @@ import grpc
 from elasticrun.errors import CompactedError, ElasticrunError, LeaseExpiredError, StoreLimitError, StoreRequestError
 from elasticrun.proto import store_pb2 as pb
 from elasticrun.proto import store_pb2_grpc as pb_grpc
-from elasticrun.store.api import EventType, KeyValue, WatchEvent
+from elasticrun.store.interface import EventType, KeyValue, WatchEvent
 from elasticrun.store.server.admission import CALLER, encode
 from elasticrun.store.server.limits import PAGE_BYTES, PAGE_KEYS
 from elasticrun.store.server.service_host import ServiceHost

@@ -52,7 +52,8 @@ from elasticrun.errors import (
     StoreRequestError,
     StoreUnavailableError,
 )
-from elasticrun.store.api import (
+from elasticrun.store.credentials import worker_job_of
+from elasticrun.store.interface import (
     EventType,
     KeyValue,
     RangeResult,
@@ -60,7 +61,6 @@ from elasticrun.store.api import (
     WatchEvent,
     check_lease_ttl,
 )
-from elasticrun.store.credentials import worker_job_of
 
 #: A round record at 1,000 nodes is ~100 KB; leave room for ten times that.
 DEFAULT_MAX_VALUE_BYTES = 1 << 20
