@@ -1,5 +1,5 @@
 """Step timing: the workers' recorder (elasticrun.worker.steptime) and the agent's reading
-of its files (elasticrun.agent.steptimes).
+of its files (elasticrun.agent.step_reports).
 
 The recorder's arithmetic runs on a clock the test turns; the boot's install runs in
 real worker processes (two gloo ranks, one slower), which is what a plain script gets.
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.agent.boot import boot_env
-from elasticrun.agent.steptimes import STEPS_FILE_ENV, StepTimes
+from elasticrun.agent.step_reports import STEPS_FILE_ENV, StepTimes
 from elasticrun.rendezvous.handler import Assignment
 from elasticrun.worker import steptime
 from elasticrun.worker.steptime import Recorder

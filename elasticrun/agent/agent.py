@@ -38,7 +38,7 @@ from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.runfolder import DEFAULT_ROOT_PREFIX, create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
-from elasticrun.agent.steptimes import READ_INTERVAL, StepTimes, stall_reason
+from elasticrun.agent.step_reports import READ_INTERVAL, StepTimes, stall_reason
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.agent.worker_link import BrokenReport, WorkerChannel
 from elasticrun.errors import (

@@ -7,7 +7,7 @@ One `GroupStacks` per worker group (an attempt's workers). Three moments:
 - `of_hang`: the progress watchdog found a hang; before the workers stop, capture them,
   ask every node of the round (`JobControl.job_stacks`), and log the summary of
   where every rank was (the failure report carries it too).
-- `of_stall`: the node made no step for long (elasticrun.agent.steptimes): the same
+- `of_stall`: the node made no step for long (elasticrun.agent.step_reports): the same
   job-wide capture and summary, logged once; the workers run on.
 - `at_round_end`: a round ended because a peer was lost while the workers ran: capture
   this node's workers before they stop (this node only, briefly: the next round waits).

@@ -138,7 +138,7 @@ class WorkerSpec:
     forgive_after: float | None = None
     #: keep surviving workers running across rounds (--elastic-mode=in-process)
     in_process: bool = False
-    #: give each worker a step timing file (elasticrun.agent.steptimes) and report the
+    #: give each worker a step timing file (elasticrun.agent.step_reports) and report the
     #: node's step compute time for the straggler check (--straggler other than off)
     step_timing: bool = False
 

@@ -336,7 +336,7 @@ class StepReport:
     #: when (wall clock) a worker of the node last made a step
     last_step: float = 0.0
     #: since when the node makes no step, once that is many of its usual steps and at
-    #: least a minute (elasticrun.agent.steptimes.stalled); 0: it steps
+    #: least a minute (elasticrun.agent.step_reports.stalled); 0: it steps
     stalled_since: float = 0.0
 
 
