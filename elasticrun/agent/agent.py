@@ -99,7 +99,7 @@ class StatusEvent:
 #: Where status events go (torchrun's --event-log-handler, see launcher/event_log.py)
 EventSink = Callable[[StatusEvent], None]
 
-#: torchrun's --logs-specs (launcher/logs_specs.py): given one attempt's worker
+#: torchrun's --logs-specs (launcher/torchrun_logs_specs.py): given one attempt's worker
 #: environments (each may be updated, with TORCHELASTIC_ERROR_FILE), each local rank's
 #: stream plans and error file, in place of the agent's own layout
 LogLayout = Callable[[dict[int, dict[str, str]]], dict[int, tuple[dict[Std, StreamPlan], Path]]]

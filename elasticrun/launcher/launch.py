@@ -108,7 +108,7 @@ async def run_node(config: LaunchConfig) -> AgentResult:
             )
         layout = None
         if agent.logs_specs is not None:
-            from elasticrun.launcher.logs_specs import torch_log_layout
+            from elasticrun.launcher.torchrun_logs_specs import torch_log_layout
 
             layout = torch_log_layout(
                 agent.logs_specs, log_dir=str(worker.options.log_dir) if worker.options.log_dir else None,
