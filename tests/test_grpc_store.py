@@ -27,7 +27,7 @@ from elasticrun.errors import (
     StoreUnavailableError,
     UsageError,
 )
-from elasticrun.launcher import store_cmd
+from elasticrun.launcher.commands import store as store_command
 from elasticrun.launcher.metrics_http import MetricsAddress
 from elasticrun.store.client.c10d import C10dClient
 from elasticrun.store.client.grpc_store import GrpcStore
@@ -769,15 +769,15 @@ def test_the_store_settings_of_mutual_tls(tmp_path: Path) -> None:
         parse_access("c10d", "h:1", {"client_ca": settings["client_ca"]}, {})
     # store serve: the same settings, named by its flags
     parser = argparse.ArgumentParser()
-    store_cmd.register(parser.add_subparsers())
+    store_command.register(parser.add_subparsers())
     args = parser.parse_args(["store", "serve", "--client-ca", settings["client_ca"]])
     with pytest.raises(UsageError, match=r"^--client-ca, --tls-cert, --tls-key: client certificates are checked"):
-        store_cmd.serve_config(args, {})
+        store_command.serve_config(args, {})
     args = parser.parse_args(
         ["store", "serve", "--client-ca", settings["client_ca"], "--tls-cert", str(server_cert),
          "--tls-key", str(server_key)]
     )
-    assert store_cmd.serve_config(args, {}).client_ca == ca.pem
+    assert store_command.serve_config(args, {}).client_ca == ca.pem
 
 
 # --- unreachable and wrong addresses -----------------------------------------------
@@ -868,19 +868,19 @@ async def test_c10d_get_waits_for_a_later_set(server: StoreServer) -> None:
 
 def test_serve_config_checks_flags(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
-    store_cmd.register(parser.add_subparsers())
+    store_command.register(parser.add_subparsers())
     token_file = tmp_path / "token"
     token_file.write_text("abc\n")
     args = parser.parse_args(["store", "serve", "--port", "0", "--token-file", str(token_file)])
-    assert store_cmd.serve_config(args, {}).token == "abc"
+    assert store_command.serve_config(args, {}).token == "abc"
     args = parser.parse_args(["store", "serve"])
-    assert store_cmd.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "env"}).token == "env"
-    assert store_cmd.serve_config(args, {}).token is None
+    assert store_command.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "env"}).token == "env"
+    assert store_command.serve_config(args, {}).token is None
     # Metrics by port alone listen where the store does, not on every address
     local = parser.parse_args(["store", "serve", "--host", "127.0.0.1", "--metrics-port", "9464"])
-    assert store_cmd.serve_config(local, {}).metrics == MetricsAddress("127.0.0.1", 9464)
+    assert store_command.serve_config(local, {}).metrics == MetricsAddress("127.0.0.1", 9464)
     elsewhere = parser.parse_args(["store", "serve", "--host", "127.0.0.1", "--metrics-port", "0.0.0.0:9464"])
-    assert store_cmd.serve_config(elsewhere, {}).metrics == MetricsAddress("0.0.0.0", 9464)  # asked for
+    assert store_command.serve_config(elsewhere, {}).metrics == MetricsAddress("0.0.0.0", 9464)  # asked for
     for bad in (
         ["--tls-cert", "c.pem"],
         ["--token-file", str(tmp_path / "missing")],
@@ -888,21 +888,21 @@ def test_serve_config_checks_flags(tmp_path: Path) -> None:
         ["--tls-cert", str(tmp_path / "c"), "--tls-key", str(tmp_path / "k")],
     ):
         with pytest.raises(UsageError):
-            store_cmd.serve_config(parser.parse_args(["store", "serve", *bad]), {})
+            store_command.serve_config(parser.parse_args(["store", "serve", *bad]), {})
     # a gRPC header value must be printable ASCII: refused at start, with its source
     for content in (b"\xff\xfe", "tok\u00e9n".encode(), b"a\x01b"):
         token_file.write_bytes(content)
         args = parser.parse_args(["store", "serve", "--token-file", str(token_file)])
         with pytest.raises(UsageError, match="--token-file.*printable ASCII"):
-            store_cmd.serve_config(args, {})
+            store_command.serve_config(args, {})
     args = parser.parse_args(["store", "serve"])
     with pytest.raises(UsageError, match="ELASTICRUN_STORE_TOKEN.*printable ASCII"):
-        store_cmd.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "a\udcffb"})
+        store_command.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "a\udcffb"})
     # --require-token: a token from either place, or a usage error naming both flags
     args = parser.parse_args(["store", "serve", "--require-token"])
-    assert store_cmd.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "env"}).token == "env"
+    assert store_command.serve_config(args, {"ELASTICRUN_STORE_TOKEN": "env"}).token == "env"
     with pytest.raises(UsageError, match=r"^--require-token, --token-file: no store token is set"):
-        store_cmd.serve_config(args, {})
+        store_command.serve_config(args, {})
 
 
 def test_the_store_settings_name_the_secret_variables_and_can_require_a_token() -> None:
@@ -950,8 +950,8 @@ async def test_store_serve_runs_and_stops_on_sigterm(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("tok-8f3a")
     code = (
-        "import argparse, sys; from elasticrun.launcher import store_cmd; "
-        "p = argparse.ArgumentParser(); store_cmd.register(p.add_subparsers()); "
+        "import argparse, sys; from elasticrun.launcher.commands import store as store_command; "
+        "p = argparse.ArgumentParser(); store_command.register(p.add_subparsers()); "
         "a = p.parse_args(sys.argv[1:]); sys.exit(a.run(a))"
     )
     proc = await asyncio.create_subprocess_exec(
@@ -983,7 +983,7 @@ def test_store_modules_do_not_import_torch() -> None:
     code = (
         "import sys; import elasticrun.store.server.store_server, elasticrun.store.client.grpc_store, "
         "elasticrun.store.client.c10d, "
-        "elasticrun.launcher.store_cmd; print('torch' in sys.modules)"
+        "elasticrun.launcher.commands.store; print('torch' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,

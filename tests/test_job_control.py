@@ -397,9 +397,9 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     as the same configuration, through a real rendezvous writing its records; its
     --log-dir, --event-log-handler and working folder do not: they name files and code on
     the joining host, which only its operator chooses."""
-    from elasticrun.launcher import join_cmd
     from elasticrun.launcher.assemble import build_config
     from elasticrun.launcher.cli import subcommand_parser
+    from elasticrun.launcher.commands import join
     from elasticrun.launcher.control import JobTarget
     from elasticrun.launcher.flags import launch_parser
     from elasticrun.rendezvous.elastic import ElasticRendezvous
@@ -432,7 +432,7 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
             "join", "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-id=job", "--timeout=60", "--local-addr=127.0.0.5",
             "--health-check=test -d /scratch", "--health-check-timeout=5", "--run-path", "train.py", "--lr", "0.1",
         ])
-        argv = await join_cmd.job_argv(target, args, {})
+        argv = await join.job_argv(target, args, {})
     finally:
         await node.aclose()
     joined = build_config(launch_parser().parse_args(argv), {})

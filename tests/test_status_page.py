@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
+from elasticrun.launcher.commands.status import render
 from elasticrun.launcher.control import JobView
-from elasticrun.launcher.status_cmd import render
 from elasticrun.rendezvous.records import NodeInfo, NodeStatus
 from elasticrun.rendezvous.rounds import Participant, Round
 

@@ -17,7 +17,7 @@ from elasticrun.launcher import log_format
 from elasticrun.launcher.flags import Parser, launch_parser
 from elasticrun.launcher.spelling import closest
 
-#: subcommand name -> the module that registers it
+#: the subcommands: `elasticrun NAME` is registered by launcher/commands/NAME.py
 SUBCOMMANDS = ("status", "list", "logs", "stacks", "join", "drain", "stop", "store")
 
 _GRPC_ENV = {"GRPC_VERBOSITY": "NONE", "GRPC_ENABLE_FORK_SUPPORT": "0"}
@@ -25,20 +25,12 @@ _GRPC_ENV = {"GRPC_VERBOSITY": "NONE", "GRPC_ENABLE_FORK_SUPPORT": "0"}
 
 def subcommand_parser() -> argparse.ArgumentParser:
     """`elasticrun <subcommand> ...`: job control and the store server."""
-    from elasticrun.launcher import (
-        drain_cmd,
-        join_cmd,
-        list_cmd,
-        logs_cmd,
-        stacks_cmd,
-        status_cmd,
-        stop_cmd,
-        store_cmd,
-    )
+    from elasticrun.launcher.commands import drain, join, logs, stacks, status, stop, store
+    from elasticrun.launcher.commands import list as list_  # the module; the builtin stays `list`
 
     p = Parser(prog="elasticrun")
     commands = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (status_cmd, list_cmd, logs_cmd, stacks_cmd, join_cmd, drain_cmd, stop_cmd, store_cmd):
+    for module in (status, list_, logs, stacks, join, drain, stop, store):
         module.register(commands)
     return p
 

@@ -43,7 +43,8 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from elasticrun.errors import EXIT_INFRASTRUCTURE, EXIT_TRAINING_FAILED, EXIT_USAGE, StoreUnavailableError
-from elasticrun.launcher import cli, launch, store_cmd
+from elasticrun.launcher import cli, launch
+from elasticrun.launcher.commands import store as store_command
 from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.rdzv_conf import RDZV_CONF_ALIASES, RDZV_CONF_KEYS, RDZV_CONF_TORCHRUN_ONLY
 from elasticrun.rendezvous.codec import encode
@@ -291,7 +292,7 @@ class Outcome:
     out: str
     err: str
     launched: list[LaunchConfig]
-    served: list[store_cmd.ServeConfig]
+    served: list[store_command.ServeConfig]
 
     def explain(self, argv: Sequence[str]) -> str:
         return f"argv={list(argv)!r} -> {self.code!r}\nstderr:\n{self.err}\nstdout:\n{self.out[:2000]}"
@@ -313,20 +314,20 @@ def in_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 def run_main(argv: list[str], env: dict[str, str]) -> Outcome:
     launched: list[LaunchConfig] = []
-    served: list[store_cmd.ServeConfig] = []
+    served: list[store_command.ServeConfig] = []
 
     def fake_launch(config: LaunchConfig) -> int:
         launched.append(config)
         return 0
 
-    async def fake_serve(config: store_cmd.ServeConfig) -> int:
+    async def fake_serve(config: store_command.ServeConfig) -> int:
         served.append(config)
         return 0
 
     out, err = io.StringIO(), io.StringIO()
     children_before = _children()
     with mock.patch.dict(os.environ, env), mock.patch.object(launch, "run_launch", fake_launch), \
-            mock.patch.object(store_cmd, "serve", fake_serve), \
+            mock.patch.object(store_command, "serve", fake_serve), \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         cwd = os.getcwd()
         try:

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from elasticrun.launcher.commands.status import as_json, render
 from elasticrun.launcher.control import JobTarget, read_job
-from elasticrun.launcher.status_cmd import as_json, render
 from elasticrun.rendezvous.codec import decode
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.keys import Keys

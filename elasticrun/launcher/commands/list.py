@@ -7,8 +7,8 @@ import asyncio
 import json
 import time
 
+from elasticrun.launcher.commands.status import age, table
 from elasticrun.launcher.control import JobTarget, JobView, add_store_flags, read_jobs, store_target
-from elasticrun.launcher.status_cmd import age, table
 
 
 def job_row(view: JobView, now: float) -> dict[str, object]:
