@@ -7,7 +7,7 @@ Needs /usr/bin/etcd (3.4; started here with --enable-v2, through ETCD_ENABLE_V2=
 torch's backends can use its v2 API) and, for (c), the `etcd` package (python-etcd, the
 v2 client torch's etcd backends import; a bench-only install, never a dependency).
 
-One etcd member on loopback (memory-backed data dir, tests/etcd_support.py's EtcdCluster,
+One etcd member on loopback (memory-backed data dir, tests/support/etcd_cluster.py's EtcdCluster,
 short raft timings). Every agent runs `--nproc-per-node=1` with the same tiny worker for
 both launchers, written into the bench's temp dir: no torch, it appends one JSON line
 (wall-clock time of its first line, node, WORLD_SIZE) and sleeps a second. Agents run
@@ -45,7 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 
 from common import (  # noqa: E402
     PYTHON,
@@ -245,7 +245,7 @@ def main() -> int:
     except ImportError as e:
         info["python-etcd"] = f"missing ({e}): torch's etcd backends cannot run"
     print(f"machine: {info}", flush=True)
-    from etcd_support import EtcdCluster
+    from tests.support.etcd_cluster import EtcdCluster
 
     os.environ["ETCD_ENABLE_V2"] = "true"  # etcd reads its flags from ETCD_* too
     cluster = EtcdCluster(1)

@@ -9,7 +9,7 @@ No workers and no agents: each client process runs many `ElasticRendezvous` inst
 (one per simulated node, each with its own store client and lease) on one event loop.
 Stores: the built-in engine (`MemoryStore`) behind a real `StoreServer` over gRPC, in a
 process of its own; or a real etcd (one member on loopback, memory-backed data dir,
-as tests/etcd_support.py starts it).
+as tests/support/etcd_cluster.py starts it).
 
 Settings: --nnodes=(N-1):N, last_call 0.5 s (short, for the bench; only waited on if the
 N-th registration came more than 0.5 s after the (N-1)-th), heartbeat as the launcher
@@ -529,8 +529,7 @@ def main() -> int:
                 endpoint = f"{HOST}:{int(recv(server))}"
                 counter = None
             else:
-                sys.path.insert(0, str(REPO / "tests"))
-                from etcd_support import EtcdCluster
+                from tests.support.etcd_cluster import EtcdCluster
 
                 cluster = EtcdCluster(1)
                 cluster.start()

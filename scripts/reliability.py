@@ -8,7 +8,7 @@
     python scripts/reliability.py -- -k churn                            # pass to pytest
 
 Each test of tests/fault/ (and each test marked `security`) that takes the
-`reliability` fixture records one row per scenario (see tests/reliability_rows.py); this
+`reliability` fixture records one row per scenario (see tests/support/reliability_rows.py); this
 script points ELASTICRUN_RELIABILITY_OUT at a fresh file, runs pytest, and renders the
 rows: the faults (what was injected, what happened, the time to recover, the restarts
 used, anything lost) as one table, the attacks and mistakes (what was tried, what the

@@ -8,7 +8,11 @@ import pytest
 
 from elasticrun.agent.processes import Warden
 
-pytest_plugins: list[str] = ["tests.etcd_support", "tests.elastic_cluster", "tests.reliability_rows"]
+pytest_plugins: list[str] = [
+    "tests.support.etcd_cluster",
+    "tests.support.elastic_cluster",
+    "tests.support.reliability_rows",
+]
 
 
 @pytest.fixture

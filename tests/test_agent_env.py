@@ -6,7 +6,7 @@ from pathlib import Path
 
 from elasticrun.agent.env import worker_env
 from elasticrun.rendezvous.handler import Assignment
-from tests.agent_helpers import make_spec
+from tests.support.agent_helpers import make_spec
 
 ASSIGNMENT = Assignment(
     round=4,

@@ -13,7 +13,7 @@ import pytest
 from elasticrun.agent.agent import Action, Agent, AgentResult, Outcome, next_action
 from elasticrun.agent.spec import Std, WorkerOptions, WorkerSpec, WorkerState
 from elasticrun.errors import EXIT_INFRASTRUCTURE, RendezvousClosedError, WorkerStartError
-from tests.agent_helpers import (
+from tests.support.agent_helpers import (
     kill_and_reap,
     make_spec,
     read_lines_until,
@@ -22,7 +22,7 @@ from tests.agent_helpers import (
     wait_pid_gone,
     write_script,
 )
-from tests.helpers import free_port
+from tests.support.helpers import free_port
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ import pytest
 
 import elasticrun
 from elasticrun.errors import EXIT_TRAINING_FAILED, UsageError
-from tests import api_targets
-from tests.helpers import free_port
+from tests.support import api_targets
+from tests.support.helpers import free_port
 from tests.test_cli import SPEAK, clean_env
 
 pytestmark = pytest.mark.timeout(90)
@@ -48,7 +48,7 @@ def test_a_failure_names_the_function_and_shows_the_users_frames_only() -> None:
         elasticrun.launch(api_targets.fail_on_rank, 0, standalone=True, nproc_per_node=1)
     report = failed.value.report
     assert report is not None
-    assert report.text.splitlines()[1].endswith("failed: tests.api_targets:fail_on_rank")
+    assert report.text.splitlines()[1].endswith("failed: tests.support.api_targets:fail_on_rank")
     frames = [line for line in report.root_cause.traceback.splitlines() if line.lstrip().startswith("File ")]
     assert len(frames) == 1 and "api_targets.py" in frames[0] and "in fail_on_rank" in frames[0], frames
     assert report.root_cause.traceback_source.endswith("error.json")  # torch's error file format
@@ -57,7 +57,7 @@ def test_a_failure_names_the_function_and_shows_the_users_frames_only() -> None:
 QUIET = """\
 import logging, sys
 import elasticrun
-from tests import api_targets
+from tests.support import api_targets
 for ask in (False, True):
     if ask:
         print("--- logging configured", file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ from elasticrun.errors import StoreAuthError, StoreSettingError, StoreTimeoutErr
 from elasticrun.store.credentials import worker_credential
 from elasticrun.store.server.store_server import StoreServer
 from elasticrun.worker.c10d_store import C10dStore
-from tests.certs import TestCa
+from tests.support.certs import TestCa
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "adapter-token"
@@ -25,7 +25,7 @@ WORKER = """
 import datetime, sys
 import torch, torch.distributed as dist
 from elasticrun.worker.c10d_store import C10dStore
-from tests.certs import TestCa
+from tests.support.certs import TestCa
 
 endpoint, token, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store = C10dStore(endpoint, token=token, timeout=datetime.timedelta(seconds=60))

@@ -28,7 +28,7 @@ from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.discover import HostFacts, discover
 from elasticrun.launcher.parsing import parse_launch
 from elasticrun.launcher.rdzv_conf import RDZV_CONF, ConfKey, parse_rdzv_conf, torchrun_spelling
-from tests.helpers import ELASTICRUN, free_port, wait_until
+from tests.support.helpers import ELASTICRUN, free_port, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"

@@ -18,8 +18,8 @@ from elasticrun.launcher.cli import subcommand_parser
 from elasticrun.launcher.control import ACCESS_KEYS
 from elasticrun.launcher.flags import launch_parser
 from elasticrun.launcher.rdzv_conf import RDZV_CONF_KEYS
-from tests.elastic_cluster import Cluster, run_id
-from tests.helpers import wait_until
+from tests.support.elastic_cluster import Cluster, run_id
+from tests.support.helpers import wait_until
 from tests.test_cli import SPEAK, clean_env, finish, run_cli, start_cli
 
 pytestmark = pytest.mark.timeout(60)

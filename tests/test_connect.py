@@ -24,8 +24,8 @@ import pytest
 from elasticrun.errors import StoreUnavailableError
 from elasticrun.store.client.first_contact import first_contact
 from elasticrun.store.client.grpc_store import GrpcStore
-from tests.elastic_cluster import Cluster, start_store_server
-from tests.helpers import free_port
+from tests.support.elastic_cluster import Cluster, start_store_server
+from tests.support.helpers import free_port
 from tests.test_cli import clean_env, run_cli, start_cli
 
 pytestmark = pytest.mark.timeout(60)

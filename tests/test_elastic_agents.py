@@ -21,8 +21,8 @@ import socket
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, WORKER, Cluster, Proc, Rdzv, pid_alive, run_id
-from tests.helpers import free_port, wait_until
+from tests.support.elastic_cluster import RDZV_CONF, WORKER, Cluster, Proc, Rdzv, pid_alive, run_id
+from tests.support.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

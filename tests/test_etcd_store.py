@@ -1,7 +1,7 @@
 """What only the etcd store has to show: failover, TLS, auth, clear errors, a free loop.
 
 The Store contract itself runs on etcd in `test_store_contract.py`. Every test here
-talks to real etcd processes (from `tests/etcd_support.py`) or to real servers that are
+talks to real etcd processes (from `tests/support/etcd_cluster.py`) or to real servers that are
 not etcd.
 """
 
@@ -30,8 +30,8 @@ from elasticrun.errors import (
 from elasticrun.store.etcd.backend import EtcdStore
 from elasticrun.store.interface import EventType, Store
 from elasticrun.store.settings import open_client, parse_access, parse_endpoints
-from tests.etcd_support import AUTH_PASSWORD, AUTH_USER, EtcdCluster
-from tests.helpers import next_events
+from tests.support.etcd_cluster import AUTH_PASSWORD, AUTH_USER, EtcdCluster
+from tests.support.helpers import next_events
 
 #: Bounds every wait for an event in these tests; far above any healthy latency.
 EVENT_WAIT = 30.0

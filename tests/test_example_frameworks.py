@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from examples.elastic_demo import descendants
-from tests.elastic_cluster import Cluster, Proc, pid_alive, run_id
-from tests.helpers import wait_until
+from tests.support.elastic_cluster import Cluster, Proc, pid_alive, run_id
+from tests.support.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
 from tests.test_elastic_agents import kill_node
 from tests.test_job_control import ctl
 

@@ -30,7 +30,7 @@ from elasticrun.launcher.cli import SUBCOMMANDS, launch_parser, subcommand_parse
 from elasticrun.launcher.config import LaunchConfig
 from elasticrun.launcher.control import job_target, store_target
 from examples.elastic_demo import descendants, kill_tree
-from tests.helpers import ELASTICRUN
+from tests.support.helpers import ELASTICRUN
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

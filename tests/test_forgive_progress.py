@@ -16,8 +16,8 @@ import pytest
 
 from elasticrun.agent.agent import Action, Agent, Outcome, next_action
 from elasticrun.agent.spec import WorkerState
-from tests.agent_helpers import make_spec, static_for, write_script
-from tests.helpers import ELASTICRUN
+from tests.support.agent_helpers import make_spec, static_for, write_script
+from tests.support.helpers import ELASTICRUN
 
 pytestmark = pytest.mark.timeout(120)
 

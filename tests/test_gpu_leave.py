@@ -30,8 +30,8 @@ from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import Event, JobSpec, NodeInfo, QuarantineTable
 from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.store.server.memory import MemoryStore
-from tests.agent_helpers import make_spec, static_for, write_script
-from tests.helpers import eventually
+from tests.support.agent_helpers import make_spec, static_for, write_script
+from tests.support.helpers import eventually
 from tests.test_gpu import FakeGpu, FakeNvml
 
 pytestmark = pytest.mark.timeout(60)

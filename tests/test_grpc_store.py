@@ -40,9 +40,9 @@ from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.server.store_server import StoreServer
 from elasticrun.store.settings import exposure_warning, parse_access
 from elasticrun.store.wire import TlsKeyPair
-from tests.certs import TestCa, write_pair
-from tests.helpers import eventually, free_port, next_events
-from tests.reliability_rows import Reliability
+from tests.support.certs import TestCa, write_pair
+from tests.support.helpers import eventually, free_port, next_events
+from tests.support.reliability_rows import Reliability
 
 EVENT_WAIT = 10.0
 REPO = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ import pytest
 
 from elasticrun.agent.health_check import REASON_LIMIT, CheckResult, HealthCheck, Verdict, last_line
 from elasticrun.errors import EXIT_INFRASTRUCTURE
-from tests.elastic_cluster import RDZV_CONF, Cluster, pid_alive, run_id
-from tests.helpers import ELASTICRUN, eventually, wait_until
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, pid_alive, run_id
+from tests.support.helpers import ELASTICRUN, eventually, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

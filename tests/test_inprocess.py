@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_cluster import Cluster, Proc, Rdzv
-from tests.helpers import ELASTICRUN
+from tests.support.elastic_cluster import Cluster, Proc, Rdzv
+from tests.support.helpers import ELASTICRUN
 from tests.test_elastic_agents import finish, kill_node, start
 
 pytestmark = pytest.mark.timeout(180)

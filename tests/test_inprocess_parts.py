@@ -29,7 +29,7 @@ from elasticrun.worker.elastic import link as worker_link
 from elasticrun.worker.elastic.link import AgentGoneError, AgentLink, WorkerAssignment
 from elasticrun.worker.elastic.run import broken_by_peer
 from elasticrun.worker.elastic.session import GroupSession, SupersededError, _shut_down, _socket_inodes
-from tests.helpers import free_port, wait_until
+from tests.support.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 

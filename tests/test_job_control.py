@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
-from tests.helpers import ELASTICRUN, free_port, wait_until
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
+from tests.support.helpers import ELASTICRUN, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

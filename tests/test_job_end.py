@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id
-from tests.helpers import ELASTICRUN, free_port
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id
+from tests.support.helpers import ELASTICRUN, free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,5 +1,5 @@
 """Every manifest in examples/kubernetes matches its API's schema, as an API server would
-check it (tests/k8s_schemas.py: kubernetes-validate for built-in kinds, the projects'
+check it (tests/support/k8s_schemas.py: kubernetes-validate for built-in kinds, the projects'
 published models for PyTorchJob and JobSet), and the check catches the mistakes it is
 there for. The `elasticrun` command lines in the same manifests are parsed by the CLI in
 tests/test_examples.py.
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.k8s_schemas import ManifestError, validate
+from tests.support.k8s_schemas import ManifestError, validate
 
 yaml = pytest.importorskip("yaml")
 

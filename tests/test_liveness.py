@@ -20,8 +20,8 @@ import sys
 import pytest
 
 from elasticrun.rendezvous.liveness import LivenessPort, Verdict, probe
-from tests.elastic_cluster import RDZV_CONF, Cluster, Rdzv
-from tests.helpers import wait_until
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Rdzv
+from tests.support.helpers import wait_until
 from tests.test_elastic_agents import finish, kill_node, leader, node_id, start, step
 from tests.test_spares import spares, status
 

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import elasticrun
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id
-from tests.helpers import ELASTICRUN, free_port, wait_until
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id
+from tests.support.helpers import ELASTICRUN, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,7 +21,7 @@ from elasticrun.agent.output import MAX_LINE, WorkerOutput, _split_lines, plan_s
 from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.spec import Std
 from elasticrun.errors import UsageError, WorkerStartError
-from tests.agent_helpers import (
+from tests.support.agent_helpers import (
     kill_and_reap,
     make_spec,
     read_lines_until,
@@ -29,7 +29,7 @@ from tests.agent_helpers import (
     wait_pid_gone,
     write_script,
 )
-from tests.helpers import ELASTICRUN
+from tests.support.helpers import ELASTICRUN
 
 
 @given(st.lists(st.binary(max_size=200), max_size=20))

@@ -24,10 +24,10 @@ import pytest
 
 from elasticrun.agent.cgroups import Cgroup
 from elasticrun.agent.sessions import MARK_VAR, Mark, Session, kill_sessions, process_start
-from tests.agent_helpers import REPO, kill_and_reap, read_lines_until, wait_pid_gone, write_script
-from tests.elastic_cluster import pid_alive
-from tests.helpers import ELASTICRUN, wait_until
-from tests.reliability_rows import Reliability
+from tests.support.agent_helpers import REPO, kill_and_reap, read_lines_until, wait_pid_gone, write_script
+from tests.support.elastic_cluster import pid_alive
+from tests.support.helpers import ELASTICRUN, wait_until
+from tests.support.reliability_rows import Reliability
 
 # The worker starts a grandchild, a shell pipeline (its shell and two members), a daemon
 # that double-forks and leaves the worker's process group but not its session, a helper

@@ -13,7 +13,7 @@ import pytest
 
 from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.errors import WorkerStartError
-from tests.agent_helpers import read_lines_until, wait_pid_gone, write_script
+from tests.support.agent_helpers import read_lines_until, wait_pid_gone, write_script
 
 
 def _argv(script: Path) -> list[str]:

@@ -27,7 +27,7 @@ from elasticrun.rendezvous.records import JOB_SPEC_VERSION, JobSpec, NodeInfo, Q
 from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.store.interface import Store
 from elasticrun.store.server.memory import MemoryStore
-from tests.helpers import eventually
+from tests.support.helpers import eventually
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,6 +1,6 @@
 """examples/slurm/fault_tolerant.sbatch under a real Slurm: sbatch, srun, sacct.
 
-The cluster (`tests/slurm_cluster.py`) is one node with Debian's daemons. The tests
+The cluster (`tests/support/slurm_cluster.py`) is one node with Debian's daemons. The tests
 submit the example script itself, only its sizes changed on sbatch's command line (one
 node with three tasks instead of five nodes with one each, no GPUs, one worker per
 agent) and examples/train_elastic.py on gloo as the training:
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ELASTICRUN, free_port, wait_until
-from tests.slurm_cluster import SlurmCluster, why_unavailable
+from tests.support.helpers import ELASTICRUN, free_port, wait_until
+from tests.support.slurm_cluster import SlurmCluster, why_unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "slurm" / "fault_tolerant.sbatch"

@@ -13,8 +13,8 @@ import subprocess
 
 import pytest
 
-from tests.elastic_cluster import Cluster, Rdzv
-from tests.helpers import ELASTICRUN, wait_until
+from tests.support.elastic_cluster import Cluster, Rdzv
+from tests.support.helpers import ELASTICRUN, wait_until
 from tests.test_elastic_agents import finish, kill_node, node_id, start, step
 
 pytestmark = pytest.mark.timeout(240)

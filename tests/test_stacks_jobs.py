@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from elasticrun.store.credentials import reader_credential
-from tests.elastic_cluster import RDZV_CONF, TAG_VAR, Cluster, Proc, run_id
-from tests.helpers import ELASTICRUN, wait_until
+from tests.support.elastic_cluster import RDZV_CONF, TAG_VAR, Cluster, Proc, run_id
+from tests.support.helpers import ELASTICRUN, wait_until
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 STUCK = WORKERS / "stuck_rank_worker.py"

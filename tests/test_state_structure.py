@@ -14,8 +14,8 @@ import torch
 
 from elasticrun.errors import StateTransferError
 from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
-from tests.helpers import free_port
-from tests.reliability_rows import Reliability
+from tests.support.helpers import free_port
+from tests.support.reliability_rows import Reliability
 
 WORKERS = Path(__file__).parent / "workers"
 

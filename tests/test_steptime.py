@@ -23,7 +23,7 @@ from elasticrun.agent.step_reports import STEPS_FILE_ENV, StepTimes
 from elasticrun.rendezvous.handler import Assignment
 from elasticrun.worker import steptime
 from elasticrun.worker.steptime import Recorder
-from tests.helpers import free_port
+from tests.support.helpers import free_port
 
 WORKER = Path(__file__).resolve().parent / "workers" / "straggler_worker.py"
 

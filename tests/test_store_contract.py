@@ -18,7 +18,7 @@ from elasticrun.store.etcd.backend import EtcdStore
 from elasticrun.store.interface import EventType, Store
 from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.server.store_server import StoreServer
-from tests.helpers import next_events
+from tests.support.helpers import next_events
 
 STORE_KINDS = ["memory", "grpc", pytest.param("etcd", marks=pytest.mark.etcd)]
 #: Small enough that a test outruns it with a few dozen writes.

@@ -40,7 +40,7 @@ from elasticrun.store.etcd.backend import EtcdStore
 from elasticrun.store.interface import EventType, KeyValue, RangeResult, Store, WatchEvent
 from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.server.store_server import StoreServer
-from tests.etcd_support import EtcdCluster
+from tests.support.etcd_cluster import EtcdCluster
 
 #: Bounds every wait on the store; far above any healthy latency.
 EVENT_WAIT = 10.0

@@ -27,8 +27,8 @@ from elasticrun.rendezvous.leader import close_round
 from elasticrun.rendezvous.rounds import RoundHead
 from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.server.memory import MemoryStore
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
-from tests.helpers import free_port, wait_until
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc
+from tests.support.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, WORKER, Cluster, Proc, Rdzv, run_id
-from tests.helpers import ELASTICRUN, free_port
+from tests.support.elastic_cluster import RDZV_CONF, WORKER, Cluster, Proc, Rdzv, run_id
+from tests.support.helpers import ELASTICRUN, free_port
 from tests.test_elastic_agents import node_id, start
 
 pytestmark = pytest.mark.timeout(120)

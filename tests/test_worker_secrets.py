@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from elasticrun.store.credentials import Role, grant_of_token
-from tests.agent_helpers import write_script
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
-from tests.helpers import free_port
-from tests.reliability_rows import Reliability
+from tests.support.agent_helpers import write_script
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc
+from tests.support.helpers import free_port
+from tests.support.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,6 +1,6 @@
 """Fixtures of the fault-injection suite (tests/fault/).
 
-The `reliability` fixture (tests/reliability_rows.py) records each scenario for
+The `reliability` fixture (tests/support/reliability_rows.py) records each scenario for
 RELIABILITY.md.
 
 Markers: `soak` marks a long run excluded by default; run it with
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, TAG_VAR, Cluster, Proc
-from tests.helpers import ELASTICRUN
+from tests.support.elastic_cluster import RDZV_CONF, TAG_VAR, Cluster, Proc
+from tests.support.helpers import ELASTICRUN
 
 SOAK_VAR = "ELASTICRUN_SOAK"
 

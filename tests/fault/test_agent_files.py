@@ -28,10 +28,10 @@ from elasticrun.agent.agent import Agent
 from elasticrun.agent.spec import Std, WorkerState
 from elasticrun.errors import UsageError
 from elasticrun.store.credentials import Role, grant_of_token, worker_credential
-from tests.agent_helpers import make_spec, static_for, write_script
-from tests.elastic_cluster import RDZV_CONF, Cluster
-from tests.helpers import free_port, wait_until
-from tests.reliability_rows import Reliability
+from tests.support.agent_helpers import make_spec, static_for, write_script
+from tests.support.elastic_cluster import RDZV_CONF, Cluster
+from tests.support.helpers import free_port, wait_until
+from tests.support.reliability_rows import Reliability
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.security]
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.elastic_cluster import Proc, pid_alive, run_id
 from tests.fault.conftest import (
     FaultCluster,
     check_no_line_lost,
@@ -40,8 +39,9 @@ from tests.fault.conftest import (
     serve_store,
     step_pattern,
 )
-from tests.helpers import wait_until
-from tests.reliability_rows import Reliability
+from tests.support.elastic_cluster import Proc, pid_alive, run_id
+from tests.support.helpers import wait_until
+from tests.support.reliability_rows import Reliability
 
 #: how much a long-lived process may grow past its warm-up value
 FD_MARGIN = 8

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
-from tests.helpers import wait_until
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
+from tests.support.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 

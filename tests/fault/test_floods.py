@@ -24,8 +24,8 @@ import pytest
 from elasticrun.errors import StoreError
 from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.server.limits import DESCRIPTOR_RESERVE, connection_cap
-from tests.elastic_cluster import Cluster, Proc
 from tests.fault.test_security import Job
+from tests.support.elastic_cluster import Cluster, Proc
 
 pytestmark = pytest.mark.timeout(150)
 

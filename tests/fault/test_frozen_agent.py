@@ -19,7 +19,6 @@ import time
 
 import pytest
 
-from tests.elastic_cluster import pid_alive, run_id
 from tests.fault.conftest import (
     FaultCluster,
     check_no_line_lost,
@@ -28,8 +27,9 @@ from tests.fault.conftest import (
     step_pattern,
     steps_in,
 )
-from tests.helpers import wait_until
-from tests.reliability_rows import Reliability
+from tests.support.elastic_cluster import pid_alive, run_id
+from tests.support.helpers import wait_until
+from tests.support.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -52,7 +52,7 @@ from elasticrun.store.client import dial as channel
 from elasticrun.store.client import grpc_store
 from elasticrun.store.etcd import backend as etcd_store
 from elasticrun.store.interface import Store
-from tests.helpers import ELASTICRUN, wait_until
+from tests.support.helpers import ELASTICRUN, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -48,7 +48,7 @@ from elasticrun.store.client.dial import grpc_target
 from elasticrun.store.interface import MAX_LEASE_TTL
 from elasticrun.store.server.limits import MAX_MULTI_SET_KEYS
 from elasticrun.store.server.memory import DEFAULT_HISTORY_BYTES, DEFAULT_MAX_KEYS
-from tests.helpers import ELASTICRUN, wait_until
+from tests.support.helpers import ELASTICRUN, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

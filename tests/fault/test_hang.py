@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, Cluster, run_id
-from tests.helpers import ELASTICRUN
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, run_id
+from tests.support.helpers import ELASTICRUN
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "fault_hang_worker.py"
 

@@ -32,10 +32,10 @@ from elasticrun.rendezvous.records import JobSpec, NodeInfo
 from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.server.store_server import StoreServer
-from tests.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id
 from tests.fault.conftest import FaultCluster, check_no_line_lost, check_steps_never_go_back, step_pattern
-from tests.helpers import free_port, wait_until
-from tests.reliability_rows import Reliability
+from tests.support.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id
+from tests.support.helpers import free_port, wait_until
+from tests.support.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(180)
 

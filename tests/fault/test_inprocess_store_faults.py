@@ -18,8 +18,8 @@ import threading
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, Proc, run_id
 from tests.fault.conftest import FaultCluster, serve_store
+from tests.support.elastic_cluster import RDZV_CONF, Proc, run_id
 from tests.test_inprocess import WORKER, worker_pid, world_step
 
 pytestmark = pytest.mark.timeout(240)

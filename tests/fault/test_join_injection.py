@@ -26,8 +26,8 @@ from elasticrun.rendezvous.codec import encode
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import JobLaunch, JobSpec
 from elasticrun.store.client.grpc_store import GrpcStore
-from tests.elastic_cluster import TAG_VAR, Proc
-from tests.helpers import ELASTICRUN, free_port
+from tests.support.elastic_cluster import TAG_VAR, Proc
+from tests.support.helpers import ELASTICRUN, free_port
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id
 from tests.fault.conftest import STEP_RE, FaultCluster, check_no_line_lost, serve_store
-from tests.helpers import wait_until
-from tests.reliability_rows import Reliability
+from tests.support.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id
+from tests.support.helpers import wait_until
+from tests.support.reliability_rows import Reliability
 
 SEED_VAR = "ELASTICRUN_NEMESIS_SEED"
 #: a worker's line on its agent's console (`[3]<stdout>: ...`), not the agent's own

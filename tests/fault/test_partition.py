@@ -19,7 +19,6 @@ import time
 import pytest
 
 from elasticrun.errors import EXIT_INFRASTRUCTURE
-from tests.elastic_cluster import RDZV_CONF, pid_alive, run_id
 from tests.fault.conftest import (
     FaultCluster,
     Netns,
@@ -31,8 +30,9 @@ from tests.fault.conftest import (
     step_pattern,
     steps_in,
 )
-from tests.helpers import wait_until
-from tests.reliability_rows import Reliability
+from tests.support.elastic_cluster import RDZV_CONF, pid_alive, run_id
+from tests.support.helpers import wait_until
+from tests.support.reliability_rows import Reliability
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 

@@ -36,8 +36,8 @@ from elasticrun.rendezvous.records import JobSpec, NodeInfo, QuarantineEntry, Qu
 from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.settings import StoreAccess
-from tests.elastic_cluster import Cluster, Proc, run_id
-from tests.helpers import ELASTICRUN
+from tests.support.elastic_cluster import Cluster, Proc, run_id
+from tests.support.helpers import ELASTICRUN
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "train_worker.py"
 

@@ -42,9 +42,9 @@ from elasticrun.store.client.grpc_store import GrpcStore
 from elasticrun.store.credentials import worker_prefix
 from elasticrun.store.server.limits import MAX_STREAMS_PER_CONNECTION
 from elasticrun.store.settings import parse_access
-from tests.certs import TestCa, write_pair
-from tests.elastic_cluster import RDZV_CONF, Cluster, Proc
-from tests.helpers import ELASTICRUN, free_port
+from tests.support.certs import TestCa, write_pair
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc
+from tests.support.helpers import ELASTICRUN, free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ELASTICRUN
+from tests.support.helpers import ELASTICRUN
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,9 +15,9 @@ import signal
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, run_id
 from tests.fault.conftest import FaultCluster, check_no_line_lost, serve_store, step_pattern
-from tests.reliability_rows import Reliability
+from tests.support.elastic_cluster import RDZV_CONF, run_id
+from tests.support.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -20,10 +20,10 @@ import time
 
 import pytest
 
-from tests.elastic_cluster import RDZV_CONF, pid_alive, run_id
 from tests.fault.conftest import FaultCluster, check_no_line_lost, serve_store, step_pattern
-from tests.helpers import free_port, wait_until
-from tests.reliability_rows import Reliability
+from tests.support.elastic_cluster import RDZV_CONF, pid_alive, run_id
+from tests.support.helpers import free_port, wait_until
+from tests.support.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -42,10 +42,10 @@ from elasticrun.store.etcd.backend import EtcdStore
 from elasticrun.store.server.callers import FairShare
 from elasticrun.store.server.memory import MemoryStore
 from elasticrun.store.server.store_server import StoreServer
-from tests.certs import TestCa
-from tests.etcd_support import AUTH_PASSWORD, AUTH_USER, EtcdCluster
-from tests.helpers import ELASTICRUN
-from tests.reliability_rows import Reliability
+from tests.support.certs import TestCa
+from tests.support.etcd_cluster import AUTH_PASSWORD, AUTH_USER, EtcdCluster
+from tests.support.helpers import ELASTICRUN
+from tests.support.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(120)
 

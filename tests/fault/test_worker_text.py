@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from elasticrun.agent.stacks import STACKS_SIGNAL
-from tests.elastic_cluster import Cluster
 from tests.fault.test_security import Job
+from tests.support.elastic_cluster import Cluster
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ others at the round's MASTER_ADDR:MASTER_PORT (rank 0 listens there beside the a
 port reservation, as TCPStore does), each step sums a vector over exactly WORLD_SIZE
 ranks, and a peer that dies or is stopped by its agent breaks the step at once. The
 socket group ("tcp") does that as a star through rank 0, importing nothing heavy. The
-tests pick it through ELASTICRUN_TEST_COLLECTIVE (tests/elastic_cluster.py sets "tcp"
+tests pick it through ELASTICRUN_TEST_COLLECTIVE (tests/support/elastic_cluster.py sets "tcp"
 unless the variable is already set); workers started without it use gloo, and so do the
 example, parity, in-process and framework tests, and `scripts/reliability.py`.
 """

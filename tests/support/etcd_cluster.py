@@ -33,7 +33,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pyetcd import etcdrpc
 
-from tests.helpers import wait_until
+from tests.support.helpers import wait_until
 
 ETCD_BINARY = shutil.which("etcd")
 #: Raft timings for members on one loopback interface (etcd's defaults: 100 and 1000).

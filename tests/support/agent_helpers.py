@@ -15,7 +15,7 @@ from typing import TypeVar
 from elasticrun.agent.spec import WorkerOptions, WorkerSpec
 from elasticrun.rendezvous.static import StaticRendezvous
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 T = TypeVar("T")
 

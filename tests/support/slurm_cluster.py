@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.helpers import free_port, wait_until
+from tests.support.helpers import free_port, wait_until
 
 #: the programs the cluster needs, from Debian's munge, mariadb-server, slurmdbd,
 #: slurmctld, slurmd and slurm-client

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ELASTICRUN, free_port, wait_until
+from tests.support.helpers import ELASTICRUN, free_port, wait_until
 
-WORKER = Path(__file__).resolve().parent / "workers" / "train_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "train_worker.py"
 TAG_VAR = "ELASTICRUN_TEST_TAG"
 #: short rendezvous settings for tests
 RDZV_CONF = "heartbeat_timeout=2,last_call_timeout=0.5,join_timeout=60"

@@ -45,7 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    fault = Path(__file__).parent / "fault"
+    fault = Path(__file__).parents[1] / "fault"
     for item in items:
         if fault in item.path.parents:
             item.add_marker(pytest.mark.fault)
