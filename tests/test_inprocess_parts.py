@@ -311,11 +311,14 @@ def test_sync_copies_to_a_node_that_froze_with_another_state_under_the_same_coun
 
 
 @pytest.mark.timeout(90)  # two gloo processes on two cores
-async def test_a_round_superseded_while_forming_is_abandoned_for_the_next(tmp_path: Path) -> None:
+@pytest.mark.parametrize("told", ["while forming", "with its assignment", "to both, both forming"])
+async def test_a_round_superseded_while_forming_is_abandoned_for_the_next(tmp_path: Path, told: str) -> None:
     """Rounds 4 and 5 opened back to back: node A's agent heard of round 4 and its worker
-    began forming that group; node B's agent saw only round 5. A must leave round 4's
-    join when told it is over, or it waits for B there until the group's timeout, and
-    B waits for it in round 5."""
+    began forming that group (or heard that round 4 was over with the assignment itself,
+    before the worker began); node B's agent saw only round 5. A must leave round 4 when
+    told it is over, or it waits for B there until the group's timeout, and B waits for
+    it in round 5. Or both heard of round 4 and were told at once that it is over: they
+    must leave it together (or make it together and then leave), never one of them."""
     channels = [WorkerChannel(), WorkerChannel()]
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -335,9 +338,14 @@ async def test_a_round_superseded_while_forming_is_abandoned_for_the_next(tmp_pa
                            master_addr="127.0.0.1", master_port=ports[round_number], restart_count=0)
             return round_env(a, 0)
 
+        if told == "with its assignment":  # the worker reads the assignment knowing the round is over
+            channels[0].change(4, interrupt=False)
         channels[0].assign(4, {0: env(4, 0)})
-        # A's worker is forming round 4 once its rank-0 store listens (B never comes there)
-        await asyncio.to_thread(wait_until, lambda: _accepts(ports[4]), 30, "round 4's store", 0.01)
+        if told == "to both, both forming":
+            channels[1].assign(4, {0: env(4, 1)})
+        if told == "while forming":
+            # A's worker is forming round 4 once its rank-0 store listens (B never comes there)
+            await asyncio.to_thread(wait_until, lambda: _accepts(ports[4]), 30, "round 4's store", 0.01)
         for ch in channels:
             ch.change(4, interrupt=False)  # nodes joined: not a lost peer
         for rank, ch in enumerate(channels):

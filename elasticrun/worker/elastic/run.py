@@ -94,15 +94,17 @@ def _run_elastic(
     timeout: datetime.timedelta,
 ) -> R:
     after = 0
+    kept: object = None  # a superseded round's store that this rank served (GroupSession.leave)
     while True:
         assignment = link.next_assignment(after)
         after = assignment.round
         session = GroupSession(assignment, backend, timeout)
         link.on_change(session.round_over)
-        if link.peer_lost(assignment.round):
-            session.interrupt()  # said before the callback was in place: join() refuses
+        if link.superseded(assignment.round):  # said before the callback was in place: join() refuses
+            session.round_over(assignment.round, link.peer_lost(assignment.round))
         try:
             session.join()
+            kept = None  # the group formed: no peer dials the superseded round's store any more
             state._attach(functools.partial(_check_membership, link, assignment.round), assignment.round)
             state.sync()
             count_steps_afresh()  # the step timing reports this round's steps
@@ -120,7 +122,7 @@ def _run_elastic(
         finally:
             state._attach(None)
             link.on_change(None)
-            session.leave()
+            kept = session.leave() or kept
 
 
 #: what gloo and nccl say when a peer closed its end of the group

@@ -40,6 +40,8 @@ from elasticrun.worker.elastic.link import WorkerAssignment
 #: answered at once), and how long one probe may wait for a slow network's answer
 _PROBE_INTERVAL = 0.005
 _PROBE_CONNECT_LIMIT = 5.0
+#: the longest pause between two reads of a forming round's verdict
+_VERDICT_POLL_LIMIT = 0.05
 
 
 class SupersededError(RuntimeError):
@@ -81,10 +83,12 @@ class GroupSession:
         self._backend = backend
         self._timeout = timeout
         self._lock = threading.Lock()
-        self._interrupted = False
+        self._interrupted = False  # a peer lost: the group is broken, joining or formed
+        self._over = False  # the round is over (nodes joined): a group still forming is left
         self._before: set[str] | None = None  # sockets open before joining began
         self._sockets: set[str] | None = None  # the group's own, once joined
         self._joining = False
+        self._formed = False
         self._store: dist.TCPStore | None = None
 
     def join(self) -> None:
@@ -92,7 +96,7 @@ class GroupSession:
         a = self.assignment
         os.environ.update(a.env)  # scripts that read RANK etc. see this round's values
         with self._lock:
-            if self._interrupted:
+            if self._interrupted or self._over:
                 raise SupersededError(f"round {a.round} was superseded before it began")
             self._before = _socket_inodes()
             self._joining = True
@@ -107,6 +111,8 @@ class GroupSession:
                 timeout=self._timeout,
                 wait_for_workers=False,
             )
+            if not self._agree(self._store):
+                raise SupersededError(f"round {a.round} was superseded while its group formed: its ranks left it")
             dist.init_process_group(
                 self._backend,
                 store=dist.PrefixStore(f"elasticrun/round/{a.round}", self._store),
@@ -119,8 +125,35 @@ class GroupSession:
                 self._joining = False
                 self._sockets = _socket_inodes() - self._before
                 interrupted = self._interrupted
+        # Formed. A round over without a lost peer is left at the first commit, by every
+        # rank together; one rank leaving now would strand the others in their first
+        # collective (a gloo peer that left is not always seen at once).
+        self._formed = True
         if interrupted:
             raise SupersededError(f"round {a.round} was superseded while joining it")
+
+    def _agree(self, store: dist.TCPStore) -> bool:
+        """Whether every rank of the round goes on to make its group, as the round's store says.
+
+        A round can be superseded while its group forms (rounds opened back to back):
+        some of its ranks never come, and the others must leave it, all of them, or
+        one that went on would wait in `init_process_group` for one that left. So the
+        ranks decide once, in the store: the last to arrive says "go"; a rank told
+        that the round is over before that says "abandon"; the first word stands
+        (compare-and-set) and every rank reads it. After "go" nobody leaves before
+        the group has formed."""
+        a = self.assignment
+        verdict = dist.PrefixStore(f"elasticrun/verdict/{a.round}", store)
+        if verdict.add("arrived", 1) >= a.world_size:
+            verdict.compare_set("verdict", "", "go")
+        # a check per rank every few ms while the group forms; fewer for a large world
+        interval = min(_VERDICT_POLL_LIMIT, _PROBE_INTERVAL * (1 + a.world_size // 256))
+        while not verdict.check(["verdict"]):
+            if self._interrupted or self._over:
+                verdict.compare_set("verdict", "", "abandon")
+            else:
+                time.sleep(interval)
+        return verdict.get("verdict") == b"go"
 
     def _await_master(self, host: str, port: int) -> None:
         """Wait until rank 0's store accepts connections.
@@ -132,7 +165,7 @@ class GroupSession:
         """
         deadline = time.monotonic() + self._timeout.total_seconds()
         while True:
-            if self._interrupted:
+            if self._interrupted or self._over:
                 raise SupersededError(f"round {self.assignment.round} was superseded while joining it")
             try:
                 left = max(deadline - time.monotonic(), _PROBE_INTERVAL)
@@ -151,24 +184,25 @@ class GroupSession:
 
         A lost peer (`interrupt`) breaks this round's group, joining or joined. A change
         without it (nodes joined) leaves a formed group be until the next commit, where
-        every rank notices it together; but a group still forming is abandoned: the
-        rounds were opened back to back, some peers never heard of this one, and the
-        others would wait for them here until the group's timeout. Every agent of the
-        round says it is over, so all of its joining ranks leave it.
+        every rank notices it together; a group still forming is left by all its ranks
+        together, or made and then left, as they agree in the store (`_agree`).
         """
         if round_number < self.assignment.round:
             return
-        with self._lock:
-            forming = self._sockets is None  # joining, or not yet begun
-        if interrupt or forming:
+        if interrupt:
             self.interrupt()
+            return
+        with self._lock:
+            if self._sockets is None:  # forming, or not yet begun
+                self._over = True
 
     def interrupt(self) -> None:
         """Break whatever collective is in flight (thread-safe, any thread).
 
-        While the group forms, its sockets are those opened since the join began, and
-        the C++ join retries what fails (a TCPStore client reconnects, gloo dials its
-        peers again): they are shut down again as they appear, until the join gives up.
+        While the group forms (a peer lost meanwhile), its sockets are those opened since
+        the join began, and the C++ join retries what fails (a TCPStore client
+        reconnects, gloo dials its peers again): they are shut down again as they
+        appear, until the join gives up.
         """
         with self._lock:
             self._interrupted = True
@@ -193,14 +227,21 @@ class GroupSession:
             _shut_down(sockets)
             time.sleep(_PROBE_INTERVAL)
 
-    def leave(self) -> None:
-        """Destroy the group (whatever state it is in) so a new one can be made."""
+    def leave(self) -> dist.TCPStore | None:
+        """Destroy the group (whatever state it is in) so a new one can be made.
+
+        Returns the round's store when this rank serves it and the group never formed:
+        peers may still be dialing it, and a TCPStore client that finds the port
+        closed retries for the whole timeout, where one that reaches it is broken at
+        once by its own worker's interrupt. The caller keeps it until its next round
+        has formed (by then every rank of this round has left it)."""
         if dist.is_initialized():
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group()
         else:
             _forget_failed_join()
-        self._store = None
+        store, self._store = self._store, None
+        return store if self.assignment.rank == 0 and not self._formed else None
 
 
 def _forget_failed_join() -> None:
