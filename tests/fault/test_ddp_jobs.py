@@ -4,15 +4,12 @@ Real agents as nodes on 127.0.0.x, a real store, and tests/workers/ddp_worker.py
 `DistributedDataParallel` model on gloo whose gradient all-reduce runs inside
 `backward()`, where only the DDP hook's timing sees a fast rank wait for a slow one.
 
-The slow node computes three times as much a step (more forward and backward passes
-through a local copy of its model): no sleep, and nothing of elasticrun in the script.
+A slow DDP node is in tests/fault/test_shared_cpu_stragglers.py, with the examples'.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -60,36 +57,6 @@ def stalled_on_both(page: str) -> str | None:
 
 def node_of(agent: Proc) -> str:
     return agent.wait_for(STEP)["node"]
-
-
-def test_a_slow_ddp_node_is_named_and_replaced_by_the_spare(cluster: Cluster, rdzv: Rdzv, tmp_path: Path) -> None:
-    slow_dir = tmp_path / "slow"
-    slow_dir.mkdir()
-    mode, args = ("--straggler=replace",), ("--slow-dir", str(slow_dir))
-    a = start(cluster, rdzv, "a", 2, extra=mode, args=args)
-    b = start(cluster, rdzv, "b", 3, extra=mode, args=args)
-    # b slows down after 10 steps (a shared host's CPU taken): compared with one other node
-    # alone, a node is replaced only when it slowed against its own best
-    b.wait_for(r"^\[\d\]<stdout>: step=10 ")
-    (slow_dir / f"{socket.gethostname()}_{b.pid}").touch()
-    slow, fast = node_of(b), node_of(a)
-    spare = start(cluster, rdzv, "spare", 4, extra=mode, args=args)
-    spare.wait_for(r"waiting: spare: ")
-
-    line = rf"node {re.escape(slow)} is a straggler: compute \d+ms a step, [\d.]+x the other nodes' median"
-    wait_until(lambda: any(re.search(line, p.text()) for p in (a, b, spare)), timeout=60, what=f"{slow} named")
-    # the spare takes its place, and the slow node waits outside
-    spare.wait_for(STEP.replace(r"(?P<round>\d+)", "2").replace(r"(?P<world>\d+)", "2"))
-    data = json.loads(status(cluster, rdzv, "--json"))
-    assert data["job"]["nodes"] == [fast, node_of(spare)] and data["job"]["restarts"] == 0, data["job"]
-    [held] = data["quarantine"]
-    assert held["node_id"] == slow and held["reason"].startswith("straggler: "), held
-    assert not any(e["kind"] == "straggler" and e["node"] == fast for e in data["events"]), data["events"]
-
-    cluster.stop_training()
-    for p in (a, b, spare):
-        assert p.wait_exit() == 0, p.text()[-3000:]
-    cluster.assert_no_orphans()
 
 
 def test_a_stuck_ddp_rank_and_a_collective_mismatch_are_shown_stalled_with_no_flag(
