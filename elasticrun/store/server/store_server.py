@@ -61,6 +61,7 @@ from elasticrun.store.server.callers import (
     permits,
     refusal,
 )
+from elasticrun.store.server.connections import SWEEP_EVERY, Connections
 from elasticrun.store.server.kv_service import StoreService
 from elasticrun.store.server.limits import (
     DEFAULT_MAX_CALLS,
@@ -146,6 +147,9 @@ class StoreServer:
         self._runs: dict[str, str] = {}
         self._stopping = False
         self.port = 0
+        #: which connections it keeps (known once it listens)
+        self.connections: Connections | None = None
+        self._sweeping: asyncio.Task[None] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -155,12 +159,13 @@ class StoreServer:
     async def start(self) -> None:
         """Listen on host:port (port 0: any free port, then see `port`)."""
         max_request = self.engine.max_key_bytes + self.engine.max_value_bytes
+        cap = connection_cap(soft_limit())
         server = grpc.aio.server(
             maximum_concurrent_rpcs=self.max_calls,
             options=[
                 *SERVER_OPTIONS,
                 ("grpc.max_receive_message_length", max_request + REQUEST_SLACK_BYTES),
-                ("grpc.max_allowed_incoming_connections", connection_cap(soft_limit())),
+                ("grpc.max_allowed_incoming_connections", cap),
             ],
         )
         add_store_service(StoreService(self), server, self.counted_call)
@@ -190,6 +195,8 @@ class StoreServer:
             )
         await server.start()
         self._server = server
+        self.connections = Connections(self.port, cap)
+        self._sweeping = asyncio.create_task(self._sweep(self.connections), name="store-connections")
         if self.metrics is not None:  # once it serves: an agent that hosts nothing exports no store metric
             self.metrics.serving(self.load)
         logger.debug(
@@ -199,11 +206,25 @@ class StoreServer:
             "token required" if self._token else "no token",
         )
 
+    async def _sweep(self, connections: Connections) -> None:
+        """Keep the reserve of the connection cap free for authenticated callers, for as long as it serves."""
+        while True:
+            await asyncio.sleep(SWEEP_EVERY)
+            try:
+                connections.sweep()
+            except OSError as e:  # never the end of the store: the next sweep tries again
+                logger.warning("the store could not count its connections: %s", e)
+
     async def stop(self, grace: float = DEFAULT_STOP_GRACE) -> None:
         """Stop: end watches and waits at once (clients resume), let calls finish."""
         if self._server is None:
             return
         self._stopping = True
+        if self._sweeping is not None:
+            self._sweeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeping
+            self._sweeping = None
         for task in list(self._streams):
             task.cancel()
         await self._server.stop(grace)
@@ -238,12 +259,12 @@ class StoreServer:
         caller's share for as long as it runs, and in the metrics by its status code."""
         code = "OK"
         try:
-            caller = await self._caller(context, service, method)
+            peer = context.peer()
+            caller = await self._caller(context, service, method, peer)
             CALLER.set(caller)
             why = self.shares.calls.take(caller)
             if why is not None:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
-            peer = context.peer()
             self._connections[peer] = self._connections.get(peer, 0) + 1
             self._calls_total += 1
             try:
@@ -265,11 +286,12 @@ class StoreServer:
             if self.metrics is not None:
                 self.metrics.calls.labels(service, method, code).inc()
 
-    async def _caller(self, context: grpc.aio.ServicerContext, service: str, method: str) -> Caller:
-        """Who makes this call.
+    async def _caller(self, context: grpc.aio.ServicerContext, service: str, method: str, peer: str) -> Caller:
+        """Who makes this call, from `peer`.
 
         The call is refused (UNAUTHENTICATED, PERMISSION_DENIED) when its credential is
-        wrong or its role may not make it."""
+        wrong or its role may not make it; without a valid credential, its connection is
+        shut too, once the refusal is sent (`Connections.refused`)."""
         given = None
         for key, value in context.invocation_metadata() or ():
             if key == TOKEN_METADATA_KEY:
@@ -286,14 +308,20 @@ class StoreServer:
             token=self._token,
             certificate=certificate,
             uris=[uri.decode("utf-8", "replace") for uri in uris],
-            host=_host_of(context.peer()),
+            host=_host_of(peer),
         )
         if caller is None:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"missing or wrong store token (set it with --token-file or {TOKEN_ENV})",
-            )
+            try:
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"missing or wrong store token (set it with --token-file or {TOKEN_ENV})",
+                )
+            finally:
+                if self.connections is not None:
+                    self.connections.refused(peer)
             raise AssertionError("unreachable: abort raises")
+        if self.connections is not None:
+            self.connections.authenticated(peer)
         if caller.grant.run:
             why = await self._check_run(caller.grant)
             if why is not None:
