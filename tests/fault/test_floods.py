@@ -23,7 +23,7 @@ import pytest
 
 from elasticrun.errors import StoreError
 from elasticrun.store.client.grpc_store import GrpcStore
-from elasticrun.store.server.limits import DESCRIPTOR_RESERVE, connection_cap
+from elasticrun.store.server.limits import DESCRIPTOR_RESERVE, MAX_STREAMS_PER_CONNECTION, connection_cap
 from tests.fault.test_security import Job
 from tests.support.elastic_cluster import Cluster, Proc
 
@@ -151,6 +151,54 @@ def test_an_idle_connection_flood_on_a_hosted_store(hosted: Job, reliability) ->
         happened=f"the hosting agent lived with descriptors to spare: its store held {opened} at once (its cap "
         f"{cap}) and closed them {closed_s:.0f} s after the last was made; `status` answered, a third node "
         "joined (round 2), every worker stepped on",
+        recovery_s=joined_s, restarts=0, lost="nothing",
+    )
+
+
+#: the calling flood: connections, each making an anonymous call every second for up to a minute
+CALLING_CONNECTIONS, CALLING_SECONDS = 1500, 60
+
+
+def test_anonymous_callers_hold_no_connection(served: Job, reliability) -> None:
+    """1,500 connections, more than the store's cap, each opening an anonymous call every
+    second (never idle, so gRPC's idle timeout never closes them): the store shuts each
+    at its first refused call, and past the anonymous share the oldest that have not
+    called yet, so a node joins and `status` answers while the flood's process goes on.
+
+    Before, the 512 connections the cap let in held it for as long as they kept calling:
+    every new connection was closed at accept."""
+    job = served
+    a = job.agent("a")
+    a.wait_for(r"^\[0\]<stdout>: tick 3$")
+    clock = reliability.clock()
+    attack = job.cluster.start("calling-flood", [
+        sys.executable, str(HEADERS_FLOOD), job.endpoint, str(CALLING_CONNECTIONS),
+        str(CALLING_CONNECTIONS * CALLING_SECONDS), str(CALLING_SECONDS), f"--rate={CALLING_CONNECTIONS}", "--once",
+    ])
+    attack.wait_for(r"^flooding$")
+    status_answers(job)
+    b = job.agent("b")
+    stepped_on(a, b)
+    joined_s = clock()
+    attack.wait_for(r"^flood-sent$")  # every connection ended: none kept by the store
+    attack.signal(signal.SIGTERM)
+    counts = dict(item.split("=") for item in attack.wait_for(r"^sent=.*$")[0].split())
+    job.stop_file.touch()
+    for agent in (a, b):
+        assert agent.wait_exit() == 0, agent.text()[-3000:]
+    assert "Traceback" not in job.store.text(), job.store.text()[-3000:]
+    job.store.kill()
+    job.cluster.assert_no_orphans()
+    answered, opened = int(counts["answered"]), int(counts["connections"])
+    assert 0 < answered <= connection_cap(DESCRIPTORS) * MAX_STREAMS_PER_CONNECTION, counts
+    reliability.record(
+        part="security",
+        scenario="anonymous callers holding the connection cap",
+        injected=f"{CALLING_CONNECTIONS:,} HTTP/2 connections, each opening a call with no token every second "
+        f"(never idle), on `store serve` limited to {DESCRIPTORS:,} descriptors, while a 1-node job ran",
+        happened=f"the store took {connection_cap(DESCRIPTORS)} (its cap) and shut each once its call was refused "
+        f"({answered:,} calls answered of {int(counts['sent']):,} sent over {opened:,} connections); `status` "
+        "answered, a second node joined (round 2) and the workers stepped on",
         recovery_s=joined_s, restarts=0, lost="nothing",
     )
 
