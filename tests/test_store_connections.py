@@ -106,8 +106,9 @@ async def test_past_the_anonymous_share_the_oldest_unauthenticated_are_shut(
     server: StoreServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A cap of 16 keeps 2 for authenticated callers: of 20 connections that never called,
-    the 6 oldest past 14 are shut; the agent's connection, the oldest of all, is kept."""
+    the 6 past 14 are shut; the agent's connection, the oldest of all, is kept."""
     monkeypatch.setattr(server_connections, "FIRST_CALL_GRACE", 0.0)
+    monkeypatch.setattr(server_connections, "SCAN_GAP", 0.0)
     connections = Connections(server.port, cap=16)
     assert connections.anonymous_share == 14
     server.connections = connections  # what the calls report to (the server's own sweeps keep its real cap)
@@ -115,17 +116,17 @@ async def test_past_the_anonymous_share_the_oldest_unauthenticated_are_shut(
     try:
         await agent.put("/elasticrun/x", b"1")
         raws = await connect(server, 20)
-        async with asyncio.timeout(20):
-            while connections.found < 21:  # every connection accepted by gRPC, the agent's among them
+        async with asyncio.timeout(20):  # every connection accepted by gRPC, then 20 - 14 shut
+            while connections.shut_count < 6:
                 connections.sweep()
-                await asyncio.sleep(0.05)
-        connections.sweep()
-        assert connections.shut_count == 6
-        async with asyncio.timeout(20):
+                await asyncio.sleep(0.01)
             while sum(raw.ended.is_set() for raw in raws) < 6:
-                await asyncio.sleep(0.05)
-        connections.sweep()  # within the share now: nothing more is shut
-        assert connections.shut_count == 6
+                await asyncio.sleep(0.01)
+            scans = connections.scans
+            while connections.scans == scans:  # one more count: within the share now, nothing more is shut
+                connections.sweep()
+                await asyncio.sleep(0.01)
+        assert connections.shut_count == 6 and connections.found == 15, connections.found
         flood = {raw.writer.get_extra_info("sockname")[:2] for raw in raws}
         assert connections.shut <= flood, "a connection that authenticated was shut"
         assert await agent.get("/elasticrun/x") is not None  # its connection kept

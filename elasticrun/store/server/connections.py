@@ -30,6 +30,7 @@ Linux only (/proc/self/fd); elsewhere nothing is shut and the cap stays blind.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import logging
@@ -53,9 +54,14 @@ FIRST_CALL_GRACE = 1.0
 #: How long a shut connection's peer is remembered: calls gRPC queued for it before it
 #: was shut reach Python for a while after (on a loaded host, a second or more).
 SHUT_MEMORY = 10.0
-#: How often the connections are counted (each count reads every descriptor's kind:
-#: about a millisecond per thousand).
+#: How often the connections past the anonymous share are looked for.
 SWEEP_EVERY = 1.0
+#: The least time between two scans of the descriptors, and the most between two counts
+#: of the connections (to forget the peers that are gone).
+SCAN_GAP = 0.05
+FULL_COUNT_EVERY = 60.0
+#: How often shutting connections past the share is said, at most.
+SAY_EVERY = 60.0
 
 _FD_DIR = "/proc/self/fd"
 
@@ -80,6 +86,14 @@ def peer_of(grpc_peer: str) -> Peer | None:
         return None
 
 
+def _descriptors() -> int:
+    """How many descriptors the process holds (0 if it cannot list them now)."""
+    try:
+        return len(os.listdir(_FD_DIR))
+    except OSError:  # out of descriptors itself: counted at the next sweep
+        return 0
+
+
 def _normal(host: str, port: int) -> Peer:
     address = ipaddress.ip_address(host.partition("%")[0])
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
@@ -101,7 +115,10 @@ class Connections:
     """The connections of the server listening on `port`, and which of them it keeps.
 
     `cap` is the connections gRPC serves at once at most; a not yet authenticated
-    connection may hold `anonymous_share` of them."""
+    connection may hold `anonymous_share` of them. Finding the connections reads every
+    descriptor's kind (`_find`: ~5 ms per thousand descriptors), so it is done at most
+    once per `SCAN_GAP` and never for more than a tenth of the loop's time
+    (`_scanned`): refusals wait for the next scan, all of them served by it."""
 
     def __init__(self, port: int, cap: int) -> None:
         self.port = port
@@ -114,9 +131,19 @@ class Connections:
         #: peers shut, or gone before they could be, and when: the calls gRPC had queued for
         #: them still come through Python, and must not each look for the connection again
         self._shut: dict[Peer, float] = {}
-        #: connections shut, all told, and the server's connections at the last count
+        #: refused peers not found at the last scan (connected since), and the scan due for them
+        self._pending: set[Peer] = set()
+        self._scan: asyncio.TimerHandle | None = None
+        #: no scan before this (monotonic), and the last full count
+        self._next_scan = 0.0
+        self._counted_at = 0.0
+        #: connections shut past the share and not yet said (`sweep` says it once a minute)
+        self._unsaid = 0
+        self._said_at = -SAY_EVERY
+        #: connections shut, all told; the server's connections at the last scan; scans made
         self.shut_count = 0
         self.found = 0
+        self.scans = 0
 
     @property
     def shut(self) -> frozenset[Peer]:
@@ -132,50 +159,86 @@ class Connections:
     def refused(self, grpc_peer: str) -> None:
         """The connection of `grpc_peer` made a call without a valid credential: shut it now.
 
-        Not if it authenticated before (a client whose credential just expired)."""
+        Not if it authenticated before (a client whose credential just expired). One
+        found since the last scan is shut at once; the others at the next scan."""
         peer = peer_of(grpc_peer)
         if not self.enabled or peer is None or peer in self._authenticated or peer in self._shut:
             return
         found = self._sockets.get(peer)
-        if found is None:  # connected since the last sweep
-            self._find()
-            found = self._sockets.get(peer)
         if found is not None:
             self._shut_down(peer, found)
-        else:  # closed already
-            self._shut[peer] = time.monotonic()
-
-    def sweep(self) -> None:
-        """Count the connections; past the anonymous share, shut the oldest not authenticated."""
-        if not self.enabled:
             return
+        self._pending.add(peer)
+        if self._scan is None:
+            delay = max(self._next_scan - time.monotonic(), 0.0)
+            self._scan = asyncio.get_running_loop().call_later(delay, self._scan_pending)
+
+    def _scan_pending(self) -> None:
+        self._scan = None
         self._find()
-        self._authenticated &= self._sockets.keys()
-        forgotten = time.monotonic() - SHUT_MEMORY
+        now = time.monotonic()
+        for peer in self._pending:
+            found = self._sockets.get(peer)
+            if found is not None:
+                self._shut_down(peer, found)
+            else:  # closed already
+                self._shut[peer] = now
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Stop: no scan is left pending."""
+        if self._scan is not None:
+            self._scan.cancel()
+            self._scan = None
+
+    def sweep(self) -> int:
+        """Past the anonymous share, shut the oldest connections not authenticated; how many.
+
+        The connections are counted only when the process has more descriptors than the
+        share (a listing of their names, without reading each), or once a `FULL_COUNT_EVERY`
+        (to forget the peers that are gone)."""
+        if not self.enabled:
+            return 0
+        now = time.monotonic()
+        forgotten = now - SHUT_MEMORY
         self._shut = {peer: when for peer, when in self._shut.items() if when > forgotten}
+        if now < self._next_scan:
+            return 0
+        if now - self._counted_at < FULL_COUNT_EVERY and _descriptors() <= self.anonymous_share:
+            return 0
+        self._find()
+        self._counted_at = now
+        self._authenticated &= self._sockets.keys()
         waiting = sorted(
             (found.seen, peer) for peer, found in self._sockets.items()
             if peer not in self._authenticated and peer not in self._shut
         )
-        excess = len(waiting) - self.anonymous_share
-        if excess <= 0:
-            return
-        old_enough = time.monotonic() - FIRST_CALL_GRACE
+        old_enough = now - FIRST_CALL_GRACE
         shut = 0
-        for seen, peer in waiting[:excess]:
+        for seen, peer in waiting[:max(len(waiting) - self.anonymous_share, 0)]:
             if seen > old_enough:
                 break
             self._shut_down(peer, self._sockets[peer])
             shut += 1
-        if shut:
+        self._unsaid += shut
+        if self._unsaid and now - self._said_at >= SAY_EVERY:
             logger.warning(
-                "the store shut %d connections that made no authenticated call, past %d such connections "
-                "(the rest of its cap is kept for agents and workers)", shut, self.anonymous_share,
+                "the store shut %d connections that had made no authenticated call, past %d such connections "
+                "(the rest of its connection cap is kept for agents and workers; said at most once a minute)",
+                self._unsaid, self.anonymous_share,
             )
+            self._unsaid, self._said_at = 0, now
+        return shut
 
     def _find(self) -> None:
         """Find the server's connections among the process's descriptors (only new ones are asked who they are)."""
         now = time.monotonic()
+        try:
+            self._read_descriptors(now)
+        finally:  # never more than a tenth of the loop's time
+            self._next_scan = now + max(SCAN_GAP, 9 * (time.monotonic() - now))
+
+    def _read_descriptors(self, now: float) -> None:
         found: dict[Peer, _Socket] = {}
         by_inode = {s.inode: (peer, s) for peer, s in self._sockets.items()}
         others: set[int] = set()
@@ -207,6 +270,7 @@ class Connections:
                 found[peer] = _Socket(fd, info.st_ino, known[1].seen if known is not None else now)
         self._sockets, self._others = found, others
         self.found = len(found)
+        self.scans += 1
 
     def _served_peer(self, fd: int) -> Peer | None:
         """The peer of descriptor `fd` if it is a TCP connection to the server's port, else None."""

@@ -225,6 +225,8 @@ class StoreServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeping
             self._sweeping = None
+        if self.connections is not None:
+            self.connections.close()
         for task in list(self._streams):
             task.cancel()
         await self._server.stop(grace)
