@@ -6,6 +6,7 @@
     python scripts/reliability.py --rows rows.jsonl --output /tmp/R.md   # render only
     python scripts/reliability.py --soak --save-rows rows.jsonl           # keep the rows too
     python scripts/reliability.py -- -k churn                            # pass to pytest
+    python scripts/reliability.py --part security   # only the security rows, spliced into RELIABILITY.md
 
 Each test of tests/fault/ (and each test marked `security`) that takes the
 `reliability` fixture records one row per scenario (see tests/support/reliability_rows.py); this
@@ -19,6 +20,11 @@ fails the command (its row is still written, marked). The workers all_reduce wit
 here. The rows of a run begin with one that says which run it was (command, time,
 commit, pytest's summary): rendered again with --rows, they still name the run that
 measured them.
+
+With `--part security`, only the test files that record security rows run (a fraction
+of the suite), and only the Security section of the existing file is rewritten, under
+a line naming that run; its rows' figures and the headline count of scenarios follow.
+The faults' rows stay those of the last full run.
 """
 
 from __future__ import annotations
@@ -109,15 +115,15 @@ SECURITY_COLUMNS = ("Attack or mistake", "Tried", "What the user sees", "Leaked"
 SHOWN = {"scenario", "injected", "happened", "recovery_s", "restarts", "lost", "test", "outcome", "test_s", "part"}
 
 
-def run_suite(pytest_args: list[str], rows: Path, soak: bool) -> tuple[int, str, float]:
+def run_suite(pytest_args: list[str], rows: Path, soak: bool, paths: list[str] | None = None) -> tuple[int, str, float]:
     # the training workers all_reduce with gloo, as a user's job does (the test suite's
     # default is a socket stand-in that saves the CPU of importing torch: tests/workers/collective.py)
     env = dict(os.environ, ELASTICRUN_RELIABILITY_OUT=str(rows), ELASTICRUN_TEST_COLLECTIVE="gloo")
     if soak:
         env["ELASTICRUN_SOAK"] = "1"
     argv = [
-        sys.executable, "-m", "pytest", "tests", "-m", "fault or security", "-q", "-p", "no:cacheprovider",
-        *pytest_args,
+        sys.executable, "-m", "pytest", *(paths or ["tests"]), "-m", "fault or security", "-q",
+        "-p", "no:cacheprovider", *pytest_args,
     ]
     print("+", " ".join(argv), flush=True)
     began = time.monotonic()
@@ -242,6 +248,52 @@ def render(rows: list[dict], *, command: str, summary: str, elapsed: float | Non
     return "\n".join(out).rstrip() + "\n"
 
 
+def security_tests() -> list[str]:
+    """The test files that record security rows: the only ones `--part security` runs."""
+    return sorted(
+        str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
+        if 'part="security"' in path.read_text(encoding="utf-8")
+    )
+
+
+def splice_security(old: str, rows: list[dict]) -> str:
+    """`old` (a RELIABILITY.md) with its security rows replaced by `rows` (a `--part security` run's).
+
+    The Security section, the security rows' figures and the headline count of
+    scenarios are made anew; the rest stays the last full run's."""
+    run = next(row for row in rows if row.get("part") == "run")
+    attacks = [row for row in rows if row.get("part") == "security"]
+    head, found, rest = old.partition("\n## Security\n")
+    table, figures_found, figures = rest.partition("\n## Figures\n")
+    if not found or not figures_found:
+        raise SystemExit("the output has no Security and Figures sections to replace: run the whole suite first")
+    old_rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| Attack")]
+    old_names = {_cells(line)[0] for line in old_rows}
+    old_passed = sum("**" not in _cells(line)[-1] for line in old_rows)
+    counted = re.search(r"(\| scenarios, faults and attacks, that ended as designed \| )(\d+) of (\d+)", head)
+    if counted is not None:
+        passed = int(counted[2]) - old_passed + sum(row.get("outcome") == "passed" for row in attacks)
+        total = int(counted[3]) - len(old_rows) + len(attacks)
+        head = head[:counted.start()] + f"{counted[1]}{passed} of {total}" + head[counted.end():]
+    section = [
+        "", f"These rows: `{run['command']}`, {run['when']}, commit {run['commit']}; {run['machine']}"
+        + (f"; pytest: {run['summary']}" if run["summary"] else "") + ".", "",
+    ]
+    section += _table(SECURITY_COLUMNS, [
+        [row.get("scenario"), row.get("injected"), row.get("happened"), row.get("lost"), row] for row in attacks
+    ])
+    kept = [line for line in figures.splitlines()
+            if not (line.startswith("- **") and line[4:].partition("**:")[0] in old_names)]
+    kept = [line for line in kept if line.strip()]
+    news = [f"- **{_cell(row.get('scenario'))}**: {_figures(row)}" for row in attacks if _figures(row)]
+    return "\n".join([head, "## Security", *section, "", "## Figures", "", *kept[:1], "", *kept[1:], *news]) + "\n"
+
+
+def _cells(line: str) -> list[str]:
+    """The cells of a markdown table's line (pipes escaped as \\| stay in their cell)."""
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
@@ -278,11 +330,14 @@ def main() -> int:
     p.add_argument("--rows", type=Path, help="render these recorded rows (JSON lines) instead of running the suite")
     p.add_argument("--save-rows", type=Path, help="also keep the rows of this run here (JSON lines), to render again")
     p.add_argument("--soak", action="store_true", help="include the long soak tests (marker soak)")
+    p.add_argument("--part", choices=("security",),
+                   help="rerun only the tests that record this part's rows and rewrite only its section of --output")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args()
 
     # the checkout's environment (scripts/setup.sh), as every command of the project
     command = ".venv/bin/python scripts/reliability.py" + (" --soak" if args.soak else "")
+    command += f" --part {args.part}" if args.part else ""
     if args.rows is not None:
         rows = load_rows(args.rows)
         code, summary, elapsed = 0, "", None
@@ -290,14 +345,18 @@ def main() -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="reliability-") as tmp:
             path = Path(tmp) / "rows.jsonl"
-            code, summary, elapsed = run_suite(args.pytest_args, path, args.soak)
+            paths = security_tests() if args.part == "security" else None
+            code, summary, elapsed = run_suite(args.pytest_args, path, args.soak, paths)
             rows = load_rows(path)
         if args.pytest_args:
             command += " -- " + " ".join(args.pytest_args)
         rows.insert(0, this_run(command, summary))
         if args.save_rows is not None:
             args.save_rows.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    args.output.write_text(render(rows, command=command, summary=summary, elapsed=elapsed))
+    if args.part == "security":
+        args.output.write_text(splice_security(args.output.read_text(encoding="utf-8"), rows))
+    else:
+        args.output.write_text(render(rows, command=command, summary=summary, elapsed=elapsed))
     print(f"wrote {args.output} ({len(rows)} rows); pytest exit status {code}", flush=True)
     return code
 
