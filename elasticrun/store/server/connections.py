@@ -7,11 +7,13 @@ shows who it is only with its first call, so the store decides what to keep from
 calls it sees, and ends the connections it does not keep itself: it finds their
 sockets among its own descriptors and shuts them down (`socket.shutdown`), and gRPC,
 reading the end of the stream, closes the connection and drops the calls it had queued
-for it, in C, without Python ever seeing them.
+for it and not yet handed to Python.
 
 - A connection that makes a call without a valid credential (UNAUTHENTICATED) is shut
-  at once: a flood of anonymous calls costs the store one call of Python a connection,
-  not one a call (each connection queues up to `MAX_STREAMS_PER_CONNECTION`).
+  once the refusal is sent (or at the next scan, if it connected since the last): a
+  flood of anonymous calls costs the store the calls that reach Python before that (a
+  few hundred a connection on a loaded host), not all it can send, and the flood must
+  connect again.
 - A connection that made an authenticated call is never shut by this: agents keep their
   connections however full the store is.
 - The others, connected and not yet authenticated (a joining agent before its first
