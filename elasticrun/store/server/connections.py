@@ -276,7 +276,10 @@ class Connections:
 
     def _served_peer(self, fd: int) -> Peer | None:
         """The peer of descriptor `fd` if it is a TCP connection to the server's port, else None."""
-        sock = socket.socket(fileno=fd)
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # a kind of socket Python does not know, or closed meanwhile
+            return None
         try:
             if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
                 return None
