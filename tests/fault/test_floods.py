@@ -268,7 +268,9 @@ def test_a_paced_anonymous_headers_flood(served: Job, reliability) -> None:
         f"(no token, no message; {int(counts['sent']):,} sent in {flooded_s:.0f} s, about {rate:,.0f} a second "
         "reached) while a 2-node job ran, a third node joined, and an admin client put a key every 10 ms",
         happened=f"{calls - failed} of {calls} puts went through (p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms); "
-        "the newcomer joined in round 2 and every worker stepped on",
+        f"the store shut each of the flood's connections once a call of it was refused ({int(counts['answered']):,} "
+        f"answered; the flood connected {int(counts['connections']):,} times); the newcomer joined in round 2 and "
+        "every worker stepped on",
         restarts=0, lost="nothing",
         victim_put_p50_ms=round(p50 * 1000, 1), victim_put_p99_ms=round(p99 * 1000, 1),
     )

@@ -367,7 +367,8 @@ def test_an_anonymous_headers_flood_stalls_no_one(job: Job, reliability) -> None
         f"message) in {flooded_for:.0f} s while a 2-node job ran, a third node joined, and an admin client put a key "
         "every 10 ms",
         happened=f"every call refused from its headers ({counts['answered']} answered UNAUTHENTICATED, the rest "
-        f"REFUSED_STREAM past {MAX_STREAMS_PER_CONNECTION} streams per connection); the newcomer joined in round "
+        f"REFUSED_STREAM past {MAX_STREAMS_PER_CONNECTION} streams per connection, each connection shut once refused: "
+        f"the flood connected {counts['connections']} times); the newcomer joined in round "
         f"2 and every worker stepped on; every victim put went through: p50 {p50 * 1000:.1f} ms, "
         f"p99 {p99 * 1000:.1f} ms",
         restarts=0, lost="nothing",
