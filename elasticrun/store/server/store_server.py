@@ -197,6 +197,7 @@ class StoreServer:
         self._server = server
         self.connections = Connections(self.port, cap)
         self._sweeping = asyncio.create_task(self._sweep(self.connections), name="store-connections")
+        self._sweeping.add_done_callback(_said_if_failed)
         if self.metrics is not None:  # once it serves: an agent that hosts nothing exports no store metric
             self.metrics.serving(self.load)
         logger.debug(
@@ -395,6 +396,17 @@ async def _held(counter: Counter, caller: Caller, context: grpc.aio.ServicerCont
         yield
     finally:
         counter.give_back(caller)
+
+
+def _said_if_failed(task: asyncio.Task[None]) -> None:
+    """Say at once that the store stopped keeping room for authenticated callers (a bug).
+
+    It serves on: only its connection cap is blind from then on, as before the reserve."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error(
+            "the store stopped keeping room for agents in its connection cap: %r; it serves on, "
+            "its cap blind to who connects", task.exception(),
+        )
 
 
 def _host_of(peer: str) -> str:
