@@ -81,7 +81,7 @@ def steps(port: int, token: Path, host_port: int = 0) -> list[Step]:
              r"give --rdzv-backend=c10d"),
         Step("The README's set-up: the node on the endpoint hosts the store, and says what that means.",
              ("--nnodes=1", c10d, hosted, "--rdzv-id=hosted", "--log-dir=logs", "train.py"), 0,
-             r"hosting the rendezvous store on 127\.0\.0\.1:\d+: this node is the job's single point of failure"),
+             r"hosting the rendezvous store on 127\.0\.0\.1:\d+: a job of at most 1 node\(s\) cannot fail over"),
         Step("How that job ended, once its store ended with it: this machine's run folders say.",
              ("status", hosted, "--rdzv-id=hosted", "--log-dir=logs", "--rdzv-conf=store_timeout=1"), 200,
              r"^  \S+  succeeded  .*  all workers succeeded$"),

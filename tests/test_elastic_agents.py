@@ -343,8 +343,8 @@ def test_c10d_agent_hosts_the_store(cluster: Cluster) -> None:
     rdzv = Rdzv("c10d", endpoint, RDZV_CONF, run_id())
     host = start(cluster, rdzv, "host", 2, "2", conf=RDZV_CONF + ",is_host=true")
     said = host.wait_for(r"hosting the rendezvous store on 127\.0\.0\.1:\d+.*$").group(0)
-    # in the same line: what the store's host means on preemptible machines, and what instead
-    for words in ("single point of failure", "preempted", "exits 200", "elasticrun store serve", "etcd"):
+    # in the same line: a job of two nodes cannot fail over, what that means, and what instead
+    for words in ("cannot fail over", "exits 200", "elasticrun store serve", "etcd"):
         assert words in said, said
     guest = start(cluster, rdzv, "guest", 3, "2", conf=RDZV_CONF + ",is_host=false")
     for p in (host, guest):

@@ -25,18 +25,23 @@ from elasticrun.agent.health_check import CheckResult, HealthCheck
 from elasticrun.agent.undumpable import forbid_dumps
 from elasticrun.descriptors import quiet_exhaustion
 from elasticrun.errors import GpuUnhealthyError, HealthCheckError
+from elasticrun.first_of import first_of
 from elasticrun.launcher import log_format
 from elasticrun.launcher.config import LaunchConfig, RendezvousConfig
 from elasticrun.launcher.gc_settings import settle_gc
 from elasticrun.launcher.metrics_http import serving
 from elasticrun.launcher.parsing import DEFAULT_RUN_ID
 from elasticrun.launcher.rdzv_conf import rdzv_flag, settings_from_flags
+from elasticrun.launcher.succession import Succession
 from elasticrun.loglines import HEADLINE
+from elasticrun.rendezvous.codec import decode
 from elasticrun.rendezvous.elastic import ElasticRendezvous
 from elasticrun.rendezvous.handler import RendezvousHandler
 from elasticrun.rendezvous.keys import Keys
 from elasticrun.rendezvous.records import NodeInfo
+from elasticrun.rendezvous.rounds import RoundHead
 from elasticrun.rendezvous.static import StaticRendezvous
+from elasticrun.rendezvous.succession import MIN_NODES_TO_FAIL_OVER, read_successors
 from elasticrun.store.client.first_contact import first_contact
 from elasticrun.store.interface import EventType, Store
 from elasticrun.store.server.memory import MemoryStore
@@ -45,6 +50,7 @@ from elasticrun.store.settings import exposure_warning, open_client, serve_here
 if TYPE_CHECKING:  # loaded only when metrics are asked for
     from elasticrun.agent.metrics import AgentMetrics
     from elasticrun.store.server.metrics import StoreMetrics
+    from elasticrun.store.server.store_server import StoreServer
 
 log = logging.getLogger("elasticrun")
 
@@ -115,20 +121,29 @@ async def run_node(config: LaunchConfig) -> AgentResult:
                 redirects=agent.std_flags[0], tee=agent.std_flags[1],
                 local_ranks_filter=worker.options.local_ranks_filter,
             )
-        handler, hosted = await _open_handler(config, stack, store_metrics)
+        handler, succession = await _open_handler(config, stack, store_metrics)
         if metrics is not None:
             metrics.quarantine_from(handler.quarantined_nodes)
             metrics.stragglers_from(handler.control.straggler_scores)
             stack.enter_context(serving(metrics_at, metrics.registry))
-        result = await Agent(
+        agent_run = Agent(
             config.worker, handler, watches=watches, reclaim=reclaim, metrics=metrics, events=events,
             log_layout=layout,
         ).run()
+        # the succession never ends by itself: it stands by, serves, names successors
+        result = await (agent_run if succession is None else first_of(agent_run, succession.run()))
         # Out of the job first (our lease and keys go, a leader of ours stops): the
         # host waits for the others only, never for itself.
         await handler.aclose()
-        if hosted is not None:
-            await _linger_while_nodes_remain(hosted, Keys(config.rdzv.settings.run_id))
+        server = succession.server if succession is not None else None
+        if server is not None:
+            keys = Keys(config.rdzv.settings.run_id)
+            heir = await _heir(server.engine, keys)
+            if heir:
+                log.info("handing the store over to %s: it serves the job from now on", heir, extra=HEADLINE)
+                await server.stop()
+            else:
+                await _linger_while_nodes_remain(server.engine, keys)
     return result
 
 
@@ -187,8 +202,8 @@ async def health_check_watches(check: HealthCheck, interval: float, metrics: Age
 
 async def _open_handler(
     config: LaunchConfig, stack: contextlib.AsyncExitStack, store_metrics: StoreMetrics | None = None
-) -> tuple[RendezvousHandler, Store | None]:
-    """The rendezvous handler for the configured backend, and the store we host, if any."""
+) -> tuple[RendezvousHandler, Succession | None]:
+    """The rendezvous handler for the configured backend, and (built-in store) who serves it."""
     rdzv = config.rdzv
     if rdzv.backend == "static":
         return (
@@ -202,7 +217,7 @@ async def _open_handler(
             ),
             None,
         )
-    store, hosted = await _open_store(rdzv, stack, store_metrics)
+    store, server = await _open_store(rdzv, stack, store_metrics)
     me = NodeInfo(
         node_id=config.worker.node_id,
         host=socket.gethostname(),
@@ -217,15 +232,21 @@ async def _open_handler(
         settings = replace(settings, last_call=0.0)
     handler = ElasticRendezvous(
         store, settings, me, spec=config.job_spec, launch_flags=config.agent.carried_flags,
-        hosting=rdzv.endpoint if hosted is not None else "",
+        hosting=rdzv.endpoint if server is not None else "",
     )
     stack.push_async_callback(handler.aclose)
-    return handler, hosted
+    succession = None
+    if rdzv.store is not None and rdzv.store.backend == "c10d":
+        succession = Succession(
+            rdzv.store, handler, store, node_id=me.node_id, addr=me.addr, server=server, metrics=store_metrics,
+        )
+        stack.push_async_callback(succession.stop)
+    return handler, succession
 
 
 async def _open_store(
     rdzv: RendezvousConfig, stack: contextlib.AsyncExitStack, metrics: StoreMetrics | None = None
-) -> tuple[Store, Store | None]:
+) -> tuple[Store, StoreServer | None]:
     """Connect to the store the backend names (c10d: host it when the endpoint is ours)."""
     if rdzv.store is None:  # standalone: the job lives in this process
         store: Store = MemoryStore()
@@ -237,21 +258,27 @@ async def _open_store(
     if server is not None:
         # Said at once, where it is run: the README's main set-up puts the store on a
         # node like any other, which a preemptible pool may take away.
-        log.info(
-            "hosting the rendezvous store on %s: this node is the job's single point of failure: preempted "
-            "(SIGTERM), it stays up while the job runs, until its machine goes; gone, every other node exits 200 "
-            "after store_host_grace=%gs. On preemptible machines run the store on a stable host (elasticrun store "
-            "serve) or use etcd (--rdzv-backend=etcd)",
-            server.endpoint, rdzv.settings.store_host_grace, extra=HEADLINE,
-        )
+        if rdzv.settings.max_nodes < MIN_NODES_TO_FAIL_OVER:
+            log.info(
+                "hosting the rendezvous store on %s: a job of at most %d node(s) cannot fail over (without this "
+                "node no majority is left): gone, every other node exits 200 after store_host_grace=%gs unless a new "
+                "store answers there. On preemptible machines run the store on a stable host (elasticrun store serve) "
+                "or use etcd (--rdzv-backend=etcd)",
+                server.endpoint, rdzv.settings.max_nodes, rdzv.settings.store_host_grace, extra=HEADLINE,
+            )
+        else:
+            log.info(
+                "hosting the rendezvous store on %s; once a round of %d or more nodes runs, its first members "
+                "are this store's successors and take it over if this node goes",
+                server.endpoint, MIN_NODES_TO_FAIL_OVER, extra=HEADLINE,
+            )
         warning = exposure_warning(
             server.endpoint, rdzv.store.token, rdzv_flag("token_file"), client_ca=rdzv.store.client_ca,
             tls=rdzv.store.server_tls is not None, tls_flags=f"{rdzv_flag('tls_cert')} and {rdzv_flag('tls_key')}",
         )
         if warning is not None:
             log.warning("%s", warning)
-        stack.push_async_callback(server.stop)
-        return server.engine, server.engine
+        return server.engine, server
     store = open_client(rdzv.store)
     stack.push_async_callback(store.close)
     # As long as ever for an answer (the store may be starting), but never in silence.
@@ -266,6 +293,14 @@ async def _open_store(
             DEFAULT_RUN_ID, rdzv.settings.closed_ttl,
         )
     return store, None
+
+
+async def _heir(store: Store, keys: Keys) -> str:
+    """The successor that takes the store over from this agent as it leaves a running job ("": none)."""
+    head, successors = await store.get(keys.round), await read_successors(store, keys)
+    if head is None or decode(RoundHead, head.value).closed or successors is None:
+        return ""
+    return successors.nodes[0].node_id
 
 
 async def _linger_while_nodes_remain(store: Store, keys: Keys) -> None:

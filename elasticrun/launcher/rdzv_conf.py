@@ -105,7 +105,8 @@ RDZV_CONF: tuple[ConfKey, ...] = (
             field="straggler_after", read=count_from_one, shared=True),
     ConfKey("straggler_interval", "seconds between straggler evaluations, and between a node's step reports",
             field="straggler_interval", read=positive_seconds, shared=True),
-    ConfKey("is_host", "true: this agent hosts the store; false: it never does", "c10d",
+    ConfKey("is_host", "true: this agent hosts the store from the start; false: it does not (a successor may "
+            "take it over later)", "c10d",
             shown="when the endpoint is local"),
     ConfKey("token_file", "file with the store's token", "c10d", shown=f"${TOKEN_ENV}"),
     ConfKey("require_token", "true: refuse to run without a store token", "c10d", default=False),

@@ -177,6 +177,13 @@ class ElasticRendezvous(RendezvousHandler):
             grace = self._settings.store_host_grace
             until = time.strftime("%H:%M:%S", time.localtime(time.time() + since + grace - self._clock()))
             host = error.endpoint.rpartition(":")[0]
+            successors = self._job.successors
+            if successors is not None:
+                return (
+                    f"the store at {error.endpoint} (hosted by the agent on {host}) refused a connection: turning "
+                    f"to its successors ({', '.join(s.endpoint for s in successors.nodes)}) until {until} "
+                    f"(store_host_grace={grace:g}s)"
+                )
             return (
                 f"the store at {error.endpoint} (hosted by the agent on {host}) refused a connection: "
                 f"waiting until {until} (store_host_grace={grace:g}s) for a new store there"
@@ -532,8 +539,9 @@ class ElasticRendezvous(RendezvousHandler):
                 if self._refused is not None:
                     error, since = self._refused
                     log.info(
-                        "node %s: a store answers at %s again, %.1f s after it refused: registered again",
-                        self._me.node_id, error.endpoint, self._clock() - since,
+                        "node %s: a store answers at %s, %.1f s after the one at %s refused: registered again",
+                        self._me.node_id, self._store.endpoint, self._clock() - since, error.endpoint,
+                        extra=HEADLINE,
                     )
                     # what this node read of the gone store's rounds means nothing here
                     self._refused, self._placed, self._hold = None, ("", None), ((0, 0.0), None)
@@ -551,7 +559,19 @@ class ElasticRendezvous(RendezvousHandler):
             if now - said_at >= WAIT_REPORT_INTERVAL:
                 log.warning("node %s waiting: %s; %.0f s left", self._me.node_id, self.waiting_status, left)
                 said_at = now
+            if await self._turn_to_successor():
+                continue
             await asyncio.sleep(min(REFUSED_RETRY, left))
+
+    async def _turn_to_successor(self) -> bool:
+        """Whether the store moved to one of the successors its serving agent named (docs/concepts.md)."""
+        successors = self._job.successors
+        if successors is None:
+            return False
+        turned = await self._store.turn_to([s.endpoint for s in successors.nodes])
+        if turned:
+            log.info("node %s: the store's successor serves at %s", self._me.node_id, turned)
+        return bool(turned)
 
     def _store_refused(self, error: StoreGoneError) -> None:
         """The store an agent hosted refused us.

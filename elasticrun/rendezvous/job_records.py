@@ -28,6 +28,7 @@ from elasticrun.rendezvous.records import (
     StacksRequest,
     StepReport,
     StragglerReport,
+    Successors,
 )
 from elasticrun.rendezvous.rounds import RankShard, Round, RoundHead, join_round
 
@@ -75,6 +76,7 @@ class JobRecords:
     events: dict[str, Event] = field(default_factory=dict)
     steps: dict[str, StepReport] = field(default_factory=dict)
     stragglers: StragglerReport | None = None
+    successors: Successors | None = None
     #: `round`, put together once per change of the head or a shard
     _joined: tuple[Round | None] | None = field(default=None, repr=False, compare=False)
 
@@ -138,6 +140,8 @@ class JobRecords:
         elif key == keys.stacks:
             self.stacks = _read(StacksRequest, value)
             self.stacks_revision = revision if value is not None else 0
+        elif key == keys.successors:
+            self.successors = _read(Successors, value)
         elif key == keys.quarantine:
             self.quarantine = _read(QuarantineTable, value) or QuarantineTable()
 

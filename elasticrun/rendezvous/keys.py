@@ -136,6 +136,11 @@ class Keys:
         return worker_prefix(self.run_id)
 
     @property
+    def successors(self) -> str:
+        """Who takes the store over (`Successors`): under job/, so every node's watch brings it."""
+        return self.job + "successors"
+
+    @property
     def drains(self) -> str:
         return self.job + "drain/"
 

@@ -475,9 +475,35 @@ class StacksRequest:
     done: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Successor:
+    """A node that takes the store over when the ones before it are gone."""
+
+    node_id: str
+    #: host:port it serves the store at once it takes it over
+    endpoint: str
+    #: its agent's liveness port on `addr`: a refusal there tells the next successor it is gone
+    addr: str
+    liveness_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Successors:
+    """Who takes the store over from the agent that serves it (r/job/successors).
+
+    Named by the serving agent for round `round`, its first members by node rank;
+    `quorum` is a majority of that round's nodes: the first round at a successor's
+    store opens only with that many of them (docs/concepts.md, "Never two jobs")."""
+
+    serving: str
+    round: int
+    quorum: int
+    nodes: tuple[Successor, ...]
+
+
 #: every record kept in the store
 Record = (
     NodeInfo | Round | RoundHead | RankShard | RestartRequest | Ping | Master | LeaderState | JobSpec | JobLaunch
     | DrainRequest | Departure | QuarantineTable | QuarantineEntry | NodeStatus | LogWindow | Event
-    | NodeStacks | StacksRequest | StepReport | StragglerReport
+    | NodeStacks | StacksRequest | StepReport | StragglerReport | Successors
 )

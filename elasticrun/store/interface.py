@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from elasticrun.errors import StoreRequestError
@@ -152,6 +152,15 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections. Leases are not revoked: they expire on their own."""
+
+    async def turn_to(self, endpoints: Sequence[str]) -> str:
+        """Go on with the first of `endpoints` whose store serves now; its endpoint ("": none).
+
+        For a store that an agent hosted and that is gone (`StoreGoneError`): the
+        job's successors (docs/concepts.md) take it over at their own endpoints. Every
+        other store stays where it is and says "".
+        """
+        return ""
 
     async def __aenter__(self) -> Store:
         return self

@@ -43,6 +43,7 @@ from elasticrun.store.wire import (
 )
 
 if TYPE_CHECKING:
+    from elasticrun.store.server.memory import MemoryStore
     from elasticrun.store.server.metrics import StoreMetrics
     from elasticrun.store.server.store_server import StoreServer
 
@@ -407,20 +408,10 @@ async def serve_here(access: StoreAccess, probe_key: str, metrics: StoreMetrics 
     it, and anything else there is an error (StoreAddressError), not a store to wait
     for. The caller stops the server.
     """
-    from elasticrun.store.server.store_server import StoreServer
-
     if access.backend != "c10d" or access.is_host is False:
         return None
-    host, _, port = access.endpoint.rpartition(":")
-    server = StoreServer(
-        host.strip("[]"),
-        int(port),
-        token=access.token,
-        tls=access.server_tls,
-        client_ca=access.client_ca,
-        hosted_by_agent=True,
-        metrics=metrics,
-    )
+    host = access.endpoint.rpartition(":")[0]
+    server = hosted_server(access, access.endpoint, metrics=metrics)
     try:
         await server.start()
     except StoreAddressError:
@@ -433,6 +424,28 @@ async def serve_here(access: StoreAccess, probe_key: str, metrics: StoreMetrics 
         log.debug("not hosting the store: another store on this host serves %s", access.endpoint)
         return None
     return server
+
+
+def hosted_server(
+    access: StoreAccess, endpoint: str, *, engine: MemoryStore | None = None, metrics: StoreMetrics | None = None
+) -> StoreServer:
+    """The built-in store as an agent serves it at `endpoint`, with the job's token and TLS (not started).
+
+    `engine`: the records to serve (a successor's copy, docs/concepts.md); a new empty
+    store without it."""
+    from elasticrun.store.server.store_server import StoreServer
+
+    host, _, port = endpoint.rpartition(":")
+    return StoreServer(
+        host.strip("[]"),
+        int(port),
+        engine=engine,
+        token=access.token,
+        tls=access.server_tls,
+        client_ca=access.client_ca,
+        hosted_by_agent=True,
+        metrics=metrics,
+    )
 
 
 async def _is_own_address(host: str) -> bool:

@@ -6,8 +6,9 @@ give up on the store, and exit 200 with one clear line that names the endpoint â
 traceback â€” and nothing of the test may be left running (the test tag: agents, workers,
 and the store server, which carries the tag here too). A `store serve` may come back, so
 the agents wait `store_timeout` for it. A store hosted by an agent comes back only with
-a new agent at its endpoint (a restarted head: tests/fault/test_head_restart.py): the
-agents say so as soon as its port refuses them, wait `store_host_grace` (short here) for
+a new agent at its endpoint (a restarted head: tests/fault/test_head_restart.py), or
+from a successor (a job of three nodes or more: tests/fault/test_store_failover.py; this
+one has two): the agents say so as soon as its port refuses them, wait `store_host_grace` (short here) for
 a new one, and exit when none comes (store_timeout stays at its 10 s default there:
 waiting it out instead would show in RELIABILITY.md's exit times).
 """
@@ -44,20 +45,20 @@ def test_store_host_lost_agents_fail_clearly_and_leave_nothing(
         store, endpoint = serve_store("127.0.0.1", cluster.tmp / "store.log", env=cluster._env)
         cluster.procs.append(store)  # tagged: killed by PID at the end, checked as ours
         victim = store
-        names = ["a", "b", "c"]
+        names, nnodes = ["a", "b", "c"], "3"
     else:
         endpoint = f"127.0.0.1:{free_port()}"
-        victim = cluster.agent("h", endpoint=endpoint, run_id=job, local_addr="127.0.0.1", nnodes="3",
+        victim = cluster.agent("h", endpoint=endpoint, run_id=job, local_addr="127.0.0.1", nnodes="2",
                                conf=conf + ",is_host=true")
-        victim.wait_for(r"hosting the rendezvous store on")
-        names = ["a", "b"]
+        victim.wait_for(r"hosting the rendezvous store on .*: a job of at most 2 node\(s\) cannot fail over")
+        names, nnodes = ["a"], "2"
     agents = [
-        cluster.agent(n, endpoint=endpoint, run_id=job, local_addr=f"127.0.0.{i + 2}", nnodes="3",
+        cluster.agent(n, endpoint=endpoint, run_id=job, local_addr=f"127.0.0.{i + 2}", nnodes=nnodes,
                       conf=conf + ",is_host=false")
         for i, n in enumerate(names)
     ]
     everyone = agents + ([victim] if host == "agent" else [])
-    running = {p.name: p.wait_for(step_pattern(3)) for p in everyone}
+    running = {p.name: p.wait_for(step_pattern(len(everyone))) for p in everyone}
     workers = [int(m["pid"]) for m in running.values()]
     marks = {p.name: p.mark() for p in agents}
 
@@ -95,7 +96,7 @@ def test_store_host_lost_agents_fail_clearly_and_leave_nothing(
         injected=(
             "SIGKILL to "
             f"{'`elasticrun store serve`' if host == 'store-serve' else 'the agent hosting the store (is_host=true)'}"
-            " while 3 nodes train"
+            f" while {len(everyone)} nodes train"
         ),
         happened=(
             f"{len(agents)} other agents stopped their workers, exited {sorted(set(codes.values()))} after "

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -50,6 +51,7 @@ from elasticrun.store.client.dial import (
     hung_up,
     retryable,
 )
+from elasticrun.store.credentials import JOBS_PREFIX
 from elasticrun.store.interface import (
     EventType,
     KeyValue,
@@ -323,6 +325,34 @@ class GrpcStore(Store):
                     self.endpoint, f"{cause} (watch lost for {self.timeout:g} s)"
                 )
             await asyncio.sleep(retries.pause())
+
+    async def turn_to(self, endpoints: Sequence[str]) -> str:
+        """Go on with the first of `endpoints` where an agent serves the store now.
+
+        Each is asked once, within PROBE_TIMEOUT: one that refuses (its agent does not
+        serve, or is gone) is passed over. The calls that follow go there; a watch
+        that resumes there finds another history (CompactedError) and its caller
+        reads again."""
+        for endpoint in endpoints:
+            dial = dataclasses.replace(self._dial, endpoint=endpoint)
+            channel = dial.aio_channel()
+            try:
+                reply = await pb_grpc.StoreStub(channel).Range(
+                    pb.RangeRequest(key=JOBS_PREFIX), timeout=PROBE_TIMEOUT, metadata=dial.metadata
+                )
+            except grpc.aio.AioRpcError as e:
+                log.debug("no store served at %s: %s", endpoint, e.details())
+                await channel.close()
+                continue
+            if not reply.hosted_by_agent:  # a successor serves from its agent, nothing else does
+                await channel.close()
+                continue
+            await self.close()
+            self._dial, self.endpoint = dial, endpoint
+            self._channel, self._stub_cache = channel, pb_grpc.StoreStub(channel)
+            self._hosted_by_agent = True
+            return endpoint
+        return ""
 
     async def close(self) -> None:
         if self._keepalive is not None:

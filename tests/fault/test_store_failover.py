@@ -1,0 +1,110 @@
+"""The agent that serves the job's store goes, and the job goes on without any external store.
+
+Four agents on loopback addresses (127.0.0.1 hosts the store at the start); the host
+names the first two other members of the round as its successors; when it is SIGKILLed
+the first successor serves the copy of the job's records it kept, at its own address,
+and the others register there and train on at world 3, the restart count kept; `status`
+against the new serving node shows the events from before the failover.
+docs/concepts.md, "When the store's host goes".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+
+import pytest
+
+from tests.fault.conftest import FaultCluster, step_pattern
+from tests.support.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id
+from tests.support.helpers import free_port, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+NNODES = "3:4"
+
+
+def _four(cluster: FaultCluster, job: str, endpoint: str) -> tuple[Proc, list[Proc]]:
+    host = cluster.agent("h", endpoint=endpoint, run_id=job, local_addr="127.0.0.1", nnodes=NNODES,
+                         conf=f"{RDZV_CONF},is_host=true")
+    host.wait_for(r"hosting the rendezvous store on .* take it over if this node goes")
+    others = [
+        cluster.agent(n, endpoint=endpoint, run_id=job, local_addr=f"127.0.0.{i + 2}", nnodes=NNODES,
+                      conf=f"{RDZV_CONF},is_host=false")
+        for i, n in enumerate(["a", "b", "c"])
+    ]
+    return host, others
+
+
+def test_killed_host_survivors_step_at_a_successor(fault_cluster: FaultCluster) -> None:
+    cluster = fault_cluster
+    job = run_id()
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    host, others = _four(cluster, job, endpoint)
+    running = {p.name: p.wait_for(step_pattern(4)) for p in [host, *others]}
+    lost_round = max(int(m["round"]) for m in running.values())
+    named = host.wait_for(r"the store's successors after round \d+: (?P<first>\S+) \((?P<at>[\d.:]+)\)")
+    marks = {p.name: p.mark() for p in others}
+    workers = [int(m["pid"]) for m in running.values()]
+
+    host.signal(signal.SIGKILL)
+    host.wait_exit()
+    heir = next(p for p in others if f"_{p.pid}" in named["first"])
+    heir.wait_for(rf"serving the job's store on {re.escape(named['at'])}", start=marks[heir.name])
+    for p in others:
+        p.wait_for(rf"a store answers at {re.escape(named['at'])}, [\d.]+ s after the one at "
+                   rf"{re.escape(endpoint)} refused: registered again", start=marks[p.name])
+    stepping = {p.name: p.wait_for(step_pattern(3), start=marks[p.name]) for p in others}
+    for name, m in stepping.items():
+        assert int(m["round"]) > lost_round, f"{name} stepped in round {m['round']}, not above {lost_round}"
+        assert int(m["restart"]) == 0, f"{name}: a restart was spent: {m[0]}"
+    wait_until(lambda: not any(pid_alive(w) for w in workers), what="the lost round's workers to stop")
+
+    # the new serving node shows what happened before it served
+    status = cluster.control("status", f"--rdzv-endpoint={named['at']}", f"--rdzv-id={job}", "--json")
+    assert status.returncode == 0, status.stderr
+    events = json.loads(status.stdout)["events"]
+    before = [e for e in events if re.search(rf"round {lost_round}\b", e["detail"])]
+    assert before, events
+
+    cluster.stop_training()
+    codes = {p.name: p.wait_exit() for p in others}
+    assert codes == {"a": 0, "b": 0, "c": 0}, {p.name: p.text()[-3000:] for p in others}
+    cluster.assert_no_orphans()
+
+
+def test_preempted_host_hands_the_store_over(fault_cluster: FaultCluster) -> None:
+    """SIGTERM to the serving agent: it leaves the job and stops serving at once, without
+    waiting for the others to leave (its successor takes the store over); the others
+    never wait store_host_grace (30 s here) for a store at the old endpoint."""
+    cluster = fault_cluster
+    job = run_id()
+    endpoint = f"127.0.0.1:{free_port()}"
+    host, others = _four(cluster, job, endpoint)
+    running = {p.name: p.wait_for(step_pattern(4)) for p in [host, *others]}
+    lost_round = max(int(m["round"]) for m in running.values())
+    named = host.wait_for(r"the store's successors after round \d+: (?P<first>\S+) \((?P<at>[\d.:]+)\)")
+    marks = {p.name: p.mark() for p in others}
+
+    host.signal(signal.SIGTERM)
+    host.wait_for(rf"handing the store over to {re.escape(named['first'])}: it serves the job from now on")
+    host.wait_exit()
+    assert "keeping the store up until" not in host.text(), host.text()[-3000:]
+    for p in others:
+        p.wait_for(rf"a store answers at {re.escape(named['at'])}, [\d.]+ s after the one at "
+                   rf"{re.escape(endpoint)} refused: registered again", start=marks[p.name])
+    stepping = {p.name: p.wait_for(step_pattern(3), start=marks[p.name]) for p in others}
+    for name, m in stepping.items():
+        assert int(m["round"]) > lost_round, f"{name} stepped in round {m['round']}, not above {lost_round}"
+        assert int(m["restart"]) == 0, f"{name}: a restart was spent: {m[0]}"
+    for p in others:
+        p.wait_for(rf"refused a connection: turning to its successors \({re.escape(named['at'])}, \S+\) until "
+                   r"\d\d:\d\d:\d\d \(store_host_grace=30s\)", start=marks[p.name])
+        assert "for a new store there" not in p.text()[marks[p.name]:], p.text()[-3000:]
+
+    cluster.stop_training()
+    codes = {p.name: p.wait_exit() for p in others}
+    assert codes == {"a": 0, "b": 0, "c": 0}, {p.name: p.text()[-3000:] for p in others}
+    cluster.assert_no_orphans()
