@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from elasticrun.rendezvous.records import NodeInfo, QuarantineEntry, QuarantineTable, RestartRequest
+from elasticrun.rendezvous.records import (
+    NodeInfo,
+    QuarantineEntry,
+    QuarantineTable,
+    RestartRequest,
+    Successor,
+    Successors,
+)
 from elasticrun.rendezvous.round_policy import decide_round
 from elasticrun.rendezvous.rounds import Participant, Round
 from elasticrun.rendezvous.settings import RendezvousSettings
@@ -621,3 +628,37 @@ def test_a_straggler_waits_while_the_round_changes_for_another_reason():
     d = decide_round(view, SETTINGS, now=100.0)
     assert members(d) == ["a", "b"] and d.reason == f"lost c ({LAPSED})"
     assert d.quarantine is not None and not d.quarantine.active(100.0)  # c's drop-out counted, b kept
+
+
+# --- never two jobs: a majority while a node that may serve the store elsewhere is unaccounted for
+
+
+def _named(serving: str, *successors: str, round_number: int = 1, quorum: int = 2) -> Successors:
+    return Successors(
+        serving=serving, round=round_number, quorum=quorum,
+        nodes=tuple(Successor(n, f"{n}:29400", n, 1) for n in successors),
+    )
+
+
+def test_the_minority_side_of_a_partition_stops_and_waits():
+    """The store's host alone of three: its successors may serve the other side."""
+    view = View(nodes=nodes(node("h")), round=running("h", "a", "b"), successors=_named("h", "a", "b"))
+    d = decide_round(view, SETTINGS, now=100.0)
+    assert d.round is not None and members(d) == []  # the host's workers stop
+    assert "waiting for a majority of round 1's nodes (1 of 2 here): a, b may serve" in d.reason
+
+
+def test_the_majority_side_goes_on_at_a_successors_store():
+    """At the successor's store the old host is missing; the two who ran the round are back."""
+    back = [replace(node(n), info=replace(node(n).info, ran_round=1)) for n in ("a", "b")]
+    view = View(nodes=nodes(*back), round=running("h", "a", "b"), successors=_named("h", "a", "b"))
+    d = decide_round(view, SETTINGS, now=100.0)
+    assert members(d) == ["a", "b"], d.reason
+
+
+def test_nodes_seen_to_go_need_no_majority():
+    """Successors that left on purpose (or whose port refused) serve nowhere: shrinking is free."""
+    view = View(nodes=nodes(node("h")), round=running("h", "a", "b"), successors=_named("h", "a", "b"),
+                departed=frozenset({"a"}), refused=frozenset({"b"}))
+    d = decide_round(view, replace(SETTINGS, min_nodes=1), now=100.0)
+    assert members(d) == ["h"], d.reason

@@ -15,7 +15,7 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, NoReturn
 
-from elasticrun.errors import StoreError, StoreGoneError
+from elasticrun.errors import StoreError, StoreUnavailableError
 from elasticrun.first_of import first_of
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.elastic import REFUSED_RETRY, ElasticRendezvous
@@ -93,7 +93,9 @@ class Succession:
             client = open_client(replace(self._access, endpoints=(self._store.endpoint,)))
             try:
                 await first_of(follow(client, copy, self._keys), self._until_unnamed())
-            except StoreGoneError:
+            except StoreUnavailableError:
+                # refused (its agent died), or silent for the client's whole timeout, longer
+                # than a lease: this node's own lease there has lapsed, it is out of that job
                 if await self._my_turn(copy):
                     return await self._serve(copy)
                 await copy.close()
@@ -123,7 +125,7 @@ class Succession:
         server = hosted_server(self._access, endpoint, engine=copy, metrics=self._metrics)
         await server.start()
         log.info(
-            "serving the job's store on %s: the agent that served it at %s is gone, and no successor before "
-            "this node serves", endpoint, self._store.endpoint, extra=HEADLINE,
+            "serving the job's store on %s: the agent that served it at %s is gone or cut off, and no successor "
+            "before this node answers", endpoint, self._store.endpoint, extra=HEADLINE,
         )
         return server

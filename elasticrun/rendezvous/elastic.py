@@ -33,6 +33,7 @@ from elasticrun.errors import (
     SpecMismatchError,
     StoreError,
     StoreGoneError,
+    StoreUnavailableError,
 )
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.codec import decode, encode
@@ -152,9 +153,10 @@ class ElasticRendezvous(RendezvousHandler):
         self._leader_seen: NodeInfo | None = None
         #: this node's look at the leader while no round runs (see _mind_leader)
         self._leader_look: asyncio.Task[None] | None = None
-        #: the store an agent hosted refused us (its agent is gone), and when it first
-        #: did (self._clock): until a store answers there again (see _register_or_wait)
-        self._refused: tuple[StoreGoneError, float] | None = None
+        #: the store an agent hosted refused us (its agent is gone), or, with successors
+        #: named, did not answer within its timeout, and when it first did (self._clock):
+        #: until a store answers there again or at a successor (see _register_or_wait)
+        self._refused: tuple[StoreUnavailableError, float] | None = None
         #: this node's reports and the job's stacks, over its membership
         self.control: ElasticJobControl = ElasticJobControl(
             self, store, self._keys, me.node_id, self._reports, clock=clock
@@ -178,9 +180,10 @@ class ElasticRendezvous(RendezvousHandler):
             until = time.strftime("%H:%M:%S", time.localtime(time.time() + since + grace - self._clock()))
             host = error.endpoint.rpartition(":")[0]
             successors = self._job.successors
+            what = "refused a connection" if isinstance(error, StoreGoneError) else "does not answer"
             if successors is not None:
                 return (
-                    f"the store at {error.endpoint} (hosted by the agent on {host}) refused a connection: turning "
+                    f"the store at {error.endpoint} (hosted by the agent on {host}) {what}: turning "
                     f"to its successors ({', '.join(s.endpoint for s in successors.nodes)}) until {until} "
                     f"(store_host_grace={grace:g}s)"
                 )
@@ -533,7 +536,11 @@ class ElasticRendezvous(RendezvousHandler):
         while True:
             try:
                 await self._register()
-            except StoreGoneError as e:
+            except StoreUnavailableError as e:
+                # a store that does not answer may be cut off from us with its agent, and
+                # serve the others: with successors named, they may serve this side
+                if not isinstance(e, StoreGoneError) and self._job.successors is None:
+                    raise
                 self._note_refused(e)  # not registered: no membership to lose
             else:
                 if self._refused is not None:
@@ -581,7 +588,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._note_refused(error)
         self._lose(str(error))
 
-    def _note_refused(self, error: StoreGoneError) -> None:
+    def _note_refused(self, error: StoreUnavailableError) -> None:
         if self._refused is None:
             self._refused = (error, self._clock())
 

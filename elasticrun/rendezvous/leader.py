@@ -263,6 +263,7 @@ class Leader:
             keep_out={n: d.reason for n, d in self._records.departures.items() if d.keep_out},
             refused=frozenset(n for n, suspect in self._refused.items() if suspect == number),
             slow=self._slow(number),
+            successors=self._records.successors,
         )
 
     def _slow(self, number: int) -> tuple[tuple[str, str], ...]:

@@ -93,6 +93,10 @@ def _hold_kept_out(view: View, book: QuarantineBook) -> tuple[str, ...]:
 def _decide(view: View, settings: RendezvousSettings, now: float, book: QuarantineBook) -> Decision:
     """The policy in order: a member lost, a worker failure, else who joins or leaves."""
     case = _assess(view, settings, now, book)
+    short = _no_majority(view, case)
+    if short:
+        # the members' workers stop (an empty round) and the job waits for its majority
+        return case.open_round([], short) if case.members else Decision(reason=short)
     if case.lost:
         return _after_loss(case)
     restart = _pending_restart(view)
@@ -110,6 +114,32 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: Quaranti
     if case.current is not None and case.members:
         return _running(case, case.current, pick, held)
     return _forming(case, pick, held)
+
+
+def _no_majority(view: View, case: _Case) -> str:
+    """Why no round may open: another store may serve the job; "" when one may.
+
+    When a node that may serve the job's store elsewhere (the agent that named the
+    successors, or a successor) is neither registered here nor seen to go (it left,
+    was drained, or its liveness port refused), this side may be one of a partition's
+    two: it goes on only with a majority of the round the successors were named for,
+    its members still here or registered again since they ran it. The two sides of a
+    partition never both have one (docs/concepts.md, "Never two jobs")."""
+    named = view.successors
+    if named is None:
+        return ""
+    accounted = view.nodes.keys() | view.departed | view.draining | view.refused
+    unaccounted = [n for n in (named.serving, *(s.node_id for s in named.nodes)) if n not in accounted]
+    if not unaccounted:
+        return ""
+    here = {p.node_id for p in case.members if p.node_id in view.nodes}
+    here |= {n for n, seen in view.nodes.items() if seen.info.ran_round >= named.round}
+    if len(here) >= named.quorum:
+        return ""
+    return (
+        f"waiting for a majority of round {named.round}'s nodes ({len(here)} of {named.quorum} here): "
+        f"{names(unaccounted)} may serve the job's store elsewhere (a partition)"
+    )
 
 
 @dataclass(slots=True)

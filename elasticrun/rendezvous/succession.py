@@ -68,27 +68,26 @@ async def name_successors(store: Store, keys: Keys, serving: str, port: int) -> 
     """Name the successors of each round that opens, for as long as this agent serves `store`.
 
     Reads the round and the registrations as they change (the serving agent reads its
-    own engine: no network), and writes the record only when it changes."""
+    own engine: no network). A round too small to fail over keeps the record of the
+    last one that was not: its nodes may still serve elsewhere, and the majority rule
+    (`round_policy._no_majority`) must go on counting them."""
     records = JobRecords(keys)
     snapshot = await store.get_prefix(keys.rdzv)
     for kv in snapshot.kvs:
         records.apply(kv.key, kv.value, kv.mod_revision)
-    named = records.successors
+    named_round = records.successors.round if records.successors is not None else 0
     revision = snapshot.revision + 1
     while True:
         current = records.round
-        if current is not None:
+        if current is not None and current.number > named_round:
             wanted = successors_of(current, serving, records.nodes, port)
-            if wanted != named and not (wanted is None and named is None):
-                if wanted is None:
-                    await store.delete(keys.successors)
-                else:
-                    await store.put(keys.successors, encode(wanted))
-                    log.info(
-                        "the store's successors after round %d: %s", wanted.round,
-                        ", ".join(f"{s.node_id} ({s.endpoint})" for s in wanted.nodes),
-                    )
-                named = wanted
+            if wanted is not None:
+                await store.put(keys.successors, encode(wanted))
+                named_round = wanted.round
+                log.info(
+                    "the store's successors after round %d: %s", wanted.round,
+                    ", ".join(f"{s.node_id} ({s.endpoint})" for s in wanted.nodes),
+                )
         async for event in store.watch(keys.rdzv, start_revision=revision, prefix=True):
             revision = event.revision + 1
             records.apply(event.key, event.value if event.type is EventType.PUT else None, event.revision)
@@ -133,17 +132,19 @@ async def _follow(source: Store, copy: Store, keys: Keys, prefix: str) -> None:
 
 
 async def predecessors_gone(successors: Successors, me: str) -> bool:
-    """Whether every successor named before `me` is gone: its liveness port refuses.
+    """Whether no successor named before `me` answers: its liveness port refuses, or is silent.
 
-    The serving agent before them is known gone by whoever asks (its store refused
-    them). A port that accepts, or does not answer (a partition), is no proof."""
+    The serving agent before them is known gone or cut off by whoever asks (its store
+    refused them, or did not answer for longer than a lease). One cut off may serve
+    the other side of a partition: the majority rule, not this, keeps the two sides
+    from both training (`round_policy._no_majority`)."""
     before = []
     for node in successors.nodes:
         if node.node_id == me:
             break
         before.append(node)
     verdicts = await asyncio.gather(*(probe(n.addr, n.liveness_port) for n in before))
-    return all(v is Verdict.GONE for v in verdicts)
+    return all(v is not Verdict.LISTENING for v in verdicts)
 
 
 def named(successors: Successors | None, me: str) -> bool:

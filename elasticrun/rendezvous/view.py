@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from elasticrun.rendezvous.records import NodeInfo, QuarantineTable, RestartRequest
+from elasticrun.rendezvous.records import NodeInfo, QuarantineTable, RestartRequest, Successors
 from elasticrun.rendezvous.rounds import Participant, Round
 
 
@@ -55,6 +55,9 @@ class View:
     #: members of the current round named stragglers, the slowest first, with why
     #: (--straggler=replace): one is kept out when a spare or the elastic range allows
     slow: tuple[tuple[str, str], ...] = ()
+    #: who takes the built-in store over, as last named: while one of them (or the agent
+    #: that named them) is unaccounted for, a round needs a majority (`round_policy._no_majority`)
+    successors: Successors | None = None
 
 
 @dataclass(frozen=True, slots=True)

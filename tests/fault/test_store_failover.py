@@ -4,8 +4,10 @@ Four agents on loopback addresses (127.0.0.1 hosts the store at the start); the 
 names the first two other members of the round as its successors; when it is SIGKILLed
 the first successor serves the copy of the job's records it kept, at its own address,
 and the others register there and train on at world 3, the restart count kept; `status`
-against the new serving node shows the events from before the failover.
-docs/concepts.md, "When the store's host goes".
+against the new serving node shows the events from before the failover. SIGTERM hands
+the store over at once. A partition that cuts the host off from the two other nodes of a
+three-node job: only the majority side trains. docs/concepts.md, "When the store's host
+goes".
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
+import time
 
 import pytest
 
-from tests.fault.conftest import FaultCluster, step_pattern
+from tests.fault.conftest import FaultCluster, Netns, agent_of, step_pattern, steps_in
 from tests.support.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id
 from tests.support.helpers import free_port, wait_until
 
@@ -107,4 +111,65 @@ def test_preempted_host_hands_the_store_over(fault_cluster: FaultCluster) -> Non
     cluster.stop_training()
     codes = {p.name: p.wait_exit() for p in others}
     assert codes == {"a": 0, "b": 0, "c": 0}, {p.name: p.text()[-3000:] for p in others}
+    cluster.assert_no_orphans()
+
+
+@pytest.mark.netns
+def test_partition_only_the_majority_side_trains(netns: Netns, fault_cluster: FaultCluster) -> None:
+    """Three nodes: the host h in a network namespace, a and b outside it (b at an address
+    of a second veth pair, so that each successor serves at an address of its own). The
+    host's link goes down: h keeps its store but finds only itself of round N's three,
+    stops its workers and waits for a majority; a (its first successor) serves its copy
+    once the store has not answered for its whole timeout, and a and b train at world 2."""
+    other = Netns()
+    try:
+        other.create()
+        # h reaches b's address through its own veth; the host answers for any address of its own
+        subprocess.run([*netns.prefix, "ip", "route", "add", f"{other.host_ip}/32", "dev", netns.ns_if],
+                       check=True, capture_output=True, timeout=30)
+        _partition(netns, other, fault_cluster)
+    finally:
+        other.remove()
+
+
+def _partition(netns: Netns, other: Netns, cluster: FaultCluster) -> None:
+    job = run_id()
+    endpoint = f"{netns.ns_ip}:{free_port()}"
+    conf = f"{RDZV_CONF},store_timeout=3"
+    common = dict(endpoint=endpoint, run_id=job, nnodes="1:3")
+    h = cluster.agent("h", local_addr=netns.ns_ip, prefix=netns.prefix, env={"GLOO_SOCKET_IFNAME": netns.ns_if},
+                      conf=f"{conf},is_host=true", **common)
+    h.wait_for(r"hosting the rendezvous store on")
+    a = cluster.agent("a", local_addr=netns.host_ip, env={"GLOO_SOCKET_IFNAME": netns.host_if},
+                      conf=f"{conf},is_host=false", **common)
+    h.wait_for(step_pattern(2))  # a is node rank 1: the first successor
+    b = cluster.agent("b", local_addr=other.host_ip, env={"GLOO_SOCKET_IFNAME": other.host_if},
+                      conf=f"{conf},is_host=false", **common)
+    three = {p.name: p.wait_for(step_pattern(3)) for p in (h, a, b)}
+    round_n = max(int(m["round"]) for m in three.values())
+    h.wait_for(rf"the store's successors after round {round_n}: \S+ \({re.escape(netns.host_ip)}:")
+    marks = {p.name: p.mark() for p in (h, a, b)}
+
+    cut_at = time.time()
+    netns.cut()
+    h.wait_for(rf"waiting for a majority of round {round_n}'s nodes \(1 of 2 here\)", start=marks["h"])
+    a.wait_for(rf"serving the job's store on {re.escape(netns.host_ip)}:", start=marks["a"])
+    two = {p.name: p.wait_for(step_pattern(2, restart=0), start=marks[p.name]) for p in (a, b)}
+    for name, m in two.items():
+        assert int(m["round"]) > round_n, f"{name} stepped in round {m['round']}, not above {round_n}"
+    first_two = min(row["t"] for p in (a, b) for row in steps_in(p.text()[marks[p.name]:]) if row["world"] == 2)
+    for p in (a, b):  # the majority side goes on
+        p.wait_for(step_pattern(2, restart=0, round=two[p.name]["round"]), start=marks[p.name], count=5)
+
+    # the minority side trained nothing once the majority side formed: no step of h after
+    # the first step at world 2, none of its workers started since the cut
+    h_steps = [row for log in agent_of(cluster, h.pid) for row in steps_in(log.read_text(errors="replace"))]
+    assert not [row for row in h_steps if row["t"] >= first_two], h_steps[-5:]
+    assert not [row for row in h_steps if row["t"] > cut_at and row["world"] < 3], h_steps[-5:]
+
+    cluster.stop_training()
+    codes = {p.name: p.wait_exit() for p in (a, b)}
+    assert codes == {"a": 0, "b": 0}, {p.name: p.text()[-3000:] for p in (a, b)}
+    h.signal(signal.SIGTERM)
+    h.wait_exit()
     cluster.assert_no_orphans()
