@@ -605,9 +605,8 @@ BAD_INPUT = {
         ["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1:2379,h2:x", S], ["--rdzv-endpoint"]),
     "endpoint with two ports": (["--rdzv-backend", "c10d", "--rdzv-endpoint", "host:1:2", S],
                                 ["--rdzv-endpoint", "host:1:2"]),
-    "c10d with an endpoint list": (
-        ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h1:29400,h2:29400", S],
-        ["--rdzv-endpoint", "h1:29400,h2:29400", "etcd"]),
+    "c10d endpoint list with a bad port": (
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h1:29400,h2:x", S], ["--rdzv-endpoint"]),
     "static endpoint without port": (["--rdzv-endpoint", "localhost", S],
                                      ["--rdzv-endpoint", "'localhost'", "host:port"]),
     "c10d without endpoint": (["--rdzv-backend", "c10d", S], ["--rdzv-endpoint"]),

@@ -54,7 +54,10 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
 def add_store_flags(parser: argparse.ArgumentParser, *, with_id: bool = False) -> None:
     """The flags that name a store (and, with_id, a job on it), as the launcher spells them."""
     for name, kw in (
-        ("rdzv-endpoint", dict(required=True, help="the job's store: host:port (c10d) or h1:2379,... (etcd)")),
+        ("rdzv-endpoint", dict(
+            required=True,
+            help="the job's store: host:port (c10d; or a list of the nodes that may serve it) or h1:2379,... (etcd)",
+        )),
         ("rdzv-id", dict(required=True, help="the job's id (--rdzv-id of its agents)")),
         ("rdzv-backend", dict(default="c10d", help="c10d (default) or etcd")),
     ):

@@ -194,7 +194,10 @@ def launch_parser() -> argparse.ArgumentParser:
     _flag(p, "rdzv-backend", default="static",
           help="c10d (built-in store), etcd (v3) or static (the default, as torchrun's: a fixed number of nodes; "
                "--nnodes=MIN:MAX needs c10d or etcd)")
-    _flag(p, "rdzv-endpoint", default="", help="c10d: host:port (default port 29400); etcd: h1:2379,h2:2379,...")
+    _flag(p, "rdzv-endpoint", default="", help=(
+        "c10d: host:port (default port 29400), or node0:29400,node1:29400,... (the nodes that may serve the "
+        "store, the first first); etcd: h1:2379,h2:2379,..."
+    ))
     _flag(p, "rdzv-id", default=DEFAULT_RUN_ID, help="the job's id: nodes with the same id form one job")
     _flag(p, "rdzv-conf", action=_EnvAppend,
           help=f"key=value,... (repeatable, merged): {rdzv_conf_keys(RDZV_CONF_KEYS)}")

@@ -339,9 +339,12 @@ def _rendezvous(args: argparse.Namespace, backend: str, min_nodes: int, max_node
     master_addr, master_port = args.master_addr, args.master_port
     if backend == "standalone":
         run_id, endpoint = "", "memory"  # a fresh run id is the host's to make up
-    elif backend == "etcd":
+    elif backend in ("etcd", "c10d"):
+        # c10d: the first is where the store is served at the start, the others nodes that
+        # may serve it later (docs/concepts.md, "When the store's host goes")
+        port = DEFAULT_ETCD_PORT if backend == "etcd" else DEFAULT_C10D_PORT
         for part in endpoint.split(","):
-            parse_endpoint(part.strip(), DEFAULT_ETCD_PORT)
+            parse_endpoint(part.strip(), port)
     elif backend == "static" and endpoint:
         # as torchrun: a static --rdzv-endpoint names the master, over --master-addr/port
         master_addr, master_port = parse_endpoint(endpoint, 0)
@@ -350,13 +353,6 @@ def _rendezvous(args: argparse.Namespace, backend: str, min_nodes: int, max_node
                 f"--rdzv-backend=static takes --rdzv-endpoint=host:port (the master's), "
                 f"got {endpoint!r}"
             )
-    elif backend == "c10d":
-        if "," in endpoint:
-            raise UsageError(
-                f"--rdzv-backend=c10d takes one --rdzv-endpoint=host:port, got {endpoint!r} "
-                "(a list of endpoints is for etcd)"
-            )
-        parse_endpoint(endpoint, DEFAULT_C10D_PORT)
     if backend != "standalone":
         check_run_id(run_id)
     settings = rendezvous_settings(

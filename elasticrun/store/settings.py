@@ -25,7 +25,7 @@ import re
 import socket
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from elasticrun.errors import NotAStoreError, StoreAddressError, StoreSettingError, StoreUnavailableError
@@ -68,7 +68,8 @@ class StoreAccess:
     """
 
     backend: str  # "c10d" or "etcd"
-    #: host:port each (IPv6 in brackets); c10d has exactly one
+    #: host:port each (IPv6 in brackets). c10d: the first is where an agent serves the
+    #: store at the start; the others are nodes that may serve it later (successors)
     endpoints: tuple[str, ...]
     timeout: float = DEFAULT_TIMEOUT
     token: str | None = field(default=None, repr=False)
@@ -226,8 +227,6 @@ def parse_access(
             password=password,
             secret_env=secret_env,
         )
-    if len(endpoints) != 1:
-        raise StoreSettingError("endpoint", f"the built-in store has one endpoint, got {endpoint!r}")
     ca = settings.get("tls_ca")
     pair, client_ca = server_tls(settings)
     return StoreAccess(
@@ -328,7 +327,8 @@ def open_client(access: StoreAccess) -> Store:
     from elasticrun.store.client.grpc_store import GrpcStore
 
     return GrpcStore(
-        access.endpoint,
+        access.endpoints[0],
+        others=access.endpoints[1:],
         token=access.token,
         tls_ca=access.tls_ca,
         client_tls=access.client_tls,
@@ -410,8 +410,11 @@ async def serve_here(access: StoreAccess, probe_key: str, metrics: StoreMetrics 
     """
     if access.backend != "c10d" or access.is_host is False:
         return None
-    host = access.endpoint.rpartition(":")[0]
-    server = hosted_server(access, access.endpoint, metrics=metrics)
+    if access.is_host is None and await _served_elsewhere(access):
+        return None
+    endpoint = access.endpoints[0]
+    host = endpoint.rpartition(":")[0]
+    server = hosted_server(access, endpoint, metrics=metrics)
     try:
         await server.start()
     except StoreAddressError:
@@ -420,10 +423,28 @@ async def serve_here(access: StoreAccess, probe_key: str, metrics: StoreMetrics 
         if not await _is_own_address(host.strip("[]")):
             log.debug("not hosting the store: %s is another host's", access.endpoint)
             return None
-        await _check_holder(access, probe_key)
+        await _check_holder(replace(access, endpoints=(endpoint,)), probe_key)
         log.debug("not hosting the store: another store on this host serves %s", access.endpoint)
         return None
     return server
+
+
+async def _served_elsewhere(access: StoreAccess) -> bool:
+    """Whether an agent at another endpoint of the list serves the store now (a successor took it over).
+
+    An agent restarted at the first endpoint then joins the job there instead of
+    hosting a new, empty store."""
+    others = access.endpoints[1:]
+    if not others:
+        return False
+    store = open_client(replace(access, endpoints=others))
+    try:
+        serving = await store.turn_to(others)
+    finally:
+        await store.close()
+    if serving:
+        log.debug("not hosting the store: an agent serves it at %s", serving)
+    return bool(serving)
 
 
 def hosted_server(

@@ -4,7 +4,8 @@ Four agents on loopback addresses (127.0.0.1 hosts the store at the start); the 
 names the first two other members of the round as its successors; when it is SIGKILLed
 the first successor serves the copy of the job's records it kept, at its own address,
 and the others register there and train on at world 3, the restart count kept; `status`
-against the new serving node shows the events from before the failover. SIGTERM hands
+given the list of the job's nodes finds the new serving node and shows the events from
+before the failover, and a new node given that list joins there. SIGTERM hands
 the store over at once. A partition that cuts the host off from the two other nodes of a
 three-node job: only the majority side trains. docs/concepts.md, "When the store's host
 goes".
@@ -66,16 +67,25 @@ def test_killed_host_survivors_step_at_a_successor(fault_cluster: FaultCluster) 
         assert int(m["restart"]) == 0, f"{name}: a restart was spent: {m[0]}"
     wait_until(lambda: not any(pid_alive(w) for w in workers), what="the lost round's workers to stop")
 
-    # the new serving node shows what happened before it served
-    status = cluster.control("status", f"--rdzv-endpoint={named['at']}", f"--rdzv-id={job}", "--json")
+    # the new serving node shows what happened before it served, found from a list of the
+    # job's nodes whose first one (the old host) is gone
+    every = ",".join(f"127.0.0.{i}:{port}" for i in range(1, 5))
+    status = cluster.control("status", f"--rdzv-endpoint={every}", f"--rdzv-id={job}", "--json")
     assert status.returncode == 0, status.stderr
     events = json.loads(status.stdout)["events"]
     before = [e for e in events if re.search(rf"round {lost_round}\b", e["detail"])]
     assert before, events
 
+    # a new node given the list joins the job where it is served (it hosts no new store at
+    # the old host's address, which is this machine's too)
+    d = cluster.agent("d", endpoint=every, run_id=job, local_addr="127.0.0.5", nnodes=NNODES, conf=RDZV_CONF)
+    for p in [*others, d]:
+        p.wait_for(step_pattern(4), start=marks.get(p.name, 0))
+    assert "hosting the rendezvous store" not in d.text(), d.text()[-3000:]
+
     cluster.stop_training()
-    codes = {p.name: p.wait_exit() for p in others}
-    assert codes == {"a": 0, "b": 0, "c": 0}, {p.name: p.text()[-3000:] for p in others}
+    codes = {p.name: p.wait_exit() for p in [*others, d]}
+    assert codes == {"a": 0, "b": 0, "c": 0, "d": 0}, {p.name: p.text()[-3000:] for p in [*others, d]}
     cluster.assert_no_orphans()
 
 

@@ -7,6 +7,10 @@ survive a dropped stream by resuming from the revision after the last one delive
 a watch that reconnects to a server holding a different history (it restarted and lost
 its memory) gets CompactedError, so the caller re-reads instead of missing changes.
 
+Given several endpoints (c10d's `--rdzv-endpoint` list: the nodes that may serve the
+store), a call that finds its server refusing connections turns to the first other one
+where an agent serves the store (`turn_to`) and goes on there.
+
 One exception to the retries: a server that said (in a watch reply) it is hosted by a
 launcher agent lives and dies with that agent, so when its port refuses connections
 every call fails at once with StoreGoneError, as torchrun's agents do when the agent
@@ -89,6 +93,7 @@ class GrpcStore(Store):
         self,
         endpoint: str,
         *,
+        others: Sequence[str] = (),
         token: str | None = None,
         tls_ca: bytes | None = None,
         client_tls: TlsKeyPair | None = None,
@@ -96,6 +101,8 @@ class GrpcStore(Store):
     ) -> None:
         self._dial = Dial(endpoint, token=token, tls_ca=tls_ca, client_tls=client_tls, timeout=timeout)
         self.endpoint = endpoint
+        #: every endpoint given (the first one first): where agents may serve the store
+        self._endpoints = (endpoint, *others)
         self.timeout = timeout
         self._channel: grpc.aio.Channel | None = None
         self._stub_cache: pb_grpc.StoreStub | None = None
@@ -114,11 +121,14 @@ class GrpcStore(Store):
         return self._stub_cache
 
     async def _call(
-        self, method: Callable[..., Awaitable[_T]], request: object, *, lease: int = 0
+        self, method: Callable[[pb_grpc.StoreStub], Callable[..., Awaitable[_T]]], request: object, *, lease: int = 0
     ) -> _T:
-        """One unary call under the deadline, retried with backoff while unreachable."""
+        """One unary call under the deadline, retried with backoff while unreachable.
+
+        `method` picks the call from the stub of each try: the store may have moved
+        (`turn_to`)."""
         return await self._retried(
-            lambda timeout: method(request, timeout=timeout, metadata=self._dial.metadata), lease=lease
+            lambda timeout: method(self._stub)(request, timeout=timeout, metadata=self._dial.metadata), lease=lease
         )
 
     async def _retried(self, attempt: Callable[[float], Awaitable[_T]], *, lease: int = 0) -> _T:
@@ -138,6 +148,8 @@ class GrpcStore(Store):
         one that found something other than the store at its endpoint."""
         if foreign(error):
             raise foreign_error(error, self.endpoint, etcd=await self._answers_etcd(error)) from None
+        if _refused(error) and await self._turn_to_another():
+            return
         worth_it = self._worth_retrying(error)
         if worth_it and hung_up(error):
             refusal = await asyncio.to_thread(self._dial.tls_refusal)
@@ -157,12 +169,17 @@ class GrpcStore(Store):
             return False
         return True
 
+    async def _turn_to_another(self) -> bool:
+        """Given several endpoints, go on with another one where an agent serves the store now."""
+        others = [e for e in self._endpoints if e != self.endpoint]
+        return bool(others) and bool(await self.turn_to(others))
+
     def _worth_retrying(self, error: grpc.RpcError) -> bool:
         return retryable(error) and not self._host_gone(error)
 
     def _host_gone(self, error: grpc.RpcError) -> bool:
         """The agent that hosted the server is gone: its port refuses us."""
-        return self._hosted_by_agent and "connection refused" in (error.details() or "").lower()
+        return self._hosted_by_agent and _refused(error)
 
     def _final_error(self, error: grpc.RpcError, lease: int = 0) -> ElasticrunError:
         if self._host_gone(error):
@@ -194,7 +211,7 @@ class GrpcStore(Store):
     # --- reads and writes ----------------------------------------------------------
 
     async def get(self, key: str) -> KeyValue | None:
-        reply = await self._call(self._stub.Range, pb.RangeRequest(key=key))
+        reply = await self._call(lambda stub: stub.Range, pb.RangeRequest(key=key))
         self._learn(reply)
         return _key_value(reply.kvs[0]) if reply.kvs else None
 
@@ -221,7 +238,7 @@ class GrpcStore(Store):
 
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         reply: pb.PutReply = await self._call(
-            self._stub.Put, pb.PutRequest(key=key, value=value, lease=lease), lease=lease
+            lambda stub: stub.Put, pb.PutRequest(key=key, value=value, lease=lease), lease=lease
         )
         return reply.revision
 
@@ -231,27 +248,28 @@ class GrpcStore(Store):
         request = pb.CompareAndPutRequest(
             key=key, value=value, expected_mod_revision=expected_mod_revision, lease=lease
         )
-        reply: pb.CompareReply = await self._call(self._stub.CompareAndPut, request, lease=lease)
+        reply: pb.CompareReply = await self._call(lambda stub: stub.CompareAndPut, request, lease=lease)
         return reply.succeeded
 
     async def delete(self, key: str) -> bool:
-        reply: pb.DeleteRangeReply = await self._call(self._stub.DeleteRange, pb.DeleteRangeRequest(key=key))
+        reply: pb.DeleteRangeReply = await self._call(lambda stub: stub.DeleteRange, pb.DeleteRangeRequest(key=key))
         return reply.deleted > 0
 
     async def compare_and_delete(self, key: str, *, expected_mod_revision: int) -> bool:
         request = pb.CompareAndDeleteRequest(key=key, expected_mod_revision=expected_mod_revision)
-        reply: pb.CompareReply = await self._call(self._stub.CompareAndDelete, request)
+        reply: pb.CompareReply = await self._call(lambda stub: stub.CompareAndDelete, request)
         return reply.succeeded
 
     async def delete_prefix(self, prefix: str) -> int:
         request = pb.DeleteRangeRequest(key=prefix, prefix=True)
-        reply: pb.DeleteRangeReply = await self._call(self._stub.DeleteRange, request)
+        reply: pb.DeleteRangeReply = await self._call(lambda stub: stub.DeleteRange, request)
         return reply.deleted
 
     # --- leases --------------------------------------------------------------------
 
     async def grant_lease(self, ttl: float) -> int:
-        reply: pb.LeaseGrantReply = await self._call(self._stub.LeaseGrant, pb.LeaseGrantRequest(ttl_seconds=ttl))
+        request = pb.LeaseGrantRequest(ttl_seconds=ttl)
+        reply: pb.LeaseGrantReply = await self._call(lambda stub: stub.LeaseGrant, request)
         return reply.lease
 
     async def keep_alive(self, lease: int) -> None:
@@ -278,7 +296,7 @@ class GrpcStore(Store):
             return
 
     async def revoke_lease(self, lease: int) -> None:
-        await self._call(self._stub.LeaseRevoke, pb.LeaseRevokeRequest(lease=lease))
+        await self._call(lambda stub: stub.LeaseRevoke, pb.LeaseRevokeRequest(lease=lease))
 
     # --- watch ---------------------------------------------------------------------
 
@@ -426,6 +444,10 @@ class _KeepAliveStream:
     def close(self) -> None:
         self._call.cancel()
         self._reader.cancel()
+
+
+def _refused(error: grpc.RpcError) -> bool:
+    return "connection refused" in (error.details() or "").lower()
 
 
 def _ended() -> grpc.aio.AioRpcError:
