@@ -24,19 +24,27 @@ Scenarios (t0 is taken just before the action; every wait is capped at --cap sec
              sigterm:   SIGTERM to n3's agent -> first step at world 2
   kill       --nnodes=1:3, n1..n3 stepping at world 3, then SIGKILL of n3's agent and
              worker together (a node dies) -> first step of the survivors at world 2
-  host-kill  --nnodes=1:3, n1..n3 stepping at world 3, then SIGKILL of n1's agent (the
-             store's host) and worker together -> the last of n2's and n3's agents has
-             exited (`s`; polled every 0.02 s), and their workers (the processes below
-             them at t0 that run the script) are gone (`spawn_s`); with their exit codes
-             and last error lines. No head comes back: elasticrun's survivors stop their
-             workers at once and exit when store_host_grace (30 s) has passed.
-  head-restart --nnodes=1:3, n1..n3 stepping at world 3, then SIGKILL of n1's agent and
-             worker together, and a new n1 agent at the same address HEAD_RESTART_DELAY
-             (5 s) later, as a scheduler restarting the head does -> the first step at
-             world 3 after the new agent started (`s`, from the kill), and all three
-             workers of that round started (`spawn_s`); with whether the survivors were
-             still running when the new head started, their exit codes, and the world
-             of the first step after it (torchrun's new head alone: world 1).
+  host-kill  --nnodes=1:2, n1 and n2 stepping at world 2 (a job of two nodes: no
+             successor can take the store over), then SIGKILL of n1's agent (the store's
+             host) and worker together -> n2's agent has exited (`s`; polled every
+             0.02 s), and its worker (the process below it at t0 that runs the script)
+             is gone (`spawn_s`); with its exit code and last error line. No head comes
+             back: elasticrun's survivor stops its worker at once and exits when
+             store_host_grace (30 s) has passed.
+  head-restart --nnodes=1:2, n1 and n2 stepping at world 2, then SIGKILL of n1's agent
+             and worker together, and a new n1 agent at the same address
+             HEAD_RESTART_DELAY (5 s) later, as a scheduler restarting the head does ->
+             the first step at world 2 after the new agent started (`s`, from the kill),
+             and both workers of that round started (`spawn_s`); with whether the
+             survivor was still running when the new head started, its exit code, and
+             the world of the first step after it (torchrun's new head alone: world 1).
+  host-failover --nnodes=3:4, n1..n4 stepping at world 4, then SIGKILL of n1's agent
+             (the store's host) and worker together -> the first step at world 3 (`s`)
+             and the three workers of that round started (`spawn_s`): elasticrun's
+             first successor serves the store's copy, no external store; with the
+             survivors' agents' exit codes where they exited (torchrun loses the job).
+  host-preempt --nnodes=3:4, as host-failover with SIGTERM to n1's agent alone (a
+             preemption notice): elasticrun's host leaves and hands the store over.
   spare      --nnodes=3 (fixed), n1..n3 stepping at world 3, then n4 started and left
              to settle 5 s (a spare; torchrun's waits for the next round), then SIGKILL
              of n3's agent and worker -> first step at world 3 again (n4 in n3's place)
@@ -290,18 +298,18 @@ def run_grow(job: Job, cap: float) -> dict[str, object]:
     return result
 
 
-def _form_three(job: Job, result: dict[str, object], cap: float) -> bool:
-    """Start n1..n3 together and record the phase up to their first step at world 3."""
+def _form(job: Job, result: dict[str, object], cap: float, n: int) -> bool:
+    """Start n1..n`n` together and record the phase up to their first step at world `n`."""
     t0 = time.time()
-    for i in (1, 2, 3):
+    for i in range(1, n + 1):
         job.start_node(i)
-    t1 = job.step_at(3, t0, cap)
-    return _phase(result, "formation_3_of_max_3", t0, t1, cap, _spawned(job, t0, 3), job)
+    t1 = job.step_at(n, t0, cap)
+    return _phase(result, f"formation_{n}_of_max_{n}", t0, t1, cap, _spawned(job, t0, n), job)
 
 
 def run_kill(job: Job, cap: float) -> dict[str, object]:
     result: dict[str, object] = {}
-    if not _form_three(job, result, cap):
+    if not _form(job, result, cap, 3):
         return result
     time.sleep(0.5)
     t0 = time.time()
@@ -326,7 +334,7 @@ def run_dead_spare(job: Job, cap: float) -> dict[str, object]:
 def _spare_steps_in(job: Job, cap: float, spares: tuple[int, ...], phase: str, dead_spare: bool = False
                     ) -> dict[str, object]:
     result: dict[str, object] = {}
-    if not _form_three(job, result, cap):
+    if not _form(job, result, cap, 3):
         return result
     for i in spares:  # one after the other: the first registered is the first picked
         job.start_node(i)
@@ -382,10 +390,10 @@ def _runs(pid: int, script: str) -> bool:
 
 def run_host_kill(job: Job, cap: float) -> dict[str, object]:
     result: dict[str, object] = {}
-    if not _form_three(job, result, cap):
+    if not _form(job, result, cap, 2):
         return result
     time.sleep(0.5)
-    agents = {i: p for i in (2, 3) for p in job.tracker.procs if p.pid == job.nodes[i]}
+    agents = {i: p for i in (2,) for p in job.tracker.procs if p.pid == job.nodes[i]}
     # the workers: not elasticrun's warden, which lives as long as its agent
     workers = [pid for i in agents for pid in descendants(job.nodes[i]) if _runs(pid, job.script.name)]
     t0 = time.time()
@@ -415,10 +423,10 @@ def run_head_restart(job: Job, cap: float) -> dict[str, object]:
     """SIGKILL of n1 (the store's host) and a new n1 at the same address
     HEAD_RESTART_DELAY later -> the first step at world 3 after the new agent started."""
     result: dict[str, object] = {}
-    if not _form_three(job, result, cap):
+    if not _form(job, result, cap, 2):
         return result
     time.sleep(0.5)
-    survivors = {i: p for i in (2, 3) for p in job.tracker.procs if p.pid == job.nodes[i]}
+    survivors = {i: p for i in (2,) for p in job.tracker.procs if p.pid == job.nodes[i]}
     exited: dict[str, float] = {}  # when a survivor's agent exited, should it
 
     def exit_of(i: int, p: subprocess.Popen[bytes]) -> None:
@@ -433,7 +441,7 @@ def run_head_restart(job: Job, cap: float) -> dict[str, object]:
     waiting = [f"n{i}" for i, p in survivors.items() if p.poll() is None]
     restarted = time.time()
     job.start_node(1)
-    t1 = job.step_at(3, restarted, cap)
+    t1 = job.step_at(2, restarted, cap)
     job.events.refresh()
     after = [e for e in job.events.events if e["ev"] == "step" and float(e["t"]) > restarted]  # type: ignore[arg-type]
     first_after = min(after, key=lambda e: float(e["t"]), default=None)  # type: ignore[arg-type]
@@ -441,8 +449,8 @@ def run_head_restart(job: Job, cap: float) -> dict[str, object]:
     # elasticrun: the rounds the new head ran its workers in, as (number, nodes)
     new_head = (job.workdir / "n1.log").read_text(errors="replace").rsplit("hosting the rendezvous store", 1)[-1]
     rounds = [(int(n), int(k)) for n, k in re.findall(r"-> healthy: round (\d+): node rank \d+/(\d+)", new_head)]
-    _phase(result, "head_back", t0, t1, cap, _spawned(job, restarted, 3), job,
-           labels=("first step at world 3", "its 3 workers started"),
+    _phase(result, "head_back", t0, t1, cap, _spawned(job, restarted, 2), job,
+           labels=("first step at world 2", "its 2 workers started"),
            from_restart_s=None if t1 is None else t1 - restarted, survivors_at_restart=waiting,
            survivor_exit_codes=codes, survivor_exit_s={n: t - t0 for n, t in exited.items()},
            first_world_after=None if first_after is None else first_after["world"], new_head_rounds=rounds)
@@ -453,23 +461,53 @@ def run_head_restart(job: Job, cap: float) -> dict[str, object]:
     return result
 
 
+def run_host_failover(job: Job, cap: float, sig: signal.Signals = signal.SIGKILL) -> dict[str, object]:
+    """SIGKILL of n1 (the store's host, agent and worker) with four nodes stepping ->
+    the first step of the three others at world 3; `sig`=SIGTERM: to n1's agent alone."""
+    result: dict[str, object] = {}
+    if not _form(job, result, cap, 4):
+        return result
+    time.sleep(0.5)
+    survivors = {i: p for i in (2, 3, 4) for p in job.tracker.procs if p.pid == job.nodes[i]}
+    t0 = time.time()
+    if sig is signal.SIGKILL:
+        kill_tree(job.nodes[1], sig)
+    else:
+        os.kill(job.nodes[1], sig)
+    t1 = job.step_at(3, t0, cap)
+    codes = {f"n{i}": p.poll() for i, p in survivors.items()}  # None: still running
+    _phase(result, "host_sigkill" if sig is signal.SIGKILL else "host_sigterm", t0, t1, cap,
+           _spawned(job, t0, 3), job, labels=("first step at world 3", "its 3 workers started"),
+           survivor_exit_codes=codes)
+    print(f"      survivors' exit codes (None: running) {codes}", flush=True)
+    return result
+
+
+def run_host_preempt(job: Job, cap: float) -> dict[str, object]:
+    return run_host_failover(job, cap, signal.SIGTERM)
+
+
 PHASES = {
     "rdzv-2": ["first_step"],
     "rdzv-4": ["first_step"],
     "rdzv-8": ["first_step"],
     "grow": ["formation", "scale_up", "crash", "sigterm"],
     "kill": ["formation_3_of_max_3", "sigkill"],
-    "host-kill": ["formation_3_of_max_3", "host_lost"],
-    "head-restart": ["formation_3_of_max_3", "head_back"],
+    "host-kill": ["formation_2_of_max_2", "host_lost"],
+    "head-restart": ["formation_2_of_max_2", "head_back"],
+    "host-failover": ["formation_4_of_max_4", "host_sigkill"],
+    "host-preempt": ["formation_4_of_max_4", "host_sigterm"],
     "spare": ["formation_3_of_max_3", "sigkill_spare_in"],
     "dead-spare": ["formation_3_of_max_3", "sigkill_live_spare_in"],
     "dead-waiting": ["sigkill_waiting_first_round"],
 }
 TARGETS = {"grow/formation": "≤ 3 s", "grow/scale_up": "≤ 5 s", "kill/sigkill": "≤ 10 s", "grow/sigterm": "≤ 3 s",
-           "grow/crash": "≤ 3 s", "host-kill/host_lost": "store_host_grace (30 s) + ≤ 3 s"}
+           "grow/crash": "≤ 3 s", "host-kill/host_lost": "store_host_grace (30 s) + ≤ 3 s",
+           "host-failover/host_sigkill": "≤ 5 s", "host-preempt/host_sigterm": "≤ 5 s"}
 RUNNERS: dict[str, Callable[[Job, float], dict[str, object]]] = {
     "grow": run_grow, "kill": run_kill, "host-kill": run_host_kill, "spare": run_spare, "dead-spare": run_dead_spare,
-    "dead-waiting": run_dead_waiting, "head-restart": run_head_restart,
+    "dead-waiting": run_dead_waiting, "head-restart": run_head_restart, "host-failover": run_host_failover,
+    "host-preempt": run_host_preempt,
 }
 
 
@@ -498,7 +536,9 @@ def main() -> int:
                 launchers.reverse()
             for launcher in launchers:
                 nnodes = (scenario.split("-")[1] if scenario.startswith("rdzv")
-                          else "3" if scenario in ("spare", "dead-spare", "dead-waiting") else "1:3")
+                          else "3" if scenario in ("spare", "dead-spare", "dead-waiting")
+                          else "1:2" if scenario in ("host-kill", "head-restart")
+                          else "3:4" if scenario in ("host-failover", "host-preempt") else "1:3")
                 job = Job(launcher, nnodes, root / f"rep{rep}-{scenario}-{launcher}")
                 print(f"rep {rep} {scenario} {launcher} (load {loadavg()}, {time.monotonic() - started:.0f} s in)",
                       flush=True)
