@@ -656,6 +656,20 @@ def test_the_majority_side_goes_on_at_a_successors_store():
     assert members(d) == ["a", "b"], d.reason
 
 
+def test_the_majority_counts_the_named_rounds_members_whichever_round_runs():
+    """Round 2 opened as the host left and nobody ran it (ran_round=1); at the successor's
+    store the first node back waits (an empty round), and the majority still counts round
+    2's members, kept by the leader for that."""
+    first = replace(node("a"), info=replace(node("a").info, ran_round=1))
+    view = View(nodes=nodes(first), round=running("a", "b", "c", number=2),
+                successors=_named("h", "a", "b", round_number=2), named_members=frozenset({"a", "b", "c"}))
+    d = decide_round(view, SETTINGS, now=100.0)
+    assert d.round is not None and members(d) == [] and "(1 of 2 here)" in d.reason, d
+    late = replace(node("b"), info=replace(node("b").info, ran_round=1))
+    d = decide_round(replace(view, nodes=nodes(first, late), round=d.round), SETTINGS, now=100.0)
+    assert sorted(members(d)) == ["a", "b"], d.reason
+
+
 def test_nodes_seen_to_go_need_no_majority():
     """Successors that left on purpose (or whose port refused) serve nowhere: shrinking is free."""
     view = View(nodes=nodes(node("h")), round=running("h", "a", "b"), successors=_named("h", "a", "b"),

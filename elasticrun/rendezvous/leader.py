@@ -251,6 +251,7 @@ class Leader:
         in_round = {p.node_id for p in current.participants} if current else set()
         self._draining &= set(self._nodes) | in_round
         self._departed &= set(self._nodes) | in_round
+        successors = self._records.successors
         return View(
             nodes=self._nodes,
             round=current,
@@ -263,7 +264,10 @@ class Leader:
             keep_out={n: d.reason for n, d in self._records.departures.items() if d.keep_out},
             refused=frozenset(n for n, suspect in self._refused.items() if suspect == number),
             slow=self._slow(number),
-            successors=self._records.successors,
+            successors=successors,
+            named_members=frozenset(
+                p.node_id for shard in self._records.shards.get(successors.ranks, {}).values() for p in shard.placed
+            ) if successors is not None else frozenset(),
         )
 
     def _slow(self, number: int) -> tuple[tuple[str, str], ...]:
@@ -365,7 +369,9 @@ class Leader:
         )
         if written:
             log.info("round %d: %s", new_round.number, new_round.reason)
-            for folder in self._records.shards.keys() - {head.ranks}:  # earlier rounds' members
+            # earlier rounds' members, but those the majority rule counts (decide._no_majority)
+            named = self._records.successors.ranks if self._records.successors is not None else ""
+            for folder in self._records.shards.keys() - {head.ranks, named}:
                 await self._store.delete_prefix(f"{self._keys.ranks}{folder}/")
             await self._clear_departed(new_round)
             await self._record_round(new_round)

@@ -499,6 +499,9 @@ class Successors:
     round: int
     quorum: int
     nodes: tuple[Successor, ...]
+    #: the folder of that round's members (`RoundHead.ranks`): the leader keeps it while
+    #: this record names it, so that the majority is counted among them
+    ranks: str = ""
 
 
 #: every record kept in the store

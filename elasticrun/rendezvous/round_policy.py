@@ -95,8 +95,10 @@ def _decide(view: View, settings: RendezvousSettings, now: float, book: Quaranti
     case = _assess(view, settings, now, book)
     short = _no_majority(view, case)
     if short:
-        # the members' workers stop (an empty round) and the job waits for its majority
-        return case.open_round([], short) if case.members else Decision(reason=short)
+        # Members that still run the round stop their workers (an empty round); where
+        # none does (every member here registered again: a successor's store), the
+        # round stays, and with it the members that count towards the majority.
+        return case.open_round([], short) if case.survivors else Decision(reason=short)
     if case.lost:
         return _after_loss(case)
     restart = _pending_restart(view)
@@ -123,7 +125,7 @@ def _no_majority(view: View, case: _Case) -> str:
     successors, or a successor) is neither registered here nor seen to go (it left,
     was drained, or its liveness port refused), this side may be one of a partition's
     two: it goes on only with a majority of the round the successors were named for,
-    its members still here or registered again since they ran it. The two sides of a
+    its members registered here (the leader keeps that round's members). The two sides of a
     partition never both have one (docs/concepts.md, "Never two jobs")."""
     named = view.successors
     if named is None:
@@ -132,8 +134,11 @@ def _no_majority(view: View, case: _Case) -> str:
     unaccounted = [n for n in (named.serving, *(s.node_id for s in named.nodes)) if n not in accounted]
     if not unaccounted:
         return ""
-    here = {p.node_id for p in case.members if p.node_id in view.nodes}
-    here |= {n for n, seen in view.nodes.items() if seen.info.ran_round >= named.round}
+    if view.named_members:
+        here = set(view.named_members & view.nodes.keys())
+    else:  # that round's members are not at hand: those of the current one, and who ran it
+        here = {p.node_id for p in case.members if p.node_id in view.nodes}
+        here |= {n for n, seen in view.nodes.items() if seen.info.ran_round >= named.round}
     if len(here) >= named.quorum:
         return ""
     return (

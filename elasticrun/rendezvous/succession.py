@@ -43,7 +43,9 @@ def endpoint_at(addr: str, port: int) -> str:
     return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
-def successors_of(current: Round, serving: str, nodes: dict[str, NodeInfo], port: int) -> Successors | None:
+def successors_of(
+    current: Round, serving: str, nodes: dict[str, NodeInfo], port: int, ranks: str = ""
+) -> Successors | None:
     """Who takes the store over from `serving` after round `current`; None when it cannot fail over.
 
     The first members by node rank but the serving node, registered (for the address
@@ -61,7 +63,7 @@ def successors_of(current: Round, serving: str, nodes: dict[str, NodeInfo], port
     if not named:
         return None
     return Successors(serving=serving, round=current.number, quorum=quorum(len(current.participants)),
-                      nodes=tuple(named))
+                      nodes=tuple(named), ranks=ranks)
 
 
 async def name_successors(store: Store, keys: Keys, serving: str, port: int) -> NoReturn:
@@ -80,7 +82,8 @@ async def name_successors(store: Store, keys: Keys, serving: str, port: int) -> 
     while True:
         current = records.round
         if current is not None and current.number > named_round:
-            wanted = successors_of(current, serving, records.nodes, port)
+            ranks = records.head.ranks if records.head is not None else ""
+            wanted = successors_of(current, serving, records.nodes, port, ranks)
             if wanted is not None:
                 await store.put(keys.successors, encode(wanted))
                 named_round = wanted.round

@@ -58,6 +58,8 @@ class View:
     #: who takes the built-in store over, as last named: while one of them (or the agent
     #: that named them) is unaccounted for, a round needs a majority (`round_policy._no_majority`)
     successors: Successors | None = None
+    #: the members of the round `successors` were named for (empty: not at hand)
+    named_members: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
