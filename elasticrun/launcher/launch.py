@@ -278,6 +278,7 @@ async def _open_store(
         )
         if warning is not None:
             log.warning("%s", warning)
+        stack.push_async_callback(server.stop)  # stopped whatever happens next (again: a no-op)
         return server.engine, server
     store = open_client(rdzv.store)
     stack.push_async_callback(store.close)
