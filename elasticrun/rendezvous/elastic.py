@@ -546,9 +546,9 @@ class ElasticRendezvous(RendezvousHandler):
                 if self._refused is not None:
                     error, since = self._refused
                     log.info(
-                        "node %s: a store answers at %s, %.1f s after the one at %s refused: registered again",
+                        "node %s: a store answers at %s, %.1f s after the one at %s %s: registered again",
                         self._me.node_id, self._store.endpoint, self._clock() - since, error.endpoint,
-                        extra=HEADLINE,
+                        "refused" if isinstance(error, StoreGoneError) else "stopped answering", extra=HEADLINE,
                     )
                     # what this node read of the gone store's rounds means nothing here
                     self._refused, self._placed, self._hold = None, ("", None), ((0, 0.0), None)
