@@ -24,6 +24,7 @@ import pytest
 from tests.fault.conftest import FaultCluster, Netns, agent_of, step_pattern, steps_in
 from tests.support.elastic_cluster import RDZV_CONF, Proc, pid_alive, run_id
 from tests.support.helpers import free_port, wait_until
+from tests.support.reliability_rows import Reliability
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,7 +43,7 @@ def _four(cluster: FaultCluster, job: str, endpoint: str) -> tuple[Proc, list[Pr
     return host, others
 
 
-def test_killed_host_survivors_step_at_a_successor(fault_cluster: FaultCluster) -> None:
+def test_killed_host_survivors_step_at_a_successor(fault_cluster: FaultCluster, reliability: Reliability) -> None:
     cluster = fault_cluster
     job = run_id()
     port = free_port()
@@ -54,6 +55,7 @@ def test_killed_host_survivors_step_at_a_successor(fault_cluster: FaultCluster) 
     marks = {p.name: p.mark() for p in others}
     workers = [int(m["pid"]) for m in running.values()]
 
+    since_kill = reliability.clock()
     host.signal(signal.SIGKILL)
     host.wait_exit()
     heir = next(p for p in others if f"_{p.pid}" in named["first"])
@@ -62,10 +64,24 @@ def test_killed_host_survivors_step_at_a_successor(fault_cluster: FaultCluster) 
         p.wait_for(rf"a store answers at {re.escape(named['at'])}, [\d.]+ s after the one at "
                    rf"{re.escape(endpoint)} refused: registered again", start=marks[p.name])
     stepping = {p.name: p.wait_for(step_pattern(3), start=marks[p.name]) for p in others}
+    recovery = since_kill()
     for name, m in stepping.items():
         assert int(m["round"]) > lost_round, f"{name} stepped in round {m['round']}, not above {lost_round}"
         assert int(m["restart"]) == 0, f"{name}: a restart was spent: {m[0]}"
     wait_until(lambda: not any(pid_alive(w) for w in workers), what="the lost round's workers to stop")
+    rounds = sorted({int(m["round"]) for m in stepping.values()})
+    reliability.record(
+        scenario="c10d store host lost, 4 nodes (failover to a successor)",
+        injected="SIGKILL to the agent hosting the store (is_host=true) while 4 nodes train; no external store",
+        happened=(
+            f"its first successor served its copy of the job's records at {named['at']}; the 3 survivors "
+            f"registered there and stepped at world 3 in round(s) {rounds}; "
+            "status found it from a list of the nodes, with the events from before; a new node given the list joined"
+        ),
+        recovery_s=round(recovery, 2),
+        restarts=0,
+        lost="the round that ran (new workers, from the last checkpoint)",
+    )
 
     # the new serving node shows what happened before it served, found from a list of the
     # job's nodes whose first one (the old host) is gone
