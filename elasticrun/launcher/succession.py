@@ -15,7 +15,7 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, NoReturn
 
-from elasticrun.errors import StoreError, StoreUnavailableError
+from elasticrun.errors import StoreAddressError, StoreError, StoreUnavailableError
 from elasticrun.first_of import first_of
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.elastic import REFUSED_RETRY, ElasticRendezvous
@@ -96,8 +96,10 @@ class Succession:
             except StoreUnavailableError:
                 # refused (its agent died), or silent for the client's whole timeout, longer
                 # than a lease: this node's own lease there has lapsed, it is out of that job
-                if await self._my_turn(copy):
-                    return await self._serve(copy)
+                if not self._job_ended() and await self._my_turn(copy):
+                    server = await self._serve(copy)
+                    if server is not None:
+                        return server
                 await copy.close()
                 await asyncio.sleep(REFUSED_RETRY)  # one before us lives: the rendezvous turns to it
             except StoreError as e:
@@ -108,6 +110,14 @@ class Succession:
                 await copy.close()  # no longer named
             finally:
                 await client.close()
+
+    def _job_ended(self) -> bool:
+        """Whether the job had ended when its store went: then nobody takes it over.
+
+        Its serving agent leaves once the others are done; a successor that served a
+        copy then would keep an ended job alive at another address."""
+        head = self._membership.job.head
+        return head is not None and bool(head.closed)
 
     async def _until_unnamed(self) -> None:
         while named(self._membership.job.successors, self._node_id):
@@ -120,10 +130,18 @@ class Succession:
             successors = await read_successors(copy, self._keys) or successors
         return successors is not None and await predecessors_gone(successors, self._node_id)
 
-    async def _serve(self, copy: MemoryStore) -> StoreServer:
+    async def _serve(self, copy: MemoryStore) -> StoreServer | None:
+        """Serve `copy` at this node's address; None where it cannot listen there.
+
+        Then this node stands by again, and the job's nodes turn to the next successor
+        or wait for a store at the endpoint, as if this one had not been named."""
         endpoint = endpoint_at(self._addr, self._port)
         server = hosted_server(self._access, endpoint, engine=copy, metrics=self._metrics)
-        await server.start()
+        try:
+            await server.start()
+        except StoreAddressError as e:
+            log.warning("cannot take the job's store over: %s", e)
+            return None
         log.info(
             "serving the job's store on %s: the agent that served it at %s is gone or cut off, and no successor "
             "before this node answers", endpoint, self._store.endpoint, extra=HEADLINE,
