@@ -712,7 +712,15 @@ class ElasticRendezvous(RendezvousHandler):
             except StoreGoneError:
                 raise  # its host is gone: the membership ends (the supervisor), next_round waits for a new store
             except (StoreError, TimeoutError) as e:
-                if self._clock() >= renewed + ttl:
+                now = self._clock()
+                if now - (renewed + ttl) >= interval:
+                    # The renewal's deadline passed an interval or more before this ran:
+                    # the process was stopped while it waited for the answer, not the store
+                    return self._lose(
+                        f"this agent did not run for up to {now - sent:.1f}s (stopped, frozen or starved of CPU) while "
+                        f"it renewed its lease of {ttl:g}s"
+                    )
+                if now >= renewed + ttl:
                     cause = str(e) or "no answer in time"
                     return self._lose(f"the store did not renew its lease for {ttl:g}s: {cause}")
                 log.warning("keep-alive failed (%s); retrying", e)
