@@ -6,8 +6,9 @@ runs, and the kernel's autogroup gives every session an equal share: a node's wo
 competing with ten other sessions gets a tenth of the machine, whatever the test meant.
 So `CpuShare` makes two cgroups of the v1 `cpu` controller:
 
-- `own(pid)` moves a node into a cgroup whose weight is that of many sessions: it gets
-  about a whole CPU when it computes, as on a host of its own;
+- `own(pid)` moves a node into a cgroup whose weight is that of many sessions, capped
+  at one CPU for all the nodes in it: they get that CPU when they compute, as on hosts
+  of their own, and the rest of the suite, running beside the test, keeps the other;
 - `take(pid)` moves a node into a cgroup limited to half a CPU, with a busy process in
   it: the node's workers then have about a quarter of a CPU, where they had a whole one.
 
@@ -50,6 +51,8 @@ class CpuShare:
         self._own.mkdir()
         self._slow.mkdir()
         (self._own / "cpu.shares").write_text(str(OWN_SHARES))
+        (self._own / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (self._own / "cpu.cfs_quota_us").write_text(str(PERIOD_US))
         (self._slow / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (self._slow / "cpu.cfs_quota_us").write_text(str(QUOTA_US))
         self._busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
