@@ -14,9 +14,15 @@ completion of every bucket it launched: a fast rank waits there for the slow one
 slow one finds the others ready. The hook's future is chained (`then`), and DDP waits
 for the chained one, so the wait is counted before `backward()` returns.
 
-What it does not time. GPU buckets (NCCL): their futures complete when the collective is
-queued, not done, so a host clock measures nothing there; they run untimed. A built-in
-hook (`_register_builtin_comm_hook`) cannot be wrapped and runs untimed too.
+GPU buckets (NCCL). Their futures complete when the collective is queued, not done, so a
+host clock measures nothing there. Their wait is timed on the GPU instead
+(elasticrun.worker.gpu_waits): an event on the current stream as the last bucket is
+launched, and one in the callback of its future, which torch runs on a stream that waits
+for the bucket's all-reduce; the buckets of one process group run in order, so the last
+one's end is every one's.
+
+What it does not time. A built-in hook (`_register_builtin_comm_hook`) cannot be wrapped
+and runs untimed.
 
 Torch is imported by the caller (`steptime.install_torch`), never here at import time.
 """
@@ -29,6 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elasticrun.worker.gpu_waits import GpuWaits
+
 #: a DDP module's attribute: its hook is (to be) wrapped; True once one is registered
 _HOOKED = "_elasticrun_hooked"
 
@@ -39,8 +47,14 @@ class BucketWaits:
     The hooks run on the backward's thread, the futures' callbacks on the process
     group's threads: a lock keeps the count."""
 
-    def __init__(self, blocked: Callable[[float], None], clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        blocked: Callable[[float], None],
+        gpu: Callable[[], GpuWaits | None] = lambda: None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self._blocked = blocked
+        self._gpu = gpu
         self._clock = clock
         self._lock = threading.Lock()
         self._pending = 0  # buckets launched and not yet done
@@ -66,8 +80,10 @@ class BucketWaits:
         @functools.wraps(hook)
         def timed(state: Any, bucket: Any) -> Any:
             # DDP's Python reducer (compiled autograd) passes (grad, param), not a bucket
-            if not isinstance(bucket, grad_bucket) or bucket.buffer().is_cuda:
+            if not isinstance(bucket, grad_bucket):
                 return hook(state, bucket)
+            if bucket.buffer().is_cuda:
+                return self._on_gpu(hook, state, bucket)
             self.launched(bucket.is_last())
             try:
                 future = hook(state, bucket)
@@ -82,9 +98,22 @@ class BucketWaits:
         self.done()
         return future.value()
 
+    def _on_gpu(self, hook: Callable[..., Any], state: Any, bucket: Any) -> Any:
+        """`hook` for a GPU bucket: the last one's launch to its end, timed on the GPU."""
+        gpu = self._gpu()
+        if gpu is None or not bucket.is_last():
+            return hook(state, bucket)
+        start = gpu.start()
+
+        def finished(future: Any) -> Any:
+            gpu.end(start)  # on a stream that waits for the bucket's all-reduce
+            return future.value()
+
+        return hook(state, bucket).then(finished)
+
 
 def install(ddp_class: Any, grad_bucket: Any, allreduce_hook: Callable[..., Any],
-            blocked: Callable[[float], None]) -> None:
+            blocked: Callable[[float], None], gpu: Callable[[], GpuWaits | None] = lambda: None) -> None:
     """Time every DDP module's gradient all-reduce from now on (class-wide, once)."""
     if getattr(ddp_class, _HOOKED, False):
         return
@@ -95,7 +124,7 @@ def install(ddp_class: Any, grad_bucket: Any, allreduce_hook: Callable[..., Any]
     def waits_of(ddp: Any) -> BucketWaits:
         waits: BucketWaits | None = ddp.__dict__.get("_elasticrun_waits")
         if waits is None:
-            waits = ddp.__dict__["_elasticrun_waits"] = BucketWaits(blocked)
+            waits = ddp.__dict__["_elasticrun_waits"] = BucketWaits(blocked, gpu)
         return waits
 
     @functools.wraps(register)

@@ -19,9 +19,9 @@ calls (`all_reduce`, `barrier`, `send`/`recv`, ...) and `Work.wait()` of the asy
 are wrapped: the time inside them, on the main thread, is time blocked. `waiting()`
 marks the same for a collective of the script's own. DDP's gradient all-reduce (C++,
 inside `backward()`) is timed through its communication hook (elasticrun.worker.
-ddp_waits). Not seen: collectives inside `torch.compile`d code, and with NCCL the wait
-itself (the call returns once the collective is queued on the GPU): see
-docs/concepts.md, "How slow is judged".
+ddp_waits). With NCCL a call returns once the collective is queued: its wait is timed on
+the GPU, with CUDA events (elasticrun.worker.gpu_waits). Not seen: collectives inside
+`torch.compile`d code: see docs/concepts.md, "How slow is judged".
 
 What it costs. A mark or a wrapped call is a few clock reads (about a microsecond); a
 thread writes the summary at most twice a second, and only when it changed, to the file
@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from elasticrun.collectives import COLLECTIVES
+from elasticrun.worker.gpu_waits import GpuWaits, on_cuda
 
 if TYPE_CHECKING:
     from importlib.machinery import ModuleSpec
@@ -83,6 +84,9 @@ class Recorder:
         self._entered_in = ""
         self.compute: deque[float] = deque(maxlen=WINDOW)
         self.wall: deque[float] = deque(maxlen=WINDOW)
+        #: the waits of collectives on GPUs (set once torch is loaded)
+        self.gpu: GpuWaits | None = None
+        self._on_gpu = False  # whether the last collective with a tensor ran on a GPU
 
     def mark(self, source: str) -> None:
         """A step boundary from `source` (one of SOURCES), on the main thread only.
@@ -96,6 +100,8 @@ class Recorder:
         if level > self.level:  # a better source: count its steps from here
             self.level = level
             self.restart()
+        if self.gpu is not None:
+            self._blocked += self.gpu.harvest()
         started = self._started
         if started is None:  # the first mark starts the first step
             self._started, self._blocked = now, 0.0
@@ -114,6 +120,8 @@ class Recorder:
         self.steps, self._started, self._blocked = 0, None, 0.0
         self.compute.clear()
         self.wall.clear()
+        if self.gpu is not None:
+            self.gpu.forget()
 
     def enter(self, name: str) -> bool:
         """The main thread starts waiting for its peers in `name`.
@@ -127,12 +135,31 @@ class Recorder:
         self._depth += 1
         return True
 
-    def leave(self) -> None:
-        """The wait that `enter` began (and returned True for) is over."""
+    def leave(self, counted: bool = True) -> None:
+        """The wait that `enter` began (and returned True for) is over.
+
+        `counted` False: the host's time in it is not the wait (a GPU collective, whose
+        wait `gpu_waits_for` times on the GPU)."""
         self._depth -= 1
         if self._depth == 0:
-            self._blocked += self._clock() - self._entered
+            if counted:
+                self._blocked += self._clock() - self._entered
             self._entered, self._entered_in = 0.0, ""
+
+    def gpu_waits_for(self, name: str, first: Any) -> GpuWaits | None:
+        """Where to time the wait just entered on the GPU, if it is the outermost and runs there.
+
+        `first` is the call's first argument. A `Work.wait()` carries no device: it is
+        taken to be where the last collective with a tensor was (a process runs its
+        collectives on GPUs or on the CPU, not both by turns)."""
+        if self._depth != 1 or self.gpu is None:
+            return None
+        if name != "wait":
+            device = on_cuda(first)
+            if device is None:
+                return None  # barrier(), object collectives: the host waits
+            self._on_gpu = device
+        return self.gpu if self._on_gpu else None
 
     def waited(self, seconds: float) -> None:
         """The current step waited `seconds` for its peers where no wrapper sees it (any thread).
@@ -289,6 +316,11 @@ def _waited(seconds: float) -> None:
         recorder.waited(seconds)
 
 
+def _gpu_waits() -> GpuWaits | None:
+    recorder = _recorder
+    return recorder.gpu if recorder is not None else None
+
+
 def _write_loop(recorder: Recorder, progressed: Callable[[], None]) -> None:
     """Write the summary when it changed, at most every WRITE_INTERVAL.
 
@@ -382,7 +414,10 @@ def install_torch(torch: Any) -> None:
 
         from elasticrun.worker import ddp_waits
 
-        ddp_waits.install(torch.nn.parallel.DistributedDataParallel, dist.GradBucket, allreduce_hook, _waited)
+        if _recorder is not None:
+            _recorder.gpu = GpuWaits(lambda: torch.cuda.Event(enable_timing=True))
+        ddp = torch.nn.parallel.DistributedDataParallel
+        ddp_waits.install(ddp, dist.GradBucket, allreduce_hook, _waited, _gpu_waits)
     except Exception as e:  # a torch this was not written for: train untimed
         print(f"elasticrun: step timing is off in this worker: {type(e).__name__}: {e}", file=sys.stderr)
 
@@ -398,10 +433,14 @@ def _timed(call: Callable[..., Any], name: str, is_compiling: Callable[[], bool]
         recorder = _recorder
         if recorder is None or is_compiling() or not recorder.enter(name):
             return call(*args, **kwargs)
+        gpu = recorder.gpu_waits_for(name, args[0] if args else next(iter(kwargs.values()), None))
+        start = gpu.start() if gpu is not None else None
         try:
             return call(*args, **kwargs)
         finally:
-            recorder.leave()
+            if gpu is not None:
+                gpu.end(start)
+            recorder.leave(counted=gpu is None)
 
     timed._elasticrun_timed = True  # type: ignore[attr-defined]
     return timed
