@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.worker.elastic.link import AgentLink
-from elasticrun.worker.elastic.session import GroupSession, flag_device
+from elasticrun.worker.elastic.session import CollectiveAbandonedError, GroupSession, flag_device
 from elasticrun.worker.elastic.state import MembershipChanged, State
 from elasticrun.worker.steptime import new_round as count_steps_afresh
 
@@ -135,7 +135,7 @@ def broken_by_peer(error: BaseException) -> bool:
     By its type, a frame of torch.distributed or DDP on its way, or gloo's and nccl's
     words for a closed peer (DDP's reducer raises them from inside `backward()`). A
     user's error taken for one only waits the agent's settle time before it counts."""
-    if isinstance(error, dist.DistError) or any(word in str(error) for word in _PEER_WORDS):
+    if isinstance(error, (dist.DistError, CollectiveAbandonedError)) or any(word in str(error) for word in _PEER_WORDS):
         return True
     frames = traceback.extract_tb(error.__traceback__)
     return any(f"{os.sep}torch{os.sep}distributed{os.sep}" in frame.filename for frame in frames)

@@ -18,18 +18,33 @@ flight raises at once:
   Shutting down, not closing, keeps the descriptors valid, so nothing else can reuse
   them before torch closes them in `destroy_process_group()`.
 
+And when that is not enough: gloo sometimes closes a pair's socket on a peer's shutdown
+and leaves a send or receive posted on it waiting (seen in `UnboundBuffer::waitSend` of
+a ring all-reduce, in the store-stall tests): nothing is left to shut down, and the
+collective would wait out the group's timeout while the other ranks wait for this one
+in the next round. So the waits of torch.distributed's Python collectives (`Work.wait`)
+wait in slices while a group is formed, and a collective still in flight
+`_ABANDON_AFTER` seconds after an interrupt is abandoned: the wait raises
+`CollectiveAbandonedError`, and a thread of its own keeps the group until gloo's own
+timeout ends the operation (a process group's destructor joins its threads: on the main
+thread it would wait for that timeout too).
+
 Only the default group is covered: groups a script makes later with `new_group()` are
-not interrupted (their collectives fail once the default group's peers are gone).
+not interrupted (their collectives fail once the default group's peers are gone), and a
+wait inside C++ (DDP's reducer) is not sliced.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +57,14 @@ _PROBE_INTERVAL = 0.005
 _PROBE_CONNECT_LIMIT = 5.0
 #: the longest pause between two reads of a forming round's verdict
 _VERDICT_POLL_LIMIT = 0.05
+#: how long a collective may go on after an interrupt before it is abandoned, and the
+#: slices a wait is cut into meanwhile (a slice ends at once when the work completes)
+_ABANDON_AFTER = 1.0
+_WAIT_SLICE = datetime.timedelta(milliseconds=200)
+
+
+class CollectiveAbandonedError(RuntimeError):
+    """A collective of an interrupted round that did not break by itself was left behind."""
 
 
 class SupersededError(RuntimeError):
@@ -84,6 +107,7 @@ class GroupSession:
         self._timeout = timeout
         self._lock = threading.Lock()
         self._interrupted = False  # a peer lost: the group is broken, joining or formed
+        self._interrupted_at = 0.0  # when (time.monotonic())
         self._over = False  # the round is over (nodes joined): a group still forming is left
         self._before: set[str] | None = None  # sockets open before joining began
         self._sockets: set[str] | None = None  # the group's own, once joined
@@ -129,6 +153,7 @@ class GroupSession:
         # rank together; one rank leaving now would strand the others in their first
         # collective (a gloo peer that left is not always seen at once).
         self._formed = True
+        _watch_waits(self)
         if interrupted:
             raise SupersededError(f"round {a.round} was superseded while joining it")
 
@@ -205,7 +230,8 @@ class GroupSession:
         appear, until the join gives up.
         """
         with self._lock:
-            self._interrupted = True
+            if not self._interrupted:
+                self._interrupted, self._interrupted_at = True, time.monotonic()
             if self._before is None:
                 return  # not joining yet: join() will refuse
             if self._joining:
@@ -217,6 +243,10 @@ class GroupSession:
         if world is not None and "nccl" in str(dist.get_backend()):
             with contextlib.suppress(RuntimeError):
                 world.abort()
+
+    def abandons(self) -> bool:
+        """Whether a collective still in flight now is to be left behind (see the module doc)."""
+        return self._interrupted and time.monotonic() - self._interrupted_at >= _ABANDON_AFTER
 
     def _break_join(self) -> None:
         while True:
@@ -235,6 +265,7 @@ class GroupSession:
         closed retries for the whole timeout, where one that reaches it is broken at
         once by its own worker's interrupt. The caller keeps it until its next round
         has formed (by then every rank of this round has left it)."""
+        _watch_waits(None)
         if dist.is_initialized():
             with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group()
@@ -242,6 +273,56 @@ class GroupSession:
             _forget_failed_join()
         store, self._store = self._store, None
         return store if self.assignment.rank == 0 and not self._formed else None
+
+
+#: the formed session whose collectives' waits are sliced (None: waits as torch makes them)
+_watched: GroupSession | None = None
+
+
+def _watch_waits(session: GroupSession | None) -> None:
+    """Slice the waits of `session`'s collectives from now on (None: stop)."""
+    global _watched
+    _watched = session
+    work = torch._C._distributed_c10d.Work
+    if not getattr(work.wait, "_elasticrun_sliced", False):
+        work.wait = _sliced(work.wait)  # type: ignore[method-assign]  # the class-wide wait
+
+
+def _sliced(wait: Callable[..., Any]) -> Callable[..., Any]:
+    """`Work.wait`, in slices while a session is formed, abandoned once it `abandons()`.
+
+    A wait given a timeout of its own is the caller's and is left as it is."""
+
+    @functools.wraps(wait)
+    def sliced(work: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _watched
+        if session is None or args or kwargs:
+            return wait(work, *args, **kwargs)
+        while True:
+            try:
+                return wait(work, _WAIT_SLICE)
+            except RuntimeError as e:
+                if "timed out" not in str(e):
+                    raise  # the collective's own failure
+            if session.abandons():
+                group = dist.group.WORLD if dist.is_initialized() else None
+                threading.Thread(target=_hold_until_done, args=(work, group), daemon=True).start()
+                raise CollectiveAbandonedError(
+                    f"round {session.assignment.round}'s collective did not break when its group "
+                    f"was interrupted (its peers re-form): left behind"
+                )
+
+    sliced._elasticrun_sliced = True  # type: ignore[attr-defined]
+    return sliced
+
+
+def _hold_until_done(work: Any, group: object) -> None:
+    """Keep an abandoned collective's group until the collective ends (at its timeout).
+
+    Its last reference then goes here, and so does the destructor's join of its threads."""
+    with contextlib.suppress(Exception):
+        work.wait()
+    del work, group
 
 
 def _forget_failed_join() -> None:
