@@ -214,6 +214,13 @@ class StateTransferError(ElasticrunError):
     malformed, too big, or a pickle."""
 
 
+class StateMemoryError(ElasticrunError):
+    """Restart mode: a state's commit does not fit the host memory the agent gave it.
+
+    Raised at the commit that does not fit (a state's first, unless it grew), so a
+    script learns of the bound at once, not at its first failure."""
+
+
 class WorkerStartError(ElasticrunError):
     """A worker process could not be started at all (missing script, bad interpreter)."""
 

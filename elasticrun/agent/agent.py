@@ -38,6 +38,7 @@ from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.runfolder import DEFAULT_ROOT_PREFIX, create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
+from elasticrun.agent.state_files import STATE_FILE_VAR, StateFiles
 from elasticrun.agent.step_reports import READ_INTERVAL, StepTimes, stall_reason
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.agent.worker_link import BrokenReport, WorkerChannel
@@ -274,6 +275,9 @@ class Agent:
         #: and the run of the job it names
         self._token_file: Path | None = None
         self._token_run: str | None = None
+        #: restart mode: each local rank's committed state, in host memory this agent
+        #: owns (--state-memory; elasticrun.agent.state_files); made by run()
+        self._state_files: StateFiles | None = None
         #: the run folder's events.jsonl, open while the agent runs (see `_write_event`)
         self._event_log: int | None = None
         #: torchrun's file timer, when asked for (spec.options.file_timer)
@@ -286,6 +290,8 @@ class Agent:
         """Run until the job ends for this node; signals to the agent are handled here."""
         loop = asyncio.get_running_loop()
         self._warden = await Warden.start(self.spec.withheld_env)
+        if not self.spec.in_process and self.spec.options.state_memory:
+            self._state_files = StateFiles(self.run_dir, self.spec.options.state_memory, self._warden.remove_on_death)
         for sig in self.spec.options.signals_to_handle:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
@@ -302,6 +308,8 @@ class Agent:
                 await self._stop_group()
             finally:
                 await self._warden.close()  # the sessions are empty: it just exits
+                if self._state_files is not None:
+                    self._state_files.close()
                 if self._token_file is not None:
                     self._token_file.unlink(missing_ok=True)
                 if self._event_log is not None:
@@ -734,6 +742,8 @@ class Agent:
             envs[local_rank].update(stacks_env(stack_files[local_rank]))
             if self._timers is not None:
                 envs[local_rank][TIMER_FILE_ENV] = str(self._timers.path)
+            if self._state_files is not None:
+                envs[local_rank][STATE_FILE_VAR] = str(self._state_files.path(local_rank))
             plans[local_rank] = plan_streams(spec, local_rank, worker_dir)
         if self._log_layout is not None:
             for local_rank, (plan, error_file) in self._log_layout(envs).items():

@@ -23,6 +23,7 @@ from pathlib import Path
 from elasticrun.agent.boot import boot_env
 from elasticrun.agent.gpu import worker_gpu_env
 from elasticrun.agent.spec import WorkerSpec
+from elasticrun.agent.state_files import STATE_FILE_VAR
 from elasticrun.agent.worker_link import SOCKET_VAR
 from elasticrun.errors import UsageError
 from elasticrun.rendezvous.handler import Assignment
@@ -51,6 +52,7 @@ def worker_env(
     env = {key: value for key, value in base_env.items() if key not in spec.withheld_env}
     env.pop(TOKEN_FILE_ENV, None)  # only this agent's file, never one inherited
     env.pop("ELASTICRUN_LOCAL_RANK", None)  # only set under --isolate-gpus, never inherited
+    env.pop(STATE_FILE_VAR, None)  # only this agent's file (agent.py adds it), never one inherited
     if token_file is not None:
         env[TOKEN_FILE_ENV] = str(token_file)
     env.update(spec.extra_env)

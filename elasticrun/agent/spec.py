@@ -26,6 +26,11 @@ class Std(enum.IntFlag):
     ALL = 3
 
 
+#: --state-memory's default: 8 GiB per worker, so states up to about 4 GiB (two copies
+#: are kept); it takes memory only as commits fill it
+DEFAULT_STATE_MEMORY = 8 << 30
+
+
 class WorkerState(enum.Enum):
     """Where this node's worker group stands, as the agent logs and reports it."""
 
@@ -82,6 +87,9 @@ class WorkerOptions:
     #: torchrun's file timer (TORCHELASTIC_ENABLE_FILE_TIMER=1): the FIFO's path, or ""
     #: for one in the agent's run folder; None: off (elasticrun.agent.filetimer)
     file_timer: str | None = None
+    #: restart mode: the bytes of host memory each worker's committed state may take,
+    #: both of its copies (--state-memory; elasticrun.agent.state_files); 0: none kept
+    state_memory: int = DEFAULT_STATE_MEMORY
 
     def __post_init__(self) -> None:
         if self.stop_grace < 0:

@@ -1,8 +1,9 @@
-"""A flag's value checked: seconds, whole numbers, ratios, each refused in one line naming the flag."""
+"""A flag's value checked: seconds, whole numbers, ratios, sizes, each refused in one line naming the flag."""
 
 from __future__ import annotations
 
 import math
+import re
 
 from elasticrun.errors import UsageError
 from elasticrun.store.interface import MAX_LEASE_TTL
@@ -70,3 +71,15 @@ def whole_number(value: str | None, flag: str, default: int) -> int:
     if not (value.strip().isascii() and value.strip().isdigit()):
         raise UsageError(f"{flag} must be a whole number >= 0 (0 turns it off), got {value!r}")
     return int(value)
+
+
+_SIZE = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<unit>[KMGT]?)", re.IGNORECASE)
+
+
+def byte_size(value: str, flag: str) -> int:
+    """A size in bytes: a whole number, or a number with K, M, G or T (powers of 1024)."""
+    match = _SIZE.fullmatch(value.strip())
+    if match is None:
+        raise UsageError(f"{flag} must be a size such as 512M, 8G or 0 (bytes; K, M, G, T are powers of 1024), "
+                         f"got {value!r}")
+    return int(float(match["number"]) * 1024 ** " KMGT".index(match["unit"].upper() or " "))

@@ -15,10 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from elasticrun.agent.spec import Std, WorkerOptions
+from elasticrun.agent.spec import DEFAULT_STATE_MEMORY, Std, WorkerOptions
 from elasticrun.errors import UsageError
 from elasticrun.launcher.config import AgentOptions, RendezvousConfig
 from elasticrun.launcher.flag_values import (
+    byte_size,
     digits_only,
     positive_seconds,
     within_max_seconds,
@@ -199,7 +200,7 @@ class LaunchRequest:
 CARRIED_FLAGS = (
     "shutdown_timeout", "gpus", "isolate_gpus", "tee", "redirects", "signals_to_handle",
     "local_ranks_filter", "health_interval", "duplicate_stdout_filters", "duplicate_stderr_filters",
-    "numa_binding",
+    "numa_binding", "state_memory",
 )
 
 
@@ -272,6 +273,8 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
             file_timer=environ.get("TORCHELASTIC_TIMER_FILE", "")
             if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1"
             else None,
+            state_memory=DEFAULT_STATE_MEMORY if args.state_memory is None
+            else byte_size(args.state_memory, "--state-memory"),
             duplicate_filters={
                 stream: comma_list(value)
                 for stream, value in (

@@ -9,10 +9,12 @@
 
     train(state)
 
-Launch with `elasticrun --elastic-mode=in-process ...`; see docs/in-process.md.
+With `elasticrun --elastic-mode=in-process ...` survivors keep running; in restart mode
+(the default) a restarted worker resumes from its last commit, kept in host memory by
+the agent. See docs/in-process.md.
 """
 
 from elasticrun.worker.elastic.run import run
-from elasticrun.worker.elastic.state import MembershipChanged, State
+from elasticrun.worker.elastic.state import MembershipChanged, ShardedState, State
 
-__all__ = ["MembershipChanged", "State", "run"]
+__all__ = ["MembershipChanged", "ShardedState", "State", "run"]

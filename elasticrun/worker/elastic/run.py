@@ -17,21 +17,27 @@ agent interrupts collectives that would hang), the group is destroyed, the state
 back to the last commit where needed, and the function called again in the next round
 with the new rank and world size: the process, its CUDA context, its imports and its
 data stay. Anywhere else (torchrun, restart mode) the function runs once in a group made
-from the environment, so one script serves both modes.
+from the environment, so one script serves both modes; in restart mode it first restores
+the last commit the agent kept in host memory for this worker (host_copy.py), so a
+worker restarted after a failure resumes where it was, with no file read.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import json
 import os
+import sys
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from elasticrun.errors import EXIT_USAGE, StateMemoryError
+from elasticrun.worker.elastic.host_copy import HostCopy
 from elasticrun.worker.elastic.link import AgentLink
 from elasticrun.worker.elastic.session import CollectiveAbandonedError, GroupSession, flag_device
 from elasticrun.worker.elastic.state import MembershipChanged, State
@@ -78,10 +84,16 @@ def _run_once(
     made = not dist.is_initialized()
     if made:
         dist.init_process_group(backend, timeout=timeout)
+    host = HostCopy.from_env()
     try:
+        state._keep_in(host)
         state.sync()
         return call()
+    except StateMemoryError as e:
+        _stop(e)
     finally:
+        if host is not None:
+            host.settle()  # a commit's GPU copies in flight end whole
         if made:
             dist.destroy_process_group()
 
@@ -123,6 +135,19 @@ def _run_elastic(
             state._attach(None)
             link.on_change(None)
             kept = session.leave() or kept
+
+
+def _stop(error: StateMemoryError) -> NoReturn:
+    """End the worker on a state that does not fit: one line, no traceback (exit 2, as for bad flags).
+
+    The line also goes to torch's error file, which the agent's failure report reads."""
+    line = f"elasticrun: {error}"
+    print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as out:
+            json.dump({"message": line}, out)
+    raise SystemExit(EXIT_USAGE) from None
 
 
 #: what gloo and nccl say when a peer closed its end of the group

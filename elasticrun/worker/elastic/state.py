@@ -27,6 +27,7 @@ nothing a peer sends can run code here.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.errors import StateTransferError
+from elasticrun.worker.elastic.host_copy import HostCopy, Record
 from elasticrun.worker.elastic.session import flag_device
 from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
 from elasticrun.worker.steptime import mark as mark_step
@@ -66,6 +68,12 @@ class _ModuleSlot:
     def tensors(self) -> list[torch.Tensor]:
         """The module's tensors, sharing storage with it (a broadcast into them loads it)."""
         return list(self.value.state_dict().values())
+
+    def payload(self) -> Any:
+        return self.value.state_dict()
+
+    def load(self, payload: Any) -> None:
+        self.value.load_state_dict(payload)
 
 
 class _StatefulSlot:
@@ -136,6 +144,14 @@ class State:
         object.__setattr__(self, "_check", None)
         #: whether this process's state came out of a sync (see sync())
         object.__setattr__(self, "_synced_before", False)
+        #: whether the wrapper found a commit to resume from, and where: "own memory"
+        #: (this worker's copy the agent kept, restart mode), "a peer" (sent by another
+        #: rank, see sync()) or "nothing" (the script starts from what it built)
+        object.__setattr__(self, "restored", False)
+        object.__setattr__(self, "restored_from", "nothing")
+        #: restart mode: the host memory the commits are copied to (set by the wrapper)
+        object.__setattr__(self, "_host", None)
+        object.__setattr__(self, "_copied_at", time.monotonic())
         for slot in slots.values():
             slot.snapshot()
 
@@ -152,20 +168,75 @@ class State:
             raise AttributeError(f"State {what} {name!r}: give every object to State(...) at the start")
         slot.value = value
 
-    def commit(self) -> None:
+    def commit(self, *, every: int | None = None, seconds: float | None = None) -> None:
         """Keep a copy of the state; then leave the loop if the membership changed.
 
         Cheap (an in-memory copy, plus one one-element all_reduce under the elastic
         wrapper so that every rank notices a change at the same commit). Each commit
         ends a step for the step timing (`elasticrun.worker.steptime`).
+
+        In restart mode the commit is also copied into host memory the agent keeps, so
+        that the worker restarted after a failure resumes from it: on every commit, or,
+        when the copy is costly, on every `every`-th commit, or once `seconds` have
+        passed since the last copy (with both, whichever comes first). Every rank
+        copies at the same commits.
         """
+        if every is not None and every < 1:
+            raise ValueError(f"commit(every=...) must be a count >= 1, got {every!r}")
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"commit(seconds=...) must be > 0, got {seconds!r}")
         mark_step("commit")
         for slot in self._slots.values():
             slot.snapshot()
         object.__setattr__(self, "commits", self.commits + 1)
         object.__setattr__(self, "committed_in", self._round)
+        if self._host is not None and self._copy_due(every, seconds):
+            self._copy_out(self._host)
         if self._check is not None:
             self._check()
+
+    def _copy_due(self, every: int | None, seconds: float | None) -> bool:
+        if every is None and seconds is None:
+            return True
+        due = every is not None and self.commits % every == 0
+        if seconds is not None and not due:
+            due = time.monotonic() - self._copied_at >= seconds
+            if dist.is_initialized() and dist.get_world_size() > 1:  # clocks differ: agree
+                flag = torch.tensor([int(due)], device=flag_device())
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                due = bool(flag.item())
+        return due
+
+    def _copy_out(self, host: HostCopy) -> None:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        # A generator: each object's state dict is taken when its turn to be copied comes.
+        named = ((name, slot.payload()) for name, slot in self._slots.items())
+        host.write(named, self.commits, self.committed_in, rank, world)
+        object.__setattr__(self, "_copied_at", time.monotonic())
+
+    def _keep_in(self, host: HostCopy | None) -> None:
+        """Restart mode: resume from the last commit `host` holds, and copy commits there from now on.
+
+        Called by the wrapper on every rank (a ShardedState agrees with the others on
+        the commit), before sync()."""
+        record = self._choose(host.held() if host is not None else [])
+        if host is not None and record is not None:
+            payloads = host.read(record, flag_device())
+            for name, payload in payloads.items():
+                self._slots[name].load(payload)
+            object.__setattr__(self, "commits", record.commits)
+            object.__setattr__(self, "committed_in", record.round)
+            object.__setattr__(self, "restored", True)
+            object.__setattr__(self, "restored_from", "own memory")
+            for slot in self._slots.values():
+                slot.snapshot()
+        object.__setattr__(self, "_host", host)
+
+    def _choose(self, held: list[Record]) -> Record | None:
+        """The commit to resume from, of those this rank's host copy holds: the newest.
+
+        (sync() then gives every rank the newest any rank holds.)"""
+        return held[-1] if held else None
 
     def restore(self) -> None:
         """Roll back to the last commit."""
@@ -208,6 +279,9 @@ class State:
                     self._send_to(receiver)
         else:
             self._receive_from(current[behind.index(rank) % len(current)])
+            if newest[0] > 0:
+                object.__setattr__(self, "restored", True)
+                object.__setattr__(self, "restored_from", "a peer")
         object.__setattr__(self, "commits", newest[0])
         object.__setattr__(self, "committed_in", newest[1])
         object.__setattr__(self, "_synced_before", True)
@@ -237,6 +311,38 @@ class State:
         object.__setattr__(self, "_check", check)
         if round_number is not None:
             object.__setattr__(self, "_round", round_number)
+
+
+class ShardedState(State):
+    """A State whose values are each rank's own (its shard): never sent to another rank.
+
+    For what differs from rank to rank: FSDP's, tensor or pipeline parallel parameters
+    and optimizer state, per-rank RNG states, data-loader positions. sync() moves
+    nothing. In restart mode a restarted group resumes from the last commit that every
+    rank holds, made at the same rank and world size (each host copy keeps two commits,
+    and ranks that commit in step are at most one apart, so a worker killed during a
+    commit costs one step). Where no such commit exists (the world size changed, a
+    rank's copy is gone) no rank restores: `restored` is False on all, and the script
+    starts from what it built (its own checkpoint), since shards of different steps
+    would not make one model. Copies of a shard on another node are not kept yet.
+    """
+
+    def sync(self) -> None:
+        """Nothing moves: each rank's values are its own."""
+        object.__setattr__(self, "_synced_before", True)
+
+    def _choose(self, held: list[Record]) -> Record | None:
+        """The newest commit every rank holds for its own rank and world size (a collective)."""
+        if not dist.is_initialized():
+            return held[-1] if held else None
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = {r.commits: r for r in held if (r.rank, r.world) == (rank, world)}
+        device = flag_device()
+        counts = torch.tensor(([*mine] + [-1, -1])[:2], dtype=torch.int64, device=device)
+        gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(gathered, counts)
+        common = set.intersection(*({int(c) for c in t.tolist() if c >= 0} for t in gathered))
+        return mine[max(common)] if common else None
 
 
 #: the most bytes of tensors copied into one buffer for one broadcast

@@ -1,0 +1,68 @@
+"""The host memory each local rank's committed state lives in, owned by the agent.
+
+In restart mode a worker's `State.commit()` copies the state into a file on a tmpfs that
+the agent made for its local rank, and a restarted worker reads it back
+(elasticrun.worker.elastic.host_copy has the layout). The file belongs to the agent and
+the local rank, not to an attempt: it is made the first time a worker of that local rank
+starts, handed to every later one by the same path (`ELASTICRUN_STATE_FILE`), and
+removed when the agent ends, by the agent, or by its warden should the agent be killed.
+
+The agent only makes, sizes and removes the files; it never reads or writes what is in
+them (and never imports torch). A file is sized (`ftruncate`) to `--state-memory` but
+takes memory only as a worker writes into it: a worker reserves each part
+(`posix_fallocate`) before it writes it, so a full tmpfs is a clear error in the worker.
+
+Where: /dev/shm, the tmpfs every Linux has for this, else the agent's private run
+folder. A file there is made new (O_EXCL, never through a link), 0600, under a name with
+a random part, so no other user can read a state or plant a file in its place.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+from elasticrun.agent.runfolder import create_new
+
+#: what names a worker's state file in its environment (the worker's side reads it)
+STATE_FILE_VAR = "ELASTICRUN_STATE_FILE"
+
+#: the tmpfs the files go to, when it is there
+SHM = Path("/dev/shm")
+
+
+class StateFiles:
+    """One state file per local rank, made on first use and removed at close()."""
+
+    def __init__(self, fallback: Path, size: int, remove_on_death: Callable[[Path, os.stat_result], None]) -> None:
+        """Files of `size` bytes, in /dev/shm, else in `fallback` (the run folder).
+
+        `remove_on_death(path, stat)` is the warden's (Warden.remove_on_death)."""
+        self._folder = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else fallback
+        self._size = size
+        self._remove_on_death = remove_on_death
+        self._tag = secrets.token_hex(8)
+        self._paths: dict[int, Path] = {}
+
+    def path(self, local_rank: int) -> Path:
+        """Local rank `local_rank`'s file: the same across its workers' restarts."""
+        path = self._paths.get(local_rank)
+        if path is None:
+            path = self._folder / f"elasticrun-state-{self._tag}-{local_rank}"
+            fd = create_new(path, "state file")
+            try:
+                os.ftruncate(fd, self._size)
+                made = os.fstat(fd)
+            finally:
+                os.close(fd)
+            self._remove_on_death(path, made)
+            self._paths[local_rank] = path
+        return path
+
+    def close(self) -> None:
+        """Remove every file: the agent ends, and the states with it."""
+        for path in self._paths.values():
+            path.unlink(missing_ok=True)
+        self._paths.clear()

@@ -1,0 +1,291 @@
+"""A state's commits in host memory that the agent owns, so they outlive the worker.
+
+In restart mode the agent makes one file per local rank on a tmpfs (/dev/shm), sized by
+`--state-memory`, and names it in `ELASTICRUN_STATE_FILE` (elasticrun.agent.state_files);
+the file is the agent's: a worker that dies, and the worker that replaces it, find it as
+it was. The worker maps it; `State.commit()` copies the state into it and the next
+worker's `@elastic.run` reads it back before calling the function: memory, never a file
+on disk, never a pickle.
+
+The file holds two slots and, in its first page, one record per slot:
+
+    [record 0][record 1] ... | slot 0 | slot 1 |
+
+A slot holds one commit: the bytes of its tensors, each at a 64-byte boundary, then its
+structure (`structure.encode`, the tensors as TensorHoles, nothing pickled). A record
+says what its slot holds (a generation number, the commit count, the rank and world size
+it was made at, where the structure is) with a CRC-32 over all that and the structure.
+A commit goes to the slot that does not hold the newest commit: first that slot's record
+is cleared, then the data is written, then the record, last. A worker killed anywhere in
+between leaves the other slot and its record, the previous commit, whole; a record torn
+in its own write fails its CRC.
+
+Space on the tmpfs is reserved (`posix_fallocate`) before it is written: a full /dev/shm
+is a StateMemoryError at the commit, never a SIGBUS in the middle of a copy.
+
+CUDA tensors are copied on a side stream into the mapping (registered as pinned memory),
+and the record written once the copy is done, at the next commit or when the function
+returns, so the copy overlaps the training that follows it. That path has not run on a
+GPU yet (no GPU where it was written); the CPU path is the one the tests run.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elasticrun.errors import StateMemoryError
+from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
+
+#: the variable that names the file (set by the agent, in restart mode only)
+STATE_FILE_VAR = "ELASTICRUN_STATE_FILE"
+
+#: the first page: the two records
+HEADER_BYTES = 4096
+_ALIGN = 64
+_MAGIC = b"ERSTATE1"
+#: magic, generation, commits, round, rank, world size, structure offset, structure length
+_RECORD = struct.Struct("<8sQqqqqQQ")
+_CRC = struct.Struct("<I")
+_RECORD_SPACING = 512
+
+
+@dataclass(frozen=True)
+class Record:
+    """What one slot holds: a whole commit."""
+
+    slot: int
+    generation: int
+    commits: int
+    round: int
+    rank: int
+    world: int
+    structure_at: int
+    structure_bytes: int
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+class HostCopy:
+    """The worker's side of its state file: write a commit to a slot, read the newest back."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        size = os.fstat(self._fd).st_size
+        #: each slot's bytes: half of what is left after the records
+        self.slot_bytes = (size - HEADER_BYTES) // 2 // _ALIGN * _ALIGN
+        if self.slot_bytes <= 0:
+            os.close(self._fd)
+            raise StateMemoryError(f"the state file {path} holds {size} bytes: too small for two copies")
+        self._map = mmap.mmap(self._fd, HEADER_BYTES + 2 * self.slot_bytes)
+        #: the whole mapping as bytes; the tensors written and read are views of it
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        #: per slot, how many of its bytes are reserved on the tmpfs
+        self._reserved = [0, 0]
+        held = self.held()
+        self._generation = max((r.generation for r in held), default=0)
+        self._newest_slot = max(held, key=lambda r: r.generation).slot if held else 1
+        #: a commit whose CUDA copies are in flight: its record, written once they are done
+        self._pending: tuple[Any, bytes, int] | None = None
+        self._side_stream: Any = None
+
+    @classmethod
+    def from_env(cls) -> HostCopy | None:
+        """The file the agent named for this worker; None outside restart mode."""
+        path = os.environ.get(STATE_FILE_VAR)
+        return cls(Path(path)) if path else None
+
+    # --- reading -----------------------------------------------------------------------
+
+    def held(self) -> list[Record]:
+        """The whole commits the file holds (zero, one or two), oldest first."""
+        records = [r for r in (self._record(slot) for slot in (0, 1)) if r is not None]
+        return sorted(records, key=lambda r: r.generation)
+
+    def _record(self, slot: int) -> Record | None:
+        at = slot * _RECORD_SPACING
+        raw = bytes(self._map[at : at + _RECORD.size + _CRC.size])
+        magic, generation, commits, round_, rank, world, where, length = _RECORD.unpack_from(raw)
+        if magic != _MAGIC or not 0 < length <= MAX_BYTES or where + length > self.slot_bytes:
+            return None
+        start = self._slot_start(slot) + where
+        crc = zlib.crc32(self._map[start : start + length], zlib.crc32(raw[: _RECORD.size]))
+        if _CRC.unpack_from(raw, _RECORD.size)[0] != crc:
+            return None
+        return Record(slot, generation, commits, round_, rank, world, where, length)
+
+    def read(self, record: Record, device: torch.device) -> Any:
+        """The commit `record` describes: its structure with the tensors in place.
+
+        Each tensor is copied out of the mapping (the next commit overwrites it) and put
+        on `device` when it was not on the CPU when committed."""
+        start = self._slot_start(record.slot)
+        at = start + record.structure_at
+        structure = decode(bytes(self._map[at : at + record.structure_bytes]))
+        offsets = _layout(structure)
+        return _filled(structure, lambda hole: self._tensor(start + offsets[hole.index], hole, device))
+
+    def _tensor(self, at: int, hole: TensorHole, device: torch.device) -> torch.Tensor:
+        size = _nbytes(hole)
+        if size == 0:
+            return torch.empty(hole.shape, dtype=hole.dtype)
+        tensor = self._bytes[at : at + size].view(hole.dtype).view(hole.shape).clone()
+        return tensor if hole.on_cpu else tensor.to(device)
+
+    # --- writing -----------------------------------------------------------------------
+
+    def write(self, named: Iterable[tuple[str, Any]], commits: int, round_number: int, rank: int, world: int) -> None:
+        """Copy a commit (name -> payload, each taken when its turn comes) into the other slot.
+
+        The slot's record is cleared first and written last (see the module doc)."""
+        self.settle()
+        slot = 1 - self._newest_slot
+        start = self._slot_start(slot)
+        self._map[slot * _RECORD_SPACING : slot * _RECORD_SPACING + _RECORD.size + _CRC.size] = bytes(
+            _RECORD.size + _CRC.size
+        )
+        used = 0
+        structure: dict[str, Any] = {}
+        count = 0
+        cuda_copies = False
+        fits = True
+        for name, payload in named:
+            tensors: list[torch.Tensor] = []
+            structure[name] = _hollow(payload, tensors, count)
+            for tensor in tensors:
+                size = tensor.nelement() * tensor.element_size()
+                fits = fits and used + size <= self.slot_bytes  # else only counted, for the message
+                if fits and size:
+                    self._reserve(slot, used + size, commits)
+                    view = self._bytes[start + used : start + used + size].view(tensor.dtype).view(tensor.shape)
+                    cuda_copies |= self._copy(view, tensor)
+                used = _aligned(used + size)
+            count += len(tensors)
+        data = encode(structure)
+        if not fits or used + len(data) > self.slot_bytes:
+            raise StateMemoryError(
+                f"the state does not fit in the host memory each worker has for it: commit {commits} takes "
+                f"{_mib(used + len(data))}, twice (two copies are kept), in {_mib(2 * self.slot_bytes)}; "
+                f"raise --state-memory to at least {_mib(2 * _aligned(used + len(data)) + HEADER_BYTES)}"
+            )
+        self._reserve(slot, used + len(data), commits)
+        self._map[start + used : start + used + len(data)] = data
+        self._generation += 1
+        fields = _RECORD.pack(_MAGIC, self._generation, commits, round_number, rank, world, used, len(data))
+        record = fields + _CRC.pack(zlib.crc32(data, zlib.crc32(fields)))
+        self._newest_slot = slot
+        if cuda_copies:
+            self._pending = (self._finish_cuda_copies(), record, slot)
+        else:
+            self._put_record(slot, record)
+
+    def settle(self) -> None:
+        """Wait for a commit's CUDA copies in flight, then write its record."""
+        if self._pending is not None:
+            event, record, slot = self._pending
+            event.synchronize()
+            self._put_record(slot, record)
+            self._pending = None
+
+    def _put_record(self, slot: int, record: bytes) -> None:
+        at = slot * _RECORD_SPACING
+        self._map[at : at + len(record)] = record
+
+    def _slot_start(self, slot: int) -> int:
+        return HEADER_BYTES + slot * self.slot_bytes
+
+    def _reserve(self, slot: int, end: int, commits: int) -> None:
+        """Make sure the tmpfs holds bytes [0, end) of `slot`: a clear error, never a SIGBUS."""
+        if end <= self._reserved[slot]:
+            return
+        try:
+            os.posix_fallocate(self._fd, self._slot_start(slot) + self._reserved[slot], end - self._reserved[slot])
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EFBIG):
+                raise
+            raise StateMemoryError(
+                f"no room left in {self.path.parent} for the state's copy (commit {commits} needs "
+                f"{_mib(end)}): give the tmpfs more room, or lower --state-memory to what it holds"
+            ) from None
+        self._reserved[slot] = end
+
+    def _copy(self, view: torch.Tensor, tensor: torch.Tensor) -> bool:
+        """Copy `tensor` into `view`; True when it went on the CUDA side stream."""
+        if not tensor.is_cuda:
+            view.copy_(tensor.detach())
+            return False
+        # Untested on a GPU (see the module doc).
+        if self._side_stream is None:
+            torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self._bytes.numel(), 0)
+            self._side_stream = torch.cuda.Stream()
+        self._side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side_stream):
+            view.copy_(tensor.detach(), non_blocking=True)
+        tensor.record_stream(self._side_stream)
+        return True
+
+    def _finish_cuda_copies(self) -> Any:
+        """The event that marks the end of the copies.
+
+        The training waits for them on the GPU (not on the CPU) before it changes a
+        tensor that is being copied."""
+        event = self._side_stream.record_event()
+        torch.cuda.current_stream().wait_stream(self._side_stream)
+        return event
+
+
+def _nbytes(hole: TensorHole) -> int:
+    count = 1
+    for n in hole.shape:
+        count *= n
+    return count * torch.empty((), dtype=hole.dtype).element_size()
+
+
+def _layout(structure: Any) -> dict[int, int]:
+    """Each tensor's offset in its slot, from the holes alone (as `HostCopy.write` laid them)."""
+    holes: list[TensorHole] = []
+    _filled(structure, lambda hole: holes.append(hole))
+    offsets, used = {}, 0
+    for hole in sorted(holes, key=lambda h: h.index):
+        offsets[hole.index] = used
+        used = _aligned(used + _nbytes(hole))
+    return offsets
+
+
+def _hollow(obj: Any, tensors: list[torch.Tensor], first: int) -> Any:
+    """`obj` with each tensor replaced by a TensorHole numbered from `first`; the tensors go to `tensors`."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return TensorHole(first + len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type == "cpu")
+    if isinstance(obj, dict):
+        return {k: _hollow(v, tensors, first) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_hollow(v, tensors, first) for v in obj)
+    return obj
+
+
+def _filled(obj: Any, tensor_for: Any) -> Any:
+    """`obj` with each TensorHole replaced by `tensor_for(hole)`."""
+    if isinstance(obj, TensorHole):
+        return tensor_for(obj)
+    if isinstance(obj, dict):
+        return {k: _filled(v, tensor_for) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_filled(v, tensor_for) for v in obj)
+    return obj

@@ -1,0 +1,177 @@
+"""Restart mode keeps each worker's committed state in host memory its agent owns.
+
+End to end with real launchers, agents and gloo workers (tests/workers/state_worker.py):
+a worker SIGKILLed after a commit, or in the middle of one, is restarted and resumes
+from its last whole commit, every shard intact, with no file read; a state too big for
+`--state-memory` fails at its first commit with one line; the agent's files go when the
+agent ends, even by SIGKILL. And the host copy's format on its own: a record torn in
+its write, or a slot cleared for a commit that never finished, is never taken.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from elasticrun.agent import state_files
+from elasticrun.worker.elastic import host_copy
+from elasticrun.worker.elastic.host_copy import HostCopy
+from tests.support.elastic_cluster import Cluster, Proc, pid_alive
+from tests.support.helpers import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+WORKER = Path(__file__).resolve().parent / "workers" / "state_worker.py"
+BEGIN = re.compile(
+    r"begin rank=(?P<rank>\d+) restart=(?P<restart>\d+) restored=(?P<restored>\w+) from=(?P<source>[\w ]+) "
+    r"step=(?P<step>\d+) digest=(?P<digest>\w+) intact=(?P<intact>\w+) pid=(?P<pid>\d+) file=(?P<file>\S*)"
+)
+
+
+def launch(cluster: Cluster, nproc: int, *args: str, flags: tuple[str, ...] = ()) -> Proc:
+    return cluster.launch(
+        "job", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=1", "--shutdown-timeout=5",
+        f"--log-dir={cluster.tmp / 'logs'}", *flags, str(WORKER), *args,
+    )
+
+
+def begins(job: Proc) -> list[re.Match[str]]:
+    return list(BEGIN.finditer(job.text()))
+
+
+def digest_at(job: Proc, rank: int, step: int) -> str:
+    """The digest rank `rank` printed at step `step` in the first attempt."""
+    first = job.text().split(f"begin rank={rank} restart=1")[0]
+    found = re.findall(rf"step={step} rank={rank} digest=(\w+)", first)
+    assert len(found) == 1, (rank, step, found)
+    return found[0]
+
+
+def test_a_sharded_state_survives_its_workers_sigkill(cluster: Cluster) -> None:
+    """Rank 1 is SIGKILLed right after its commit 12: the restarted group resumes at that
+    commit (rank 0 cannot commit 13 without rank 1's step), each rank with its own shard
+    exactly as it was, model and optimizer included, read from the same file the agent
+    gave the first attempt; the agent removes the files when it ends."""
+    job = launch(cluster, 2, "--kind=sharded", "--kill=after-commit", "--kill-at=12", "--kill-rank=1", "--steps=15")
+    assert job.wait_exit() == 0, job.text()[-4000:]
+    first, again = {}, {}
+    for m in begins(job):
+        (first if m["restart"] == "0" else again)[int(m["rank"])] = m
+    assert sorted(again) == [0, 1], job.text()[-4000:]
+    for rank, m in again.items():
+        assert (m["restored"], m["source"], m["intact"]) == ("True", "own memory", "True"), m[0]
+        assert int(m["step"]) == 12, m[0]  # the last commit: no step lost
+        assert m["digest"] == digest_at(job, rank, 12)
+        assert m["file"] == first[rank]["file"] != "", (m[0], first[rank][0])
+        assert first[rank]["restored"] == "False"
+        assert not Path(m["file"]).exists()
+    assert first[0]["file"] != first[1]["file"]
+    cluster.assert_no_orphans()
+
+
+def test_a_worker_killed_in_the_middle_of_a_commit_restores_the_previous_one(cluster: Cluster) -> None:
+    """The worker dies while its commit 6 is being copied (32 MB written into the slot,
+    its record cleared, one whole commit held): the restart takes commit 5, whole."""
+    job = launch(
+        cluster, 1, "--kind=replicated", "--kill=mid-copy", "--kill-at=6", "--kill-rank=0", "--steps=8",
+        "--numel=4000000",
+    )
+    assert job.wait_exit() == 0, job.text()[-4000:]
+    assert "mid-copy held=[5]" in job.text(), job.text()[-4000:]
+    (again,) = [m for m in begins(job) if m["restart"] == "1"]
+    assert (again["restored"], again["source"], again["intact"], again["step"]) == ("True", "own memory", "True", "5")
+    assert again["digest"] == digest_at(job, 0, 5)
+    cluster.assert_no_orphans()
+
+
+def test_a_state_too_big_fails_at_its_first_commit_with_one_line(cluster: Cluster) -> None:
+    """8 MB of state in 1 MiB: the first commit stops the worker with one line (no
+    traceback) saying what it needs, which the failure report repeats; exit 2 (usage)."""
+    job = launch(cluster, 1, "--numel=1000000", "--steps=3", flags=("--state-memory=1M", "--max-restarts=0"))
+    assert job.wait_exit() != 0
+    text = job.text()
+    line = (
+        "elasticrun: the state does not fit in the host memory each worker has for it: commit 1 takes 7.6 MiB, "
+        "twice (two copies are kept), in 1.0 MiB; raise --state-memory to at least 15.3 MiB"
+    )
+    assert f"<stderr>: {line}\n" in text, text[-4000:]
+    assert "Traceback" not in text and "step=1 " not in text, text[-4000:]
+    assert "exit code 2" in text
+
+
+def test_the_agents_state_files_go_with_it_when_it_is_killed(cluster: Cluster) -> None:
+    """SIGKILL to the agent: its warden removes the state files (and its workers die)."""
+    job = launch(cluster, 2, "--steps=1000000")
+    files = {Path(m["file"]) for m in (job.wait_for(BEGIN.pattern, count=n) for n in (1, 2))}
+    pids = {int(m["pid"]) for m in begins(job)}
+    job.wait_for(r"step=2 rank=1 ")  # both have committed
+    assert all(f.exists() and f.stat().st_mode & 0o777 == 0o600 for f in files), files
+    job.kill()
+    wait_until(lambda: not any(f.exists() for f in files), 30, "the warden to remove the state files")
+    wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "the workers to die with their agent")
+
+
+# --- the host copy on its own --------------------------------------------------------------
+
+
+def test_both_sides_name_the_same_variable() -> None:
+    assert state_files.STATE_FILE_VAR == host_copy.STATE_FILE_VAR
+
+
+def _commit(copy: HostCopy, commits: int, value: float) -> None:
+    named = iter([("t", {"w": torch.full((1000,), value), "n": commits})])
+    copy.write(named, commits, 0, 0, 1)
+
+
+def _file(tmp_path: Path, size: int = 1 << 20) -> Path:
+    path = tmp_path / "state"
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def test_a_torn_record_is_never_taken(tmp_path: Path) -> None:
+    path = _file(tmp_path)
+    copy = HostCopy(path)
+    for n in (1, 2, 3):
+        _commit(copy, n, float(n))
+    assert [r.commits for r in HostCopy(path).held()] == [2, 3]
+    newest = HostCopy(path).held()[-1]
+    with open(path, "r+b") as f:  # one byte of the newest record's step, flipped
+        f.seek(newest.slot * 512 + 16)
+        byte = f.read(1)
+        f.seek(newest.slot * 512 + 16)
+        f.write(bytes([byte[0] ^ 1]))
+    (left,) = HostCopy(path).held()
+    assert left.commits == 2
+    restored = HostCopy(path).read(left, torch.device("cpu"))
+    assert restored["t"]["n"] == 2 and torch.equal(restored["t"]["w"], torch.full((1000,), 2.0))
+
+
+def test_a_commit_that_never_finished_leaves_the_previous_one(tmp_path: Path) -> None:
+    """The payloads are taken while the copy runs: one that fails half-way leaves the
+    slot it was writing cleared, and a new worker takes the commit before."""
+    path = _file(tmp_path)
+    copy = HostCopy(path)
+    _commit(copy, 1, 1.0)
+    _commit(copy, 2, 2.0)
+
+    def payloads():  # the first object copied, then a failure before the end
+        yield "t", {"w": torch.full((1000,), 3.0), "n": 3}
+        raise OSError("killed")
+
+    with pytest.raises(OSError):
+        copy.write(payloads(), 3, 0, 0, 1)
+    assert [r.commits for r in HostCopy(path).held()] == [2]
+
+
+def test_a_file_too_small_for_two_copies_is_refused(tmp_path: Path) -> None:
+    from elasticrun.errors import StateMemoryError
+
+    with pytest.raises(StateMemoryError, match="too small for two copies"):
+        HostCopy(_file(tmp_path, host_copy.HEADER_BYTES))
+    assert os.path.exists(tmp_path / "state")

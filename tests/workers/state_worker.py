@@ -1,0 +1,124 @@
+"""A restart-mode worker whose state the agent keeps in host memory (elasticrun.worker.elastic).
+
+Each rank holds its own shard (an int64 tensor of --numel values, a different pattern
+per rank, plus 1 each step) and a small model with an SGD optimizer with momentum, in a
+ShardedState (--kind=sharded) or a State (--kind=replicated); each step all-reduces a
+flag (so the ranks stay in step, as training does), commits and prints
+
+    step=7 rank=1 digest=0123456789ab
+
+(digest: a hash of everything the state holds). When the function starts it prints
+
+    begin rank=1 restart=1 restored=True from=own memory step=22 digest=... intact=True pid=... file=...
+
+where intact says whether the shard is exactly what that step's shard must be. The first
+attempt's rank --kill-rank is SIGKILLed:
+
+- `--kill=after-commit`: right after its commit --kill-at;
+- `--kill=mid-copy`: during the copy of its commit --kill-at into host memory. A
+  `Killer` in the state, after the shard and the model, is asked for its state dict
+  twice per commit: for the in-memory copy, then by the host copy, which has written
+  the shard and the model into the slot by then; at that second call it checks that the
+  copy is under way (the slot's record is cleared: one whole commit held), prints
+  `mid-copy held=[...]` and kills its process.
+
+It ends after --steps steps (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--kind", choices=["sharded", "replicated"], default="sharded")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--numel", type=int, default=1 << 16)
+    p.add_argument("--kill", choices=["none", "after-commit", "mid-copy"], default="none")
+    p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--kill-rank", type=int, default=0)
+    args = p.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    from elasticrun.worker import elastic
+    from elasticrun.worker.elastic.host_copy import HostCopy
+
+    rank = int(os.environ["RANK"])
+    first_attempt = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+    doomed = first_attempt and rank == args.kill_rank and args.kill != "none"
+
+    class Killer:
+        """Kills its process at its second state_dict() call once armed (see the module doc)."""
+
+        armed = False
+        calls = 0
+
+        def state_dict(self) -> dict[str, Any]:
+            if self.armed:
+                self.calls += 1
+                if self.calls == 2:
+                    held = HostCopy(Path(os.environ["ELASTICRUN_STATE_FILE"])).held()
+                    print(f"mid-copy held={[r.commits for r in held]}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return {}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    def expected_shard(step: int) -> torch.Tensor:
+        return torch.arange(args.numel, dtype=torch.int64) * (rank + 1) + step
+
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(16, 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    killer = Killer()
+    kind = elastic.ShardedState if args.kind == "sharded" else elastic.State
+    state = kind(shard=expected_shard(0), model=model, optimizer=optimizer, killer=killer, step=0)
+
+    def digest() -> str:
+        h = hashlib.sha256(state.shard.numpy().tobytes())
+        for t in model.state_dict().values():
+            h.update(t.numpy().tobytes())
+        for group in optimizer.state.values():
+            h.update(group["momentum_buffer"].numpy().tobytes())
+        return h.hexdigest()[:12]
+
+    @elastic.run(backend="gloo")
+    def train(state: Any) -> None:
+        intact = torch.equal(state.shard, expected_shard(state.step))
+        print(
+            f"begin rank={rank} restart={os.environ['TORCHELASTIC_RESTART_COUNT']} restored={state.restored} "
+            f"from={state.restored_from} step={state.step} digest={digest()} intact={intact} pid={os.getpid()} "
+            f"file={os.environ.get('ELASTICRUN_STATE_FILE', '')}",
+            flush=True,
+        )
+        flag = torch.zeros(1)
+        while state.step < args.steps:
+            dist.all_reduce(flag)
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(state.step))
+            optimizer.zero_grad()
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+            state.shard += 1
+            state.step += 1
+            if doomed and args.kill == "mid-copy" and state.step == args.kill_at:
+                killer.armed = True
+            state.commit()
+            print(f"step={state.step} rank={rank} digest={digest()}", flush=True)
+            if doomed and args.kill == "after-commit" and state.step == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    train(state)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
