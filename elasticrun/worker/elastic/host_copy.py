@@ -133,8 +133,9 @@ class HostCopy:
     def read(self, record: Record, device: torch.device) -> Any:
         """The commit `record` describes: its structure with the tensors in place.
 
-        Each tensor is copied out of the mapping (the next commit overwrites it) and put
-        on `device` when it was not on the CPU when committed."""
+        A tensor that was on the CPU when committed is a view of the mapping, valid until
+        the next commit overwrites its slot: load it into its place, or clone it (no
+        copy is made that the caller would make again). The others are copied to `device`."""
         start = self._slot_start(record.slot)
         at = start + record.structure_at
         structure = decode(bytes(self._map[at : at + record.structure_bytes]))
@@ -145,7 +146,7 @@ class HostCopy:
         size = _nbytes(hole)
         if size == 0:
             return torch.empty(hole.shape, dtype=hole.dtype)
-        tensor = self._bytes[at : at + size].view(hole.dtype).view(hole.shape).clone()
+        tensor = self._bytes[at : at + size].view(hole.dtype).view(hole.shape)
         return tensor if hole.on_cpu else tensor.to(device)
 
     # --- writing -----------------------------------------------------------------------

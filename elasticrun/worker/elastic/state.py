@@ -221,9 +221,14 @@ class State:
         the commit), before sync()."""
         record = self._choose(host.held() if host is not None else [])
         if host is not None and record is not None:
-            payloads = host.read(record, flag_device())
+            # tensors that were on a GPU go back to this process's current one
+            gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            payloads = host.read(record, gpu or torch.device("cpu"))
             for name, payload in payloads.items():
-                self._slots[name].load(payload)
+                slot = self._slots[name]
+                # A module copies the tensors into its own; anything else may keep them
+                # (an optimizer keeps its state's): those get copies of their own.
+                slot.load(payload if isinstance(slot, _ModuleSlot) else _cloned(payload))
             object.__setattr__(self, "commits", record.commits)
             object.__setattr__(self, "committed_in", record.round)
             object.__setattr__(self, "restored", True)
@@ -378,6 +383,17 @@ def _hollow(obj: Any, tensors: list[torch.Tensor]) -> Any:
         return {k: _hollow(v, tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_hollow(v, tensors) for v in obj)
+    return obj
+
+
+def _cloned(obj: Any) -> Any:
+    """`obj` with each tensor replaced by a copy of its own."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
     return obj
 
 
