@@ -1,0 +1,124 @@
+"""Restart-mode state in host memory: what a commit costs, and a restore against torch.load.
+
+    python bench/bench_state.py                  # ~1 minute: a 64 MB state, 5 rounds
+    python bench/bench_state.py --mb 256 --rounds 3
+
+In this process, with torch on the CPU and no process group (rank 0 of 1), a model of
+`--mb` MB of float32 parameters with an SGD optimizer with momentum (state of the same
+size again), in an `elastic.State`, its host copy in a file on /dev/shm made as the
+agent makes it (elasticrun.agent.state_files, `--state-memory` four times the state):
+
+- commit: `state.commit()` with the host copy against `state.commit()` without it (the
+  in-memory copy that commit() always keeps), alternating, many commits each; the
+  difference is what the host copy costs a step, given also as a share of a 100 ms step;
+  and with `commit(every=10)`, per step;
+- restore: what a restarted worker does before calling the function (map the file, pick
+  the newest whole commit, read it, load the model and the optimizer) against
+  `torch.load` of the same state dicts from a file on local disk (`--disk-dir`, default
+  the system's temporary folder) and `load_state_dict`, alternating; the ratio of the
+  medians. The file was just written, so torch.load reads it from the page cache: its
+  best case (a cold read adds the disk's time).
+
+Nothing here runs in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from elasticrun.agent.state_files import StateFiles  # noqa: E402
+from elasticrun.worker.elastic import State  # noqa: E402
+from elasticrun.worker.elastic.host_copy import HostCopy  # noqa: E402
+
+STEP_SECONDS = 0.1
+
+
+def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model of `mb` MB of float32 parameters (1 MB layers), and SGD with momentum on it."""
+    layers = [torch.nn.Linear(512, 512, bias=False) for _ in range(mb)]
+    model = torch.nn.Sequential(*layers)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model(torch.randn(2, 512)).sum().backward()
+    optimizer.step()  # the momentum buffers exist
+    return model, optimizer
+
+
+def time_commits(state: State, n: int, every: int | None = None) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        state.step += 1
+        state.commit(every=every)
+    return (time.perf_counter() - start) / n
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=int, default=64, help="MB of parameters (the state is twice that with momentum)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--commits", type=int, default=10, help="commits timed per round and variant")
+    p.add_argument("--disk-dir", default=tempfile.gettempdir())
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    model, optimizer = build(args.mb)
+    state_bytes = 2 * args.mb << 20
+    files = StateFiles(Path(args.disk_dir), 4 * state_bytes, lambda path, made: None)
+    path = files.path(0)
+    try:
+        plain = State(model=model, optimizer=optimizer, step=0)
+        kept = State(model=model, optimizer=optimizer, step=0)
+        kept._keep_in(HostCopy(path))
+        disk = Path(tempfile.mkdtemp(dir=args.disk_dir)) / "state.pt"
+        without, with_copy, thinned, restores, loads = [], [], [], [], []
+        for _ in range(args.rounds):
+            without.append(time_commits(plain, args.commits))
+            with_copy.append(time_commits(kept, args.commits))
+            thinned.append(time_commits(kept, args.commits, every=10))
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": kept.step}, disk)
+
+            fresh_model, fresh_optimizer = build(args.mb)
+            fresh = State(model=fresh_model, optimizer=fresh_optimizer, step=0)
+            start = time.perf_counter()
+            fresh._keep_in(HostCopy(path))
+            restores.append(time.perf_counter() - start)
+            assert fresh.restored and fresh.step == kept.step
+            assert all(torch.equal(a, b) for a, b in zip(fresh_model.parameters(), model.parameters(), strict=True))
+
+            start = time.perf_counter()
+            saved = torch.load(disk)
+            fresh_model.load_state_dict(saved["model"])
+            fresh_optimizer.load_state_dict(saved["optimizer"])
+            loads.append(time.perf_counter() - start)
+        disk.unlink()
+        disk.parent.rmdir()
+    finally:
+        files.close()
+
+    cost = statistics.median(with_copy) - statistics.median(without)
+    per_step_thinned = statistics.median(thinned) - statistics.median(without)
+    print(f"state: {state_bytes >> 20} MB (model {args.mb} MB + momentum), {args.rounds} rounds, "
+          f"torch threads 1, load {os.getloadavg()[0]:.1f}")
+    print(f"commit without host copy   median {statistics.median(without) * 1e3:8.2f} ms")
+    print(f"commit with host copy      median {statistics.median(with_copy) * 1e3:8.2f} ms "
+          f"(+{cost * 1e3:.2f} ms: {cost / STEP_SECONDS:.1%} of a 100 ms step)")
+    print(f"commit(every=10), per step median {statistics.median(thinned) * 1e3:8.2f} ms "
+          f"(+{per_step_thinned * 1e3:.2f} ms: {per_step_thinned / STEP_SECONDS:.1%} of a 100 ms step)")
+    print(f"restore from host memory   median {statistics.median(restores) * 1e3:8.2f} ms")
+    print(f"torch.load from disk + load median {statistics.median(loads) * 1e3:8.2f} ms")
+    print(f"ratio restore / torch.load: {statistics.median(restores) / statistics.median(loads):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
