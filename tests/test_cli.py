@@ -643,6 +643,7 @@ BAD_INPUT = {
     "unknown start method": (["--start-method", "thread", S], ["--start-method", "thread"]),
     "unknown signal": (["--signals-to-handle", "SIGNOPE", S], ["--signals-to-handle", "SIGNOPE"]),
     "negative shutdown timeout": (["--shutdown-timeout", "-1", S], ["--shutdown-timeout", "-1"]),
+    "state-memory not a size": (["--state-memory", "8GB", S], ["--state-memory must be a size", "'8GB'"]),
     "bad master port": (["--master-port", "70000", S], ["--master-port"]),
     "rdzv-id with slash": (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
                             "--rdzv-id", "a/b", S], ["--rdzv-id", "'a/b'"]),

@@ -414,7 +414,8 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     first = build_config(launch_parser().parse_args([
         "--nnodes=1:3", "--nproc-per-node=2", "--max-restarts=2", "--role=trainer", "--rdzv-backend=c10d",
         "--rdzv-endpoint=127.0.0.1:29400", "--rdzv-id=job", "--rdzv-conf=heartbeat_timeout=7,is_host=false",
-        "--shutdown-timeout=4", "--tee=0:3", "--redirects=1", "--signals-to-handle=SIGTERM,SIGUSR1",
+        "--shutdown-timeout=4", "--state-memory=512M", "--tee=0:3", "--redirects=1",
+        "--signals-to-handle=SIGTERM,SIGUSR1",
         "--local-ranks-filter=0", "--health-interval=3", "--virtual-local-rank", f"--log-dir={tmp_path / 'logs'}",
         "--event-log-handler=console", "--progress-timeout=30", "--health-check=first node's check",
         "--run-path", "train.py", "--lr", "0.1",
@@ -442,9 +443,10 @@ async def test_join_carries_the_harmless_settings_of_the_first_node(
     carried = ("entrypoint", "nproc_per_node", "role", "max_restarts", "redirects", "tee", "progress_timeout",
                "in_process")
     assert {k: getattr(w, k) for k in carried} == {k: getattr(f, k) for k in carried}
-    carried_options = ("stop_grace", "signals_to_handle", "local_ranks_filter", "isolate_gpus")
+    carried_options = ("stop_grace", "signals_to_handle", "local_ranks_filter", "isolate_gpus", "state_memory")
     assert {k: getattr(w.options, k) for k in carried_options} == {k: getattr(f.options, k) for k in carried_options}
     assert (w.options.stop_grace, w.options.isolate_gpus, joined.agent.health_interval) == (4.0, True, 3.0)
+    assert w.options.state_memory == 512 << 20
     assert joined.rdzv.local_addr == "127.0.0.5" and joined.rdzv.settings.join_timeout == 60.0
     assert (w.options.log_dir, joined.agent.event_log_handler) == (None, "null")
     assert not any(a.startswith(("--log-dir", "--event-log-handler")) for a in argv), argv

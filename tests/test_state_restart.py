@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from elasticrun.agent import state_files
+from elasticrun.launcher.flag_values import byte_size
 from elasticrun.worker.elastic import host_copy
 from elasticrun.worker.elastic.host_copy import HostCopy
 from tests.support.elastic_cluster import Cluster, Proc, pid_alive
@@ -175,3 +176,10 @@ def test_a_file_too_small_for_two_copies_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StateMemoryError, match="too small for two copies"):
         HostCopy(_file(tmp_path, host_copy.HEADER_BYTES))
     assert os.path.exists(tmp_path / "state")
+
+
+@pytest.mark.parametrize(
+    ("value", "size"), [("0", 0), ("100", 100), ("1.5K", 1536), ("512M", 512 << 20), ("8g", 8 << 30), ("1T", 1 << 40)]
+)
+def test_state_memory_takes_sizes(value: str, size: int) -> None:
+    assert byte_size(value, "--state-memory") == size
