@@ -23,8 +23,8 @@ in its own write fails its CRC.
 Space on the tmpfs is reserved (`posix_fallocate`) before it is written: a full /dev/shm
 is a StateMemoryError at the commit, never a SIGBUS in the middle of a copy.
 
-CUDA tensors are copied on a side stream into the mapping (registered as pinned memory),
-and the record written once the copy is done, at the next commit or when the function
+CUDA tensors are copied on a side stream into the mapping (each part registered as
+pinned memory as it is reserved), and the record written once the copy is done, at the next commit or when the function
 returns, so the copy overlaps the training that follows it. That path has not run on a
 GPU yet (no GPU where it was written); the CPU path is the one the tests run.
 """
@@ -89,7 +89,7 @@ class HostCopy:
         self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         size = os.fstat(self._fd).st_size
         #: each slot's bytes: half of what is left after the records
-        self.slot_bytes = (size - HEADER_BYTES) // 2 // _ALIGN * _ALIGN
+        self.slot_bytes = (size - HEADER_BYTES) // 2 // mmap.PAGESIZE * mmap.PAGESIZE
         if self.slot_bytes <= 0:
             os.close(self._fd)
             raise StateMemoryError(f"the state file {path} holds {size} bytes: too small for two copies")
@@ -212,11 +212,16 @@ class HostCopy:
         return HEADER_BYTES + slot * self.slot_bytes
 
     def _reserve(self, slot: int, end: int, commits: int) -> None:
-        """Make sure the tmpfs holds bytes [0, end) of `slot`: a clear error, never a SIGBUS."""
+        """Make sure the tmpfs holds bytes [0, end) of `slot`: a clear error, never a SIGBUS.
+
+        Reserved in whole pages; where CUDA is in use each new range is also registered
+        as pinned memory (only what is reserved: pinning a page allocates it)."""
         if end <= self._reserved[slot]:
             return
+        end = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, self.slot_bytes)
+        at = self._slot_start(slot) + self._reserved[slot]
         try:
-            os.posix_fallocate(self._fd, self._slot_start(slot) + self._reserved[slot], end - self._reserved[slot])
+            os.posix_fallocate(self._fd, at, end - self._reserved[slot])
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EFBIG):
                 raise
@@ -224,6 +229,8 @@ class HostCopy:
                 f"no room left in {self.path.parent} for the state's copy (commit {commits} needs "
                 f"{_mib(end)}): give the tmpfs more room, or lower --state-memory to what it holds"
             ) from None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # untested on a GPU (module doc)
+            torch.cuda.cudart().cudaHostRegister(self._bytes[at:].data_ptr(), end - self._reserved[slot], 0)
         self._reserved[slot] = end
 
     def _copy(self, view: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -233,7 +240,6 @@ class HostCopy:
             return False
         # Untested on a GPU (see the module doc).
         if self._side_stream is None:
-            torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self._bytes.numel(), 0)
             self._side_stream = torch.cuda.Stream()
         self._side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._side_stream):
