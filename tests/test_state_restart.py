@@ -19,7 +19,7 @@ import torch
 
 from elasticrun.agent import state_files
 from elasticrun.launcher.flag_values import byte_size
-from elasticrun.worker.elastic import host_copy
+from elasticrun.worker.elastic import State, host_copy
 from elasticrun.worker.elastic.host_copy import HostCopy
 from tests.support.elastic_cluster import Cluster, Proc, pid_alive
 from tests.support.helpers import wait_until
@@ -183,3 +183,44 @@ def test_a_file_too_small_for_two_copies_is_refused(tmp_path: Path) -> None:
 )
 def test_state_memory_takes_sizes(value: str, size: int) -> None:
     assert byte_size(value, "--state-memory") == size
+
+
+def test_restore_rolls_back_to_the_last_commit_whether_copied_out_or_not(tmp_path: Path) -> None:
+    """A commit copied to host memory is rolled back to from there (no copy kept in the
+    process); one that was not, from the in-memory copy; a new worker resumes from the
+    last one copied out."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = State(model=model, optimizer=optimizer, step=0)
+    state._keep_in(HostCopy(_file(tmp_path)))
+    assert not state.restored and state.restored_from == "nothing"
+
+    def train_step() -> None:
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        state.step += 1
+
+    def snapshot() -> list[torch.Tensor]:
+        return [t.clone() for t in model.state_dict().values()] + [
+            s["momentum_buffer"].clone() for s in optimizer.state.values()
+        ]
+
+    for every in (None, 2):  # step 1: copied out; step 2, with every=2: copied out again
+        train_step()
+        state.commit(every=every)
+        kept, step = snapshot(), state.step
+        train_step()
+        state.restore()
+        assert all(torch.equal(a, b) for a, b in zip(kept, snapshot(), strict=True)) and state.step == step
+    train_step()
+    state.commit(every=2)  # step 3: not copied out, rolled back to in the process
+    kept = snapshot()
+    train_step()
+    state.restore()
+    assert all(torch.equal(a, b) for a, b in zip(kept, snapshot(), strict=True)) and state.step == 3
+
+    model2 = torch.nn.Linear(4, 4)
+    optimizer2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    again = State(model=model2, optimizer=optimizer2, step=0)
+    again._keep_in(HostCopy(tmp_path / "state"))
+    assert (again.restored, again.restored_from, again.step, again.commits) == (True, "own memory", 2, 2)

@@ -17,10 +17,10 @@ attempt's rank --kill-rank is SIGKILLed:
 - `--kill=after-commit`: right after its commit --kill-at;
 - `--kill=mid-copy`: during the copy of its commit --kill-at into host memory. A
   `Killer` in the state, after the shard and the model, is asked for its state dict
-  twice per commit: for the in-memory copy, then by the host copy, which has written
-  the shard and the model into the slot by then; at that second call it checks that the
-  copy is under way (the slot's record is cleared: one whole commit held), prints
-  `mid-copy held=[...]` and kills its process.
+  when its turn to be copied comes, once the shard and the model are written into the
+  slot; armed, it kills its process at the first call that finds the copy under way
+  (the slot's record cleared: one whole commit held, not two), after printing
+  `mid-copy held=[...]`.
 
 It ends after --steps steps (exit 0).
 """
@@ -56,16 +56,14 @@ def main() -> int:
     doomed = first_attempt and rank == args.kill_rank and args.kill != "none"
 
     class Killer:
-        """Kills its process at its second state_dict() call once armed (see the module doc)."""
+        """Kills its process in the middle of a commit's copy once armed (see the module doc)."""
 
         armed = False
-        calls = 0
 
         def state_dict(self) -> dict[str, Any]:
             if self.armed:
-                self.calls += 1
-                if self.calls == 2:
-                    held = HostCopy(Path(os.environ["ELASTICRUN_STATE_FILE"])).held()
+                held = HostCopy(Path(os.environ["ELASTICRUN_STATE_FILE"])).held()
+                if len(held) == 1:
                     print(f"mid-copy held={[r.commits for r in held]}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
             return {}

@@ -151,6 +151,9 @@ class State:
         object.__setattr__(self, "restored_from", "nothing")
         #: restart mode: the host memory the commits are copied to (set by the wrapper)
         object.__setattr__(self, "_host", None)
+        #: whether the last commit's copy is the newest in `_host` rather than in the
+        #: slots: a commit copied out of the process needs no second copy in it
+        object.__setattr__(self, "_rollback_in_host", False)
         object.__setattr__(self, "_copied_at", time.monotonic())
         for slot in slots.values():
             slot.snapshot()
@@ -179,19 +182,23 @@ class State:
         that the worker restarted after a failure resumes from it: on every commit, or,
         when the copy is costly, on every `every`-th commit, or once `seconds` have
         passed since the last copy (with both, whichever comes first). Every rank
-        copies at the same commits.
+        copies at the same commits. A commit copied out is not copied in the process
+        too: restore() reads it back from host memory.
         """
         if every is not None and every < 1:
             raise ValueError(f"commit(every=...) must be a count >= 1, got {every!r}")
         if seconds is not None and not seconds > 0:
             raise ValueError(f"commit(seconds=...) must be > 0, got {seconds!r}")
         mark_step("commit")
-        for slot in self._slots.values():
-            slot.snapshot()
         object.__setattr__(self, "commits", self.commits + 1)
         object.__setattr__(self, "committed_in", self._round)
-        if self._host is not None and self._copy_due(every, seconds):
-            self._copy_out(self._host)
+        copied = self._host is not None and self._copy_due(every, seconds)
+        if copied:
+            self._copy_out(self._host)  # the rollback point too: no copy in the process
+        else:
+            for slot in self._slots.values():
+                slot.snapshot()
+        object.__setattr__(self, "_rollback_in_host", copied)
         if self._check is not None:
             self._check()
 
@@ -221,21 +228,26 @@ class State:
         the commit), before sync()."""
         record = self._choose(host.held() if host is not None else [])
         if host is not None and record is not None:
-            # tensors that were on a GPU go back to this process's current one
-            gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            payloads = host.read(record, gpu or torch.device("cpu"))
-            for name, payload in payloads.items():
-                slot = self._slots[name]
-                # A module copies the tensors into its own; anything else may keep them
-                # (an optimizer keeps its state's): those get copies of their own.
-                slot.load(payload if isinstance(slot, _ModuleSlot) else _cloned(payload))
+            self._load(host, record)
             object.__setattr__(self, "commits", record.commits)
             object.__setattr__(self, "committed_in", record.round)
             object.__setattr__(self, "restored", True)
             object.__setattr__(self, "restored_from", "own memory")
-            for slot in self._slots.values():
-                slot.snapshot()
+            object.__setattr__(self, "_rollback_in_host", record == host.held()[-1])
+            if not self._rollback_in_host:  # an older commit (a ShardedState's agreement)
+                for slot in self._slots.values():
+                    slot.snapshot()
         object.__setattr__(self, "_host", host)
+
+    def _load(self, host: HostCopy, record: Record) -> None:
+        # tensors that were on a GPU go back to this process's current one
+        gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        payloads = host.read(record, gpu or torch.device("cpu"))
+        for name, payload in payloads.items():
+            slot = self._slots[name]
+            # A module copies the tensors into its own; anything else may keep them
+            # (an optimizer keeps its state's): those get copies of their own.
+            slot.load(payload if isinstance(slot, _ModuleSlot) else _cloned(payload))
 
     def _choose(self, held: list[Record]) -> Record | None:
         """The commit to resume from, of those this rank's host copy holds: the newest.
@@ -245,6 +257,11 @@ class State:
 
     def restore(self) -> None:
         """Roll back to the last commit."""
+        if self._rollback_in_host:
+            assert self._host is not None  # set with it
+            self._host.settle()
+            self._load(self._host, self._host.held()[-1])
+            return
         for slot in self._slots.values():
             slot.restore()
 
@@ -290,6 +307,9 @@ class State:
         object.__setattr__(self, "commits", newest[0])
         object.__setattr__(self, "committed_in", newest[1])
         object.__setattr__(self, "_synced_before", True)
+        if rank in current and self._rollback_in_host:
+            return  # unchanged, and its last commit is in host memory
+        object.__setattr__(self, "_rollback_in_host", False)
         for slot in self._slots.values():
             slot.snapshot()
 
