@@ -8,10 +8,11 @@ In this process, with torch on the CPU and no process group (rank 0 of 1), a mod
 size again), in an `elastic.State`, its host copy in a file on /dev/shm made as the
 agent makes it (elasticrun.agent.state_files, `--state-memory` four times the state):
 
-- commit: `state.commit()` with the host copy against `state.commit()` without it (the
-  in-memory copy that commit() always keeps), alternating, many commits each; the
-  difference is what the host copy costs a step, given also as a share of a 100 ms step;
-  and with `commit(every=10)`, per step;
+- commit: `state.commit()` with the host copy (restart mode: the commit copied out of
+  the process, not also in it) against `state.commit()` without one (the in-memory copy
+  of in-process mode and of elasticrun before restart mode kept commits), alternating,
+  many calls each, each also as a share of a 100 ms step; and `commit(every=10)` with
+  the host copy, per call;
 - restore: what a restarted worker does before calling the function (map the file, pick
   the newest whole commit, read it, load the model and the optimizer) against
   `torch.load` of the same state dicts from a file on local disk (`--disk-dir`, default
@@ -105,17 +106,18 @@ def main() -> int:
     finally:
         files.close()
 
-    cost = statistics.median(with_copy) - statistics.median(without)
-    per_step_thinned = statistics.median(thinned) - statistics.median(without)
     print(f"state: {state_bytes >> 20} MB (model {args.mb} MB + momentum), {args.rounds} rounds, "
           f"torch threads 1, load {os.getloadavg()[0]:.1f}")
-    print(f"commit without host copy   median {statistics.median(without) * 1e3:8.2f} ms")
-    print(f"commit with host copy      median {statistics.median(with_copy) * 1e3:8.2f} ms "
-          f"(+{cost * 1e3:.2f} ms: {cost / STEP_SECONDS:.1%} of a 100 ms step)")
-    print(f"commit(every=10), per step median {statistics.median(thinned) * 1e3:8.2f} ms "
-          f"(+{per_step_thinned * 1e3:.2f} ms: {per_step_thinned / STEP_SECONDS:.1%} of a 100 ms step)")
-    print(f"restore from host memory   median {statistics.median(restores) * 1e3:8.2f} ms")
-    print(f"torch.load from disk + load median {statistics.median(loads) * 1e3:8.2f} ms")
+    for what, times in (
+        ("commit(), in-process copy only", without),
+        ("commit(), host copy", with_copy),
+        ("commit(every=10), host copy, per call", thinned),
+    ):
+        median = statistics.median(times)
+        print(f"{what:40s} median {median * 1e3:8.2f} ms ({median / STEP_SECONDS:.1%} of a 100 ms step)")
+    print(f"ratio host copy / in-process copy: {statistics.median(with_copy) / statistics.median(without):.2f}")
+    print(f"{'restore from host memory':40s} median {statistics.median(restores) * 1e3:8.2f} ms")
+    print(f"{'torch.load from disk, load_state_dict':40s} median {statistics.median(loads) * 1e3:8.2f} ms")
     print(f"ratio restore / torch.load: {statistics.median(restores) / statistics.median(loads):.2f}")
     return 0
 

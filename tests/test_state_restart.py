@@ -185,10 +185,10 @@ def test_state_memory_takes_sizes(value: str, size: int) -> None:
     assert byte_size(value, "--state-memory") == size
 
 
-def test_restore_rolls_back_to_the_last_commit_whether_copied_out_or_not(tmp_path: Path) -> None:
-    """A commit copied to host memory is rolled back to from there (no copy kept in the
-    process); one that was not, from the in-memory copy; a new worker resumes from the
-    last one copied out."""
+def test_restore_rolls_back_to_the_last_commit_held_in_host_memory(tmp_path: Path) -> None:
+    """With a host copy a commit is kept there only (not also in the process), and
+    restore() rolls back from there; commit(every=2) commits every second call only, in
+    host memory or (without one) in the process; a new worker resumes from the last."""
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = State(model=model, optimizer=optimizer, step=0)
@@ -205,22 +205,33 @@ def test_restore_rolls_back_to_the_last_commit_whether_copied_out_or_not(tmp_pat
             s["momentum_buffer"].clone() for s in optimizer.state.values()
         ]
 
-    for every in (None, 2):  # step 1: copied out; step 2, with every=2: copied out again
-        train_step()
-        state.commit(every=every)
-        kept, step = snapshot(), state.step
+    def rolled_back_to(kept: list[torch.Tensor], step: int) -> bool:
         train_step()
         state.restore()
-        assert all(torch.equal(a, b) for a, b in zip(kept, snapshot(), strict=True)) and state.step == step
+        return all(torch.equal(a, b) for a, b in zip(kept, snapshot(), strict=True)) and state.step == step
+
     train_step()
-    state.commit(every=2)  # step 3: not copied out, rolled back to in the process
+    state.commit()  # call 1: a commit
+    assert rolled_back_to(snapshot(), 1) and state.commits == 1
+    train_step()
+    state.commit(every=2)  # call 2: a commit
     kept = snapshot()
+    assert rolled_back_to(kept, 2) and state.commits == 2
     train_step()
-    state.restore()
-    assert all(torch.equal(a, b) for a, b in zip(kept, snapshot(), strict=True)) and state.step == 3
+    state.commit(every=2)  # call 3: none
+    assert rolled_back_to(kept, 2) and state.commits == 2
 
     model2 = torch.nn.Linear(4, 4)
     optimizer2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
     again = State(model=model2, optimizer=optimizer2, step=0)
     again._keep_in(HostCopy(tmp_path / "state"))
     assert (again.restored, again.restored_from, again.step, again.commits) == (True, "own memory", 2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model2.state_dict().values(), kept, strict=False))
+
+    plain = State(step=0)  # no host copy: in the process, every second call
+    for _ in range(3):
+        plain.step += 1
+        plain.commit(every=2)
+    plain.step += 1
+    plain.restore()
+    assert (plain.commits, plain.step) == (1, 2)

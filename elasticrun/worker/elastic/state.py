@@ -154,7 +154,10 @@ class State:
         #: whether the last commit's copy is the newest in `_host` rather than in the
         #: slots: a commit copied out of the process needs no second copy in it
         object.__setattr__(self, "_rollback_in_host", False)
-        object.__setattr__(self, "_copied_at", time.monotonic())
+        #: commit() calls since the group's start (commit(every=...) counts them), and
+        #: when the last commit was made (commit(seconds=...))
+        object.__setattr__(self, "_calls", 0)
+        object.__setattr__(self, "_committed_at", time.monotonic())
         for slot in slots.values():
             slot.snapshot()
 
@@ -174,40 +177,44 @@ class State:
     def commit(self, *, every: int | None = None, seconds: float | None = None) -> None:
         """Keep a copy of the state; then leave the loop if the membership changed.
 
-        Cheap (an in-memory copy, plus one one-element all_reduce under the elastic
-        wrapper so that every rank notices a change at the same commit). Each commit
-        ends a step for the step timing (`elasticrun.worker.steptime`).
+        Called once a step. Each call ends a step for the step timing
+        (`elasticrun.worker.steptime`) and, under the elastic wrapper in in-process mode,
+        runs one one-element all_reduce so that every rank notices a change at the same
+        call. A commit is a copy of the state: in the process, or in restart mode in host
+        memory the agent keeps (then not also in the process), from which a worker
+        restarted after a failure resumes.
 
-        In restart mode the commit is also copied into host memory the agent keeps, so
-        that the worker restarted after a failure resumes from it: on every commit, or,
-        when the copy is costly, on every `every`-th commit, or once `seconds` have
-        passed since the last copy (with both, whichever comes first). Every rank
-        copies at the same commits. A commit copied out is not copied in the process
-        too: restore() reads it back from host memory.
+        Every call commits, or, when copying the state is costly, every `every`-th call
+        (counted from the group's start), or the first call once `seconds` have passed
+        since the last commit (with both, whichever comes first); every rank commits at
+        the same calls. A failure rolls back to the last commit.
         """
         if every is not None and every < 1:
             raise ValueError(f"commit(every=...) must be a count >= 1, got {every!r}")
         if seconds is not None and not seconds > 0:
             raise ValueError(f"commit(seconds=...) must be > 0, got {seconds!r}")
         mark_step("commit")
-        object.__setattr__(self, "commits", self.commits + 1)
-        object.__setattr__(self, "committed_in", self._round)
-        copied = self._host is not None and self._copy_due(every, seconds)
-        if copied:
-            self._copy_out(self._host)  # the rollback point too: no copy in the process
-        else:
-            for slot in self._slots.values():
-                slot.snapshot()
-        object.__setattr__(self, "_rollback_in_host", copied)
+        object.__setattr__(self, "_calls", self._calls + 1)
+        if self._due(every, seconds):
+            object.__setattr__(self, "commits", self.commits + 1)
+            object.__setattr__(self, "committed_in", self._round)
+            copied = self._host is not None
+            if self._host is not None:
+                self._copy_out(self._host)  # the rollback point too: no copy in the process
+            else:
+                for slot in self._slots.values():
+                    slot.snapshot()
+            object.__setattr__(self, "_rollback_in_host", copied)
+            object.__setattr__(self, "_committed_at", time.monotonic())
         if self._check is not None:
             self._check()
 
-    def _copy_due(self, every: int | None, seconds: float | None) -> bool:
+    def _due(self, every: int | None, seconds: float | None) -> bool:
         if every is None and seconds is None:
             return True
-        due = every is not None and self.commits % every == 0
+        due = every is not None and self._calls % every == 0
         if seconds is not None and not due:
-            due = time.monotonic() - self._copied_at >= seconds
+            due = time.monotonic() - self._committed_at >= seconds
             if dist.is_initialized() and dist.get_world_size() > 1:  # clocks differ: agree
                 flag = torch.tensor([int(due)], device=flag_device())
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -219,7 +226,6 @@ class State:
         # A generator: each object's state dict is taken when its turn to be copied comes.
         named = ((name, slot.payload()) for name, slot in self._slots.items())
         host.write(named, self.commits, self.committed_in, rank, world)
-        object.__setattr__(self, "_copied_at", time.monotonic())
 
     def _keep_in(self, host: HostCopy | None) -> None:
         """Restart mode: resume from the last commit `host` holds, and copy commits there from now on.
@@ -278,6 +284,7 @@ class State:
         copy per newcomer. In a group where no one has synced yet (a job's first round),
         the lowest rank with the newest commit is the one source.
         """
+        object.__setattr__(self, "_calls", 0)  # every rank counts commit() calls afresh
         if not dist.is_initialized():
             return
         if dist.get_world_size() == 1:
@@ -354,6 +361,7 @@ class ShardedState(State):
 
     def sync(self) -> None:
         """Nothing moves: each rank's values are its own."""
+        object.__setattr__(self, "_calls", 0)  # every rank counts commit() calls afresh
         object.__setattr__(self, "_synced_before", True)
 
     def _choose(self, held: list[Record]) -> Record | None:
