@@ -92,7 +92,9 @@ class HostCopy:
         self.slot_bytes = (size - HEADER_BYTES) // 2 // mmap.PAGESIZE * mmap.PAGESIZE
         if self.slot_bytes <= 0:
             os.close(self._fd)
-            raise StateMemoryError(f"the state file {path} holds {size} bytes: too small for two copies")
+            raise StateMemoryError(
+                f"the state file {path} holds {size} bytes: too small for two copies (raise --state-memory)"
+            )
         self._map = mmap.mmap(self._fd, HEADER_BYTES + 2 * self.slot_bytes)
         #: the whole mapping as bytes; the tensors written and read are views of it
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)

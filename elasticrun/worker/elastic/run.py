@@ -84,8 +84,9 @@ def _run_once(
     made = not dist.is_initialized()
     if made:
         dist.init_process_group(backend, timeout=timeout)
-    host = HostCopy.from_env()
+    host: HostCopy | None = None
     try:
+        host = HostCopy.from_env()
         state._keep_in(host)
         state.sync()
         return call()
