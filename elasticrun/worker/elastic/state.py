@@ -9,6 +9,13 @@ a pending membership change is noticed; `restore()` rolls back to it; `sync()` m
 every rank of a new group hold the newest commit any rank has: new workers get it from
 a survivor, never from disk, and survivors move nothing among themselves.
 
+In restart mode (the wrapper outside in-process mode, under elasticrun) `commit()`
+copies the state into host memory the agent keeps for the worker instead (host_copy.py),
+and the wrapper restores the newest whole commit from there when a restarted worker
+starts: `restored`, `restored_from`. `ShardedState` is a State whose values are each
+rank's own: nothing is sent between ranks, and a restart resumes from a commit every
+rank holds.
+
 Each commit carries its lineage: how many commits led to it and the round it was made
 in. Two ranks hold the same state only if their lineages are equal; a count alone is
 not enough: a node that froze just after committing one step more than the
