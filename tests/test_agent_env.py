@@ -112,3 +112,11 @@ def test_isolated_workers_see_local_rank_0_as_under_virtual_local_rank(tmp_path:
     plain = worker_env(WorkerSpec(run_id="r", entrypoint=("x",), nproc_per_node=3), ASSIGNMENT, 2,
                        {"ELASTICRUN_LOCAL_RANK": "9"}, tmp_path / "e.json")
     assert plain["LOCAL_RANK"] == "2" and "ELASTICRUN_LOCAL_RANK" not in plain
+
+
+def test_a_state_file_is_never_inherited_from_the_agents_environment() -> None:
+    """An agent started by a worker (a nested launch) must not hand its workers the outer
+    worker's state file: only its own (agent.py adds it)."""
+    spec = make_spec(Path("train.py"))
+    env = worker_env(spec, ASSIGNMENT, 0, {"ELASTICRUN_STATE_FILE": "/dev/shm/outer"}, ERROR_FILE)
+    assert "ELASTICRUN_STATE_FILE" not in env
