@@ -20,7 +20,8 @@ attempt's rank --kill-rank is SIGKILLed:
   when its turn to be copied comes, once the shard and the model are written into the
   slot; armed, it kills its process at the first call that finds the copy under way
   (the slot's record cleared: one whole commit held, not two), after printing
-  `mid-copy held=[...]`.
+  `mid-copy held=[...]`. With other ranks it first waits in a barrier that they enter
+  once their own commit --kill-at is whole, so they hold the commit it tore.
 
 It ends after --steps steps (exit 0).
 """
@@ -64,6 +65,8 @@ def main() -> int:
             if self.armed:
                 held = HostCopy(Path(os.environ["ELASTICRUN_STATE_FILE"])).held()
                 if len(held) == 1:
+                    if dist.get_world_size() > 1:
+                        dist.barrier()
                     print(f"mid-copy held={[r.commits for r in held]}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
             return {}
@@ -111,6 +114,8 @@ def main() -> int:
                 killer.armed = True
             state.commit()
             print(f"step={state.step} rank={rank} digest={digest()}", flush=True)
+            if first_attempt and args.kill == "mid-copy" and not doomed and state.step == args.kill_at:
+                dist.barrier()  # the doomed rank's Killer waits for this commit to be whole
             if doomed and args.kill == "after-commit" and state.step == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
