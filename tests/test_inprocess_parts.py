@@ -26,9 +26,9 @@ from elasticrun.agent.worker_link import WorkerChannel
 from elasticrun.rendezvous.handler import Assignment
 from elasticrun.worker.elastic import MembershipChanged, State
 from elasticrun.worker.elastic import link as worker_link
+from elasticrun.worker.elastic import session as session_module
 from elasticrun.worker.elastic.link import AgentGoneError, AgentLink, WorkerAssignment
 from elasticrun.worker.elastic.run import broken_by_peer
-from elasticrun.worker.elastic import session as session_module
 from elasticrun.worker.elastic.session import (
     CollectiveAbandonedError,
     GroupSession,
