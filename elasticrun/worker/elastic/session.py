@@ -26,8 +26,10 @@ in the next round. So the waits of torch.distributed's Python collectives (`Work
 wait in slices while a group is formed, and a collective still in flight
 `_ABANDON_AFTER` seconds after an interrupt is abandoned: the wait raises
 `CollectiveAbandonedError`, and a thread of its own keeps the group until gloo's own
-timeout ends the operation (a process group's destructor joins its threads: on the main
-thread it would wait for that timeout too).
+timeout has ended the operation (a process group's destructor joins its threads: on the
+main thread it would wait for that timeout too). That thread sleeps in Python, never in
+torch: a daemon thread inside a torch call that lets go of the GIL aborts the process
+at its exit ("terminate called without an active exception") when it takes the GIL back.
 
 Only the default group is covered: groups a script makes later with `new_group()` are
 not interrupted (their collectives fail once the default group's peers are gone), and a
@@ -104,7 +106,7 @@ class GroupSession:
     def __init__(self, assignment: WorkerAssignment, backend: str | None, timeout: datetime.timedelta) -> None:
         self.assignment = assignment
         self._backend = backend
-        self._timeout = timeout
+        self.timeout = timeout
         self._lock = threading.Lock()
         self._interrupted = False  # a peer lost: the group is broken, joining or formed
         self._interrupted_at = 0.0  # when (time.monotonic())
@@ -132,7 +134,7 @@ class GroupSession:
                 a.master_port,
                 a.world_size,
                 is_master=a.rank == 0,
-                timeout=self._timeout,
+                timeout=self.timeout,
                 wait_for_workers=False,
             )
             if not self._agree(self._store):
@@ -142,7 +144,7 @@ class GroupSession:
                 store=dist.PrefixStore(f"elasticrun/round/{a.round}", self._store),
                 rank=a.rank,
                 world_size=a.world_size,
-                timeout=self._timeout,
+                timeout=self.timeout,
             )
         finally:
             with self._lock:
@@ -188,7 +190,7 @@ class GroupSession:
         moment after a waiting newcomer: probing every few ms keeps the group's start
         at the few ms the store needs, not the client's back-off.
         """
-        deadline = time.monotonic() + self._timeout.total_seconds()
+        deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
             if self._interrupted or self._over:
                 raise SupersededError(f"round {self.assignment.round} was superseded while joining it")
@@ -200,7 +202,7 @@ class GroupSession:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"round {self.assignment.round}: rank 0's store at {host}:{port} did not "
-                        f"accept connections within {self._timeout.total_seconds():g}s ({e})"
+                        f"accept connections within {self.timeout.total_seconds():g}s ({e})"
                     ) from e
             time.sleep(_PROBE_INTERVAL)
 
@@ -306,7 +308,8 @@ def _sliced(wait: Callable[..., Any]) -> Callable[..., Any]:
                     raise  # the collective's own failure
             if session.abandons():
                 group = dist.group.WORLD if dist.is_initialized() else None
-                threading.Thread(target=_hold_until_done, args=(work, group), daemon=True).start()
+                hold = session.timeout.total_seconds() + _ABANDON_AFTER
+                threading.Thread(target=_hold, args=(work, group, hold), daemon=True).start()
                 raise CollectiveAbandonedError(
                     f"round {session.assignment.round}'s collective did not break when its group "
                     f"was interrupted (its peers re-form): left behind"
@@ -316,12 +319,12 @@ def _sliced(wait: Callable[..., Any]) -> Callable[..., Any]:
     return sliced
 
 
-def _hold_until_done(work: Any, group: object) -> None:
-    """Keep an abandoned collective's group until the collective ends (at its timeout).
+def _hold(work: Any, group: object, seconds: float) -> None:
+    """Keep an abandoned collective and its group for `seconds`, past gloo's timeout for it.
 
-    Its last reference then goes here, and so does the destructor's join of its threads."""
-    with contextlib.suppress(Exception):
-        work.wait()
+    Their last references then go here, and so does the destructor's join of the group's
+    threads, which that timeout has freed."""
+    time.sleep(seconds)
     del work, group
 
 
