@@ -59,7 +59,11 @@ Scenarios (t0 is taken just before the action; every wait is capped at --cap sec
              until then (3: the first round was the live nodes'; more: a round that
              held the dead node started workers that never stepped)
   torchrun runs `grow` a second time with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-  ("torchrun-noshare"), for scale-up.
+  ("torchrun-noshare"), for scale-up. elasticrun runs `kill` and `grow` a second time
+  with --warm-imports=off ("elasticrun-cold": every worker starts cold); the default
+  (warm) run waits before the kill and the crash until the nodes that go on say
+  `standby workers ready`, as a job that has run a while has them (a node's first
+  round, as n3's in scale-up, starts cold: no standby before its first step).
 A phase that did not happen within the cap is recorded as such, and the rest of that
 chain is skipped (it would start from an unknown state).
 """
@@ -67,6 +71,7 @@ chain is skipped (it would start from an unknown state).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -147,7 +152,7 @@ class Events:
 
 @dataclass
 class Job:
-    launcher: str  # elasticrun | torchrun | torchrun-noshare
+    launcher: str  # elasticrun | elasticrun-cold | torchrun | torchrun-noshare
     nnodes: str
     workdir: Path
     tracker: ProcessTracker = field(default_factory=ProcessTracker)
@@ -182,6 +187,7 @@ class Job:
             f"--local-addr=127.0.0.{i}",
             f"--max-restarts={MAX_RESTARTS}",
             *self.extra,
+            *(["--warm-imports=off"] if self.launcher == "elasticrun-cold" else []),
             str(self.script),
         ]
         env = base_env(BENCH_EVENTS=str(self.workdir / "events"), BENCH_NODE=f"n{i}",
@@ -191,9 +197,31 @@ class Job:
         proc = self.tracker.start(argv, env=env, log=self.workdir / f"n{i}.log", **cwd)
         self.nodes[i] = proc.pid
 
+    def standbys_ready(self, nodes: tuple[int, ...], after: float, cap: float) -> None:
+        """Warm elasticrun: wait (at most `cap` s) until each of `nodes` said its standbys are ready after `after`."""
+        if self.launcher != "elasticrun":
+            return
+        deadline = time.monotonic() + cap
+        while time.monotonic() < deadline:
+            if all(_ready_since(self.workdir / f"n{i}.log", after) for i in nodes):
+                return
+            time.sleep(0.05)
+
     def step_at(self, world: int, after: float, cap: float) -> float | None:
         e = self.events.first(lambda e: e["ev"] == "step" and e["world"] == world and float(e["t"]) > after, cap)  # type: ignore[arg-type]
         return None if e is None else float(e["t"])  # type: ignore[arg-type]
+
+
+def _ready_since(log: Path, after: float) -> bool:
+    """Whether the agent's log says `standby workers ready` at a time after `after`."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return False
+    for stamp in re.findall(r"\[elasticrun (\S+) INFO [^\]]*\] standby workers ready", text):
+        if datetime.datetime.fromisoformat(stamp).timestamp() > after:
+            return True
+    return False
 
 
 def _spawned(job: Job, t0: float, world: int, exclude: set[object] = frozenset()) -> float | None:  # type: ignore[assignment]
@@ -273,6 +301,7 @@ def run_grow(job: Job, cap: float) -> dict[str, object]:
     if not _phase(result, "scale_up", t0, t1, cap, _spawned(job, t0, 3), job):
         return result
     time.sleep(0.5)
+    job.standbys_ready((1, 2, 3), t1, cap)
     job.events.refresh()
     before = {e["pid"] for e in job.events.events}
     t0 = time.time()
@@ -309,9 +338,11 @@ def _form(job: Job, result: dict[str, object], cap: float, n: int) -> bool:
 
 def run_kill(job: Job, cap: float) -> dict[str, object]:
     result: dict[str, object] = {}
+    formed = time.time()
     if not _form(job, result, cap, 3):
         return result
     time.sleep(0.5)
+    job.standbys_ready((1, 2), formed, cap)
     t0 = time.time()
     kill_tree(job.nodes[3], signal.SIGKILL)
     t1 = job.step_at(2, t0, cap)
@@ -516,7 +547,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cap", type=float, default=120.0, help="seconds each phase may take")
     ap.add_argument("--only", nargs="*", default=list(PHASES), choices=list(PHASES))
-    ap.add_argument("--launchers", nargs="*", default=["elasticrun", "torchrun", "torchrun-noshare"])
+    ap.add_argument("--launchers", nargs="*", default=["elasticrun", "elasticrun-cold", "torchrun", "torchrun-noshare"])
     ap.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, help="passed to every agent (default 3)")
     ap.add_argument("--json", help="write every trial here")
     ap.add_argument("--baseline", default="",
@@ -530,7 +561,8 @@ def main() -> int:
     started = time.monotonic()
     for rep in range(args.reps):
         for scenario in args.only:
-            launchers = ["elasticrun", "torchrun"] + (["torchrun-noshare"] if scenario == "grow" else [])
+            launchers = (["elasticrun", "torchrun"] + (["torchrun-noshare"] if scenario == "grow" else [])
+                         + (["elasticrun-cold"] if scenario in ("grow", "kill") else []))
             launchers = [x for x in launchers if x in args.launchers] + (["elasticrun-base"] if args.baseline else [])
             if rep % 2:
                 launchers.reverse()
@@ -559,13 +591,14 @@ def main() -> int:
     base_col = " elasticrun before (--baseline) |" if args.baseline else ""
     print("| scenario / phase | elasticrun | torchrun | torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
           "| ours / torchrun, first step "
-          f"| ours / torchrun, workers started | target |{base_col}")
-    print("|---|---|---|---|---|---|---|" + ("---|" if args.baseline else ""))
+          f"| ours / torchrun, workers started | target | elasticrun --warm-imports=off | warm / cold, first step |"
+          f"{base_col}")
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.baseline else ""))
     summary: dict[str, dict[str, object]] = {}
     for scenario in args.only:
         for phase in PHASES[scenario]:
             cells: dict[str, dict[str, object]] = {}
-            for launcher in ("elasticrun", "torchrun", "torchrun-noshare", "elasticrun-base"):
+            for launcher in ("elasticrun", "torchrun", "torchrun-noshare", "elasticrun-base", "elasticrun-cold"):
                 rs = [t.get(phase) for t in trials if t["scenario"] == scenario and t["launcher"] == launcher]
                 runs = sum(1 for t in trials if t["scenario"] == scenario and t["launcher"] == launcher)
                 steps = [r["s"] for r in rs if isinstance(r, dict) and r["s"] is not None]  # type: ignore[index]
@@ -582,7 +615,8 @@ def main() -> int:
             e, t = cells["elasticrun"], cells["torchrun"]
             print(f"| {scenario} / {phase} | {cell('elasticrun')} | {cell('torchrun')} | {cell('torchrun-noshare')} | "
                   f"{ratio(e['step'], t['step'])} | {ratio(e['spawn'], t['spawn'])} | "  # type: ignore[arg-type]
-                  f"{TARGETS.get(f'{scenario}/{phase}', '')} |"
+                  f"{TARGETS.get(f'{scenario}/{phase}', '')} | {cell('elasticrun-cold')} | "
+                  f"{ratio(e['step'], cells['elasticrun-cold']['step'])} |"  # type: ignore[arg-type]
                   + (f" {cell('elasticrun-base')} |" if args.baseline else ""))
     # the workers' own start-up (script start -> gloo group up), the same script under both
     inits = []

@@ -97,7 +97,7 @@ async def _run_workers(script: Path, plans_for: dict[int, dict], warden: Warden,
     outputs = {}
     try:
         for local_rank, proc in group.procs.items():
-            outputs[local_rank] = WorkerOutput(proc, offset + local_rank, plans_for[local_rank])
+            outputs[local_rank] = WorkerOutput((proc.stdout, proc.stderr), offset + local_rank, plans_for[local_rank])
         await group.wait()
     finally:
         await group.stop(grace=5)
@@ -185,7 +185,7 @@ async def test_no_line_of_a_worker_that_exits_at_once_is_lost_whatever_redirects
             (root / str(r)).mkdir(parents=True)
         with worker_stdio(plans) as stdio:
             group = await WorkerGroup.start(_QUICK, {r: {"RANK": str(r)} for r in (0, 1)}, warden, stdio)
-        outputs = [WorkerOutput(proc, r, plans[r]) for r, proc in group.procs.items()]
+        outputs = [WorkerOutput((proc.stdout, proc.stderr), r, plans[r]) for r, proc in group.procs.items()]
         await group.wait()
         await group.stop(grace=5)
         for output in outputs:
@@ -280,7 +280,7 @@ async def test_a_log_file_that_cannot_be_followed_is_a_start_error(tmp_path: Pat
         (tmp_path / "0" / "stderr.log").unlink()  # removed as the worker started
         before = _inotify_instances()
         with pytest.raises(WorkerStartError, match=r"cannot follow the log file .*/stderr\.log: No such file"):
-            WorkerOutput(group.procs[0], 0, plans[0])
+            WorkerOutput((group.procs[0].stdout, group.procs[0].stderr), 0, plans[0])
         assert _inotify_instances() == before  # the stdout follower was closed again
     finally:
         await group.stop(grace=5)

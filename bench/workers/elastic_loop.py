@@ -3,7 +3,7 @@
 Writes one JSON line per event to $BENCH_EVENTS/<pid>.log (wall-clock `t`):
   start  - first line of the script, before torch is imported
   init   - the gloo process group is up
-  step   - one all_reduce done: `step N world W`
+  step   - one all_reduce and optimizer step done: `step N world W`
   crash  - this worker claimed $BENCH_CRASH_FILE and exits 1 (a one-off failure)
 It steps every $BENCH_STEP_INTERVAL seconds (default 0.1) and exits 0 after
 $BENCH_MAX_SECONDS (default 300), a safety net only.
@@ -28,8 +28,12 @@ crash_file = os.environ.get("BENCH_CRASH_FILE", "")
 interval = float(os.environ.get("BENCH_STEP_INTERVAL", "0.1"))
 deadline = T0 + float(os.environ.get("BENCH_MAX_SECONDS", "300"))
 step, t = 0, torch.ones(1)
+weight = torch.nn.Parameter(torch.ones(1))
+opt = torch.optim.SGD([weight], lr=0.0)  # a step as training makes one (launchers may watch them)
 while time.time() < deadline:
     dist.all_reduce(t)
+    weight.grad = t
+    opt.step()
     step += 1
     event("step", step=step, world=world, rank=rank)
     print(f"{time.time():.3f} step {step} world {world}", flush=True)

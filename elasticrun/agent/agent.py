@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elasticrun.agent.env import round_env, worker_env
+from elasticrun.agent.env import constant_env, round_env, worker_env
 from elasticrun.agent.failures import (
     FailureReport,
     describe_exit,
@@ -38,6 +38,7 @@ from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.runfolder import DEFAULT_ROOT_PREFIX, create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
+from elasticrun.agent.standby import Standbys, Taken, cold_reason
 from elasticrun.agent.state_files import STATE_FILE_VAR, StateFiles
 from elasticrun.agent.step_reports import READ_INTERVAL, StepTimes, stall_reason
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
@@ -187,6 +188,10 @@ _NOT_CONNECTED = (
 #: so connect to its agent) before its node gives up without joining
 _CONNECT_LIMIT = 60.0
 
+#: when no step or heartbeat says the workers made progress: how long they run before
+#: the next round's standbys start (elasticrun.agent.standby)
+_STANDBY_AFTER = 10.0
+
 #: outcomes after which this node leaves the job while the others go on
 _LEAVING = (Outcome.SIGNALLED, Outcome.WATCH, Outcome.DRAINED)
 
@@ -205,6 +210,8 @@ class _Group:
     steps: StepTimes | None = None
     #: it has run a round (in-process mode starts it before the first)
     ran: bool = False
+    #: its workers were standbys: the pipes of their streams, closed once drained
+    taken: Taken | None = None
 
 
 class Agent:
@@ -243,11 +250,14 @@ class Agent:
         self._hurry = asyncio.Event()
         self._attempts = 0
         self._state: WorkerState | None = None  # None: before the first round
+        self._reason = ""  # why it is in that state
         self._assignment: Assignment | None = None
         self._group: _Group | None = None
         #: kills what the workers spawned should the agent die; started by run()
         self._warden: Warden | None = None
         self._channel = WorkerChannel() if spec.in_process else None
+        #: the next round's workers, started ahead (restart mode, --warm-imports)
+        self._standbys: Standbys | None = None
         self._pids: tuple[int, ...] = ()
         #: in-process mode: the traceback of the last broken report
         self._broken_text = ""
@@ -300,12 +310,15 @@ class Agent:
                 self._warden.remove_on_death(self._timers.path, self._timers.start())
             if self._channel is not None:
                 await self._channel.start()
+            self._standbys = self._make_standbys()
             return await self._run()
         finally:
             if self._timers is not None:
                 self._timers.close()
             try:
                 await self._stop_group()
+                if self._standbys is not None:
+                    await self._standbys.close()
             finally:
                 await self._warden.close()  # the sessions are empty: it just exits
                 if self._state_files is not None:
@@ -319,6 +332,20 @@ class Agent:
                 await self._channel.close()
             for sig in self.spec.options.signals_to_handle:
                 loop.remove_signal_handler(sig)
+
+    def _make_standbys(self) -> Standbys | None:
+        """The standbys, where workers can start warm; else why not, said once at DEBUG."""
+        spec = self.spec
+        why = "in-process mode" if spec.in_process else cold_reason(spec.entrypoint)
+        if not spec.options.warm_imports:
+            why = why or "--warm-imports=off, or --no-python"
+        if why:
+            logger.debug("workers start cold: %s", why)
+            return None
+        assert self._warden is not None  # run() started it
+        return Standbys(
+            spec, self._warden, lambda r: constant_env(spec, r, os.environ, self._token_file), self._report_status
+        )
 
     def _make_run_folder(self) -> None:
         """Make the run folder, private, and open its event log.
@@ -528,6 +555,7 @@ class Agent:
         broken = () if self._channel is None else (self._broken(assignment),)
         hung = () if dog is None or spec.progress_timeout is None else (self._hung(dog, group.steps),)
         timed = () if group.steps is None else (self._time_steps(group.steps, group.stacks, assignment),)
+        warm = () if self._standbys is None else (self._stand_by_after_progress(group, dog),)
         try:
             # The round's end goes first: workers that failed because the round ended
             # elsewhere (peers gone, this node's lease lost) are no failure of theirs.
@@ -541,6 +569,7 @@ class Agent:
                 *broken,
                 group.stacks.answer(assignment),
                 *timed,
+                *warm,
             )
         except BaseException:
             await self._stop_group()
@@ -657,6 +686,26 @@ class Agent:
                 )
             stalled = report.stalled_since
 
+    async def _stand_by_after_progress(self, group: _Group, dog: ProgressWatchdog | None) -> tuple[Outcome, str]:
+        """Start the next round's standbys once every worker made its first step; never returns.
+
+        Not before: a standby's imports would compete with the workers' own start. A
+        script whose steps nothing sees (no optimizer, no heartbeat) gets them after
+        _STANDBY_AFTER seconds of running."""
+        assert self._standbys is not None
+        waited = 0.0
+        while waited < _STANDBY_AFTER:
+            steps = group.steps.read() if group.steps is not None else {}
+            if len(steps) == self.spec.nproc_per_node and all(w.steps > 0 for w in steps.values()):
+                break
+            if dog is not None and dog.progressed():
+                break
+            await asyncio.sleep(READ_INTERVAL)
+            waited += READ_INTERVAL
+        self._standbys.start()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
     async def _warm_up(self, channel: WorkerChannel) -> None:
         """In-process mode: start the workers before joining.
 
@@ -750,14 +799,20 @@ class Agent:
                 plans[local_rank], error_files[local_rank] = plan, error_file
         with worker_stdio(plans) as stdio:
             assert self._warden is not None  # run() started it
-            workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)
+            taken = None
+            if self._standbys is not None and assignment is not None:
+                taken = await self._standbys.take(envs, stdio)
+            if taken is not None:
+                workers = taken.workers
+            else:
+                workers = await WorkerGroup.start(spec.entrypoint, envs, self._warden, stdio, spec.cpu_affinity)
         duplicates = Duplicates(attempt_dir, spec.options.duplicate_filters) if spec.options.duplicate_filters else None
         stacks = GroupStacks(self._stacks, self.handler.control, workers, stack_files, attempt_dir)
-        group = _Group(workers, {}, error_files, stacks, duplicates, steps)
+        group = _Group(workers, {}, error_files, stacks, duplicates, steps, taken=taken)
         try:
             for local_rank, proc in workers.procs.items():
                 group.outputs[local_rank] = WorkerOutput(
-                    proc,
+                    taken.streams[local_rank] if taken is not None else (proc.stdout, proc.stderr),
                     (assignment.rank_offset if assignment else 0) + local_rank,
                     plans[local_rank],
                     publish=self.handler.control.report_output,
@@ -822,6 +877,8 @@ class Agent:
             self._stopped = group.workers.tree()
         await group.workers.stop(self._signal or signal.SIGTERM, grace=self.spec.options.stop_grace, hurry=self._hurry)
         await asyncio.gather(*(o.drain(_DRAIN_TIMEOUT) for o in group.outputs.values()))
+        if group.taken is not None:
+            group.taken.close()
         if group.duplicates is not None:
             group.duplicates.close()
 
@@ -990,8 +1047,16 @@ class Agent:
             # A wait ("round 3 opened: reading this node's place in it") is every node's
             # at every round: in the job's events it would push the causes out of sight.
             self.handler.control.report_event(state.value, reason)
+        self._reason = reason
+        self._report_status()
+
+    def _report_status(self) -> None:
+        """This node's status for `elasticrun status`: on each state change, and when its standbys change."""
+        if self._state is None:
+            return
+        standby = self._standbys.state().value if self._standbys is not None else "off"
         self.handler.control.report_status(
-            AgentStatus(state.value, reason, self._assignment, self._pids, self._attempts)
+            AgentStatus(self._state.value, self._reason, self._assignment, self._pids, self._attempts, standby)
         )
 
     def _write_event(self, kind: str, detail: str) -> None:

@@ -63,6 +63,18 @@ class Cgroup:
         """What a worker's command starts with to join this cgroup before it runs."""
         return ["/bin/sh", "-c", _JOIN, str(self.path)]
 
+    def adopt(self, pid: int) -> bool:
+        """Move process `pid` (all its threads) into this cgroup; whether it moved.
+
+        For a standby that becomes a worker (elasticrun.agent.standby): it joins the
+        round's cgroup as a cold worker's command does, only later."""
+        try:
+            (self.path / "cgroup.procs").write_text(str(pid))
+            return True
+        except OSError as e:
+            logger.debug("cannot move process %d into %s: %s", pid, self.path, e)
+            return False
+
     def pids(self) -> list[int]:
         """The processes in it now."""
         try:

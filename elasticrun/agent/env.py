@@ -49,6 +49,26 @@ def worker_env(
     joining a group that no longer exists. `token_file` is the file that holds the
     store's token for the workers (the token itself stays out, see `spec.withheld_env`).
     """
+    env = constant_env(spec, local_rank, base_env, token_file)
+    env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    if agent_socket is not None:
+        env[SOCKET_VAR] = agent_socket
+    elif assignment is not None:
+        env.update(round_env(assignment, local_rank))
+    else:
+        raise ValueError("a worker outside in-process mode needs its round's assignment")
+    return env
+
+
+def constant_env(
+    spec: WorkerSpec, local_rank: int, base_env: Mapping[str, str], token_file: Path | None = None
+) -> dict[str, str]:
+    """What stays the same in every round for local rank `local_rank`.
+
+    A worker's environment less its attempt's part (ROUND_VARIABLES and the attempt's
+    files): what a standby (elasticrun.agent.standby) starts with, before it knows its
+    round.
+    """
     env = {key: value for key, value in base_env.items() if key not in spec.withheld_env}
     env.pop(TOKEN_FILE_ENV, None)  # only this agent's file, never one inherited
     env.pop("ELASTICRUN_LOCAL_RANK", None)  # only set under --isolate-gpus, never inherited
@@ -71,7 +91,6 @@ def worker_env(
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_RUN_ID": spec.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "False",
-            "TORCHELASTIC_ERROR_FILE": str(error_file),
             "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(sig.name for sig in spec.options.signals_to_handle),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get(
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
@@ -79,14 +98,8 @@ def worker_env(
             "ELASTICRUN_NODE_ID": spec.node_id,
         }
     )
-    for key in ROUND_VARIABLES:
+    for key in (*ROUND_VARIABLES, "TORCHELASTIC_ERROR_FILE"):
         env.pop(key, None)  # never a stale value inherited from the agent's environment
-    if agent_socket is not None:
-        env[SOCKET_VAR] = agent_socket
-    elif assignment is not None:
-        env.update(round_env(assignment, local_rank))
-    else:
-        raise ValueError("a worker outside in-process mode needs its round's assignment")
     return env
 
 

@@ -157,7 +157,7 @@ class WorkerOutput:
 
     def __init__(
         self,
-        proc: asyncio.subprocess.Process,
+        pipes: tuple[asyncio.StreamReader | None, asyncio.StreamReader | None],
         global_rank: int,
         plans: Mapping[Std, StreamPlan],
         publish: LineSink | None = None,
@@ -168,7 +168,9 @@ class WorkerOutput:
         duplicates: Duplicates | None = None,
         json_node: str | None = None,
     ) -> None:
-        """`proc` was started with `worker_stdio(...)` of the same `plans`.
+        """`pipes` are the worker's (stdout, stderr) pipes, None where `plans` names a file.
+
+        The worker was started with `worker_stdio(...)` of the same `plans`.
 
         `publish(global_rank, stream, lines)` also gets every whole line, decoded. With
         `json_node` (--log-format=json), each console line is a JSON object, as the
@@ -183,8 +185,8 @@ class WorkerOutput:
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._tails: list[FileTail] = []
         streams = (
-            (proc.stdout, Std.OUT, "stdout", sys.stdout.buffer),
-            (proc.stderr, Std.ERR, "stderr", sys.stderr.buffer),
+            (pipes[0], Std.OUT, "stdout", sys.stdout.buffer),
+            (pipes[1], Std.ERR, "stderr", sys.stderr.buffer),
         )
         try:
             readers = [self._reader(pipe, plans[std]) for pipe, std, _, _ in streams]

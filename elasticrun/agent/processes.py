@@ -119,6 +119,9 @@ class Warden:
         self._proc = proc
         #: what each worker's environment carries, so that the warden finds its descendants
         self.mark = mark
+        #: the sessions of the agent's standby workers (elasticrun.agent.standby): they
+        #: carry the mark too, but a group's stop is not theirs
+        self.standing_by: set[Session] = set()
         self._lost = False
 
     @classmethod
@@ -188,8 +191,14 @@ class WorkerGroup:
         sessions: Mapping[int, Session],
         warden: Warden,
         cgroup: Cgroup | None = None,
+        standby: bool = False,
     ) -> None:
         self.procs = dict(procs)
+        #: a standby's group (elasticrun.agent.standby): its stop reaches its sessions and
+        #: cgroup only, not every process with the agent's mark (the round's workers
+        #: and what they spawned carry it too); a standby spawns nothing
+        self._mark = None if standby else warden.mark
+        self._exited = dict(exited)
         #: each worker's session, as told to the warden
         self.sessions = dict(sessions)
         #: the group's cgroup, where one could be made (elasticrun.agent.cgroups)
@@ -210,14 +219,17 @@ class WorkerGroup:
         warden: Warden,
         stdio: Mapping[int, tuple[int, int]] | None = None,
         cpus: Mapping[int, frozenset[int]] | None = None,
+        *,
+        standby: bool = False,
     ) -> WorkerGroup:
         """Start one process per local rank in `envs`, each told to `warden` at once.
 
         `stdio` gives a local rank's (stdout, stderr): an open file descriptor (its log
         file, see elasticrun.agent.output.worker_stdio) or asyncio.subprocess.PIPE;
         ranks it leaves out get two pipes. `cpus` binds a local rank to those CPUs (under
-        `taskset`, before its first instruction). Raises WorkerStartError when the command
-        cannot be executed at all; workers already started are stopped first.
+        `taskset`, before its first instruction). `standby`: the group is a standby's.
+        Raises WorkerStartError when the command cannot be executed at all; workers
+        already started are stopped first.
         """
         procs: dict[int, asyncio.subprocess.Process] = {}
         exits: dict[int, asyncio.Future[int]] = {}
@@ -257,15 +269,41 @@ class WorkerGroup:
                 sessions[local_rank] = Session.of_leader(procs[local_rank].pid)
                 warden.watch(sessions[local_rank])
         except OSError as e:
-            await cls(procs, exits, sessions, warden, cgroup).stop(signal.SIGKILL, grace=0)
+            await cls(procs, exits, sessions, warden, cgroup, standby).stop(signal.SIGKILL, grace=0)
             reason = e.strerror or str(e)
             if e.errno in (errno.ENOENT, errno.EACCES):
                 reason = f"{reason} (check the script path and --no-python)"
             raise WorkerStartError(f"cannot start worker '{argv[0]}': {reason}") from e
-        return cls(procs, exits, sessions, warden, cgroup)
+        return cls(procs, exits, sessions, warden, cgroup, standby)
+
+    @classmethod
+    def adopt(cls, parts: Sequence[WorkerGroup], warden: Warden) -> WorkerGroup | None:
+        """One group of the workers of `parts` (standbys that become a round's workers).
+
+        Its workers are moved into a new cgroup of the group's own, where cgroups are
+        made, as a cold group's workers join one; the parts' cgroups go. None, and
+        nothing moved for good, when a worker cannot be moved: start cold instead.
+        """
+        cgroup = Cgroup.make(f"elasticrun-{os.getpid()}-{secrets.token_hex(4)}") if parts[0].cgroup else None
+        if cgroup is not None:
+            warden.contain(cgroup)
+            if not all(cgroup.adopt(proc.pid) for part in parts for proc in part.procs.values()):
+                if cgroup.remove(KILL_LIMIT):  # kills what moved; the caller stops the parts
+                    warden.release_cgroup(cgroup)
+                return None
+        procs, exited, sessions = {}, {}, {}
+        for part in parts:
+            for watcher in part._watchers.values():
+                watcher.cancel()
+            procs.update(part.procs)
+            exited.update(part._exited)
+            sessions.update(part.sessions)
+            if part.cgroup is not None and part.cgroup.remove(KILL_LIMIT):
+                warden.release_cgroup(part.cgroup)
+        return cls(procs, exited, sessions, warden, cgroup)
 
     async def _watch(self, local_rank: int, exited: asyncio.Future[int]) -> None:
-        returncode = await exited
+        returncode = await asyncio.shield(exited)  # a watcher cancelled by adopt() leaves the exit to the next
         self.exits[local_rank] = WorkerExit(
             local_rank=local_rank,
             pid=self.procs[local_rank].pid,
@@ -278,7 +316,9 @@ class WorkerGroup:
         """The workers' pids and those of every live process they started: what may hold their GPU memory.
 
         Scans /proc."""
-        return {proc.pid for proc in self.procs.values()} | member_pids(self.sessions.values(), self._warden.mark)
+        return {proc.pid for proc in self.procs.values()} | member_pids(
+            self.sessions.values(), self._mark, self._spare()
+        )
 
     async def wait(self) -> list[WorkerExit]:
         """Wait until a worker fails or every worker has exited; return the exits so far.
@@ -308,7 +348,7 @@ class WorkerGroup:
         cancelled = False
         started = time.monotonic()
         if any(not w.done() for w in watchers):
-            reached = signal_sessions(self.sessions.values(), sig, self._warden.mark)
+            reached = signal_sessions(self.sessions.values(), sig, self._mark, self._spare())
             if self.cgroup is not None:  # what left the sessions and dropped the mark too
                 self.cgroup.signal(sig, skip=reached)
             try:
@@ -334,12 +374,18 @@ class WorkerGroup:
         if cancelled:
             raise asyncio.CancelledError
 
+    def _spare(self) -> set[Session]:
+        """The agent's standbys that are not of this group: its stop leaves them be."""
+        return self._warden.standing_by - set(self.sessions.values())
+
     async def _end(self, watchers: list[asyncio.Task[None]]) -> None:
         """SIGKILL the sessions until they are empty, reap the workers, release them."""
         # In a thread: scanning /proc and waiting for the ends would hold the loop.
         if self.cgroup is not None:
             self.cgroup.kill()
-        stuck = await asyncio.to_thread(kill_sessions, self.sessions.values(), KILL_LIMIT, self._warden.mark)
+        stuck = await asyncio.to_thread(
+            kill_sessions, self.sessions.values(), KILL_LIMIT, self._mark, self._spare()
+        )
         if self.cgroup is not None and await asyncio.to_thread(self.cgroup.remove, KILL_LIMIT):
             self._warden.release_cgroup(self.cgroup)
         await asyncio.gather(*watchers)

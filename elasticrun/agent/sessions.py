@@ -170,28 +170,36 @@ def _carries(pid: int, mark: Mark) -> bool:
     return environ is not None and mark.entry() in b"\0" + environ
 
 
-def _members(sessions: Iterable[Session], mark: Mark | None = None) -> list[_Stat]:
-    """The live processes of `sessions` or with `mark`, and their descendants.
+def _members(sessions: Iterable[Session], mark: Mark | None = None, spare: Iterable[Session] = ()) -> list[_Stat]:
+    """The live processes of `sessions` or with `mark`, and their descendants; none of `spare`.
 
     A session whose id was reused is skipped. Out of descriptors (a flood of
     connections on the store this agent hosts), the scan waits for some: a scan that
     failed must not read as "nothing left to kill"."""
-    sessions = list(sessions)
-    return waiting_for_descriptors("scanning /proc", lambda: _scan(sessions, mark))
+    sessions, spare = list(sessions), list(spare)
+    return waiting_for_descriptors("scanning /proc", lambda: _scan(sessions, mark, spare))
 
 
-def _scan(sessions: list[Session], mark: Mark | None) -> list[_Stat]:
+def _scan(sessions: list[Session], mark: Mark | None, spare: list[Session]) -> list[_Stat]:
     stats = [s for s in map(_stat, _pids()) if s is not None]
     by_pid = {s.pid: s for s in stats}
-    ours = set()
-    for session in sessions:
-        leader = by_pid.get(session.sid)
-        if leader is None or leader.start == session.leader_start:
-            ours.add(session.sid)
+
+    def live(sessions: list[Session]) -> set[int]:
+        ids = set()
+        for session in sessions:
+            leader = by_pid.get(session.sid)
+            if leader is None or leader.start == session.leader_start:
+                ids.add(session.sid)
+        return ids
+
+    ours, spared = live(sessions), live(spare) - live(sessions)
     found = {
         s.pid
         for s in stats
-        if s.sid in ours or (mark is not None and s.live and s.start >= mark.born_after and _carries(s.pid, mark))
+        if s.sid in ours
+        or (
+            mark is not None and s.live and s.sid not in spared and s.start >= mark.born_after and _carries(s.pid, mark)
+        )
     }
     children: dict[int, list[int]] = {}
     for s in stats:
@@ -209,13 +217,15 @@ def _pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
-def _signal_members(sessions: Iterable[Session], mark: Mark | None, sig: signal.Signals) -> dict[int, int]:
+def _signal_members(
+    sessions: Iterable[Session], mark: Mark | None, sig: signal.Signals, spare: Iterable[Session] = ()
+) -> dict[int, int]:
     """Send `sig` to every live process of `sessions` and `mark`; return the pidfds of those it reached, by pid.
 
     The caller closes them.
     """
     pidfds: dict[int, int] = {}
-    for member in _members(sessions, mark):
+    for member in _members(sessions, mark, spare):
         try:
             pidfd = waiting_for_descriptors("signalling workers", functools.partial(os.pidfd_open, member.pid))
         except ProcessLookupError:
@@ -233,39 +243,46 @@ def _signal_members(sessions: Iterable[Session], mark: Mark | None, sig: signal.
     return pidfds
 
 
-def member_pids(sessions: Iterable[Session], mark: Mark | None = None) -> set[int]:
-    """The pids of every live process of `sessions` and `mark` (a scan of /proc)."""
-    return {member.pid for member in _members(sessions, mark)}
+def member_pids(sessions: Iterable[Session], mark: Mark | None = None, spare: Iterable[Session] = ()) -> set[int]:
+    """The pids of every live process of `sessions` and `mark`, but `spare`'s (a scan of /proc)."""
+    return {member.pid for member in _members(sessions, mark, spare)}
 
 
-def signal_sessions(sessions: Iterable[Session], sig: signal.Signals, mark: Mark | None = None) -> set[int]:
-    """Send `sig` to every live process of `sessions` and `mark` (no wait); return the pids it reached.
+def signal_sessions(
+    sessions: Iterable[Session], sig: signal.Signals, mark: Mark | None = None, spare: Iterable[Session] = ()
+) -> set[int]:
+    """Send `sig` to every live process of `sessions` and `mark`, but `spare`'s (no wait); return the pids it reached.
+
+    `spare`: sessions that carry the mark but are not the caller's to stop (the agent's
+    standby workers, elasticrun.agent.standby).
 
     A caller that signals others too must not signal these twice: a second SIGTERM runs a
     worker's handler again, in the middle of its first run.
     """
-    reached = _signal_members(sessions, mark, sig)
+    reached = _signal_members(sessions, mark, sig, spare)
     for pidfd in reached.values():
         os.close(pidfd)
     return set(reached)
 
 
-def kill_sessions(sessions: Iterable[Session], limit: float, mark: Mark | None = None) -> list[int]:
-    """SIGKILL every process of `sessions` and `mark` until none is left; blocks, for `limit` s at most.
+def kill_sessions(
+    sessions: Iterable[Session], limit: float, mark: Mark | None = None, spare: Iterable[Session] = ()
+) -> list[int]:
+    """SIGKILL every process of `sessions` and `mark`, but `spare`'s, until none is left; blocks, for `limit` s at most.
 
     Scans again after each round of kills has ended, since a process may have forked
     while the scan ran. Returns the pids still alive at the limit (a process stuck in
     the kernel, e.g. in a GPU driver); none when all are gone.
     """
-    sessions = list(sessions)
+    sessions, spare = list(sessions), list(spare)
     deadline = time.monotonic() + limit
     while True:
-        pidfds = list(_signal_members(sessions, mark, signal.SIGKILL).values())
+        pidfds = list(_signal_members(sessions, mark, signal.SIGKILL, spare).values())
         if not pidfds:
             return []
         try:
             if not _wait_ended(pidfds, deadline):
-                return [s.pid for s in _members(sessions, mark)]
+                return [s.pid for s in _members(sessions, mark, spare)]
         finally:
             for pidfd in pidfds:
                 os.close(pidfd)

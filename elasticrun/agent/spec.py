@@ -90,6 +90,9 @@ class WorkerOptions:
     #: restart mode: the bytes of host memory each worker's committed state may take,
     #: both of its copies (--state-memory; elasticrun.agent.state_files); 0: none kept
     state_memory: int = DEFAULT_STATE_MEMORY
+    #: --warm-imports: the modules a standby worker imports ahead of its round, in restart
+    #: mode (elasticrun.agent.standby); (): no standbys, every worker starts cold
+    warm_imports: tuple[str, ...] = ("torch",)
 
     def __post_init__(self) -> None:
         if self.stop_grace < 0:

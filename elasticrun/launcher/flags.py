@@ -278,6 +278,10 @@ def launch_parser() -> argparse.ArgumentParser:
           help="a node whose compute time per step is well above the others': report it (status, events, "
                "metrics), replace it (quarantined; a spare or the elastic range takes over), or off (no step "
                "timing in the workers); default report")
+    _flag(p, "warm-imports", default="torch", metavar="MODULES",
+          help="restart mode: keep a standby worker per local rank, these modules (comma-separated) imported, "
+               "that becomes the next round's worker, so a restart does not wait for Python's start and the "
+               "imports; off: every worker starts cold (default torch; --no-python always starts cold)")
     p.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", default=None, metavar="[HOST:]PORT",
                    help="serve Prometheus metrics of this agent (and of the store it hosts) on this port "
                         "(all interfaces, or HOST only) at /metrics; off by default")

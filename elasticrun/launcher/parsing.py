@@ -275,6 +275,7 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
             else None,
             state_memory=DEFAULT_STATE_MEMORY if args.state_memory is None
             else byte_size(args.state_memory, "--state-memory"),
+            warm_imports=_warm_imports(args),
             duplicate_filters={
                 stream: comma_list(value)
                 for stream, value in (
@@ -295,6 +296,25 @@ def parse_launch(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         ),
         numa_binding=args.numa_binding,
     )
+
+
+def _warm_imports(args: argparse.Namespace) -> tuple[str, ...]:
+    """--warm-imports as module names; () where workers start cold.
+
+    Off for --no-python (no Python runs the boot) and in-process mode (its workers
+    outlive rounds already)."""
+    value = args.warm_imports.strip()
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    for name in names:
+        if name != "off" and not all(part.isidentifier() for part in name.split(".")):
+            raise UsageError(f"--warm-imports: {name!r} is not a module name (give e.g. torch,transformers, or off)")
+    if value == "off" or not names:
+        return ()
+    if "off" in names:
+        raise UsageError(f"--warm-imports={value}: off cannot be combined with modules")
+    if (args.no_python and not args.run_path) or args.elastic_mode == "in-process":
+        return ()
+    return names
 
 
 def _backend(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> str:

@@ -58,6 +58,8 @@ class AgentStatus:
     assignment: Assignment | None
     pids: tuple[int, ...]
     attempt: int
+    #: its standby workers (elasticrun.agent.standby): ready, starting or off
+    standby: str = "off"
 
 
 class RendezvousHandler(abc.ABC):

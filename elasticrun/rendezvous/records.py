@@ -304,6 +304,8 @@ class NodeStatus:
     gpus: tuple[str, ...]
     started_at: float
     updated_at: float
+    #: its standby workers, for the next restart: ready, starting or off
+    standby: str = "off"
 
 
 @dataclass(frozen=True, slots=True)

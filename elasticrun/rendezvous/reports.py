@@ -140,4 +140,5 @@ class Reporter:
             gpus=me.gpus,
             started_at=me.started_at,
             updated_at=time.time(),
+            standby=status.standby,
         )

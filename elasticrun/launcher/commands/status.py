@@ -123,7 +123,7 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
     if r is not None and r.closed:  # the nodes are gone; their last reports stay for closed_ttl
         lines += _ended_nodes(view, now)
     elif order:
-        rows = [["NODE", "STATE", "AGE", "NODE RANK", "RANKS", "RESTARTS", "STEP COMPUTE", "HOST", "GPUS"]]
+        rows = [["NODE", "STATE", "AGE", "NODE RANK", "RANKS", "RESTARTS", "STANDBY", "STEP COMPUTE", "HOST", "GPUS"]]
         for node_id in order:
             info, status = view.nodes[node_id], view.statuses.get(node_id)
             state = status.state if status else "registering"
@@ -146,6 +146,7 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
                 str(rank) if rank is not None else "-",
                 ranks.get(node_id, "-"),  # from the round, as the node rank: one round per row
                 str(status.restarts) if status else "0",
+                status.standby if status else "off",
                 _step_cell(steps.get(node_id) if rank is not None and timing else None, now),
                 info.addr if info.addr == info.host else f"{info.host} ({info.addr})",
                 f"{len(info.gpus)}x {info.gpus[0]}" if info.gpus else "-",

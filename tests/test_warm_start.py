@@ -1,0 +1,158 @@
+"""Warm restarts (elasticrun.agent.standby): a worker that was a standby starts as a cold one.
+
+Real launchers, agents and workers. One job serves the first three tests: its first
+round starts cold (no standby yet), the test kills a ready standby and waits for its
+replacement, edits the script, and lets the round fail; the next round starts warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.support.agent_helpers import REPO, kill_and_reap, read_lines_until, wait_pid_gone
+from tests.test_cli import clean_env
+
+pytestmark = pytest.mark.timeout(150)
+
+SCRIPT = REPO / "tests" / "workers" / "start_facts.py"
+READY = "standby workers ready"
+#: what differs between two rounds of one job whatever the start: the round's values
+ROUND_KEYS = {"TORCHELASTIC_RESTART_COUNT", "MASTER_PORT", "ELASTICRUN_ROUND"}
+
+
+def standby_pids(line: str) -> dict[int, int]:
+    """`standby workers ready (local rank: pid 0: 123, 1: 456)` -> {0: 123, 1: 456}."""
+    return {int(r): int(p) for r, p in re.findall(r"(\d+): (\d+)", line.split("pid", 1)[1])}
+
+
+async def launch(tmp_path: Path, script: Path, *flags: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+        f"--log-dir={tmp_path / 'logs'}", *flags, str(script), str(tmp_path), str(tmp_path / "go"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        # PWD as a shell that started the launcher in tmp_path has it: a cold worker's
+        # command passes through /bin/sh where it joins its cgroup, and sh puts right a
+        # PWD that is not the working folder; a warm worker's environment is the agent's
+        env=clean_env(LOGLEVEL="DEBUG", PYTHONPATH=str(REPO), PWD=str(tmp_path)), cwd=tmp_path,
+        start_new_session=True,
+    )
+
+
+@dataclass
+class WarmJob:
+    """What the shared job did and left."""
+
+    facts: dict[tuple[int, int], dict[str, object]]
+    killed: int
+    replacements: dict[int, int]
+    stderr: str
+    exit_code: int
+
+
+@pytest.fixture(scope="module")
+def warm_job(tmp_path_factory: pytest.TempPathFactory) -> WarmJob:
+    return asyncio.run(_warm_job(tmp_path_factory.mktemp("warm")))
+
+
+async def _warm_job(tmp_path: Path) -> WarmJob:
+    script = tmp_path / "start_facts.py"
+    shutil.copy(SCRIPT, script)
+    proc = await launch(tmp_path, script)
+    try:
+        assert proc.stderr is not None
+        (line,) = await read_lines_until(proc.stderr, 1, READY, timeout=90)
+        first = standby_pids(line)
+        os.kill(first[1], signal.SIGKILL)  # before its use: replaced, said once
+        await read_lines_until(proc.stderr, 1, "before its round: starting another", timeout=30)
+        (line,) = await read_lines_until(proc.stderr, 1, READY, timeout=90)
+        replacements = standby_pids(line)
+        script.write_text(script.read_text().replace("VERSION = 1 ", "VERSION = 2 "))
+        (tmp_path / "go").touch()
+        async with asyncio.timeout(90):
+            _, rest = await proc.communicate()
+    finally:
+        await kill_and_reap(proc)
+    facts = {
+        (restart, rank): json.loads((tmp_path / f"facts_{restart}_{rank}.json").read_text())
+        for restart in (0, 1)
+        for rank in (0, 1)
+    }
+    return WarmJob(facts, first[1], replacements, rest.decode(), proc.returncode or 0)
+
+
+def _normalised_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v.replace("attempt_0", "attempt_N").replace("attempt_1", "attempt_N") for k, v in env.items()
+            if k not in ROUND_KEYS}
+
+
+async def test_warm_worker_starts_as_a_cold_one(warm_job: WarmJob) -> None:
+    assert warm_job.exit_code == 0, warm_job.stderr
+    for rank in (0, 1):
+        cold, warm = warm_job.facts[0, rank], warm_job.facts[1, rank]
+        assert (cold["preloaded"], warm["preloaded"]) == (False, True)  # the first round has no standby
+        assert _normalised_env(warm["env"]) == _normalised_env(cold["env"])  # type: ignore[arg-type]
+        assert warm["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"  # type: ignore[index]
+        assert "ELASTICRUN_STANDBY" not in warm["env"]  # type: ignore[operator]
+        for name in cold:
+            if name not in ("preloaded", "version", "pid", "env", "fds"):
+                assert warm[name] == cold[name], name
+        # torch's import may leave descriptors of its own: a cold worker has them once it imported it
+        assert set(cold["fds"]) <= set(warm["fds"]), (cold["fds"], warm["fds"])  # type: ignore[arg-type]
+
+
+async def test_edited_script_runs_its_new_version(warm_job: WarmJob) -> None:
+    assert [warm_job.facts[1, r]["version"] for r in (0, 1)] == [2, 2]
+    assert [warm_job.facts[0, r]["version"] for r in (0, 1)] == [1, 1]
+
+
+async def test_killed_standby_is_replaced(warm_job: WarmJob) -> None:
+    assert warm_job.killed != warm_job.replacements[1]
+    assert {r: warm_job.facts[1, r]["pid"] for r in (0, 1)} == warm_job.replacements
+    assert warm_job.stderr.count("before its round: starting another") == 0  # said once, before the round
+
+
+async def test_non_python_command_starts_cold(tmp_path: Path) -> None:
+    script = tmp_path / "fail_once.sh"
+    script.write_text('echo "rank $RANK restart $TORCHELASTIC_RESTART_COUNT"; [ "$TORCHELASTIC_RESTART_COUNT" = 1 ]\n')
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=1", "--max-restarts=1",
+        f"--log-dir={tmp_path / 'logs'}", "--no-python", "/bin/sh", str(script),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=clean_env(LOGLEVEL="DEBUG", PYTHONPATH=str(REPO)), start_new_session=True,
+    )
+    try:
+        async with asyncio.timeout(60):
+            out, err = await proc.communicate()
+    finally:
+        await kill_and_reap(proc)
+    assert proc.returncode == 0, err.decode()
+    assert "rank 0 restart 0" in out.decode() and "rank 0 restart 1" in out.decode()
+    assert err.decode().count("workers start cold") == 1, err.decode()
+    assert "standby workers" not in err.decode()
+
+
+async def test_agent_sigkill_leaves_no_standby(tmp_path: Path) -> None:
+    script = tmp_path / "start_facts.py"
+    shutil.copy(SCRIPT, script)
+    proc = await launch(tmp_path, script)
+    try:
+        assert proc.stderr is not None
+        (line,) = await read_lines_until(proc.stderr, 1, READY, timeout=90)
+        standbys = standby_pids(line)
+        workers = [json.loads((tmp_path / f"facts_0_{r}.json").read_text())["pid"] for r in (0, 1)]
+        os.kill(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        for pid in [*standbys.values(), *workers]:
+            await wait_pid_gone(pid, timeout=30)
+    finally:
+        await kill_and_reap(proc)
