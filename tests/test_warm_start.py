@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.agent_helpers import REPO, kill_and_reap, read_lines_until, wait_pid_gone
+from tests.support.helpers import free_port
 from tests.test_cli import clean_env
 
 pytestmark = pytest.mark.timeout(150)
@@ -36,8 +37,10 @@ def standby_pids(line: str) -> dict[int, int]:
 
 
 async def launch(tmp_path: Path, script: Path, *flags: str) -> asyncio.subprocess.Process:
+    """The job of start_facts.py, on one node (`--standalone` unless `flags` name a rendezvous)."""
+    rdzv = [] if any(f.startswith("--rdzv-backend") for f in flags) else ["--standalone"]
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+        sys.executable, "-m", "elasticrun", *rdzv, "--nproc-per-node=2", "--max-restarts=1",
         f"--log-dir={tmp_path / 'logs'}", *flags, str(script), str(tmp_path), str(tmp_path / "go"),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         # PWD as a shell that started the launcher in tmp_path has it: a cold worker's
@@ -141,14 +144,28 @@ async def test_non_python_command_starts_cold(tmp_path: Path) -> None:
     assert "standby workers" not in err.decode()
 
 
-async def test_agent_sigkill_leaves_no_standby(tmp_path: Path) -> None:
+async def test_status_shows_standbys_and_agent_sigkill_leaves_none(tmp_path: Path) -> None:
     script = tmp_path / "start_facts.py"
     shutil.copy(SCRIPT, script)
-    proc = await launch(tmp_path, script)
+    endpoint = f"127.0.0.1:{free_port()}"
+    proc = await launch(tmp_path, script, "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=warm")
     try:
         assert proc.stderr is not None
         (line,) = await read_lines_until(proc.stderr, 1, READY, timeout=90)
         standbys = standby_pids(line)
+
+        async def standby_shown() -> str:
+            status = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "elasticrun", "status", f"--rdzv-endpoint={endpoint}", "--rdzv-id=warm",
+                "--json", stdout=asyncio.subprocess.PIPE, env=clean_env(PYTHONPATH=str(REPO)),
+            )
+            out, _ = await status.communicate()
+            (node,) = json.loads(out)["nodes"]
+            return str((node["status"] or {}).get("standby"))
+
+        async with asyncio.timeout(30):  # the node publishes its status a moment after the change
+            while (shown := await standby_shown()) != "ready":
+                assert shown in ("off", "starting"), shown
         workers = [json.loads((tmp_path / f"facts_0_{r}.json").read_text())["pid"] for r in (0, 1)]
         os.kill(proc.pid, signal.SIGKILL)
         await proc.wait()
