@@ -36,7 +36,7 @@ def standby_pids(line: str) -> dict[int, int]:
     return {int(r): int(p) for r, p in re.findall(r"(\d+): (\d+)", line.split("pid", 1)[1])}
 
 
-async def launch(tmp_path: Path, script: Path, *flags: str) -> asyncio.subprocess.Process:
+async def launch(tmp_path: Path, script: Path, *flags: str, path: str = str(REPO)) -> asyncio.subprocess.Process:
     """The job of start_facts.py, on one node (`--standalone` unless `flags` name a rendezvous)."""
     rdzv = [] if any(f.startswith("--rdzv-backend") for f in flags) else ["--standalone"]
     return await asyncio.create_subprocess_exec(
@@ -46,7 +46,7 @@ async def launch(tmp_path: Path, script: Path, *flags: str) -> asyncio.subproces
         # PWD as a shell that started the launcher in tmp_path has it: a cold worker's
         # command passes through /bin/sh where it joins its cgroup, and sh puts right a
         # PWD that is not the working folder; a warm worker's environment is the agent's
-        env=clean_env(LOGLEVEL="DEBUG", PYTHONPATH=str(REPO), PWD=str(tmp_path)), cwd=tmp_path,
+        env=clean_env(LOGLEVEL="DEBUG", PYTHONPATH=path, PWD=str(tmp_path)), cwd=tmp_path,
         start_new_session=True,
     )
 
@@ -173,3 +173,22 @@ async def test_status_shows_standbys_and_agent_sigkill_leaves_none(tmp_path: Pat
             await wait_pid_gone(pid, timeout=30)
     finally:
         await kill_and_reap(proc)
+
+
+async def test_standby_that_initialised_cuda_is_not_used(tmp_path: Path) -> None:
+    script = tmp_path / "start_facts.py"
+    shutil.copy(SCRIPT, script)
+    workers = REPO / "tests" / "workers"
+    proc = await launch(tmp_path, script, "--warm-imports=torch,cuda_touched", path=f"{REPO}{os.pathsep}{workers}")
+    try:
+        assert proc.stderr is not None
+        await read_lines_until(proc.stderr, 1, READY, timeout=90)
+        (tmp_path / "go").touch()
+        async with asyncio.timeout(90):
+            _, rest = await proc.communicate()
+    finally:
+        await kill_and_reap(proc)
+    assert proc.returncode == 0, rest.decode()
+    assert "cannot be used (it initialised CUDA)" in rest.decode()
+    started = [json.loads((tmp_path / f"facts_1_{r}.json").read_text()) for r in (0, 1)]
+    assert [f["preloaded"] for f in started] == [False, False]  # cold, as the first round
