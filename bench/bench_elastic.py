@@ -224,6 +224,25 @@ def _ready_since(log: Path, after: float) -> bool:
     return False
 
 
+def _assigned_to_init(job: Job, t0: float, nodes: tuple[int, ...]) -> float | None:
+    """elasticrun: the longest time, over `nodes`, from its agent taking up the new round
+    (its `workers stopped -> init: round N opened` line after `t0`, a moment before the
+    round's assignment reaches it) to its new worker's gloo group up (`init`)."""
+    if not job.launcher.startswith("elasticrun"):
+        return None
+    job.events.refresh()
+    inits = {str(e["node"]): float(e["t"]) for e in job.events.events if e["ev"] == "init" and float(e["t"]) > t0}  # type: ignore[arg-type]
+    waits = []
+    for i in nodes:
+        stamps = re.findall(r"\[elasticrun (\S+) INFO [^\]]*\] workers stopped -> init: round",
+                            (job.workdir / f"n{i}.log").read_text(errors="replace"))
+        taken = [t for t in (datetime.datetime.fromisoformat(x).timestamp() for x in stamps) if t > t0]
+        if not taken or f"n{i}" not in inits:
+            return None
+        waits.append(inits[f"n{i}"] - taken[0])
+    return max(waits)
+
+
 def _spawned(job: Job, t0: float, world: int, exclude: set[object] = frozenset()) -> float | None:  # type: ignore[assignment]
     """When the last of the `world` workers of the new round had started (its first line)."""
     job.events.refresh()
@@ -346,7 +365,8 @@ def run_kill(job: Job, cap: float) -> dict[str, object]:
     t0 = time.time()
     kill_tree(job.nodes[3], signal.SIGKILL)
     t1 = job.step_at(2, t0, cap)
-    _phase(result, "sigkill", t0, t1, cap, _spawned(job, t0, 2), job)
+    _phase(result, "sigkill", t0, t1, cap, _spawned(job, t0, 2), job,
+           assigned_to_init=_assigned_to_init(job, t0, (1, 2)))
     return result
 
 
@@ -618,6 +638,13 @@ def main() -> int:
                   f"{TARGETS.get(f'{scenario}/{phase}', '')} | {cell('elasticrun-cold')} | "
                   f"{ratio(e['step'], cells['elasticrun-cold']['step'])} |"  # type: ignore[arg-type]
                   + (f" {cell('elasticrun-base')} |" if args.baseline else ""))
+    for launcher in ("elasticrun", "elasticrun-cold"):
+        waits = [t["sigkill"]["assigned_to_init"] for t in trials  # type: ignore[index]
+                 if t["launcher"] == launcher and isinstance(t.get("sigkill"), dict)
+                 and t["sigkill"].get("assigned_to_init") is not None]  # type: ignore[union-attr]
+        if waits:
+            print(f"kill / sigkill, {launcher}: the survivors' new round taken up -> their gloo group up, "
+                  f"median {fmt(median(waits))} s over {len(waits)} runs")
     # the workers' own start-up (script start -> gloo group up), the same script under both
     inits = []
     for t in trials:

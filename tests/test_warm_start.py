@@ -60,6 +60,8 @@ class WarmJob:
     replacements: dict[int, int]
     stderr: str
     exit_code: int
+    #: processes of the job's command still alive once its launcher exited
+    left: list[int]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,16 @@ async def _warm_job(tmp_path: Path) -> WarmJob:
         for restart in (0, 1)
         for rank in (0, 1)
     }
-    return WarmJob(facts, first[1], replacements, rest.decode(), proc.returncode or 0)
+    left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _runs_in(pid, tmp_path)]
+    return WarmJob(facts, first[1], replacements, rest.decode(), proc.returncode or 0, left)
+
+
+def _runs_in(pid: int, folder: Path) -> bool:
+    """Whether process `pid` runs the job's command (its argv names `folder`)."""
+    try:
+        return str(folder).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _normalised_env(env: dict[str, str]) -> dict[str, str]:
@@ -111,6 +122,10 @@ async def test_warm_worker_starts_as_a_cold_one(warm_job: WarmJob) -> None:
                 assert warm[name] == cold[name], name
         # torch's import may leave descriptors of its own: a cold worker has them once it imported it
         assert set(cold["fds"]) <= set(warm["fds"]), (cold["fds"], warm["fds"])  # type: ignore[arg-type]
+
+
+async def test_nothing_is_left_when_the_job_ends(warm_job: WarmJob) -> None:
+    assert warm_job.left == []
 
 
 async def test_edited_script_runs_its_new_version(warm_job: WarmJob) -> None:

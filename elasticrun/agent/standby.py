@@ -135,13 +135,16 @@ class Standbys:
         #: why warm starts are off for good ("" while they are on)
         self._off = ""
         self._state = StandbyState.OFF
-        self._supervise(self._accept())
+        self._accepting = False
 
     def state(self) -> StandbyState:
         return self._state
 
     def start(self) -> None:
         """Start a standby for every local rank that has none (they import at low priority)."""
+        if not self._accepting:
+            self._accepting = True
+            self._supervise(self._accept())
         if not self._off:
             self._supervise(self._spawn([r for r in range(self._spec.nproc_per_node) if r not in self._standbys]))
 
