@@ -914,3 +914,15 @@ def test_the_prefix_template_of_torchrun() -> None:
     assert sorted(result.stdout.splitlines()) == [
         "<trainer:0/0> out rank=0 attempt=0", "<trainer:1/1> out rank=1 attempt=0",
     ]
+
+
+def test_warm_imports_are_off_where_no_standby_can_be() -> None:
+    """--warm-imports: torch by default; off as asked, for --no-python and in in-process mode."""
+    assert config("--standalone", str(SPEAK)).worker.options.warm_imports == ("torch",)
+    assert config("--standalone", "--warm-imports=torch, numpy", str(SPEAK)).worker.options.warm_imports == (
+        "torch", "numpy"
+    )
+    assert config("--standalone", "--warm-imports=off", str(SPEAK)).worker.options.warm_imports == ()
+    assert config("--standalone", "--no-python", sys.executable, str(SPEAK)).worker.options.warm_imports == ()
+    inprocess = config("--standalone", "--elastic-mode=in-process", str(SPEAK))
+    assert inprocess.worker.options.warm_imports == ()

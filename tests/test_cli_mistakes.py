@@ -47,6 +47,10 @@ MISTAKES = [
      "--rdzv-conf: unknown key 'join_timout'; did you mean join_timeout?"),
     (["--standalone", "--rdzv-conf=read_timeot=5", "train.py"],  # torchrun's spelling counts too
      "--rdzv-conf: unknown key 'read_timeot'; did you mean read_timeout?"),
+    (["--standalone", "--warm-imports=torch,my-lib", str(SPEAK)],
+     "--warm-imports: 'my-lib' is not a module name (give e.g. torch,transformers, or off)"),
+    (["--standalone", "--warm-imports=off,torch", str(SPEAK)],
+     "--warm-imports=off,torch: off cannot be combined with modules"),
     (["--foo", "train.py"], "unrecognized arguments: --foo (see --help)"),
     (["trian.py"], "training script not found: trian.py"),  # close to no subcommand: a missing script
     # elastic nodes without a backend: static is the default, as torchrun's

@@ -52,8 +52,9 @@ WARM_NICE_ENV = "ELASTICRUN_WARM_NICE"
 _NICE = 19
 #: how long a ready standby may take to answer the round (a few ms when it is alive)
 _ANSWER_LIMIT = 10.0
-#: the lines of a standby's own output kept, for the line that says it died
+#: the lines of a standby's own output kept (each cut to _TAIL_CHARS), for the line that says it died
 _TAIL_LINES = 5
+_TAIL_CHARS = 300
 #: interpreter options that leave the boot out (no sitecustomize, or no environment)
 _NO_BOOT = frozenset("IES")
 
@@ -277,6 +278,8 @@ class Standbys:
     async def _spawn(self, ranks: list[int]) -> None:
         spec = self._spec
         for r in ranks:
+            if r in self._standbys:  # started meanwhile (a replacement, an earlier start)
+                continue
             env = {
                 **self._env(r),
                 STANDBY_ENV: self._path,
@@ -389,5 +392,5 @@ async def _keep_tail(pipe: asyncio.StreamReader, tail: deque[str]) -> None:
 
     What a standby prints before its round is no worker's output: it is said only
     should the standby die."""
-    while line := await pipe.readline():
-        tail.append(line.decode(errors="replace").rstrip())
+    while chunk := await pipe.read(2**16):
+        tail.extend(line[:_TAIL_CHARS] for line in chunk.decode(errors="replace").splitlines() if line.strip())
