@@ -7,6 +7,7 @@ replacement, edits the script, and lets the round fail; the next round starts wa
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
@@ -207,3 +208,18 @@ async def test_standby_that_initialised_cuda_is_not_used(tmp_path: Path) -> None
     assert "cannot be used (it initialised CUDA)" in rest.decode()
     started = [json.loads((tmp_path / f"facts_1_{r}.json").read_text()) for r in (0, 1)]
     assert [f["preloaded"] for f in started] == [False, False]  # cold, as the first round
+
+
+def test_the_boot_and_the_agent_agree_on_the_standby_variables() -> None:
+    """Read from the boot's source: importing it would run it in this process."""
+    from elasticrun.agent import standby
+    from elasticrun.agent.boot import BOOT_DIR
+
+    tree = ast.parse((BOOT_DIR / "sitecustomize.py").read_text())
+    constants = {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id.isupper()
+    }
+    for name in ("STANDBY_ENV", "WARM_IMPORTS_ENV", "WARM_NICE_ENV"):
+        assert constants[name] == getattr(standby, name), name
