@@ -225,22 +225,23 @@ def _ready_since(log: Path, after: float) -> bool:
 
 
 def _assigned_to_init(job: Job, t0: float, nodes: tuple[int, ...]) -> float | None:
-    """elasticrun: the longest time, over `nodes`, from its agent taking up the new round
-    (its `workers stopped -> init: round N opened` line after `t0`, a moment before the
-    round's assignment reaches it) to its new worker's gloo group up (`init`)."""
+    """elasticrun: the time from the new round's opening (the leader's `round N: ...` line
+    after `t0`; no node has its place before) to the last of `nodes`' new workers' gloo
+    group up (`init`)."""
     if not job.launcher.startswith("elasticrun"):
         return None
     job.events.refresh()
-    inits = {str(e["node"]): float(e["t"]) for e in job.events.events if e["ev"] == "init" and float(e["t"]) > t0}  # type: ignore[arg-type]
-    waits = []
-    for i in nodes:
-        stamps = re.findall(r"\[elasticrun (\S+) INFO [^\]]*\] workers stopped -> init: round",
-                            (job.workdir / f"n{i}.log").read_text(errors="replace"))
-        taken = [t for t in (datetime.datetime.fromisoformat(x).timestamp() for x in stamps) if t > t0]
-        if not taken or f"n{i}" not in inits:
-            return None
-        waits.append(inits[f"n{i}"] - taken[0])
-    return max(waits)
+    inits = [float(e["t"]) for e in job.events.events  # type: ignore[arg-type]
+             if e["ev"] == "init" and float(e["t"]) > t0 and e["node"] in {f"n{i}" for i in nodes}]  # type: ignore[arg-type]
+    opened = [
+        stamp
+        for log in job.workdir.glob("n*.log")
+        for text in re.findall(r"\[elasticrun (\S+) INFO [^\]]*\] round \d+: ", log.read_text(errors="replace"))
+        if (stamp := datetime.datetime.fromisoformat(text).timestamp()) > t0
+    ]
+    if len(inits) < len(nodes) or not opened:
+        return None
+    return max(inits) - min(opened)
 
 
 def _spawned(job: Job, t0: float, world: int, exclude: set[object] = frozenset()) -> float | None:  # type: ignore[assignment]
@@ -643,7 +644,7 @@ def main() -> int:
                  if t["launcher"] == launcher and isinstance(t.get("sigkill"), dict)
                  and t["sigkill"].get("assigned_to_init") is not None]  # type: ignore[union-attr]
         if waits:
-            print(f"kill / sigkill, {launcher}: the survivors' new round taken up -> their gloo group up, "
+            print(f"kill / sigkill, {launcher}: the new round opened -> the survivors' gloo groups up, "
                   f"median {fmt(median(waits))} s over {len(waits)} runs")
     # the workers' own start-up (script start -> gloo group up), the same script under both
     inits = []
