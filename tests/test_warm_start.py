@@ -119,10 +119,10 @@ async def test_warm_worker_starts_as_a_cold_one(warm_job: WarmJob) -> None:
         assert warm["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"  # type: ignore[index]
         assert "ELASTICRUN_STANDBY" not in warm["env"]  # type: ignore[operator]
         for name in cold:
-            if name not in ("preloaded", "version", "pid", "env", "fds"):
+            if name not in ("preloaded", "version", "pid", "env", "cgroup_raw"):
                 assert warm[name] == cold[name], name
-        # torch's import may leave descriptors of its own: a cold worker has them once it imported it
-        assert set(cold["fds"]) <= set(warm["fds"]), (cold["fds"], warm["fds"])  # type: ignore[arg-type]
+    for restart in (0, 1):  # a group's workers share its cgroup, warm as cold
+        assert warm_job.facts[restart, 0]["cgroup_raw"] == warm_job.facts[restart, 1]["cgroup_raw"]
 
 
 async def test_nothing_is_left_when_the_job_ends(warm_job: WarmJob) -> None:

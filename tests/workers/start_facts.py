@@ -46,7 +46,8 @@ def python_stream(s: object) -> list[object]:
 umask = os.umask(0)
 os.umask(umask)
 with open("/proc/self/cgroup") as f:
-    cgroup = re.sub(r"elasticrun-(\d+)-[0-9a-f]+", r"elasticrun-\1-X", f.read())
+    cgroup_raw = f.read()
+cgroup = re.sub(r"elasticrun-(\d+)-[0-9a-f]+", r"elasticrun-\1-X", cgroup_raw)  # the group's own token
 facts = {
     "preloaded": PRELOADED,
     "version": VERSION,
@@ -71,6 +72,7 @@ facts = {
     "group_leader": os.getpgid(0) == os.getpid(),
     "ppid": os.getppid(),
     "cgroup": cgroup,
+    "cgroup_raw": cgroup_raw,
     "nice": os.getpriority(os.PRIO_PROCESS, 0),
     "affinity": sorted(os.sched_getaffinity(0)),
     "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
