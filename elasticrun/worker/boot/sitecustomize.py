@@ -15,7 +15,7 @@ What it installs, each only when the agent asked for it through the environment:
 - the step timing (`ELASTICRUN_STEPS_FILE`): `elasticrun.worker.steptime` records the
   worker's compute time per step into that file, for the straggler check. It needs
   elasticrun in this interpreter (without it, the worker runs untimed) and installs its
-  torch part only once the script imports torch.
+  torch part once the script imports torch (at once where a standby imported it).
 
 A standby (`ELASTICRUN_STANDBY`, elasticrun.agent.standby) is a worker started ahead
 of its round: here, before Python opens the script, it imports `--warm-imports`
@@ -24,8 +24,8 @@ waits. At the round's start the agent sends the worker's complete environment an
 stdout and stderr; the standby answers `ready` (or `cuda`: a worker must find CUDA
 untouched, so one that initialised it is not used), and once the agent says `go` (all
 of the node's standbys answered) the boot makes them the process's own and goes on as
-for a worker started cold, so the script starts as it would have. A standby whose
-agent hangs up exits.
+for a worker started cold, so the script starts as it would have (a sitecustomize
+this one hides runs then, after the warm imports). A standby whose agent hangs up exits.
 
 It stays standalone (the standard library only): the worker may run another Python,
 one without elasticrun installed. Then it hands over to the sitecustomize that would
