@@ -223,3 +223,29 @@ def test_the_boot_and_the_agent_agree_on_the_standby_variables() -> None:
     }
     for name in ("STANDBY_ENV", "WARM_IMPORTS_ENV", "WARM_NICE_ENV"):
         assert constants[name] == getattr(standby, name), name
+
+
+async def test_warm_worker_writes_its_log_files_and_the_console(tmp_path: Path) -> None:
+    """--tee: a warm worker's stdout and stderr are its attempt's log files, followed to the console."""
+    script = tmp_path / "start_facts.py"
+    shutil.copy(SCRIPT, script)
+    proc = await launch(tmp_path, script, "--tee=3")
+    try:
+        assert proc.stderr is not None
+        await read_lines_until(proc.stderr, 1, READY, timeout=90)
+        (tmp_path / "go").touch()
+        async with asyncio.timeout(90):
+            out, rest = await proc.communicate()
+    finally:
+        await kill_and_reap(proc)
+    assert proc.returncode == 0, rest.decode()
+    for rank in (0, 1):
+        facts = json.loads((tmp_path / f"facts_1_{rank}.json").read_text())
+        assert facts["preloaded"] is True
+        stdout, stderr = facts["stdio"][1], facts["stdio"][2]
+        assert stdout["kind"] == stderr["kind"] == "file"
+        assert stdout["target"].endswith(f"attempt_1/{rank}/stdout.log"), stdout
+        assert stderr["target"].endswith(f"attempt_1/{rank}/stderr.log"), stderr
+        line = f"rank {rank} version 1 preloaded True"
+        assert line in Path(stdout["target"]).read_text()
+        assert f"[{rank}]<stdout>: {line}" in out.decode()
