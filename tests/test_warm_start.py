@@ -97,6 +97,15 @@ async def _warm_job(tmp_path: Path) -> WarmJob:
     return WarmJob(facts, first[1], replacements, rest.decode(), proc.returncode or 0, left)
 
 
+def _child_running(pid: int, parent: int, name: bytes) -> bool:
+    """Whether process `pid` is a child of `parent` with `name` among its arguments."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1]) == parent and name in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def _runs_in(pid: int, folder: Path) -> bool:
     """Whether process `pid` runs the job's command (its argv names `folder`)."""
     try:
@@ -183,10 +192,15 @@ async def test_status_shows_standbys_and_agent_sigkill_leaves_none(tmp_path: Pat
             while (shown := await standby_shown()) != "ready":
                 assert shown in ("off", "starting"), shown
         workers = [json.loads((tmp_path / f"facts_0_{r}.json").read_text())["pid"] for r in (0, 1)]
+        environ = Path(f"/proc/{standbys[0]}/environ").read_bytes().split(b"\0")
+        (socket_path,) = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"ELASTICRUN_STANDBY=")]
+        (warden,) = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                     if _child_running(pid, proc.pid, b"elasticrun.agent.warden")]
         os.kill(proc.pid, signal.SIGKILL)
         await proc.wait()
-        for pid in [*standbys.values(), *workers]:
+        for pid in [*standbys.values(), *workers, warden]:
             await wait_pid_gone(pid, timeout=30)
+        assert not Path(socket_path).parent.exists()  # the warden removed the standbys' socket
     finally:
         await kill_and_reap(proc)
 

@@ -158,7 +158,9 @@ class Warden:
         self._send(warden.cgroup_line(cgroup, gone=True))
 
     def remove_on_death(self, path: Path, made: os.stat_result) -> None:
-        """Have the warden remove `path`, the file `made` describes, if the agent dies."""
+        """Have the warden remove `path`, the file `made` describes, if the agent dies.
+
+        A folder is removed only if it is empty by then (name what is in it first)."""
         self._send(warden.remove_line(path, made))
 
     def _send(self, line: bytes) -> None:

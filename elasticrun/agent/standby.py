@@ -131,6 +131,8 @@ class Standbys:
         self._server.setblocking(False)
         self._server.bind(self._path)
         self._server.listen(max(spec.nproc_per_node, 8))
+        for made in (self._path, self._dir):  # should the agent be killed
+            warden.remove_on_death(Path(made), os.stat(made))
         self._standbys: dict[int, _Standby] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         #: why warm starts are off for good ("" while they are on)

@@ -80,15 +80,19 @@ def remove_line(path: Path, made: os.stat_result) -> bytes:
     """The line that has the warden remove `path` should the agent die.
 
     Only if it is still the file `made` describes (its device and inode): never another
-    file by that name."""
+    file by that name. A folder goes only if it is empty by then: name what is in it first."""
     return f"remove {made.st_dev} {made.st_ino} {os.fsencode(path).hex()}\n".encode()
 
 
 def _remove(path: bytes, dev: int, ino: int) -> None:
+    """Remove the file, or the empty folder (a folder with anything left in it stays)."""
     with contextlib.suppress(OSError):
         now = os.lstat(path)
-        if (now.st_dev, now.st_ino) == (dev, ino) and not stat.S_ISDIR(now.st_mode):
-            os.unlink(path)
+        if (now.st_dev, now.st_ino) == (dev, ino):
+            if stat.S_ISDIR(now.st_mode):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
 
 
 def main() -> None:
