@@ -205,20 +205,30 @@ async def test_status_shows_standbys_and_agent_sigkill_leaves_none(tmp_path: Pat
         await kill_and_reap(proc)
 
 
-async def test_standby_that_initialised_cuda_is_not_used(tmp_path: Path) -> None:
+async def run_past_standbys(tmp_path: Path, *flags: str, path: str = str(REPO)) -> tuple[int, bytes, bytes]:
+    """Run start_facts.py's job with `flags`; once its standbys are ready, let it end.
+
+    Its exit code, stdout and the rest of its stderr."""
     script = tmp_path / "start_facts.py"
     shutil.copy(SCRIPT, script)
-    workers = REPO / "tests" / "workers"
-    proc = await launch(tmp_path, script, "--warm-imports=torch,cuda_touched", path=f"{REPO}{os.pathsep}{workers}")
+    proc = await launch(tmp_path, script, *flags, path=path)
     try:
         assert proc.stderr is not None
         await read_lines_until(proc.stderr, 1, READY, timeout=90)
         (tmp_path / "go").touch()
         async with asyncio.timeout(90):
-            _, rest = await proc.communicate()
+            out, rest = await proc.communicate()
     finally:
         await kill_and_reap(proc)
-    assert proc.returncode == 0, rest.decode()
+    return proc.returncode or 0, out, rest
+
+
+async def test_standby_that_initialised_cuda_is_not_used(tmp_path: Path) -> None:
+    workers = REPO / "tests" / "workers"
+    code, _, rest = await run_past_standbys(
+        tmp_path, "--warm-imports=torch,cuda_touched", path=f"{REPO}{os.pathsep}{workers}"
+    )
+    assert code == 0, rest.decode()
     assert "cannot be used (it initialised CUDA)" in rest.decode()
     started = [json.loads((tmp_path / f"facts_1_{r}.json").read_text()) for r in (0, 1)]
     assert [f["preloaded"] for f in started] == [False, False]  # cold, as the first round
@@ -241,18 +251,8 @@ def test_the_boot_and_the_agent_agree_on_the_standby_variables() -> None:
 
 async def test_warm_worker_writes_its_log_files_and_the_console(tmp_path: Path) -> None:
     """--tee: a warm worker's stdout and stderr are its attempt's log files, followed to the console."""
-    script = tmp_path / "start_facts.py"
-    shutil.copy(SCRIPT, script)
-    proc = await launch(tmp_path, script, "--tee=3")
-    try:
-        assert proc.stderr is not None
-        await read_lines_until(proc.stderr, 1, READY, timeout=90)
-        (tmp_path / "go").touch()
-        async with asyncio.timeout(90):
-            out, rest = await proc.communicate()
-    finally:
-        await kill_and_reap(proc)
-    assert proc.returncode == 0, rest.decode()
+    code, out, rest = await run_past_standbys(tmp_path, "--tee=3")
+    assert code == 0, rest.decode()
     for rank in (0, 1):
         facts = json.loads((tmp_path / f"facts_1_{rank}.json").read_text())
         assert facts["preloaded"] is True

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import signal
@@ -46,6 +47,7 @@ from elasticrun.errors import EXIT_INFRASTRUCTURE, EXIT_TRAINING_FAILED, EXIT_US
 from elasticrun.launcher import cli, launch
 from elasticrun.launcher.commands import store as store_command
 from elasticrun.launcher.config import LaunchConfig
+from elasticrun.launcher.flags import launch_parser
 from elasticrun.launcher.rdzv_conf import RDZV_CONF_ALIASES, RDZV_CONF_KEYS, RDZV_CONF_TORCHRUN_ONLY
 from elasticrun.rendezvous.codec import encode
 from elasticrun.store.client import dial as channel
@@ -352,14 +354,30 @@ def _children() -> set[int]:
 
 
 def check_error_lines(outcome: Outcome, argv: Sequence[str]) -> None:
-    """What a user sees on an error: one line `elasticrun: error: ...`, printable."""
+    """What a user sees on an error: one line `elasticrun: error: ...`, printable.
+
+    Under `--log-format json` an error found once the flags are parsed is one JSON object
+    at level ERROR instead, like every other line (log_format.error_line); argparse's own
+    errors come before the format is known, as text."""
     lines = outcome.err.splitlines()
     errors = [line for line in lines if line.startswith("elasticrun: error: ")]
+    if not errors and _asks_for_json(argv):
+        errors = [line for line in lines if line.startswith("{") and json.loads(line).get("level") == "ERROR"]
     assert len(errors) == 1, outcome.explain(argv)
-    others = [line for line in lines if line not in errors and not line.startswith("[elasticrun ")]
+    others = [line for line in lines if line not in errors and not line.startswith(("[elasticrun ", "{"))]
     assert not others, outcome.explain(argv)
     message = errors[0]
     assert message.isprintable(), f"a control character in the error line {message!r}\n" + outcome.explain(argv)
+
+
+def _asks_for_json(argv: Sequence[str]) -> bool:
+    """Whether the launcher's own parser reads `--log-format json` (any spelling it takes) in `argv`."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args, _ = launch_parser().parse_known_args(list(argv))
+    except SystemExit:
+        return False
+    return getattr(args, "log_format", "") == "json"
 
 
 def check_sane(config: LaunchConfig, argv: Sequence[str]) -> None:
