@@ -57,6 +57,8 @@ class WarmJob:
     """What the shared job did and left."""
 
     facts: dict[tuple[int, int], dict[str, object]]
+    #: what torch showed each worker in its group (start_facts.py's torch_<restart>_<rank>.json)
+    torch_facts: dict[tuple[int, int], dict[str, object]]
     killed: int
     replacements: dict[int, int]
     stderr: str
@@ -93,8 +95,13 @@ async def _warm_job(tmp_path: Path) -> WarmJob:
         for restart in (0, 1)
         for rank in (0, 1)
     }
+    torch_facts = {
+        (restart, rank): json.loads((tmp_path / f"torch_{restart}_{rank}.json").read_text())
+        for restart in (0, 1)
+        for rank in (0, 1)
+    }
     left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _runs_in(pid, tmp_path)]
-    return WarmJob(facts, first[1], replacements, rest.decode(), proc.returncode or 0, left)
+    return WarmJob(facts, torch_facts, first[1], replacements, rest.decode(), proc.returncode or 0, left)
 
 
 def _child_running(pid: int, parent: int, name: bytes) -> bool:
@@ -132,6 +139,17 @@ async def test_warm_worker_starts_as_a_cold_one(warm_job: WarmJob) -> None:
                 assert warm[name] == cold[name], name
     for restart in (0, 1):  # a group's workers share its cgroup, warm as cold
         assert warm_job.facts[restart, 0]["cgroup_raw"] == warm_job.facts[restart, 1]["cgroup_raw"]
+
+
+async def test_torchs_launcher_checks_see_the_same_warm_as_cold(warm_job: WarmJob) -> None:
+    """What PyTorch's launcher tests check a worker sees (is_torchelastic_launched, rank,
+    world, LOCAL_RANK, an env:// group's all-reduce), warm as cold."""
+    for rank in (0, 1):
+        cold, warm = warm_job.torch_facts[0, rank], warm_job.torch_facts[1, rank]
+        assert cold == warm == {
+            "torchelastic_launched": True, "rank_world": [rank, 2], "local_rank": rank,
+            "sum_of_ranks": 3, "backend": "gloo",
+        }
 
 
 async def test_nothing_is_left_when_the_job_ends(warm_job: WarmJob) -> None:

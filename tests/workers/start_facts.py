@@ -1,8 +1,10 @@
 """Records what a worker finds at its start, then plays its part in tests/test_warm_start.py.
 
 Run as `start_facts.py OUT_DIR GO_FILE`: writes OUT_DIR/facts_<restart>_<rank>.json
-first thing (what a warm start must leave as a cold start has it), then makes a few
-optimizer steps with its peers (so the agent starts standbys). In the first round it
+first thing (what a warm start must leave as a cold start has it), then, in its group,
+OUT_DIR/torch_<restart>_<rank>.json (what PyTorch's own launcher tests check a worker
+sees: torchelastic launched, rank and world, an env:// group's all-reduce), then makes
+a few optimizer steps with its peers (so the agent starts standbys). In the first round it
 waits for GO_FILE, then rank 1 fails; in the next round every rank exits 0.
 """
 
@@ -89,7 +91,19 @@ print(f"rank {rank} version {VERSION} preloaded {PRELOADED}", flush=True)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-dist.init_process_group("gloo")
+dist.init_process_group("gloo")  # init_method env://, as torch's own launcher tests use it
+# what PyTorch's launcher tests (test/distributed/launcher) check a worker sees, in our words
+total = torch.tensor([dist.get_rank() + 1])
+dist.all_reduce(total)
+torch_facts = {
+    "torchelastic_launched": dist.is_torchelastic_launched(),
+    "rank_world": [dist.get_rank(), dist.get_world_size()],
+    "local_rank": int(os.environ["LOCAL_RANK"]),
+    "sum_of_ranks": int(total.item()),
+    "backend": dist.get_backend(),
+}
+with open(os.path.join(out, f"torch_{restart}_{rank}.json"), "w") as f:
+    json.dump(torch_facts, f)
 model = torch.nn.Linear(2, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for _ in range(3):  # a step is the time between two: the agent sees steps, starts standbys
