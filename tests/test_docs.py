@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import gc
 import itertools
 import re
 from pathlib import Path
@@ -36,6 +37,24 @@ from elasticrun.launcher.rdzv_conf import (
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 FLAG = re.compile(r"(?<![\w-])(--?[a-zA-Z][\w-]*)")
+
+
+def _parse(path: Path) -> ast.Module:
+    """`path`'s syntax tree, built with the garbage collector off.
+
+    CPython 3.11.7 keeps one depth count per interpreter while it builds a tree: a
+    finalizer that runs during the build (another test's garbage, such as a gRPC server
+    whose __del__ prints a traceback, which parses a source line to place its carets)
+    moves that count, and the build fails with "AST constructor recursion depth mismatch"
+    (seen once in CI's order of the tests)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(path.read_text())
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @pytest.fixture(autouse=True)
@@ -229,7 +248,7 @@ CONSTRUCTED = ("is unreachable: ", "has expired or was revoked", "has been compa
 def _error_names() -> set[str]:
     names = {n for n, o in vars(errors).items() if isinstance(o, type) and issubclass(o, errors.ElasticrunError)}
     for path in (ROOT / "elasticrun").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path)):
             if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") in names for b in node.bases):
                 names.add(node.name)
     return names
@@ -250,7 +269,7 @@ def raised_messages() -> list[tuple[str, list[str]]]:
     names = _error_names()
     found = []
     for path in sorted((ROOT / "elasticrun").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path)):
             call = node.exc if isinstance(node, ast.Raise) else node.value if isinstance(node, ast.Return) else None
             if not isinstance(call, ast.Call) or not call.args:
                 continue
@@ -268,7 +287,7 @@ def logged_warnings() -> list[tuple[str, list[str]]]:
     (`log.warning(...)`, `logger.error(...)`, `logging.getLogger(...).warning(...)`)."""
     found = []
     for path in sorted((ROOT / "elasticrun").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path)):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
                 continue
             owner = node.func.value
@@ -342,7 +361,7 @@ def quoted_messages(text: str) -> list[str]:
 def _module_constants(path: Path) -> dict[str, object]:
     """A module's constants (`NAME = <literal>` at its top level) and the constants it
     imports from elasticrun modules, by name: an f-string prints their values."""
-    tree = ast.parse(path.read_text())
+    tree = _parse(path)
     found: dict[str, object] = {}
     for node in tree.body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
@@ -393,7 +412,7 @@ def printed_texts() -> tuple[set[str], set[str], set[str], str]:
     pieces: list[str] = []
     for path in [*sorted((ROOT / "elasticrun").rglob("*.py")), Path(argparse.__file__)]:
         constants = _module_constants(path) if path.is_relative_to(ROOT) else {}
-        tree = ast.parse(path.read_text())
+        tree = _parse(path)
         docstrings = {
             id(node.body[0].value)
             for node in ast.walk(tree)
