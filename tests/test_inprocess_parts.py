@@ -131,13 +131,13 @@ def test_a_lost_peer_breaks_a_join_in_progress(monkeypatch: pytest.MonkeyPatch) 
 
 #: rank 0 of round 3: joins the group, then never calls the collective its rank 1 waits in
 _IDLE_PEER = """
-import datetime, sys, time
+import datetime, sys
 from elasticrun.worker.elastic.link import WorkerAssignment
 from elasticrun.worker.elastic.session import GroupSession
 env = dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 GroupSession(WorkerAssignment(3, env), "gloo", datetime.timedelta(seconds=60)).join()
 print("joined", flush=True)
-time.sleep(60)
+sys.stdin.read()  # in the group until the test lets go (closes stdin) or kills it
 """
 
 
@@ -151,7 +151,7 @@ def test_a_collective_that_an_interrupt_does_not_break_is_abandoned(monkeypatch:
         monkeypatch.setenv(key, value)  # join() exports them; restored after the test
     peer = subprocess.Popen(
         [sys.executable, "-c", _IDLE_PEER, str(port)],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
     )
     try:
         session = GroupSession(WorkerAssignment(3, env), "gloo", datetime.timedelta(seconds=60))

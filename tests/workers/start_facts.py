@@ -115,5 +115,6 @@ if restart == "0":
         time.sleep(0.02)
     if rank == "1":
         sys.exit(3)
-    time.sleep(120)  # stopped by the agent when rank 1 fails
+    while True:
+        signal.pause()  # until the agent stops it (SIGTERM), once rank 1 has failed
 dist.destroy_process_group()
