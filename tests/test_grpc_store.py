@@ -425,8 +425,11 @@ async def test_one_identity_cannot_take_the_calls_of_others(reliability: Reliabi
 
 
 async def headers_only(endpoint: str, method: str, token: str | None) -> grpc.aio.Call:
-    """A call of `method` that sends its headers and never its message."""
-    channel = grpc.aio.insecure_channel(endpoint)
+    """A call of `method` that sends its headers and never its message, on a connection of its own.
+
+    Channels of one process share connections by default: an anonymous call's connection,
+    shut by the store once refused, would take later calls of other channels with it."""
+    channel = grpc.aio.insecure_channel(endpoint, options=(("grpc.use_local_subchannel_pool", 1),))
     call = channel.stream_stream(method)(
         _never(), metadata=(("authorization", f"Bearer {token}"),) if token else None
     )
