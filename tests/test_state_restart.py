@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticrun.agent import state_files
+from elasticrun import state_layout
 from elasticrun.launcher.flag_values import byte_size
-from elasticrun.worker.elastic import State, host_copy
+from elasticrun.worker.elastic import State
 from elasticrun.worker.elastic.host_copy import HostCopy
 from tests.support.elastic_cluster import Cluster, Proc, pid_alive
 from tests.support.helpers import wait_until
@@ -138,10 +138,6 @@ def test_the_agents_state_files_go_with_it_when_it_is_killed(cluster: Cluster) -
 # --- the host copy on its own --------------------------------------------------------------
 
 
-def test_both_sides_name_the_same_variable() -> None:
-    assert state_files.STATE_FILE_VAR == host_copy.STATE_FILE_VAR
-
-
 def _commit(copy: HostCopy, commits: int, value: float) -> None:
     named = iter([("t", {"w": torch.full((1000,), value), "n": commits})])
     copy.write(named, commits, 0, 0, 1)
@@ -193,7 +189,7 @@ def test_a_file_too_small_for_two_copies_is_refused(tmp_path: Path) -> None:
     from elasticrun.errors import StateMemoryError
 
     with pytest.raises(StateMemoryError, match="too small for two copies"):
-        HostCopy(_file(tmp_path, host_copy.HEADER_BYTES))
+        HostCopy(_file(tmp_path, state_layout.HEADER_BYTES))
     assert os.path.exists(tmp_path / "state")
 
 

@@ -39,7 +39,7 @@ from elasticrun.agent.runfolder import DEFAULT_ROOT_PREFIX, create_new, make_pri
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
 from elasticrun.agent.standby import Standbys, Taken, cold_reason
-from elasticrun.agent.state_files import STATE_FILE_VAR, StateFiles
+from elasticrun.agent.state_files import StateFiles
 from elasticrun.agent.step_reports import READ_INTERVAL, StepTimes, stall_reason
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.agent.worker_link import BrokenReport, WorkerChannel
@@ -56,6 +56,7 @@ from elasticrun.first_of import first_of
 from elasticrun.loglines import HEADLINE
 from elasticrun.rendezvous.handler import AgentStatus, Assignment, RendezvousHandler
 from elasticrun.rendezvous.records import ROUND_STREAM
+from elasticrun.state_layout import STATE_FILE_VAR
 from elasticrun.store.credentials import worker_credential
 
 if TYPE_CHECKING:  # imported by the launcher only when metrics are asked for

@@ -23,10 +23,10 @@ from pathlib import Path
 from elasticrun.agent.boot import boot_env
 from elasticrun.agent.gpu import worker_gpu_env
 from elasticrun.agent.spec import WorkerSpec
-from elasticrun.agent.state_files import STATE_FILE_VAR
 from elasticrun.agent.worker_link import SOCKET_VAR
 from elasticrun.errors import UsageError
 from elasticrun.rendezvous.handler import Assignment
+from elasticrun.state_layout import STATE_FILE_VAR
 from elasticrun.store.wire import TOKEN_FILE_ENV
 
 

@@ -26,9 +26,6 @@ from pathlib import Path
 
 from elasticrun.agent.runfolder import create_new
 
-#: what names a worker's state file in its environment (the worker's side reads it)
-STATE_FILE_VAR = "ELASTICRUN_STATE_FILE"
-
 #: the tmpfs the files go to, when it is there
 SHM = Path("/dev/shm")
 

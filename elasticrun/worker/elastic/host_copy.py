@@ -7,18 +7,11 @@ it was. The worker maps it; `State.commit()` copies the state into it and the ne
 worker's `@elastic.run` reads it back before calling the function: memory, never a file
 on disk, never a pickle.
 
-The file holds two slots and, in its first page, one record per slot:
-
-    [record 0][record 1] ... | slot 0 | slot 1 |
-
-A slot holds one commit: the bytes of its tensors, each at a 64-byte boundary, then its
-structure (`structure.encode`, the tensors as TensorHoles, nothing pickled). A record
-says what its slot holds (a generation number, the commit count, the rank and world size
-it was made at, where the structure is) with a CRC-32 over all that and the structure.
-A commit goes to the slot that does not hold the newest commit: first that slot's record
-is cleared, then the data is written, then the record, last. A worker killed anywhere in
-between leaves the other slot and its record, the previous commit, whole; a record torn
-in its own write fails its CRC.
+The file's layout (two slots, a record for each, what makes a commit whole) is
+elasticrun.state_layout's. A commit goes to the slot that does not hold the newest
+commit: first that slot's record is cleared, then the data is written, then the record,
+last. A worker killed anywhere in between leaves the other slot and its record, the
+previous commit, whole; a record torn in its own write fails its CRC.
 
 Space on the tmpfs is reserved (`posix_fallocate`) before it is written: a full /dev/shm
 is a StateMemoryError at the commit, never a SIGBUS in the middle of a copy.
@@ -34,47 +27,26 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import struct
-import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from elasticrun.errors import StateMemoryError
-from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
-
-#: the variable that names the file (set by the agent, in restart mode only)
-STATE_FILE_VAR = "ELASTICRUN_STATE_FILE"
-
-#: the first page: the two records
-HEADER_BYTES = 4096
-_ALIGN = 64
-_MAGIC = b"ERSTATE1"
-#: magic, generation, commits, round, rank, world size, structure offset, structure length
-_RECORD = struct.Struct("<8sQqqqqQQ")
-_CRC = struct.Struct("<I")
-_RECORD_SPACING = 512
-
-
-@dataclass(frozen=True)
-class Record:
-    """What one slot holds: a whole commit."""
-
-    slot: int
-    generation: int
-    commits: int
-    round: int
-    rank: int
-    world: int
-    structure_at: int
-    structure_bytes: int
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+from elasticrun.state_layout import (
+    HEADER_BYTES,
+    RECORD_BYTES,
+    RECORD_SPACING,
+    STATE_FILE_VAR,
+    Record,
+    aligned,
+    held,
+    packed_record,
+    slot_bytes_of,
+    slot_start,
+)
+from elasticrun.worker.elastic.structure import TensorHole, decode, encode
 
 
 def _mib(n: int) -> str:
@@ -89,7 +61,7 @@ class HostCopy:
         self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         size = os.fstat(self._fd).st_size
         #: each slot's bytes: half of what is left after the records
-        self.slot_bytes = (size - HEADER_BYTES) // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+        self.slot_bytes = slot_bytes_of(size)
         if self.slot_bytes <= 0:
             os.close(self._fd)
             raise StateMemoryError(
@@ -117,20 +89,7 @@ class HostCopy:
 
     def held(self) -> list[Record]:
         """The whole commits the file holds (zero, one or two), oldest first."""
-        records = [r for r in (self._record(slot) for slot in (0, 1)) if r is not None]
-        return sorted(records, key=lambda r: r.generation)
-
-    def _record(self, slot: int) -> Record | None:
-        at = slot * _RECORD_SPACING
-        raw = bytes(self._map[at : at + _RECORD.size + _CRC.size])
-        magic, generation, commits, round_, rank, world, where, length = _RECORD.unpack_from(raw)
-        if magic != _MAGIC or not 0 < length <= MAX_BYTES or where + length > self.slot_bytes:
-            return None
-        start = self._slot_start(slot) + where
-        crc = zlib.crc32(self._map[start : start + length], zlib.crc32(raw[: _RECORD.size]))
-        if _CRC.unpack_from(raw, _RECORD.size)[0] != crc:
-            return None
-        return Record(slot, generation, commits, round_, rank, world, where, length)
+        return held(self._map, self.slot_bytes)
 
     def read(self, record: Record, device: torch.device) -> Any:
         """The commit `record` describes: its structure with the tensors in place.
@@ -160,9 +119,7 @@ class HostCopy:
         self.settle()
         slot = 1 - self._newest_slot
         start = self._slot_start(slot)
-        self._map[slot * _RECORD_SPACING : slot * _RECORD_SPACING + _RECORD.size + _CRC.size] = bytes(
-            _RECORD.size + _CRC.size
-        )
+        self._map[slot * RECORD_SPACING : slot * RECORD_SPACING + RECORD_BYTES] = bytes(RECORD_BYTES)
         used = 0
         structure: dict[str, Any] = {}
         count = 0
@@ -178,20 +135,19 @@ class HostCopy:
                     self._reserve(slot, used + size, commits)
                     view = self._bytes[start + used : start + used + size].view(tensor.dtype).view(tensor.shape)
                     cuda_copies |= self._copy(view, tensor)
-                used = _aligned(used + size)
+                used = aligned(used + size)
             count += len(tensors)
         data = encode(structure)
         if not fits or used + len(data) > self.slot_bytes:
             raise StateMemoryError(
                 f"the state does not fit in the host memory each worker has for it: commit {commits} takes "
                 f"{_mib(used + len(data))}, twice (two copies are kept), in {_mib(2 * self.slot_bytes)}; "
-                f"raise --state-memory to at least {_mib(2 * _aligned(used + len(data)) + HEADER_BYTES)}"
+                f"raise --state-memory to at least {_mib(2 * aligned(used + len(data)) + HEADER_BYTES)}"
             )
         self._reserve(slot, used + len(data), commits)
         self._map[start + used : start + used + len(data)] = data
         self._generation += 1
-        fields = _RECORD.pack(_MAGIC, self._generation, commits, round_number, rank, world, used, len(data))
-        record = fields + _CRC.pack(zlib.crc32(data, zlib.crc32(fields)))
+        record = packed_record(self._generation, commits, round_number, rank, world, used, data)
         self._newest_slot = slot
         if cuda_copies:
             self._pending = (self._finish_cuda_copies(), record, slot)
@@ -207,11 +163,11 @@ class HostCopy:
             self._pending = None
 
     def _put_record(self, slot: int, record: bytes) -> None:
-        at = slot * _RECORD_SPACING
+        at = slot * RECORD_SPACING
         self._map[at : at + len(record)] = record
 
     def _slot_start(self, slot: int) -> int:
-        return HEADER_BYTES + slot * self.slot_bytes
+        return slot_start(slot, self.slot_bytes)
 
     def _reserve(self, slot: int, end: int, commits: int) -> None:
         """Make sure the tmpfs holds bytes [0, end) of `slot`: a clear error, never a SIGBUS.
@@ -273,7 +229,7 @@ def _layout(structure: Any) -> dict[int, int]:
     offsets, used = {}, 0
     for hole in sorted(holes, key=lambda h: h.index):
         offsets[hole.index] = used
-        used = _aligned(used + _nbytes(hole))
+        used = aligned(used + _nbytes(hole))
     return offsets
 
 

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from elasticrun.errors import StateTransferError
+from elasticrun.state_layout import MAX_STRUCTURE_BYTES
 
 #: the largest structure a rank accepts: far above any optimizer's, far below harm
-MAX_BYTES = 64 << 20
+MAX_BYTES = MAX_STRUCTURE_BYTES
 
 _DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]*")
 

@@ -1,0 +1,98 @@
+"""The layout of a state file: what the agent and the worker both read in it.
+
+A state file (elasticrun.agent.state_files makes them) holds two slots and, in its first
+page, one record per slot:
+
+    [record 0][record 1] ... | slot 0 | slot 1 |
+
+A slot holds one commit: the bytes of its tensors, each at a 64-byte boundary, then its
+structure (elasticrun.worker.elastic.structure, nothing pickled). A record says what its
+slot holds (a generation number, the commit count, the round, rank and world size it was
+made at, where the structure is) with a CRC-32 over all that and the structure, so a
+record torn in its own write, or a slot whose structure was overwritten since, reads as
+no commit.
+
+Only the worker writes a file (elasticrun.worker.elastic.host_copy, which imports torch);
+this module needs no torch, so that the agent can say which commit each file holds.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import zlib
+from dataclasses import dataclass
+
+#: what names a worker's state file in its environment (the agent sets it in restart mode)
+STATE_FILE_VAR = "ELASTICRUN_STATE_FILE"
+
+#: the first page: the two records
+HEADER_BYTES = 4096
+ALIGN = 64
+MAGIC = b"ERSTATE1"
+#: magic, generation, commits, round, rank, world size, structure offset, structure length
+RECORD = struct.Struct("<8sQqqqqQQ")
+CRC = struct.Struct("<I")
+RECORD_BYTES = RECORD.size + CRC.size
+RECORD_SPACING = 512
+#: the largest structure a record may name (elasticrun.worker.elastic.structure's bound)
+MAX_STRUCTURE_BYTES = 64 << 20
+
+#: a file's bytes, as mapped or as read
+FileBytes = bytes | memoryview | mmap.mmap
+
+
+@dataclass(frozen=True)
+class Record:
+    """What one slot holds: a whole commit."""
+
+    slot: int
+    generation: int
+    commits: int
+    round: int
+    rank: int
+    world: int
+    structure_at: int
+    structure_bytes: int
+
+
+def aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def slot_bytes_of(file_bytes: int) -> int:
+    """Each slot's bytes in a file of `file_bytes`: half of what is left after the records, in whole pages."""
+    return (file_bytes - HEADER_BYTES) // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+def slot_start(slot: int, slot_bytes: int) -> int:
+    return HEADER_BYTES + slot * slot_bytes
+
+
+def record_at(data: FileBytes, slot: int, slot_bytes: int) -> Record | None:
+    """The whole commit slot `slot` of a file's bytes `data` holds, or None (none, or torn)."""
+    view = memoryview(data)
+    at = slot * RECORD_SPACING
+    raw = bytes(view[at : at + RECORD_BYTES])
+    magic, generation, commits, round_, rank, world, where, length = RECORD.unpack_from(raw)
+    if magic != MAGIC or not 0 < length <= MAX_STRUCTURE_BYTES or where + length > slot_bytes:
+        return None
+    start = slot_start(slot, slot_bytes) + where
+    crc = zlib.crc32(view[start : start + length], zlib.crc32(raw[: RECORD.size]))
+    if CRC.unpack_from(raw, RECORD.size)[0] != crc:
+        return None
+    return Record(slot, generation, commits, round_, rank, world, where, length)
+
+
+def held(data: FileBytes, slot_bytes: int) -> list[Record]:
+    """The whole commits a file's bytes hold (zero, one or two), oldest first."""
+    records = [r for r in (record_at(data, slot, slot_bytes) for slot in (0, 1)) if r is not None]
+    return sorted(records, key=lambda r: r.generation)
+
+
+def packed_record(
+    generation: int, commits: int, round_number: int, rank: int, world: int, structure_at: int, structure: bytes
+) -> bytes:
+    """A slot's record, its CRC over the fields and the structure."""
+    fields = RECORD.pack(MAGIC, generation, commits, round_number, rank, world, structure_at, len(structure))
+    return fields + CRC.pack(zlib.crc32(structure, zlib.crc32(fields)))
