@@ -10,7 +10,8 @@ waits for GO_FILE, then rank 1 fails; in the next round every rank exits 0.
 
 import sys
 
-PRELOADED = "torch" in sys.modules  # before anything of the script's own runs
+# before anything of the script's own runs: torch, and torch._dynamo, which a standby imports with it
+PRELOADED = all(name in sys.modules for name in ("torch", "torch._dynamo"))
 VERSION = 1  # the test edits this line between rounds
 
 import fcntl  # noqa: E402
