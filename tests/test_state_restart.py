@@ -21,7 +21,7 @@ from elasticrun import state_layout
 from elasticrun.launcher.flag_values import byte_size
 from elasticrun.worker.elastic import State
 from elasticrun.worker.elastic.host_copy import HostCopy
-from tests.support.elastic_cluster import Cluster, Proc, pid_alive
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, pid_alive
 from tests.support.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -250,3 +250,61 @@ def test_restore_rolls_back_to_the_last_commit_held_in_host_memory(tmp_path: Pat
     plain.step += 1
     plain.restore()
     assert (plain.commits, plain.step) == (1, 2)
+
+
+# --- a sharded state at a new world size -------------------------------------------------
+
+RESHARD_WORKER = Path(__file__).resolve().parent / "workers" / "reshard_worker.py"
+RESHARD_BEGIN = re.compile(
+    r"begin rank=(?P<rank>\d+) world=(?P<world>\d+) restored=(?P<restored>\w+) earlier=(?P<earlier>\S+) "
+    r"lost=\[(?P<lost>[\d, ]*)\] step=(?P<step>\d+) intact=(?P<intact>\w+)"
+)
+
+
+def resharding_node(cluster: Cluster, store: str, run_id: str, name: str, nnodes: str) -> Proc:
+    return cluster.agent(
+        name, backend="c10d", endpoint=store, run_id=run_id, local_addr="127.0.0.1", nnodes=nnodes,
+        conf=f"{RDZV_CONF},is_host=false", worker=RESHARD_WORKER, worker_args=("--hold-world=2", "--hold-at=6"),
+    )
+
+
+def test_a_sharded_state_is_resharded_from_every_shard_when_the_world_grows(cluster: Cluster, c10d_store: str) -> None:
+    """Two nodes commit their halves up to step 6; a third joins: at world 3 no rank has
+    a commit of its own rank and size, so none restores, and `earlier` offers commit 6
+    of world 2 whole. Each rank gathers the old halves its third overlaps (the middle
+    rank needs both halves, one from another worker) and resumes at step 6 with exactly that
+    step's values."""
+    run_id = f"reshard-{os.getpid()}-grow"
+    first = [resharding_node(cluster, c10d_store, run_id, f"n{i}", "2:3") for i in (1, 2)]
+    for node in first:
+        node.wait_for(r"step=6 rank=\d world=2")
+    third = resharding_node(cluster, c10d_store, run_id, "n3", "2:3")
+    nodes = [*first, third]
+    for node in nodes:
+        assert node.wait_exit() == 0, node.text()[-4000:]
+    begins = [m for node in nodes for m in RESHARD_BEGIN.finditer(node.text()) if m["world"] == "3"]
+    assert sorted(int(m["rank"]) for m in begins) == [0, 1, 2], [n.text()[-2000:] for n in nodes]
+    for m in begins:
+        seen = (m["restored"], m["earlier"], m["lost"], m["step"], m["intact"])
+        assert seen == ("False", "2/6", "", "6", "True"), m[0]
+    cluster.assert_no_orphans()
+
+
+def test_a_lost_nodes_shards_are_said_gone_and_the_script_starts_afresh(cluster: Cluster, c10d_store: str) -> None:
+    """Of two nodes holding their halves at step 6, one is SIGKILLed with its memory: the
+    survivor, alone at world 1, is told in one line that rank 1's shard is gone, its
+    `earlier` names it lost, and it starts from step 0."""
+    run_id = f"reshard-{os.getpid()}-lost"
+    nodes = [resharding_node(cluster, c10d_store, run_id, f"n{i}", "1:2") for i in (1, 2)]
+    for node in nodes:
+        node.wait_for(r"step=6 rank=\d world=2")
+    nodes[1].kill()
+    survivor = nodes[0]
+    assert survivor.wait_exit() == 0, survivor.text()[-4000:]
+    (again,) = [m for m in RESHARD_BEGIN.finditer(survivor.text()) if m["world"] == "1"]
+    assert (again["restored"], again["earlier"], again["lost"], again["step"], again["intact"]) == (
+        "False", "2/6", "1", "0", "True"
+    ), again[0]
+    said = "elasticrun: no shard of ranks [1] of the last commit (6, made at world size 2) is left"
+    assert survivor.text().count(said) == 1, survivor.text()[-4000:]
+    cluster.assert_no_orphans()

@@ -15,6 +15,6 @@ the agent. See docs/in-process.md.
 """
 
 from elasticrun.worker.elastic.run import run
-from elasticrun.worker.elastic.state import MembershipChanged, ShardedState, State
+from elasticrun.worker.elastic.state import EarlierShards, MembershipChanged, ShardedState, State
 
-__all__ = ["MembershipChanged", "ShardedState", "State", "run"]
+__all__ = ["EarlierShards", "MembershipChanged", "ShardedState", "State", "run"]

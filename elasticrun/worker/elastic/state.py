@@ -34,6 +34,7 @@ nothing a peer sends can run code here.
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -360,11 +361,19 @@ class ShardedState(State):
     nothing. In restart mode a restarted group resumes from the last commit that every
     rank holds, made at the same rank and world size (each host copy keeps two commits,
     and ranks that commit in step are at most one apart, so a worker killed during a
-    commit costs one step). Where no such commit exists (the world size changed, a
-    rank's copy is gone) no rank restores: `restored` is False on all, and the script
-    starts from what it built (its own checkpoint), since shards of different steps
-    would not make one model. Copies of a shard on another node are not kept yet.
+    commit costs one step). Where no such commit exists (the world size changed, ranks
+    moved, a rank's copy is gone) no rank restores: `restored` is False on all, since
+    shards of different steps would not make one model, and `earlier` offers the last
+    commit the group's workers hold, made at its own world size: every shard of it to
+    re-shard from (`EarlierShards.gather`), or the ranks whose shard is gone
+    (`EarlierShards.lost`), when the script starts from its own checkpoint instead.
     """
+
+    def __init__(self, **objects: Any) -> None:
+        super().__init__(**objects)
+        #: set when the group starts: the last commit held, made at another world size or
+        #: with ranks elsewhere, when there is no commit to resume from (see the class doc)
+        object.__setattr__(self, "earlier", None)
 
     def sync(self) -> None:
         """Nothing moves: each rank's values are its own."""
@@ -372,17 +381,124 @@ class ShardedState(State):
         object.__setattr__(self, "_synced_before", True)
 
     def _choose(self, held: list[Record]) -> Record | None:
-        """The newest commit every rank holds for its own rank and world size (a collective)."""
+        """The newest commit every rank holds for its own rank and world size (a collective).
+
+        Where there is none, `earlier` is set to what the group holds of an earlier one."""
+        object.__setattr__(self, "earlier", None)
         if not dist.is_initialized():
             return held[-1] if held else None
         rank, world = dist.get_rank(), dist.get_world_size()
+        everyone = _all_gathered([(r.commits, r.round, r.rank, r.world) for r in held], 2, 4)
         mine = {r.commits: r for r in held if (r.rank, r.world) == (rank, world)}
-        device = flag_device()
-        counts = torch.tensor(([*mine] + [-1, -1])[:2], dtype=torch.int64, device=device)
-        gathered = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
-        dist.all_gather(gathered, counts)
-        common = set.intersection(*({int(c) for c in t.tolist() if c >= 0} for t in gathered))
-        return mine[max(common)] if common else None
+        common = set.intersection(
+            *({c for c, _, r, w in records if (r, w) == (q, world)} for q, records in enumerate(everyone))
+        )
+        if common:
+            return mine[max(common)]
+        earlier = EarlierShards.of(everyone, self)
+        object.__setattr__(self, "earlier", earlier)
+        if earlier is not None and earlier.lost and rank == 0:
+            print(
+                f"elasticrun: no shard of ranks {list(earlier.lost)} of the last commit ({earlier.commits}, made at "
+                f"world size {earlier.world}) is left: lost with their workers' memory; the state starts from what "
+                "the script built",
+                file=sys.stderr, flush=True,
+            )
+        return None
+
+    def _read_own(self, commits: int, round_number: int, rank: int, world: int) -> dict[str, Any]:
+        """The payloads of a commit this worker's host copy holds (views of it: valid until it is overwritten)."""
+        assert self._host is not None  # only a worker with a host copy is named a holder
+        for record in self._host.held():
+            if (record.commits, record.round, record.rank, record.world) == (commits, round_number, rank, world):
+                payloads: dict[str, Any] = self._host.read(record, torch.device("cpu"))
+                return payloads
+        raise StateTransferError(f"commit {commits} of rank {rank} is no longer in this worker's host memory")
+
+
+class EarlierShards:
+    """The last commit a ShardedState's new group holds, made at another world size or with ranks elsewhere.
+
+    `world` is the world size it was made at, `commits` its count, and `lost` the ranks
+    of it whose shard no worker of the group holds (a node lost with its memory). Read
+    it at the top of the function, before the round's first commits: a worker's host
+    copy keeps two commits, and its second commit of the new round overwrites the
+    earlier one.
+    """
+
+    def __init__(
+        self, world: int, commits: int, round_number: int, holders: dict[int, int], state: ShardedState
+    ) -> None:
+        self.world = world
+        self.commits = commits
+        self._round = round_number
+        #: each rank of the commit's world -> the rank of the new group that holds its shard
+        self._holders = holders
+        self._state = state
+        self.lost = tuple(r for r in range(world) if r not in holders)
+
+    @classmethod
+    def of(cls, everyone: list[list[tuple[int, ...]]], state: ShardedState) -> EarlierShards | None:
+        """The newest commit whose every shard some rank holds; else the newest held at all (its `lost` said)."""
+        holders: dict[tuple[int, int, int], dict[int, int]] = {}
+        for holder, records in enumerate(everyone):
+            for commits, round_number, rank, world in records:
+                holders.setdefault((commits, round_number, world), {}).setdefault(rank, holder)
+        if not holders:
+            return None
+        whole = [key for key, held in holders.items() if len(held) == key[2]]
+        commits, round_number, world = max(whole or holders)
+        return cls(world, commits, round_number, holders[(commits, round_number, world)], state)
+
+    def gather(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
+        """The shards of `ranks` (ranks of the commit's world), each as its named values.
+
+        Collective: every rank of the new group calls it, each with the ranks it needs
+        (none is fine). A module's shard comes as its state dict, an optimizer's as its
+        state dict, a plain value as itself, each in a copy of its own. Each shard moves
+        once per rank that asks for it, from the worker that holds it."""
+        asked = sorted(set(ranks))
+        if any(not 0 <= r < self.world for r in asked):
+            raise ValueError(f"gather({ranks}): the commit was made at world size {self.world}")
+        gone = [r for r in asked if r in self.lost]
+        if gone:
+            raise StateTransferError(
+                f"the shards of ranks {gone} of commit {self.commits} (world size {self.world}) are gone "
+                "with their workers' memory: start from the script's own checkpoint"
+            )
+        me = dist.get_rank()
+        wanted = _all_gathered([(r,) for r in asked], self.world, 1)
+        got: dict[int, dict[str, Any]] = {}
+        for rank in range(self.world):  # every rank goes through the transfers in one order: none waits on another
+            holder = self._holders.get(rank)
+            for asker, wants in enumerate(wanted):
+                if (rank,) not in wants or me not in (holder, asker) or holder is None:
+                    continue
+                if holder == asker:
+                    got[rank] = _cloned(self._state._read_own(self.commits, self._round, rank, self.world))
+                elif holder == me:
+                    tensors: list[torch.Tensor] = []
+                    payloads = self._state._read_own(self.commits, self._round, rank, self.world)
+                    _send_structure(_hollow(payloads, tensors), asker)
+                    _send_tensors(tensors, asker)
+                else:
+                    received: list[torch.Tensor] = []
+                    got[rank] = _fill(_receive_structure(holder), received)
+                    _receive_tensors(received, holder)
+        return got
+
+
+def _all_gathered(rows: list[tuple[int, ...]], most: int, width: int) -> list[list[tuple[int, ...]]]:
+    """Each rank's `rows` (at most `most` tuples of `width` ints, none negative), as every rank sees them.
+
+    A collective: one all_gather of a fixed-size table, rows left empty marked -1."""
+    table = torch.full((most, width), -1, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        table[i] = torch.tensor(row, dtype=torch.int64)
+    table = table.to(flag_device())
+    gathered = [torch.empty_like(table) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, table)
+    return [[tuple(row) for row in t.cpu().tolist() if row[0] >= 0] for t in gathered]
 
 
 #: the most bytes of tensors copied into one buffer for one broadcast
