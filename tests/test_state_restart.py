@@ -292,8 +292,8 @@ def test_a_sharded_state_is_resharded_from_every_shard_when_the_world_grows(clus
 
 def test_a_lost_nodes_shards_are_said_gone_and_the_script_starts_afresh(cluster: Cluster, c10d_store: str) -> None:
     """Of two nodes holding their halves at step 6, one is SIGKILLed with its memory: the
-    survivor, alone at world 1, is told in one line that rank 1's shard is gone, its
-    `earlier` names it lost, and it starts from step 0."""
+    survivor, alone at world 1, is told in one line that the other rank's shard is gone,
+    its `earlier` names it lost, and it starts from step 0."""
     run_id = f"reshard-{os.getpid()}-lost"
     nodes = [resharding_node(cluster, c10d_store, run_id, f"n{i}", "1:2") for i in (1, 2)]
     for node in nodes:
@@ -301,10 +301,12 @@ def test_a_lost_nodes_shards_are_said_gone_and_the_script_starts_afresh(cluster:
     nodes[1].kill()
     survivor = nodes[0]
     assert survivor.wait_exit() == 0, survivor.text()[-4000:]
-    (again,) = [m for m in RESHARD_BEGIN.finditer(survivor.text()) if m["world"] == "1"]
+    first, again = RESHARD_BEGIN.finditer(survivor.text())
+    assert (first["world"], again["world"]) == ("2", "1"), survivor.text()[-4000:]
+    lost = 1 - int(first["rank"])  # the nodes' ranks follow their arrival
     assert (again["restored"], again["earlier"], again["lost"], again["step"], again["intact"]) == (
-        "False", "2/6", "1", "0", "True"
+        "False", "2/6", str(lost), "0", "True"
     ), again[0]
-    said = "elasticrun: no shard of ranks [1] of the last commit (6, made at world size 2) is left"
+    said = f"elasticrun: no shard of ranks [{lost}] of the last commit (6, made at world size 2) is left"
     assert survivor.text().count(said) == 1, survivor.text()[-4000:]
     cluster.assert_no_orphans()
