@@ -19,7 +19,7 @@ import torch
 
 from elasticrun import state_layout
 from elasticrun.launcher.flag_values import byte_size
-from elasticrun.worker.elastic import State
+from elasticrun.worker.elastic import EarlierShards, ShardedState, State
 from elasticrun.worker.elastic.host_copy import HostCopy
 from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, pid_alive
 from tests.support.helpers import wait_until
@@ -253,6 +253,21 @@ def test_restore_rolls_back_to_the_last_commit_held_in_host_memory(tmp_path: Pat
 
 
 # --- a sharded state at a new world size -------------------------------------------------
+
+def test_the_earlier_commit_is_the_newest_whole_one_else_the_newest_with_its_lost_ranks() -> None:
+    """What the group's records (commits, round, rank, world size) offer to re-shard from."""
+    state = ShardedState(step=0)
+    # commit 7 of world 2 lost its rank 1 (its worker died mid-copy); commit 6 is whole
+    offered = EarlierShards.of([[(6, 1, 0, 2), (7, 1, 0, 2)], [(6, 1, 1, 2)], []], state)
+    assert offered is not None and (offered.world, offered.commits, offered.lost) == (2, 6, ())
+    # a later round that started afresh counts from 1 again: it is still the newest
+    offered = EarlierShards.of([[(9, 1, 0, 1), (2, 3, 0, 1)]], state)
+    assert offered is not None and (offered.world, offered.commits, offered.lost) == (1, 2, ())
+    # nothing whole: the newest, with the ranks no worker holds
+    offered = EarlierShards.of([[(4, 2, 2, 4)], [(4, 2, 0, 4)]], state)
+    assert offered is not None and (offered.world, offered.commits, offered.lost) == (4, 4, (1, 3))
+    assert EarlierShards.of([[], []], state) is None
+
 
 RESHARD_WORKER = Path(__file__).resolve().parent / "workers" / "reshard_worker.py"
 RESHARD_BEGIN = re.compile(

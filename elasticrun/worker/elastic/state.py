@@ -439,7 +439,9 @@ class EarlierShards:
 
     @classmethod
     def of(cls, everyone: list[list[tuple[int, ...]]], state: ShardedState) -> EarlierShards | None:
-        """The newest commit whose every shard some rank holds; else the newest held at all (its `lost` said)."""
+        """The newest commit whose every shard some rank holds; else the newest held at all (its `lost` said).
+
+        `everyone`: each rank's records, as (commits, round, rank, world size)."""
         holders: dict[tuple[int, int, int], dict[int, int]] = {}
         for holder, records in enumerate(everyone):
             for commits, round_number, rank, world in records:
@@ -447,7 +449,8 @@ class EarlierShards:
         if not holders:
             return None
         whole = [key for key, held in holders.items() if len(held) == key[2]]
-        commits, round_number, world = max(whole or holders)
+        # the newest: of the latest round (a script that started afresh counts its commits from 1 again)
+        commits, round_number, world = max(whole or holders, key=lambda key: (key[1], key[0]))
         return cls(world, commits, round_number, holders[(commits, round_number, world)], state)
 
     def gather(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
