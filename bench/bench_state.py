@@ -86,6 +86,7 @@ def main() -> int:
             without.append(time_commits(plain, args.commits))
             with_copy.append(time_commits(kept, args.commits))
             thinned.append(time_commits(kept, args.commits, every=10))
+            kept.commit()  # untimed: the last step committed, whatever --commits left uncommitted
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": kept.step}, disk)
 
             fresh_model, fresh_optimizer = build(args.mb)
