@@ -48,6 +48,25 @@ EVENT_WAIT = 10.0
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+async def no_server_left(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
+    """Stop, in the test's own loop, the servers a test that failed midway left running.
+
+    One left to its finaliser is shut down from whatever test collects it, in another
+    loop, and grpc's shutdown of its poller there stalled that test for 120 s (CI, stop 56)."""
+    started: list[StoreServer] = []
+    start = StoreServer.start
+
+    async def tracked(self: StoreServer) -> None:
+        await start(self)
+        started.append(self)
+
+    monkeypatch.setattr(StoreServer, "start", tracked)
+    yield
+    for server in started:
+        await server.stop(0)  # nothing for one the test stopped
+
+
 @pytest.fixture
 async def server() -> AsyncIterator[StoreServer]:
     s = StoreServer("127.0.0.1", 0)
