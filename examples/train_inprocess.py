@@ -16,8 +16,12 @@ What makes it elastic without restarts (see docs/in-process.md):
   the learning rate) is derived at its top. A new node's workers receive the state from
   a survivor, not from a checkpoint file.
 
-Without `--elastic-mode=in-process` (or under torchrun) the same script runs once at a
-fixed size. The data is generated (a noisy linear function), so nothing is downloaded.
+Without `--elastic-mode=in-process` (elasticrun's default restart mode) each round runs
+the script in fresh workers, and `state.commit()` copies the state into host memory the
+agent keeps: a restarted worker resumes at its last commit (`state.restored_from` "own
+memory"; a new node's ranks get it from a survivor), with no file read. Under torchrun
+it runs once at a fixed size. The data is generated (a noisy linear function), so
+nothing is downloaded.
 """
 
 from __future__ import annotations
