@@ -94,7 +94,7 @@ LAPSED = "its lease lapsed, no heartbeat: dead, frozen or cut off from the store
 def test_lost_node_ends_round_at_once_and_admits_waiting():
     view = View(nodes=nodes(node("a"), node("c"), node("d", 99.9)), round=running("a", "b", "c", number=2, restarts=1))
     d = decide_round(view, SETTINGS, now=100.0)
-    assert members(d) == ["a", "c", "d"]
+    assert members(d) == ["a", "d", "c"]  # d takes b's node rank: c keeps its own
     assert d.round is not None and d.round.restart_count == 1  # membership never uses the budget
     assert d.reason.startswith(f"lost b ({LAPSED})")  # and why: a bare "lost" names no cause
 
@@ -476,8 +476,21 @@ def test_a_spare_takes_a_lost_members_place_before_a_newcomer_and_spends_nothing
         round=running("a", "b", "c", number=4, restarts=1),
     )
     d = decide_round(view, fixed, now=100.0)
-    assert members(d) == ["a", "c", "spare"]
+    assert members(d) == ["a", "spare", "c"]  # in b's place: every node rank stays
     assert d.round is not None and d.round.restart_count == 1 and d.round.number == 5
+
+
+def test_newcomers_fill_the_places_members_left_then_go_last():
+    roomy = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=5, last_call=1.0)
+    view = View(
+        nodes=nodes(node("a"), node("d"), node("x", 5.0), node("y", 6.0)),
+        round=running("a", "b", "c", "d", number=2),
+    )
+    assert members(decide_round(view, roomy, now=100.0)) == ["a", "x", "y", "d"]
+    one = View(nodes=nodes(node("a"), node("d"), node("x", 5.0)), round=view.round)
+    assert members(decide_round(one, roomy, now=100.0)) == ["a", "x", "d"]  # fewer: the rest close up
+    three = View(nodes={**view.nodes, **nodes(node("z", 7.0))}, round=running("a", "b", "d", number=2))
+    assert members(decide_round(three, roomy, now=100.0)) == ["a", "x", "d", "y", "z"]
 
 
 def test_units_form_the_largest_multiple_and_leave_the_rest_as_spares():

@@ -48,8 +48,9 @@ def _lost_reason(missing: list[str], back: list[str], view: View, dead: tuple[st
 def decide_round(view: View, settings: RendezvousSettings, now: float) -> Decision:
     """The next round, or why there is none yet.
 
-    Survivors keep their order (and so their node ranks); newcomers go last in the
-    order the leader saw them. A lost node ends the round at once; a newcomer is
+    Survivors keep their order; newcomers, in the order the leader saw them, first take
+    the places of members that left, then go last: where as many nodes run as before,
+    every node rank stays where it was. A lost node ends the round at once; a newcomer is
     admitted after the last call; a worker failure restarts the same members.
 
     Quarantine: worker failures attributed to a node and its drops out of a round are
@@ -422,10 +423,10 @@ def _pick(
     book: QuarantineBook,
     settings: RendezvousSettings,
 ) -> _Pick:
-    """Survivors in their order, then newcomers by arrival, up to max.
+    """Survivors in their order, newcomers by arrival in the places members left, up to max.
 
     No quarantined node unless the job needs it to reach min (then the fewest, members
-    first); then cut to whole node units (`_in_units`)."""
+    first); then placed, and cut to whole node units (`_in_units`)."""
     held = book.held()
     waiting = sorted(newcomers, key=lambda n: (book.arrival(n), n.info.node_id))
     fine_new = [n for n in waiting if n.info.node_id not in held]
@@ -441,10 +442,7 @@ def _pick(
     group = [p for p in survivors if p.node_id not in held or p.node_id in taken]
     admitted += [n for n in waiting if n.info.node_id in held and n.info.node_id in taken]
     kept_out = [p.node_id for p in survivors if p.node_id in held and p.node_id not in taken]
-    if settings.node_unit > 1:
-        group, admitted = _in_units(members, group, admitted, settings)
-    else:
-        group += [n.participant for n in admitted]
+    group, admitted = _in_units(members, group, admitted, settings)
     chosen = {p.node_id for p in group}
     return _Pick(group=group, admitted=admitted, kept_out=kept_out, last_resort=sorted(taken & chosen))
 
@@ -452,11 +450,15 @@ def _pick(
 def _in_units(
     members: tuple[Participant, ...], kept: list[Participant], admitted: list[SeenNode], settings: RendezvousSettings
 ) -> tuple[list[Participant], list[SeenNode]]:
-    """The group cut to a multiple of the node unit, with ranks stable within units.
+    """The group cut to a multiple of the node unit, with node ranks kept where they can be.
 
     The round's members keep their places; a newcomer (a spare first: spares are the
-    earliest arrivals) takes the place of a member that left, so the unit it left stays
-    one unit at the same node ranks; the newcomers left over go last. When the nodes are
+    earliest arrivals) takes the place of a member that left, so that where as many
+    nodes run as before every survivor keeps its node rank and the newcomer takes the
+    lost one's (its workers resume the lost ranks' state from a buddy,
+    elasticrun.agent.state_replicas), and a unit a member left stays one unit at the
+    same node ranks; the newcomers left over go last. With fewer nodes than before
+    the survivors close up, in their order. When the nodes are
     not a whole number of units, the ones that go (and wait as spares) are the
     survivors of units that lost a member, the last such unit first, then the last
     nodes: intact units stay together.
