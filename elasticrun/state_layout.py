@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 #: what names a worker's state file in its environment (the agent sets it in restart mode)
 STATE_FILE_VAR = "ELASTICRUN_STATE_FILE"
+#: the generations of the commits in that file that its agent fetched from a buddy node
+#: (comma-separated; elasticrun.agent.state_replicas): a restore from one says so
+STATE_BUDDY_VAR = "ELASTICRUN_STATE_BUDDY"
 
 #: the first page: the two records
 HEADER_BYTES = 4096
@@ -74,14 +77,30 @@ def record_at(data: FileBytes, slot: int, slot_bytes: int) -> Record | None:
     view = memoryview(data)
     at = slot * RECORD_SPACING
     raw = bytes(view[at : at + RECORD_BYTES])
+    record = parsed_record(raw, slot, slot_bytes)
+    if record is None:
+        return None
+    start = slot_start(slot, slot_bytes) + record.structure_at
+    return record if crc_holds(raw, view[start : start + record.structure_bytes]) else None
+
+
+def parsed_record(raw: bytes, slot: int, slot_bytes: int) -> Record | None:
+    """The fields of a record's bytes `raw` for a slot of `slot_bytes`, unchecked against its CRC; None if not one.
+
+    Also how a record that came over the network (elasticrun.agent.replica_wire) is
+    first judged: its commit must fit in a slot before a byte of it is taken."""
+    if len(raw) != RECORD_BYTES:
+        return None
     magic, generation, commits, round_, rank, world, where, length = RECORD.unpack_from(raw)
     if magic != MAGIC or not 0 < length <= MAX_STRUCTURE_BYTES or where + length > slot_bytes:
         return None
-    start = slot_start(slot, slot_bytes) + where
-    crc = zlib.crc32(view[start : start + length], zlib.crc32(raw[: RECORD.size]))
-    if CRC.unpack_from(raw, RECORD.size)[0] != crc:
-        return None
     return Record(slot, generation, commits, round_, rank, world, where, length)
+
+
+def crc_holds(raw: bytes, structure: FileBytes) -> bool:
+    """Whether record bytes `raw` match the structure they name: the commit is whole."""
+    crc = zlib.crc32(structure, zlib.crc32(raw[: RECORD.size]))
+    return bool(CRC.unpack_from(raw, RECORD.size)[0] == crc)
 
 
 def held(data: FileBytes, slot_bytes: int) -> list[Record]:

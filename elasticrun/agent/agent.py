@@ -35,11 +35,13 @@ from elasticrun.agent.filetimer import TIMER_FILE_ENV, FileTimerServer
 from elasticrun.agent.group_stacks import GroupStacks
 from elasticrun.agent.output import Duplicates, StreamPlan, WorkerOutput, plan_streams, worker_stdio
 from elasticrun.agent.processes import Warden, WorkerGroup
+from elasticrun.agent.replica_wire import job_key
 from elasticrun.agent.runfolder import DEFAULT_ROOT_PREFIX, create_new, make_private_folder, open_log
 from elasticrun.agent.spec import Std, WorkerSpec, WorkerState
 from elasticrun.agent.stacks import StackCapture, prepare_file, stacks_env
 from elasticrun.agent.standby import Standbys, Taken, cold_reason
 from elasticrun.agent.state_files import StateFiles
+from elasticrun.agent.state_replicas import StateReplicas
 from elasticrun.agent.step_reports import READ_INTERVAL, StepTimes, stall_reason
 from elasticrun.agent.watchdog import Hang, ProgressWatchdog, hang_failure
 from elasticrun.agent.worker_link import BrokenReport, WorkerChannel
@@ -289,6 +291,8 @@ class Agent:
         #: restart mode: each local rank's committed state, in host memory this agent
         #: owns (--state-memory; elasticrun.agent.state_files); made by run()
         self._state_files: StateFiles | None = None
+        #: and their copies on a buddy node (elasticrun.agent.state_replicas); made by run()
+        self._replicas: StateReplicas | None = None
         #: the run folder's events.jsonl, open while the agent runs (see `_write_event`)
         self._event_log: int | None = None
         #: torchrun's file timer, when asked for (spec.options.file_timer)
@@ -303,6 +307,8 @@ class Agent:
         self._warden = await Warden.start(self.spec.withheld_env)
         if not self.spec.in_process and self.spec.options.state_memory:
             self._state_files = StateFiles(self.run_dir, self.spec.options.state_memory, self._warden.remove_on_death)
+            if self.handler.control.addr:  # a store to find the buddies through
+                self._replicas = await self._start_replicas(self._state_files)
         for sig in self.spec.options.signals_to_handle:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
@@ -322,6 +328,8 @@ class Agent:
                     await self._standbys.close()
             finally:
                 await self._warden.close()  # the sessions are empty: it just exits
+                if self._replicas is not None:
+                    await self._replicas.close()
                 if self._state_files is not None:
                     self._state_files.close()
                 if self._token_file is not None:
@@ -333,6 +341,13 @@ class Agent:
                 await self._channel.close()
             for sig in self.spec.options.signals_to_handle:
                 loop.remove_signal_handler(sig)
+
+    async def _start_replicas(self, files: StateFiles) -> StateReplicas | None:
+        assert self._warden is not None  # run() started it
+        replicas = StateFiles(self.run_dir, files.size, self._warden.remove_on_death, kind="replica")
+        key = job_key(self.spec.run_id, self.spec.store_token)
+        made = StateReplicas(files, replicas, self.handler.control, self.spec.node_id, key, self._report_status)
+        return made if await made.start() else None
 
     def _make_standbys(self) -> Standbys | None:
         """The standbys, where workers can start warm; else why not, said once at DEBUG."""
@@ -770,6 +785,9 @@ class Agent:
         socket_path = self._channel.path if self._channel is not None else None
         self._token_file = self._write_token_file(assignment.run if assignment is not None else "")
         envs, error_files, plans, stack_files = {}, {}, {}, {}
+        buddy_env = {}
+        if self._replicas is not None and assignment is not None:
+            buddy_env = await self._replicas.round_starts(assignment, spec.nproc_per_node)
         make_private_folder(attempt_dir)
         steps = None
         if spec.step_timing:
@@ -794,6 +812,7 @@ class Agent:
                 envs[local_rank][TIMER_FILE_ENV] = str(self._timers.path)
             if self._state_files is not None:
                 envs[local_rank][STATE_FILE_VAR] = str(self._state_files.path(local_rank))
+                envs[local_rank].update(buddy_env.get(local_rank, {}))
             plans[local_rank] = plan_streams(spec, local_rank, worker_dir)
         if self._log_layout is not None:
             for local_rank, (plan, error_file) in self._log_layout(envs).items():
@@ -1056,8 +1075,12 @@ class Agent:
         if self._state is None:
             return
         standby = self._standbys.state().value if self._standbys is not None else "off"
+        held, replicated = (self._replicas.held, self._replicas.replicated) if self._replicas else (-1, -1)
         self.handler.control.report_status(
-            AgentStatus(self._state.value, self._reason, self._assignment, self._pids, self._attempts, standby)
+            AgentStatus(
+                self._state.value, self._reason, self._assignment, self._pids, self._attempts, standby,
+                state_held=held, state_replicated=replicated,
+            )
         )
 
     def _write_event(self, kind: str, detail: str) -> None:

@@ -7,8 +7,11 @@ the local rank, not to an attempt: it is made the first time a worker of that lo
 starts, handed to every later one by the same path (`ELASTICRUN_STATE_FILE`), and
 removed when the agent ends, by the agent, or by its warden should the agent be killed.
 
-The agent only makes, sizes and removes the files; it never reads or writes what is in
-them (and never imports torch). A file is sized (`ftruncate`) to `--state-memory` but
+The agent makes, sizes and removes the files; what is in them is the worker's, except
+that the agent reads a file's newest commit to send it to a buddy node and, at a
+round's start, writes into it a commit of its new rank that a buddy held
+(elasticrun.agent.state_replicas, through elasticrun.agent.commit_files; never with
+torch). A file is sized (`ftruncate`) to `--state-memory` but
 takes memory only as a worker writes into it: a worker reserves each part
 (`posix_fallocate`) before it writes it, so a full tmpfs is a clear error in the worker.
 
@@ -31,12 +34,19 @@ SHM = Path("/dev/shm")
 
 
 class StateFiles:
-    """One state file per local rank, made on first use and removed at close()."""
+    """One state file per local rank, made on first use and removed at close().
 
-    def __init__(self, fallback: Path, size: int, remove_on_death: Callable[[Path, os.stat_result], None]) -> None:
+    The same for the replica files that hold a buddy's commits (`kind="replica"`, one
+    per global rank; elasticrun.agent.state_replicas)."""
+
+    def __init__(
+        self, fallback: Path, size: int, remove_on_death: Callable[[Path, os.stat_result], None], kind: str = "state"
+    ) -> None:
         """Files of `size` bytes, in /dev/shm, else in `fallback` (the run folder).
 
         `remove_on_death(path, stat)` is the warden's (Warden.remove_on_death)."""
+        self.size = size
+        self._kind = kind
         self._folder = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else fallback
         self._size = size
         self._remove_on_death = remove_on_death
@@ -47,8 +57,8 @@ class StateFiles:
         """Local rank `local_rank`'s file: the same across its workers' restarts."""
         path = self._paths.get(local_rank)
         if path is None:
-            path = self._folder / f"elasticrun-state-{self._tag}-{local_rank}"
-            fd = create_new(path, "state file")
+            path = self._folder / f"elasticrun-{self._kind}-{self._tag}-{local_rank}"
+            fd = create_new(path, f"{self._kind} file")
             try:
                 os.ftruncate(fd, self._size)
                 made = os.fstat(fd)
@@ -57,6 +67,15 @@ class StateFiles:
             self._remove_on_death(path, made)
             self._paths[local_rank] = path
         return path
+
+    def made(self) -> dict[int, Path]:
+        """The files made so far, by local rank."""
+        return dict(self._paths)
+
+    def remove(self, local_rank: int) -> None:
+        path = self._paths.pop(local_rank, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Remove every file: the agent ends, and the states with it."""

@@ -159,7 +159,7 @@ class ElasticRendezvous(RendezvousHandler):
         self._refused: tuple[StoreUnavailableError, float] | None = None
         #: this node's reports and the job's stacks, over its membership
         self.control: ElasticJobControl = ElasticJobControl(
-            self, store, self._keys, me.node_id, self._reports, clock=clock
+            self, store, self._keys, me.node_id, self._reports, addr=me.addr, clock=clock
         )
 
     # --- RendezvousHandler -----------------------------------------------------------

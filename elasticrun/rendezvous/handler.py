@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elasticrun.rendezvous.records import NodeStacks, StacksRequest, StepReport
+from elasticrun.rendezvous.records import NodeStacks, ReplicaPost, StacksRequest, StepReport
 from elasticrun.rendezvous.stacks import JobStacks
 
 
@@ -60,6 +60,9 @@ class AgentStatus:
     attempt: int
     #: its standby workers (elasticrun.agent.standby): ready, starting or off
     standby: str = "off"
+    #: restart mode: the last commit held, and replicated to its buddy (NodeStatus's)
+    state_held: int = -1
+    state_replicated: int = -1
 
 
 class RendezvousHandler(abc.ABC):
@@ -200,6 +203,19 @@ class JobControl:
         A request made moments ago is joined instead. The job's stacks come concluded
         (with the summary) within a bounded wait; None when there is no job to ask or no
         summary came in time."""
+        return None
+
+    # State replicas (elasticrun.agent.state_replicas): found through the store.
+
+    #: the address this node's agent is reached at by the others ("": a backend
+    #: without a store, where no node can find another's replicas)
+    addr: str = ""
+
+    async def post_replicas(self, node_rank: int, post: ReplicaPost) -> None:
+        """Publish this node's replica post under its node rank, for as long as it is a member."""
+
+    async def replica_post(self, node_rank: int, round_number: int, timeout: float) -> ReplicaPost | None:
+        """Node rank `node_rank`'s post in round `round_number`, once it is there; None if not within `timeout`."""
         return None
 
     # Reports for job control. Best effort and never blocking: published in the

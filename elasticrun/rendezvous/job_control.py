@@ -10,6 +10,8 @@ which `ElasticRendezvous` is) and publishes under the node's lease while it hold
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -18,11 +20,12 @@ from dataclasses import replace
 from typing import Protocol
 
 from elasticrun.errors import StoreError
-from elasticrun.rendezvous.codec import decode
+from elasticrun.first_of import first_of
+from elasticrun.rendezvous.codec import decode, encode
 from elasticrun.rendezvous.handler import AgentStatus, JobControl
 from elasticrun.rendezvous.job_records import JobRecords
 from elasticrun.rendezvous.keys import Keys
-from elasticrun.rendezvous.records import NodeStacks, StacksRequest, StepReport
+from elasticrun.rendezvous.records import NodeStacks, ReplicaPost, StacksRequest, StepReport
 from elasticrun.rendezvous.reports import Reporter
 from elasticrun.rendezvous.rounds import RoundHead
 from elasticrun.rendezvous.stacks import ANSWER_WAIT, JobStacks, answer, ask, conclude, gather, new_request
@@ -72,8 +75,10 @@ class ElasticJobControl(JobControl):
         node_id: str,
         reports: Reporter,
         *,
+        addr: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.addr = addr
         self._member = member
         self._store = store
         self._keys = keys
@@ -88,6 +93,35 @@ class ElasticJobControl(JobControl):
     def saw_stacks_request(self) -> None:
         """The node's watch brought the request record (a request, or its summary)."""
         self._stacks_seen_at = self._clock()
+
+    async def post_replicas(self, node_rank: int, post: ReplicaPost) -> None:
+        lease = self._member.live_lease()
+        if lease is not None:
+            await self._store.put(self._keys.replica(node_rank), encode(post), lease=lease)
+
+    async def replica_post(self, node_rank: int, round_number: int, timeout: float) -> ReplicaPost | None:
+        """Read, then watch from that read on: one key, however large the job.
+
+        None too once a later round opened: that node will never post in this one."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                return await first_of(self._post_of(node_rank, round_number), self._round_after(round_number))
+        return None
+
+    async def _post_of(self, node_rank: int, round_number: int) -> ReplicaPost | None:
+        key = self._keys.replica(node_rank)
+        now = await self._store.get_prefix(key)
+        for kv in now.kvs:
+            if kv.key == key and (post := decode(ReplicaPost, kv.value)).round >= round_number:
+                return post
+        async for event in self._store.watch(key, start_revision=now.revision + 1):
+            if event.value and (post := decode(ReplicaPost, event.value)).round >= round_number:
+                return post
+        return None
+
+    async def _round_after(self, round_number: int) -> None:
+        while (head := self._member.job.head) is None or head.number <= round_number:
+            await self._member.changed()
 
     async def stacks_asked(self) -> StacksRequest:
         while True:

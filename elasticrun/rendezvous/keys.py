@@ -25,6 +25,8 @@ Key layout, one prefix per job (`/elasticrun/<run_id>/`); the rendezvous lives u
     c/logs/<rank>       LogWindow: the latest lines of one rank, bound to its node's lease
     c/events/<t>-<node> Event: what happened, oldest pruned by the leader
     c/steps/<node_id>   StepReport: the node's step compute time, bound to its lease
+    c/replicas/<rank>   ReplicaPost: node rank <rank>'s replica port and the commits it holds
+                        copies of, bound to its lease (restart mode, --state-memory)
     c/stragglers        StragglerReport: the nodes the leader names as stragglers
     c/stacks/<node_id>  NodeStacks: the node's answer to a StacksRequest, bound to its lease
 
@@ -203,6 +205,13 @@ class Keys:
 
     def step_report(self, node_id: str) -> str:
         return self.steps + node_id
+
+    @property
+    def replicas(self) -> str:
+        return self.control + "replicas/"
+
+    def replica(self, node_rank: int) -> str:
+        return f"{self.replicas}{node_rank:08d}"
 
     @property
     def stragglers(self) -> str:

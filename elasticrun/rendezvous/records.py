@@ -306,6 +306,35 @@ class NodeStatus:
     updated_at: float
     #: its standby workers, for the next restart: ready, starting or off
     standby: str = "off"
+    #: restart mode: the last commit of its workers' state it holds (the least of its
+    #: ranks' commit counts) and, of that, what its buddy node holds a copy of (-1: none)
+    state_held: int = -1
+    state_replicated: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPost:
+    """Where a member of a round takes its predecessor's commits, and whose it holds (c/replicas/<node rank>).
+
+    Each member of a round posts one under its node rank, bound to its lease, before
+    its workers start: the node before it in the ring sends it its commits, and a node
+    that takes a lost member's place finds the lost ranks' commits at the node after
+    it (elasticrun.agent.state_replicas).
+    """
+
+    round: int
+    node_id: str
+    addr: str
+    #: the agent's replica port on `addr`
+    port: int
+    #: its own workers' global ranks: the first, and how many
+    first_rank: int
+    nproc: int
+    #: the global ranks whose commits it holds copies of (its predecessor's)
+    held: tuple[int, ...] = ()
+    #: the newest commit count its own workers' files hold (-1: none): a node that
+    #: finds no copy of its ranks' state knows from this whether the job had any
+    committed: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,5 +539,5 @@ class Successors:
 Record = (
     NodeInfo | Round | RoundHead | RankShard | RestartRequest | Ping | Master | LeaderState | JobSpec | JobLaunch
     | DrainRequest | Departure | QuarantineTable | QuarantineEntry | NodeStatus | LogWindow | Event
-    | NodeStacks | StacksRequest | StepReport | StragglerReport | Successors
+    | NodeStacks | StacksRequest | StepReport | StragglerReport | Successors | ReplicaPost
 )

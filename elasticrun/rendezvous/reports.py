@@ -141,4 +141,6 @@ class Reporter:
             started_at=me.started_at,
             updated_at=time.time(),
             standby=status.standby,
+            state_held=status.state_held,
+            state_replicated=status.state_replicated,
         )

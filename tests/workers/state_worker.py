@@ -23,6 +23,10 @@ attempt's rank --kill-rank is SIGKILLed:
   `mid-copy held=[...]`. With other ranks it first waits in a barrier that they enter
   once their own commit --kill-at is whole, so they hold the commit it tore.
 
+With `--hold-at=N --hold-file=F`, every rank waits after its commit N (sleeps, until it
+is stopped), once in the job (F marks it done): a test can then act while every node's
+newest commit is N.
+
 It ends after --steps steps (exit 0).
 """
 
@@ -32,6 +36,7 @@ import argparse
 import hashlib
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,8 @@ def main() -> int:
     p.add_argument("--kill", choices=["none", "after-commit", "mid-copy"], default="none")
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--hold-at", type=int, default=0)
+    p.add_argument("--hold-file", type=Path)
     args = p.parse_args()
 
     import torch
@@ -118,6 +125,12 @@ def main() -> int:
                 dist.barrier()  # the doomed rank's Killer waits for this commit to be whole
             if doomed and args.kill == "after-commit" and state.step == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.hold_file and state.step == args.hold_at:
+                held = Path(f"{args.hold_file}.{rank}")
+                if not held.exists():
+                    held.touch()
+                    print(f"holding at step={state.step} rank={rank}", flush=True)
+                    time.sleep(600)  # until the test's agents stop it
 
     train(state)
     return 0

@@ -16,7 +16,7 @@ from elasticrun.launcher import ended_here
 from elasticrun.launcher.control import JobTarget, JobView, add_job_flags, job_target, job_view, read_records
 from elasticrun.launcher.printable import shown
 from elasticrun.rendezvous.job_records import JobRecords
-from elasticrun.rendezvous.records import StepReport, Straggler
+from elasticrun.rendezvous.records import NodeStatus, StepReport, Straggler
 from elasticrun.rendezvous.rounds import Round
 from elasticrun.rendezvous.stack_summary import one_line
 from elasticrun.store.interface import EventType, WatchEvent
@@ -123,7 +123,10 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
     if r is not None and r.closed:  # the nodes are gone; their last reports stay for closed_ttl
         lines += _ended_nodes(view, now)
     elif order:
-        rows = [["NODE", "STATE", "AGE", "NODE RANK", "RANKS", "RESTARTS", "STANDBY", "STEP COMPUTE", "HOST", "GPUS"]]
+        rows = [[
+            "NODE", "STATE", "AGE", "NODE RANK", "RANKS", "RESTARTS", "STANDBY", "COMMIT/COPIED", "STEP COMPUTE",
+            "HOST", "GPUS",
+        ]]
         for node_id in order:
             info, status = view.nodes[node_id], view.statuses.get(node_id)
             state = status.state if status else "registering"
@@ -147,6 +150,7 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
                 ranks.get(node_id, "-"),  # from the round, as the node rank: one round per row
                 str(status.restarts) if status else "0",
                 status.standby if status else "off",
+                _commit_cell(status),
                 _step_cell(steps.get(node_id) if rank is not None and timing else None, now),
                 info.addr if info.addr == info.host else f"{info.host} ({info.addr})",
                 f"{len(info.gpus)}x {info.gpus[0]}" if info.gpus else "-",
@@ -172,6 +176,14 @@ def render(view: JobView, now: float, *, timing: bool = True) -> str:
             at = time.strftime("%H:%M:%S", time.localtime(event.at))
             lines.append(f"{at}  {event.kind:<10} {event.node}  {event.detail}")
     return "\n".join(lines)
+
+
+def _commit_cell(status: NodeStatus | None) -> str:
+    """The last commit of the node's workers' state it holds, and of that what its buddy holds: `12/12`, `12/-`."""
+    if status is None or status.state_held < 0:
+        return "-"
+    copied = str(status.state_replicated) if status.state_replicated >= 0 else "-"
+    return f"{status.state_held}/{copied}"
 
 
 def _global_ranks(r: Round | None) -> dict[str, str]:

@@ -38,6 +38,7 @@ from elasticrun.state_layout import (
     HEADER_BYTES,
     RECORD_BYTES,
     RECORD_SPACING,
+    STATE_BUDDY_VAR,
     STATE_FILE_VAR,
     Record,
     aligned,
@@ -56,8 +57,10 @@ def _mib(n: int) -> str:
 class HostCopy:
     """The worker's side of its state file: write a commit to a slot, read the newest back."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, from_buddy: frozenset[int] = frozenset()) -> None:
+        """`from_buddy`: the generations of the commits the agent fetched from a buddy node into the file."""
         self.path = path
+        self._from_buddy = from_buddy
         self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         size = os.fstat(self._fd).st_size
         #: each slot's bytes: half of what is left after the records
@@ -83,7 +86,12 @@ class HostCopy:
     def from_env(cls) -> HostCopy | None:
         """The file the agent named for this worker; None outside restart mode."""
         path = os.environ.get(STATE_FILE_VAR)
-        return cls(Path(path)) if path else None
+        fetched = frozenset(int(g) for g in os.environ.get(STATE_BUDDY_VAR, "").split(",") if g.isdigit())
+        return cls(Path(path), fetched) if path else None
+
+    def source(self, record: Record) -> str:
+        """Where commit `record` came from: "buddy" (another node kept it), else "own memory"."""
+        return "buddy" if record.generation in self._from_buddy else "own memory"
 
     # --- reading -----------------------------------------------------------------------
 

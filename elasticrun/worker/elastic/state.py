@@ -246,7 +246,7 @@ class State:
             object.__setattr__(self, "commits", record.commits)
             object.__setattr__(self, "committed_in", record.round)
             object.__setattr__(self, "restored", True)
-            object.__setattr__(self, "restored_from", "own memory")
+            object.__setattr__(self, "restored_from", host.source(record))
             object.__setattr__(self, "_rollback_in_host", record == host.held()[-1])
             if not self._rollback_in_host:  # an older commit (a ShardedState's agreement)
                 for slot in self._slots.values():
@@ -367,6 +367,8 @@ class ShardedState(State):
     commit the group's workers hold, made at its own world size: every shard of it to
     re-shard from (`EarlierShards.gather`), or the ranks whose shard is gone
     (`EarlierShards.lost`), when the script starts from its own checkpoint instead.
+    Each commit is also kept by a buddy node, so a node's loss loses no shard where a
+    newcomer takes its place (`restored_from` "buddy").
     """
 
     def __init__(self, **objects: Any) -> None:

@@ -1,0 +1,179 @@
+"""Every shard on two nodes: a node's commits are kept by its buddy, and a spare resumes them.
+
+End to end with real agents as nodes on 127.0.0.x, a real store, and gloo workers
+(tests/workers/state_worker.py, a ShardedState): each agent copies its workers' commits
+to the next node of the round (elasticrun.agent.state_replicas); a node SIGKILLed in a
+fixed-size job is replaced by a spare that takes its node rank, and the spare's worker
+resumes the lost rank's shard from the buddy, exactly as it was; a node lost with its
+buddy is said plainly, and no rank restores (the script's own path runs); what is not
+an agent of the job is refused at the replica port, and the job goes on.
+
+The workers hold after commit HOLD (every rank, once): the test acts while every node's
+newest commit is HOLD, so that what must be restored is known.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from elasticrun.agent.replica_wire import MAC, MAGIC, NONCE, job_key
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id
+from tests.support.helpers import ELASTICRUN, wait_until
+from tests.test_elastic_agents import kill_node, node_id
+from tests.test_state_restart import BEGIN
+
+pytestmark = pytest.mark.timeout(240)
+
+WORKER = Path(__file__).resolve().parent / "workers" / "state_worker.py"
+HOLD = 5
+STEPS = HOLD + 3
+
+
+class Job:
+    """One job's agents (one worker each) on a c10d store."""
+
+    def __init__(self, cluster: Cluster, endpoint: str, nnodes: int) -> None:
+        self.cluster, self.endpoint, self.nnodes = cluster, endpoint, nnodes
+        self.run_id = run_id()
+
+    def agent(self, name: str, addr: int) -> Proc:
+        return self.cluster.launch(
+            name, f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}", f"--rdzv-conf={RDZV_CONF},is_host=false",
+            f"--local-addr=127.0.0.{addr}", "--max-restarts=0", "--shutdown-timeout=5", "--state-memory=64M",
+            f"--log-dir={self.cluster.tmp / 'logs'}", str(WORKER), "--kind=sharded", f"--steps={STEPS}",
+            f"--hold-at={HOLD}", f"--hold-file={self.cluster.tmp / 'held'}", "--numel=4096",
+        )
+
+    def status(self) -> dict[str, dict]:
+        """Each node's status (`elasticrun status --json`), by node id."""
+        done = subprocess.run(
+            [*ELASTICRUN, "status", "--json", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
+             f"--rdzv-id={self.run_id}"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return {n["node_id"]: n for n in json.loads(done.stdout)["nodes"]}
+
+    def replicated(self, agents: list[Proc], commit: int) -> None:
+        """Wait until each of `agents` holds commit `commit` and its buddy holds it too."""
+        def done() -> bool:
+            nodes = self.status()
+            statuses = [(nodes.get(node_id(a)) or {}).get("status") or {} for a in agents]
+            return all((s.get("state_held"), s.get("state_replicated")) == (commit, commit) for s in statuses)
+        wait_until(done, what=f"every node's commit {commit} held and replicated")
+
+
+def holding(agents: list[Proc], ranks: int) -> dict[str, int]:
+    """Wait until every rank holds after commit HOLD; each agent's worker pid."""
+    pids = {}
+    for agent in agents:
+        m = agent.wait_for(r"begin rank=(\d+) restart=0 restored=False from=nothing step=0 .* pid=(\d+)")
+        pids[agent.name] = int(m[2])
+        agent.wait_for(rf"holding at step={HOLD} rank=")
+    assert len(pids) == ranks
+    return pids
+
+
+def resumed(agent: Proc, start: int) -> re.Match[str]:
+    """The worker's `begin` line after `start` in `agent`'s output."""
+    agent.wait_for(r"begin rank=", start=start)
+    return next(BEGIN.finditer(agent.text()[start:]))
+
+
+def digest(agent: Proc, rank: int, step: int) -> str:
+    found = re.findall(rf"step={step} rank={rank} digest=(\w+)", agent.text())
+    assert found, (agent.name, rank, step)
+    return found[0]
+
+
+def replica_port(agent: Proc) -> int:
+    return int(agent.wait_for(r"state replicas: this node takes its predecessor's commits on [\d.]+:(\d+)")[1])
+
+
+def test_a_spare_resumes_a_lost_nodes_shard_from_its_buddy(cluster: Cluster, c10d_store: str) -> None:
+    """Nodes a and b run a fixed-size job of two, s waits as a spare. b is SIGKILLed
+    while both hold after commit HOLD (held by each node and by its buddy): s takes b's
+    node rank, and its worker resumes b's shard at commit HOLD from a, exactly as b held
+    it (restored_from "buddy"), while a's resumes its own; both train to the end.
+    Meanwhile, connections to a's replica port that are not the job's are refused with
+    one line each, and harm nothing."""
+    job = Job(cluster, c10d_store, 2)
+    a, b = job.agent("a", 2), job.agent("b", 3)
+    pids = holding([a, b], 2)
+    spare = job.agent("s", 4)
+    spare.wait_for(r"waiting: spare: ")
+    job.replicated([a, b], HOLD)
+    rank_of_b = int(re.findall(r"holding at step=\d+ rank=(\d+)", b.text())[0])
+
+    port = replica_port(a)
+    with socket.create_connection(("127.0.0.2", port), timeout=10) as rogue:  # not our protocol
+        rogue.recv(len(MAGIC) + NONCE)
+        rogue.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(64))
+        assert rogue.recv(1) == b""  # closed on us
+    a.wait_for(r"refused a connection to the replica port from .*: not an elasticrun replica client")
+    with socket.create_connection(("127.0.0.2", port), timeout=10) as other:  # another job's key
+        hello = other.recv(len(MAGIC) + NONCE)
+        assert hello.startswith(MAGIC)
+        nc = bytes(NONCE)
+        proof = hmac.new(job_key("another-job", None), b"c" + hello[len(MAGIC):] + nc, hashlib.sha256).digest()
+        other.sendall(MAGIC + nc + proof + b"G" + bytes(8))
+        assert other.recv(MAC) == b""
+    a.wait_for(r"refused a connection to the replica port from .*: the client did not prove it belongs to the job")
+
+    marks = {p.name: p.mark() for p in (a, spare)}
+    kill_node(b, pids["b"])
+    mine, theirs = resumed(a, marks["a"]), resumed(spare, marks["s"])
+    assert int(theirs["rank"]) == rank_of_b
+    assert (theirs["restored"], theirs["source"], theirs["step"], theirs["intact"]) == (
+        "True", "buddy", str(HOLD), "True"
+    ), theirs[0]
+    assert theirs["digest"] == digest(b, rank_of_b, HOLD)  # model and optimizer too
+    assert (mine["restored"], mine["source"], mine["step"], mine["intact"]) == (
+        "True", "own memory", str(HOLD), "True"
+    ), mine[0]
+    spare.wait_for(rf"rank {rank_of_b}'s state comes from its buddy node {re.escape(node_id(a))}: commit {HOLD}")
+    for agent in (a, spare):
+        assert agent.wait_exit() == 0, agent.text()[-4000:]
+    cluster.assert_no_orphans()
+
+
+def test_a_node_lost_with_its_buddy_is_said_and_nobody_restores(cluster: Cluster, c10d_store: str) -> None:
+    """Nodes a, b, c (a ring: b keeps a's commits, c b's, a c's) with spares d and e. b
+    and c are SIGKILLed at once: b's commits were only on b and c. The spares take their
+    node ranks; d (in b's place) says that rank's state is nowhere; no rank restores
+    (shards of one step or none: state.restored False on every rank, the script's own
+    path), and the job trains to the end from its start."""
+    job = Job(cluster, c10d_store, 3)
+    a, b, c = job.agent("a", 2), job.agent("b", 3), job.agent("c", 4)
+    pids = holding([a, b, c], 3)
+    d = job.agent("d", 5)
+    d.wait_for(r"waiting: spare: ")
+    e = job.agent("e", 6)
+    e.wait_for(r"waiting: spare: ")
+    job.replicated([a, b, c], HOLD)
+    ranks = {p.name: int(re.findall(r"holding at step=\d+ rank=(\d+)", p.text())[0]) for p in (a, b, c)}
+    # a node and its buddy: the node at rank r, and the one after it
+    first = next(p for p in (a, b, c) if ranks[p.name] == (ranks["a"] + 1) % 3)
+    second = next(p for p in (a, b, c) if ranks[p.name] == (ranks["a"] + 2) % 3)
+    marks = {p.name: p.mark() for p in (a, d, e)}
+    kill_node(first, pids[first.name])
+    kill_node(second, pids[second.name])
+    lost = ranks[first.name]
+    begins = {p.name: resumed(p, marks[p.name]) for p in (a, d, e)}
+    assert {m["restored"] for m in begins.values()} == {"False"}, [m[0] for m in begins.values()]
+    assert {m["step"] for m in begins.values()} == {"0"}
+    nowhere = rf"the state of ranks {lost} \(node rank {lost}\) is nowhere: neither this node nor its buddy node"
+    spare_in_first = next(p for p in (d, e) if begins[p.name]["rank"] == str(lost))
+    spare_in_first.wait_for(nowhere)
+    for agent in (a, d, e):
+        assert agent.wait_exit() == 0, agent.text()[-4000:]
+    cluster.assert_no_orphans()
