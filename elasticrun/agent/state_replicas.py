@@ -44,6 +44,7 @@ from pathlib import Path
 
 from elasticrun.agent.commit_files import CommitFile, payload_bytes
 from elasticrun.agent.replica_wire import (
+    BUFFER,
     CHUNK,
     GET,
     PUT,
@@ -129,7 +130,7 @@ class StateReplicas:
     async def start(self) -> bool:
         """Open the replica port on the node's address and start the sending; False (said) if no port can be had."""
         try:
-            self._server = await asyncio.start_server(self._serve, host=self._control.addr, port=0)
+            self._server = await asyncio.start_server(self._serve, host=self._control.addr, port=0, limit=BUFFER)
         except OSError as e:
             logger.warning(
                 "no state replicas: cannot listen on %s (%s); this node's commits are kept on this node only",
