@@ -38,15 +38,15 @@ STEPS = HOLD + 3
 
 
 class Job:
-    """One job's agents (one worker each) on a c10d store."""
+    """One job's agents (`nproc` workers each) on a c10d store."""
 
-    def __init__(self, cluster: Cluster, endpoint: str, nnodes: int) -> None:
-        self.cluster, self.endpoint, self.nnodes = cluster, endpoint, nnodes
+    def __init__(self, cluster: Cluster, endpoint: str, nnodes: int, nproc: int = 1) -> None:
+        self.cluster, self.endpoint, self.nnodes, self.nproc = cluster, endpoint, nnodes, nproc
         self.run_id = run_id()
 
     def agent(self, name: str, addr: int) -> Proc:
         return self.cluster.launch(
-            name, f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            name, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}", f"--rdzv-conf={RDZV_CONF},is_host=false",
             f"--local-addr=127.0.0.{addr}", "--max-restarts=0", "--shutdown-timeout=5", "--state-memory=64M",
             f"--log-dir={self.cluster.tmp / 'logs'}", str(WORKER), "--kind=sharded", f"--steps={STEPS}",
@@ -72,21 +72,25 @@ class Job:
         wait_until(done, what=f"every node's commit {commit} held and replicated")
 
 
-def holding(agents: list[Proc], ranks: int) -> dict[str, int]:
-    """Wait until every rank holds after commit HOLD; each agent's worker pid."""
+def holding(agents: list[Proc], nproc: int = 1) -> dict[str, int]:
+    """Wait until every rank holds after commit HOLD; a worker pid of each agent."""
     pids = {}
     for agent in agents:
         m = agent.wait_for(r"begin rank=(\d+) restart=0 restored=False from=nothing step=0 .* pid=(\d+)")
         pids[agent.name] = int(m[2])
-        agent.wait_for(rf"holding at step={HOLD} rank=")
-    assert len(pids) == ranks
+        agent.wait_for(rf"holding at step={HOLD} rank=", count=nproc)
     return pids
 
 
-def resumed(agent: Proc, start: int) -> re.Match[str]:
-    """The worker's `begin` line after `start` in `agent`'s output."""
-    agent.wait_for(r"begin rank=", start=start)
-    return next(BEGIN.finditer(agent.text()[start:]))
+def ranks_of(agent: Proc) -> list[int]:
+    """The global ranks of the agent's first workers."""
+    return sorted(int(r) for r in re.findall(r"holding at step=\d+ rank=(\d+)", agent.text()))
+
+
+def resumed(agent: Proc, start: int, count: int = 1) -> dict[int, re.Match[str]]:
+    """The workers' `begin` lines after `start` in `agent`'s output, by rank."""
+    agent.wait_for(r"begin rank=", start=start, count=count)
+    return {int(m["rank"]): m for m in BEGIN.finditer(agent.text()[start:])}
 
 
 def digest(agent: Proc, rank: int, step: int) -> str:
@@ -99,20 +103,20 @@ def replica_port(agent: Proc) -> int:
     return int(agent.wait_for(r"state replicas: this node takes its predecessor's commits on [\d.]+:(\d+)")[1])
 
 
-def test_a_spare_resumes_a_lost_nodes_shard_from_its_buddy(cluster: Cluster, c10d_store: str) -> None:
-    """Nodes a and b run a fixed-size job of two, s waits as a spare. b is SIGKILLed
-    while both hold after commit HOLD (held by each node and by its buddy): s takes b's
-    node rank, and its worker resumes b's shard at commit HOLD from a, exactly as b held
-    it (restored_from "buddy"), while a's resumes its own; both train to the end.
-    Meanwhile, connections to a's replica port that are not the job's are refused with
-    one line each, and harm nothing."""
-    job = Job(cluster, c10d_store, 2)
+def test_a_spare_resumes_a_lost_nodes_shards_from_its_buddy(cluster: Cluster, c10d_store: str) -> None:
+    """Nodes a and b run a fixed-size job of two, two workers each; s waits as a spare. b
+    is SIGKILLed while all hold after commit HOLD (held by each node and by its buddy):
+    s takes b's node rank, and its workers resume b's shards at commit HOLD from a,
+    exactly as b held them (restored_from "buddy"), while a's resume their own; all
+    train to the end. Meanwhile, connections to a's replica port that are not the job's
+    are refused with one line each, and harm nothing."""
+    job = Job(cluster, c10d_store, 2, nproc=2)
     a, b = job.agent("a", 2), job.agent("b", 3)
-    pids = holding([a, b], 2)
+    pids = holding([a, b], nproc=2)
     spare = job.agent("s", 4)
     spare.wait_for(r"waiting: spare: ")
     job.replicated([a, b], HOLD)
-    rank_of_b = int(re.findall(r"holding at step=\d+ rank=(\d+)", b.text())[0])
+    ranks_of_b = ranks_of(b)
 
     port = replica_port(a)
     with socket.create_connection(("127.0.0.2", port), timeout=10) as rogue:  # not our protocol
@@ -131,16 +135,14 @@ def test_a_spare_resumes_a_lost_nodes_shard_from_its_buddy(cluster: Cluster, c10
 
     marks = {p.name: p.mark() for p in (a, spare)}
     kill_node(b, pids["b"])
-    mine, theirs = resumed(a, marks["a"]), resumed(spare, marks["s"])
-    assert int(theirs["rank"]) == rank_of_b
-    assert (theirs["restored"], theirs["source"], theirs["step"], theirs["intact"]) == (
-        "True", "buddy", str(HOLD), "True"
-    ), theirs[0]
-    assert theirs["digest"] == digest(b, rank_of_b, HOLD)  # model and optimizer too
-    assert (mine["restored"], mine["source"], mine["step"], mine["intact"]) == (
-        "True", "own memory", str(HOLD), "True"
-    ), mine[0]
-    spare.wait_for(rf"rank {rank_of_b}'s state comes from its buddy node {re.escape(node_id(a))}: commit {HOLD}")
+    mine, theirs = resumed(a, marks["a"], 2), resumed(spare, marks["s"], 2)
+    assert sorted(theirs) == ranks_of_b and sorted(mine) == ranks_of(a)
+    for rank, m in theirs.items():
+        assert (m["restored"], m["source"], m["step"], m["intact"]) == ("True", "buddy", str(HOLD), "True"), m[0]
+        assert m["digest"] == digest(b, rank, HOLD)  # model and optimizer too
+        spare.wait_for(rf"rank {rank}'s state comes from its buddy node {re.escape(node_id(a))}: commit {HOLD}")
+    for m in mine.values():
+        assert (m["restored"], m["source"], m["step"], m["intact"]) == ("True", "own memory", str(HOLD), "True"), m[0]
     for agent in (a, spare):
         assert agent.wait_exit() == 0, agent.text()[-4000:]
     cluster.assert_no_orphans()
@@ -154,13 +156,13 @@ def test_a_node_lost_with_its_buddy_is_said_and_nobody_restores(cluster: Cluster
     path), and the job trains to the end from its start."""
     job = Job(cluster, c10d_store, 3)
     a, b, c = job.agent("a", 2), job.agent("b", 3), job.agent("c", 4)
-    pids = holding([a, b, c], 3)
+    pids = holding([a, b, c])
     d = job.agent("d", 5)
     d.wait_for(r"waiting: spare: ")
     e = job.agent("e", 6)
     e.wait_for(r"waiting: spare: ")
     job.replicated([a, b, c], HOLD)
-    ranks = {p.name: int(re.findall(r"holding at step=\d+ rank=(\d+)", p.text())[0]) for p in (a, b, c)}
+    ranks = {p.name: ranks_of(p)[0] for p in (a, b, c)}
     # a node and its buddy: the node at rank r, and the one after it
     first = next(p for p in (a, b, c) if ranks[p.name] == (ranks["a"] + 1) % 3)
     second = next(p for p in (a, b, c) if ranks[p.name] == (ranks["a"] + 2) % 3)
@@ -168,7 +170,7 @@ def test_a_node_lost_with_its_buddy_is_said_and_nobody_restores(cluster: Cluster
     kill_node(first, pids[first.name])
     kill_node(second, pids[second.name])
     lost = ranks[first.name]
-    begins = {p.name: resumed(p, marks[p.name]) for p in (a, d, e)}
+    begins = {p.name: next(iter(resumed(p, marks[p.name]).values())) for p in (a, d, e)}
     assert {m["restored"] for m in begins.values()} == {"False"}, [m[0] for m in begins.values()]
     assert {m["step"] for m in begins.values()} == {"0"}
     nowhere = rf"the state of ranks {lost} \(node rank {lost}\) is nowhere: neither this node nor its buddy node"
