@@ -24,8 +24,9 @@ Then one request:
          client -> server   its commit's bytes, then b"\\x01" (whole) or b"\\x00" (the sender's
                             slot changed while it read it)
          server -> client   b"\\x01" kept, b"\\x00" not
-    GET  client -> server   b"G", a global rank (int64)
-         server -> client   a count (0, 1 or 2), then each commit, oldest first: a record, its bytes
+    GET  client -> server   b"G", a global rank and a world size (int64 each)
+         server -> client   a count (0, 1 or 2) of the commits it holds of that rank made at
+                            that world size, then each, oldest first: a record, its bytes
 
 A record names its commit's size, and a commit larger than the receiver's slot is
 refused before any of it is read: nobody reads more than a state file holds.
@@ -48,7 +49,8 @@ PUT = b"P"
 GET = b"G"
 WHOLE = b"\x01"
 TORN = b"\x00"
-RANK = struct.Struct("<q")
+#: a GET's rank and world size
+WHICH = struct.Struct("<qq")
 #: the bytes read or written at a time
 CHUNK = 1 << 20
 #: a stream's buffer, each way: asyncio's default (64 KiB) pauses the socket so often

@@ -48,8 +48,8 @@ from elasticrun.agent.replica_wire import (
     CHUNK,
     GET,
     PUT,
-    RANK,
     TORN,
+    WHICH,
     WHOLE,
     ReplicaProtocolError,
     accept,
@@ -190,11 +190,11 @@ class StateReplicas:
         Returns what to add to each local rank's environment (STATE_BUDDY_VAR)."""
         self._assignment, self._ring = assignment, None
         own = [self._file(self._files.path(r)) for r in range(nproc)]
-        committed = max((c.commits for f in own for c in f.held()), default=-1)
+        newest = max((c for f in own for c in f.held()), key=lambda c: (c.round, c.commits), default=None)
         post = ReplicaPost(
             round=assignment.round, node_id=self._node_id, addr=self._control.addr, port=self.port,
             first_rank=assignment.rank_offset, nproc=nproc, held=tuple(sorted(self._replicas.made())),
-            committed=committed,
+            committed=newest.commits if newest else -1, committed_world=newest.world if newest else 0,
         )
         with contextlib.suppress(StoreError):
             await self._control.post_replicas(assignment.node_rank, post)
@@ -244,23 +244,24 @@ class StateReplicas:
             )
 
     async def _job_had_state(self, a: Assignment, holder: ReplicaPost) -> bool:
-        """Whether the node after this one or the one before holds commits: the job had state to lose.
+        """Whether the node after this one or the one before holds commits made at this world size: state was lost.
 
-        (A job's first round has none anywhere: nothing to say then. A job that lost
-        every node of a round at once has no one left who knows: nothing is said.)"""
+        (A job's first round has none anywhere, and where the world size changed the
+        shards are the script's to re-shard (`ShardedState.earlier`): nothing to say
+        then. A job that lost every node of a round at once has no one left who knows.)"""
         before = (a.node_rank - 1) % a.node_count
         posts: list[ReplicaPost | None] = [holder]
         if before != (a.node_rank + 1) % a.node_count:
             with contextlib.suppress(StoreError):
                 posts.append(await self._control.replica_post(before, a.round, FIND_TIMEOUT))
-        return any(p is not None and (p.committed >= 0 or p.held) for p in posts)
+        return any(p is not None and p.committed >= 0 and p.committed_world == a.world_size for p in posts)
 
     async def _get(self, holder: ReplicaPost, rank: int, world: int, into: CommitFile) -> list[Record]:
         """The commits `holder` keeps of `rank` at world size `world`, written into `into`, oldest first."""
         reader, writer = await connect(holder.addr, holder.port, self._key)
         written = []
         try:
-            writer.write(GET + RANK.pack(rank))
+            writer.write(GET + WHICH.pack(rank, world))
             await writer.drain()
             count = (await read(reader, 1))[0]
             if count > 2:
@@ -270,10 +271,12 @@ class StateReplicas:
                 record = into.fits(raw)
                 if record is None:
                     raise ReplicaProtocolError(_NOT_A_COMMIT)
+                if record.rank != rank or record.world != world:
+                    raise ReplicaProtocolError(
+                        f"sent a commit of rank {record.rank} at world size {record.world}: not asked for"
+                    )
                 slot, at = into.begin(record)
                 await _receive(reader, into, at, payload_bytes(record))
-                if record.rank != rank or record.world != world:
-                    continue  # not of this round's world: its slot stays empty
                 done = into.finish(slot, raw)
                 if done is not None:
                     written.append(done)
@@ -420,10 +423,10 @@ class StateReplicas:
         await writer.drain()
 
     async def _give(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        (rank,) = RANK.unpack(await read(reader, RANK.size))
+        rank, world = WHICH.unpack(await read(reader, WHICH.size))
         path = self._replicas.made().get(rank)
         async with self._locks.setdefault(rank, asyncio.Lock()):
-            held = [r for r in self._file(path).held() if r.rank == rank] if path is not None else []
+            held = [r for r in self._file(path).held() if (r.rank, r.world) == (rank, world)] if path else []
             writer.write(bytes([len(held)]))
             for record in held:
                 replica = self._file(path)  # type: ignore[arg-type]  # held: it is there

@@ -332,9 +332,11 @@ class ReplicaPost:
     nproc: int
     #: the global ranks whose commits it holds copies of (its predecessor's)
     held: tuple[int, ...] = ()
-    #: the newest commit count its own workers' files hold (-1: none): a node that
-    #: finds no copy of its ranks' state knows from this whether the job had any
+    #: the newest commit count its own workers' files hold (-1: none), and the world
+    #: size it was made at: a node that finds no copy of its ranks' state knows from
+    #: this whether the job had any at this size
     committed: int = -1
+    committed_world: int = 0
 
 
 @dataclass(frozen=True, slots=True)
