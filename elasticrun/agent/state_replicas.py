@@ -118,7 +118,7 @@ class StateReplicas:
         self._locks: dict[int, asyncio.Lock] = {}
         #: per global rank, what the buddy holds of it: (buddy node id, commits, round made in)
         self._sent: dict[int, tuple[str, int, int]] = {}
-        #: the buddy connection that failed last, said once
+        #: the buddy a copy to failed last, said once
         self._said: str = ""
         #: per local rank, the generations of the commits fetched from a buddy into its file
         self._fetched: dict[int, str] = {}
@@ -352,11 +352,13 @@ class StateReplicas:
             finally:
                 writer.close()
         except (OSError, TimeoutError, ReplicaProtocolError) as e:
-            said = f"{buddy.node_id}: {e}"
-            if said != self._said:
-                self._said = said
-                logger.warning("could not copy rank %d's commit to its buddy node %s", record.rank, said)
+            if buddy.node_id != self._said:  # once per buddy: a dead one fails in several ways until the round ends
+                self._said = buddy.node_id
+                logger.warning(
+                    "could not copy rank %d's commit to its buddy node %s: %s", record.rank, buddy.node_id, e
+                )
             return
+        self._said = ""  # through again: a later failure is news
         if kept:
             self._sent[record.rank] = (buddy.node_id, record.commits, record.round)
 
