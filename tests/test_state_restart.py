@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from elasticrun import state_layout
+from elasticrun.agent import state_files
 from elasticrun.launcher.flag_values import byte_size
 from elasticrun.worker.elastic import EarlierShards, ShardedState, State
 from elasticrun.worker.elastic.host_copy import HostCopy
@@ -136,6 +138,30 @@ def test_the_agents_state_files_go_with_it_when_it_is_killed(cluster: Cluster) -
 
 
 # --- the host copy on its own --------------------------------------------------------------
+
+
+def test_files_of_agents_that_are_gone_are_swept(tmp_path: Path) -> None:
+    """An agent killed with its warden leaves its files: the next agent of the same user
+    and pid namespace removes them, and leaves alone a live agent's, another namespace's
+    and any other file."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    mine = state_files._process(os.getpid())
+    assert mine is not None
+    started, namespace = mine
+    names = {
+        "dead": f"elasticrun-state-{gone.pid}.{started}.{namespace}-00ff-0",
+        "dead replica": f"elasticrun-replica-{gone.pid}.{started}.{namespace}-00ff-3",
+        "reused pid": f"elasticrun-state-{os.getpid()}.{started + 1}.{namespace}-00ff-0",
+        "live": f"elasticrun-state-{os.getpid()}.{started}.{namespace}-00ff-0",
+        "other namespace": f"elasticrun-state-{gone.pid}.{started}.{namespace + 1}-00ff-0",
+        "not ours": "elasticrun-state-00ff-0",
+    }
+    for name in names.values():
+        (tmp_path / name).touch()
+    assert state_files.sweep(tmp_path) == 3
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(names[k] for k in ("live", "other namespace", "not ours"))
 
 
 def _commit(copy: HostCopy, commits: int, value: float) -> None:

@@ -16,21 +16,70 @@ takes memory only as a worker writes into it: a worker reserves each part
 (`posix_fallocate`) before it writes it, so a full tmpfs is a clear error in the worker.
 
 Where: /dev/shm, the tmpfs every Linux has for this, else the agent's private run
-folder. A file there is made new (O_EXCL, never through a link), 0600, under a name with
+folder. A file's name says which agent made it (its process, by pid, start time and pid
+namespace): an agent killed together with its warden (a whole process group, a
+cgroup's kill) leaves its files, which would hold their memory until the host restarts,
+so each agent removes, when it makes its first, the files of this user's agents of its
+pid namespace that are gone (`sweep`). A file there is made new (O_EXCL, never through a link), 0600, under a name with
 a random part, so no other user can read a state or plant a file in its place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import secrets
 from collections.abc import Callable
 from pathlib import Path
 
 from elasticrun.agent.runfolder import create_new
 
+logger = logging.getLogger("elasticrun.agent")
+
 #: the tmpfs the files go to, when it is there
 SHM = Path("/dev/shm")
+
+#: elasticrun-<kind>-<pid>.<start time>.<pid namespace>-<tag>-<rank>
+_NAME = re.compile(r"elasticrun-(state|replica)-(\d+)\.(\d+)\.(\d+)-[0-9a-f]+-\d+")
+
+
+def _process(pid: int) -> tuple[int, int] | None:
+    """Process `pid`'s start time (clock ticks after boot) and pid namespace (its inode), or None if none runs."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except (OSError, IndexError):
+        return None
+    return int(fields[19]), namespace
+
+
+def sweep(folder: Path) -> int:
+    """Remove the files in `folder` of this user's agents of this pid namespace that are gone; how many.
+
+    Only a name made by `StateFiles` is looked at; an agent that runs (same pid and start
+    time) keeps its files, and one of another pid namespace (whose pids mean nothing here)
+    is left alone."""
+    me = _process(os.getpid())
+    if me is None:
+        return 0
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            match = _NAME.fullmatch(entry.name)
+            if match is None or int(match[4]) != me[1]:
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                    continue
+                if _process(int(match[2])) != (int(match[3]), me[1]):
+                    os.unlink(entry.path)
+                    removed += 1
+    if removed:
+        logger.info("removed %d state files in %s left by agents that are gone", removed, folder)
+    return removed
 
 
 class StateFiles:
@@ -48,10 +97,12 @@ class StateFiles:
         self.size = size
         self._kind = kind
         self._folder = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else fallback
-        self._size = size
         self._remove_on_death = remove_on_death
-        self._tag = secrets.token_hex(8)
+        started, namespace = _process(os.getpid()) or (0, 0)
+        self._tag = f"{os.getpid()}.{started}.{namespace}-{secrets.token_hex(8)}"
         self._paths: dict[int, Path] = {}
+        if self._folder == SHM and kind == "state":  # once per agent (replica files are made beside)
+            sweep(SHM)
 
     def path(self, local_rank: int) -> Path:
         """Local rank `local_rank`'s file: the same across its workers' restarts."""
@@ -60,7 +111,7 @@ class StateFiles:
             path = self._folder / f"elasticrun-{self._kind}-{self._tag}-{local_rank}"
             fd = create_new(path, f"{self._kind} file")
             try:
-                os.ftruncate(fd, self._size)
+                os.ftruncate(fd, self.size)
                 made = os.fstat(fd)
             finally:
                 os.close(fd)
