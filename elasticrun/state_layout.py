@@ -28,6 +28,9 @@ STATE_FILE_VAR = "ELASTICRUN_STATE_FILE"
 #: the generations of the commits in that file that its agent fetched from a buddy node
 #: (comma-separated; elasticrun.agent.state_replicas): a restore from one says so
 STATE_BUDDY_VAR = "ELASTICRUN_STATE_BUDDY"
+#: the replica files this node holds of its predecessor's ranks (comma-separated paths),
+#: given to local rank 0: a ShardedState at a new world size offers their commits too
+STATE_REPLICAS_VAR = "ELASTICRUN_STATE_REPLICAS"
 
 #: the first page: the two records
 HEADER_BYTES = 4096

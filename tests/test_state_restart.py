@@ -10,6 +10,7 @@ its write, or a slot cleared for a commit that never finished, is never taken.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -25,6 +26,7 @@ from elasticrun.worker.elastic import EarlierShards, ShardedState, State
 from elasticrun.worker.elastic.host_copy import HostCopy
 from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, pid_alive
 from tests.support.helpers import wait_until
+from tests.test_elastic_agents import node_id
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -302,11 +304,28 @@ RESHARD_BEGIN = re.compile(
 )
 
 
-def resharding_node(cluster: Cluster, store: str, run_id: str, name: str, nnodes: str) -> Proc:
+def resharding_node(cluster: Cluster, store: str, run_id: str, name: str, nnodes: str, hold_world: int = 2) -> Proc:
     return cluster.agent(
         name, backend="c10d", endpoint=store, run_id=run_id, local_addr="127.0.0.1", nnodes=nnodes,
-        conf=f"{RDZV_CONF},is_host=false", worker=RESHARD_WORKER, worker_args=("--hold-world=2", "--hold-at=6"),
+        conf=f"{RDZV_CONF},is_host=false", worker=RESHARD_WORKER,
+        worker_args=(f"--hold-world={hold_world}", "--hold-at=6"),
     )
+
+
+def held_and_copied(cluster: Cluster, store: str, run_id: str, nodes: list[Proc], commit: int) -> None:
+    """Wait until `status` shows every node holding commit `commit` and its buddy a copy of it."""
+    def done() -> bool:
+        shown = cluster.control("status", "--json", "--rdzv-backend=c10d", f"--rdzv-endpoint={store}",
+                                f"--rdzv-id={run_id}")
+        if shown.returncode != 0:
+            return False
+        status = {n["node_id"]: n.get("status") or {} for n in json.loads(shown.stdout)["nodes"]}
+        return all(
+            ((status.get(node_id(n)) or {}).get("state_held"), (status.get(node_id(n)) or {}).get("state_replicated"))
+            == (commit, commit)
+            for n in nodes
+        )
+    wait_until(done, 60, f"every node's commit {commit} held and copied to its buddy")
 
 
 def test_a_sharded_state_is_resharded_from_every_shard_when_the_world_grows(cluster: Cluster, c10d_store: str) -> None:
@@ -331,23 +350,47 @@ def test_a_sharded_state_is_resharded_from_every_shard_when_the_world_grows(clus
     cluster.assert_no_orphans()
 
 
-def test_a_lost_nodes_shards_are_said_gone_and_the_script_starts_afresh(cluster: Cluster, c10d_store: str) -> None:
-    """Of two nodes holding their halves at step 6, one is SIGKILLed with its memory: the
-    survivor, alone at world 1, is told in one line that the other rank's shard is gone,
-    its `earlier` names it lost, and it starts from step 0."""
-    run_id = f"reshard-{os.getpid()}-lost"
+def test_a_lost_nodes_shards_come_from_the_copy_its_buddy_kept(cluster: Cluster, c10d_store: str) -> None:
+    """Of two nodes holding their halves at step 6, copied to each other, one is SIGKILLed
+    with its memory: the survivor, alone at world 1, finds the lost half in the copy its
+    agent kept, gathers both and resumes at step 6 with exactly that step's values."""
+    run_id = f"reshard-{os.getpid()}-copied"
     nodes = [resharding_node(cluster, c10d_store, run_id, f"n{i}", "1:2") for i in (1, 2)]
     for node in nodes:
         node.wait_for(r"step=6 rank=\d world=2")
+    held_and_copied(cluster, c10d_store, run_id, nodes, 6)
     nodes[1].kill()
     survivor = nodes[0]
     assert survivor.wait_exit() == 0, survivor.text()[-4000:]
     first, again = RESHARD_BEGIN.finditer(survivor.text())
     assert (first["world"], again["world"]) == ("2", "1"), survivor.text()[-4000:]
-    lost = 1 - int(first["rank"])  # the nodes' ranks follow their arrival
-    assert (again["restored"], again["earlier"], again["lost"], again["step"], again["intact"]) == (
-        "False", "2/6", str(lost), "0", "True"
-    ), again[0]
-    said = f"elasticrun: no shard of ranks [{lost}] of the last commit (6, made at world size 2) is left"
+    seen = (again["restored"], again["earlier"], again["lost"], again["step"], again["intact"])
+    assert seen == ("False", "2/6", "", "6", "True"), again[0]
+    assert "no shard of ranks" not in survivor.text()
+    cluster.assert_no_orphans()
+
+
+def test_a_node_lost_with_its_buddy_is_said_gone_and_the_script_starts_afresh(
+    cluster: Cluster, c10d_store: str
+) -> None:
+    """Of three nodes holding their thirds at step 6, each copied to the next, two next to
+    each other are SIGKILLed: the survivor holds its own third and its predecessor's copy,
+    so at world 1 it is told in one line that the third rank's shard is gone, its
+    `earlier` names that rank lost, and it starts from step 0."""
+    run_id = f"reshard-{os.getpid()}-lost"
+    nodes = [resharding_node(cluster, c10d_store, run_id, f"n{i}", "1:3", hold_world=3) for i in (1, 2, 3)]
+    ranks = {int(node.wait_for(r"begin rank=(\d) world=3")[1]): node for node in nodes}
+    for node in nodes:
+        node.wait_for(r"step=6 rank=\d world=3")
+    held_and_copied(cluster, c10d_store, run_id, nodes, 6)
+    survivor = ranks[0]
+    ranks[1].kill()
+    ranks[2].kill()
+    assert survivor.wait_exit() == 0, survivor.text()[-4000:]
+    again = [m for m in RESHARD_BEGIN.finditer(survivor.text()) if m["world"] == "1"]
+    assert len(again) == 1, survivor.text()[-4000:]
+    seen = (again[0]["restored"], again[0]["earlier"], again[0]["lost"], again[0]["step"], again[0]["intact"])
+    assert seen == ("False", "3/6", "1", "0", "True"), again[0][0]  # rank 2's third: rank 0 kept its copy
+    said = "elasticrun: no shard of ranks [1] of the last commit (6, made at world size 3) is left"
     assert survivor.text().count(said) == 1, survivor.text()[-4000:]
     cluster.assert_no_orphans()

@@ -60,7 +60,14 @@ from elasticrun.agent.state_files import StateFiles
 from elasticrun.errors import StateMemoryError, StoreError
 from elasticrun.rendezvous.handler import Assignment, JobControl
 from elasticrun.rendezvous.records import ReplicaPost
-from elasticrun.state_layout import RECORD_BYTES, STATE_BUDDY_VAR, Record, parsed_record, slot_bytes_of
+from elasticrun.state_layout import (
+    RECORD_BYTES,
+    STATE_BUDDY_VAR,
+    STATE_REPLICAS_VAR,
+    Record,
+    parsed_record,
+    slot_bytes_of,
+)
 
 logger = logging.getLogger("elasticrun.agent")
 
@@ -206,7 +213,11 @@ class StateReplicas:
         if lacking and assignment.node_count > 1:
             await self._fetch(assignment, own, lacking)
         self._report()
-        return {r: {STATE_BUDDY_VAR: gens} for r, gens in self._fetched.items()}
+        env = {r: {STATE_BUDDY_VAR: gens} for r, gens in self._fetched.items()}
+        held = ",".join(str(path) for path in self._replicas.made().values())
+        if held:  # a ShardedState at a new world size offers them to re-shard from
+            env.setdefault(0, {})[STATE_REPLICAS_VAR] = held
+        return env
 
     async def _fetch(self, a: Assignment, own: list[CommitFile], lacking: list[int]) -> None:
         after = (a.node_rank + 1) % a.node_count
@@ -296,8 +307,8 @@ class StateReplicas:
             ring = self._ring
             if ring is None or ring.round != a.round:
                 ring = self._ring = await self._find_ring(a)
-                if ring.predecessor is not None:
-                    self._keep_only(ring.predecessor)
+            if ring.predecessor is not None and self._moved_on(a.round):
+                self._keep_only(ring.predecessor)
             for path in self._files.made().values():
                 newest = self._file(path).newest()
                 if newest is None or ring.buddy is None:
@@ -317,6 +328,14 @@ class StateReplicas:
             logger.debug("could not read the replica posts: %s", e)
             buddy = predecessor = None
         return _Ring(a.round, buddy, predecessor)
+
+    def _moved_on(self, round_number: int) -> bool:
+        """Whether every worker here committed in round `round_number`: past their start.
+
+        Until then a ShardedState at a new world size may re-shard from the replicas
+        (STATE_REPLICAS_VAR), so they are kept."""
+        newest = [self._file(p).newest() for p in self._files.made().values()]
+        return bool(newest) and all(c is not None and c.round == round_number for c in newest)
 
     def _keep_only(self, predecessor: ReplicaPost) -> None:
         """Drop the replicas of ranks that are not the predecessor's now: nobody will ask for them.

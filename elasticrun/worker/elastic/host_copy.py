@@ -40,6 +40,7 @@ from elasticrun.state_layout import (
     RECORD_SPACING,
     STATE_BUDDY_VAR,
     STATE_FILE_VAR,
+    STATE_REPLICAS_VAR,
     Record,
     aligned,
     held,
@@ -88,6 +89,17 @@ class HostCopy:
         path = os.environ.get(STATE_FILE_VAR)
         fetched = frozenset(int(g) for g in os.environ.get(STATE_BUDDY_VAR, "").split(",") if g.isdigit())
         return cls(Path(path), fetched) if path else None
+
+    @classmethod
+    def replicas_from_env(cls) -> list[HostCopy]:
+        """The replica files of another node's ranks that the agent handed this worker (local rank 0's)."""
+        copies = []
+        for path in (p for p in os.environ.get(STATE_REPLICAS_VAR, "").split(",") if p):
+            try:
+                copies.append(cls(Path(path)))
+            except FileNotFoundError:  # the agent dropped it since: its ranks are another node's now
+                continue
+        return copies
 
     def source(self, record: Record) -> str:
         """Where commit `record` came from: "buddy" (another node kept it), else "own memory"."""

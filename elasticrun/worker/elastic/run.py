@@ -87,6 +87,9 @@ def _run_once(
     host: HostCopy | None = None
     try:
         host = HostCopy.from_env()
+        # the round the commits are made in (elasticrun's agent names it; 0 under torchrun): a
+        # commit's lineage, and how a re-shard tells the newest of two commits (ShardedState.earlier)
+        state._attach(None, int(os.environ.get("ELASTICRUN_ROUND") or 0))
         state._keep_in(host)
         state.sync()
         return call()

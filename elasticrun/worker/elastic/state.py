@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -376,6 +376,8 @@ class ShardedState(State):
         #: set when the group starts: the last commit held, made at another world size or
         #: with ranks elsewhere, when there is no commit to resume from (see the class doc)
         object.__setattr__(self, "earlier", None)
+        #: the copies of other nodes' ranks this worker was handed, to offer in `earlier`
+        object.__setattr__(self, "_replicas", [])
 
     def sync(self) -> None:
         """Nothing moves: each rank's values are its own."""
@@ -385,19 +387,25 @@ class ShardedState(State):
     def _choose(self, held: list[Record]) -> Record | None:
         """The newest commit every rank holds for its own rank and world size (a collective).
 
-        Where there is none, `earlier` is set to what the group holds of an earlier one."""
+        Where there is none, `earlier` is set to what the group holds of an earlier one:
+        in the workers' own files, and in the copies of other nodes' ranks that their
+        agents keep (local rank 0 is handed its node's)."""
         object.__setattr__(self, "earlier", None)
         if not dist.is_initialized():
             return held[-1] if held else None
         rank, world = dist.get_rank(), dist.get_world_size()
-        everyone = _all_gathered([(r.commits, r.round, r.rank, r.world) for r in held], 2, 4)
+        replicas = HostCopy.replicas_from_env()
+        object.__setattr__(self, "_replicas", replicas)
+        rows = [(r.commits, r.round, r.rank, r.world, 1) for r in held]
+        rows += [(r.commits, r.round, r.rank, r.world, 0) for kept in replicas for r in kept.held()]
+        everyone = _all_gathered(rows, 5)
         mine = {r.commits: r for r in held if (r.rank, r.world) == (rank, world)}
         common = set.intersection(
-            *({c for c, _, r, w in records if (r, w) == (q, world)} for q, records in enumerate(everyone))
+            *({c for c, _, r, w, own in records if own and (r, w) == (q, world)} for q, records in enumerate(everyone))
         )
         if common:
             return mine[max(common)]
-        earlier = EarlierShards.of(everyone, self)
+        earlier = EarlierShards.of([[row[:4] for row in records] for records in everyone], self)
         object.__setattr__(self, "earlier", earlier)
         if earlier is not None and earlier.lost and rank == 0:
             print(
@@ -409,12 +417,14 @@ class ShardedState(State):
         return None
 
     def _read_own(self, commits: int, round_number: int, rank: int, world: int) -> dict[str, Any]:
-        """The payloads of a commit this worker's host copy holds (views of it: valid until it is overwritten)."""
-        assert self._host is not None  # only a worker with a host copy is named a holder
-        for record in self._host.held():
-            if (record.commits, record.round, record.rank, record.world) == (commits, round_number, rank, world):
-                payloads: dict[str, Any] = self._host.read(record, torch.device("cpu"))
-                return payloads
+        """The payloads of a commit this worker's host copy, or a replica handed to it, holds.
+
+        Views of the file: valid until it is overwritten."""
+        for kept in [c for c in (self._host, *self._replicas) if c is not None]:
+            for record in kept.held():
+                if (record.commits, record.round, record.rank, record.world) == (commits, round_number, rank, world):
+                    payloads: dict[str, Any] = kept.read(record, torch.device("cpu"))
+                    return payloads
         raise StateTransferError(f"commit {commits} of rank {rank} is no longer in this worker's host memory")
 
 
@@ -472,7 +482,7 @@ class EarlierShards:
                 "with their workers' memory: start from the script's own checkpoint"
             )
         me = dist.get_rank()
-        wanted = _all_gathered([(r,) for r in asked], self.world, 1)
+        wanted = _all_gathered([(r,) for r in asked], 1)
         got: dict[int, dict[str, Any]] = {}
         for rank in range(self.world):  # every rank goes through the transfers in one order: none waits on another
             holder = self._holders.get(rank)
@@ -493,15 +503,19 @@ class EarlierShards:
         return got
 
 
-def _all_gathered(rows: list[tuple[int, ...]], most: int, width: int) -> list[list[tuple[int, ...]]]:
-    """Each rank's `rows` (at most `most` tuples of `width` ints, none negative), as every rank sees them.
+def _all_gathered(rows: Sequence[tuple[int, ...]], width: int) -> list[list[tuple[int, ...]]]:
+    """Each rank's `rows` (tuples of `width` ints, none negative), as every rank sees them.
 
-    A collective: one all_gather of a fixed-size table, rows left empty marked -1."""
-    table = torch.full((most, width), -1, dtype=torch.int64)
+    A collective: one all_gather of the row counts, then one of a table of the largest
+    count's size, rows left empty marked -1."""
+    device = flag_device()
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([len(rows)], dtype=torch.int64, device=device))
+    table = torch.full((max(1, *(int(c.item()) for c in counts)), width), -1, dtype=torch.int64)
     for i, row in enumerate(rows):
         table[i] = torch.tensor(row, dtype=torch.int64)
-    table = table.to(flag_device())
-    gathered = [torch.empty_like(table) for _ in range(dist.get_world_size())]
+    table = table.to(device)
+    gathered = [torch.empty_like(table) for _ in counts]
     dist.all_gather(gathered, table)
     return [[tuple(row) for row in t.cpu().tolist() if row[0] >= 0] for t in gathered]
 
