@@ -300,15 +300,14 @@ def test_the_earlier_commit_is_the_newest_whole_one_else_the_newest_with_its_los
 RESHARD_WORKER = Path(__file__).resolve().parent / "workers" / "reshard_worker.py"
 RESHARD_BEGIN = re.compile(
     r"begin rank=(?P<rank>\d+) world=(?P<world>\d+) restored=(?P<restored>\w+) earlier=(?P<earlier>\S+) "
-    r"lost=\[(?P<lost>[\d, ]*)\] step=(?P<step>\d+) intact=(?P<intact>\w+)"
+    r"lost=\[(?P<lost>[\d, ]*)\] step=(?P<step>\d+) intact=(?P<intact>\w+) from=(?P<source>[a-z ]+)"
 )
 
 
-def resharding_node(cluster: Cluster, store: str, run_id: str, name: str, nnodes: str, hold_world: int = 2) -> Proc:
+def resharding_node(cluster: Cluster, store: str, run_id: str, name: str, nnodes: str) -> Proc:
     return cluster.agent(
         name, backend="c10d", endpoint=store, run_id=run_id, local_addr="127.0.0.1", nnodes=nnodes,
-        conf=f"{RDZV_CONF},is_host=false", worker=RESHARD_WORKER,
-        worker_args=(f"--hold-world={hold_world}", "--hold-at=6"),
+        conf=f"{RDZV_CONF},is_host=false", worker=RESHARD_WORKER, worker_args=("--hold-at=6",),
     )
 
 
@@ -378,7 +377,7 @@ def test_a_node_lost_with_its_buddy_is_said_gone_and_the_script_starts_afresh(
     so at world 1 it is told in one line that the third rank's shard is gone, its
     `earlier` names that rank lost, and it starts from step 0."""
     run_id = f"reshard-{os.getpid()}-lost"
-    nodes = [resharding_node(cluster, c10d_store, run_id, f"n{i}", "1:3", hold_world=3) for i in (1, 2, 3)]
+    nodes = [resharding_node(cluster, c10d_store, run_id, f"n{i}", "1:3") for i in (1, 2, 3)]
     ranks = {int(node.wait_for(r"begin rank=(\d) world=3")[1]): node for node in nodes}
     for node in nodes:
         node.wait_for(r"step=6 rank=\d world=3")
@@ -393,4 +392,33 @@ def test_a_node_lost_with_its_buddy_is_said_gone_and_the_script_starts_afresh(
     assert seen == ("False", "3/6", "1", "0", "True"), again[0][0]  # rank 2's third: rank 0 kept its copy
     said = "elasticrun: no shard of ranks [1] of the last commit (6, made at world size 3) is left"
     assert survivor.text().count(said) == 1, survivor.text()[-4000:]
+    cluster.assert_no_orphans()
+
+
+def test_a_fixed_size_job_resumes_every_shard_when_a_new_node_comes_in_elsewhere(
+    cluster: Cluster, c10d_store: str
+) -> None:
+    """Three nodes of a fixed-size job hold their thirds at step 6, each copied to the next;
+    one is SIGKILLed and, with no spare, the job waits; a new node comes: whatever node ranks
+    the round gives (the survivors may move), every rank resumes its own third of step 6,
+    from its own memory, a peer or the copy its agent kept, exactly as it was."""
+    run_id = f"reshard-{os.getpid()}-fixed"
+    nodes = [resharding_node(cluster, c10d_store, run_id, f"n{i}", "3") for i in (1, 2, 3)]
+    ranks = {int(node.wait_for(r"begin rank=(\d) world=3")[1]): node for node in nodes}
+    for node in nodes:
+        node.wait_for(r"step=6 rank=\d world=3")
+    held_and_copied(cluster, c10d_store, run_id, nodes, 6)
+    marks = {rank: node.mark() for rank, node in ranks.items()}
+    ranks[1].kill()
+    for rank in (0, 2):  # the round is over and the job waits: the next forms anew
+        ranks[rank].wait_for(r"node \S+ waiting", start=marks[rank])
+    newcomer = resharding_node(cluster, c10d_store, run_id, "n4", "3")
+    finished = [ranks[0], ranks[2], newcomer]
+    for node in finished:
+        assert node.wait_exit() == 0, node.text()[-4000:]
+    again = [m for node in finished for m in RESHARD_BEGIN.finditer(node.text()) if m["step"] != "0"]
+    assert sorted(int(m["rank"]) for m in again) == [0, 1, 2], [n.text()[-2000:] for n in finished]
+    for m in again:
+        seen = (m["world"], m["restored"], m["earlier"], m["step"], m["intact"])
+        assert seen == ("3", "True", "none", "6", "True"), m[0]
     cluster.assert_no_orphans()

@@ -3,11 +3,10 @@
 A vector of --numel values is split over the ranks in contiguous slices: rank r of world
 W holds [r*n/W, (r+1)*n/W). Each step adds 1 to every value, so at step s the value at i
 is i + s. Each rank keeps its slice and the step in an `elastic.ShardedState`, commits each
-step and prints `step=S rank=R world=W`. While the world is --hold-world it stops stepping at
---hold-at (so that the test changes the world at a known step). When the function starts
-it prints
+step and prints `step=S rank=R world=W`. Started afresh, it stops stepping at --hold-at
+(so that the test changes the world at a known step). When the function starts it prints
 
-    begin rank=R world=W restored=False earlier=2/7 lost=[] step=7 intact=True
+    begin rank=R world=W restored=False earlier=2/7 lost=[] step=7 intact=True from=nothing
 
 `earlier` is the state's EarlierShards (world size/commits, or none). With one whose
 shards are all held, the rank gathers the old slices that overlap its own, builds its
@@ -26,7 +25,6 @@ def main() -> int:
     p.add_argument("--numel", type=int, default=1200)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--hold-at", type=int, default=6)
-    p.add_argument("--hold-world", type=int, default=2)
     p.add_argument("--stop-file")  # given to every worker of tests/support/elastic_cluster.py's agents
     args = p.parse_args()
 
@@ -45,6 +43,7 @@ def main() -> int:
         rank, world = dist.get_rank(), dist.get_world_size()
         lo, hi = bounds(rank, world)
         earlier = state.earlier
+        fresh = not state.restored and earlier is None
         if not state.restored:
             state.shard, state.step = torch.arange(lo, hi, dtype=torch.int64), 0
             if earlier is not None and not earlier.lost:
@@ -59,9 +58,9 @@ def main() -> int:
         said = "none" if earlier is None else f"{earlier.world}/{earlier.commits}"
         lost = [] if earlier is None else list(earlier.lost)
         print(f"begin rank={rank} world={world} restored={state.restored} earlier={said} lost={lost} "
-              f"step={state.step} intact={intact}", flush=True)
+              f"step={state.step} intact={intact} from={state.restored_from}", flush=True)
         while state.step < args.steps:
-            while world == args.hold_world and state.step >= args.hold_at:
+            while fresh and state.step >= args.hold_at:
                 time.sleep(0.05)  # the test changes the world now: this worker is stopped
             state.shard += 1
             state.step += 1

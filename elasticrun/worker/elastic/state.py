@@ -153,8 +153,9 @@ class State:
         #: whether this process's state came out of a sync (see sync())
         object.__setattr__(self, "_synced_before", False)
         #: whether the wrapper found a commit to resume from, and where: "own memory"
-        #: (this worker's copy the agent kept, restart mode), "a peer" (sent by another
-        #: rank, see sync()) or "nothing" (the script starts from what it built)
+        #: (this worker's copy the agent kept, restart mode), "buddy" (the copy another
+        #: node kept of this rank), "a peer" (sent by another rank, see sync()) or
+        #: "nothing" (the script starts from what it built)
         object.__setattr__(self, "restored", False)
         object.__setattr__(self, "restored_from", "nothing")
         #: restart mode: the host memory the commits are copied to (set by the wrapper)
@@ -384,6 +385,28 @@ class ShardedState(State):
         object.__setattr__(self, "_calls", 0)  # every rank counts commit() calls afresh
         object.__setattr__(self, "_synced_before", True)
 
+    def _keep_in(self, host: HostCopy | None) -> None:
+        """As State's, and where the last commit was made at this world size, each rank takes its own shard.
+
+        That commit's ranks are elsewhere now (a fixed-size job whose replacement node came
+        in at another node rank): each rank takes its own rank's shard of it from whoever
+        holds it, a collective."""
+        super()._keep_in(host)
+        earlier = self.earlier
+        if earlier is None or earlier.lost or earlier.world != dist.get_world_size():
+            return
+        rank = dist.get_rank()
+        source = earlier.source_of(rank)
+        for name, payload in earlier.gather([rank])[rank].items():
+            self._slots[name].load(payload)
+            self._slots[name].snapshot()
+        object.__setattr__(self, "commits", earlier.commits)
+        object.__setattr__(self, "committed_in", earlier.round)
+        object.__setattr__(self, "restored", True)
+        object.__setattr__(self, "restored_from", source)
+        object.__setattr__(self, "_rollback_in_host", False)
+        object.__setattr__(self, "earlier", None)
+
     def _choose(self, held: list[Record]) -> Record | None:
         """The newest commit every rank holds for its own rank and world size (a collective).
 
@@ -443,7 +466,8 @@ class EarlierShards:
     ) -> None:
         self.world = world
         self.commits = commits
-        self._round = round_number
+        #: the round it was made in
+        self.round = round_number
         #: each rank of the commit's world -> the rank of the new group that holds its shard
         self._holders = holders
         self._state = state
@@ -464,6 +488,17 @@ class EarlierShards:
         # the newest: of the latest round (a script that started afresh counts its commits from 1 again)
         commits, round_number, world = max(whole or holders, key=lambda key: (key[1], key[0]))
         return cls(world, commits, round_number, holders[(commits, round_number, world)], state)
+
+    def source_of(self, rank: int) -> str:
+        """Where this worker would get `rank`'s shard from.
+
+        "a peer" (another worker), "own memory" (its own file) or "buddy" (a copy its
+        agent kept of another node's rank)."""
+        if self._holders.get(rank) != dist.get_rank():
+            return "a peer"
+        own = self._state._host.held() if self._state._host is not None else []
+        mine = any((r.commits, r.round, r.rank, r.world) == (self.commits, self.round, rank, self.world) for r in own)
+        return "own memory" if mine else "buddy"
 
     def gather(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
         """The shards of `ranks` (ranks of the commit's world), each as its named values.
@@ -490,10 +525,10 @@ class EarlierShards:
                 if (rank,) not in wants or me not in (holder, asker) or holder is None:
                     continue
                 if holder == asker:
-                    got[rank] = _cloned(self._state._read_own(self.commits, self._round, rank, self.world))
+                    got[rank] = _cloned(self._state._read_own(self.commits, self.round, rank, self.world))
                 elif holder == me:
                     tensors: list[torch.Tensor] = []
-                    payloads = self._state._read_own(self.commits, self._round, rank, self.world)
+                    payloads = self._state._read_own(self.commits, self.round, rank, self.world)
                     _send_structure(_hollow(payloads, tensors), asker)
                     _send_tensors(tensors, asker)
                 else:
