@@ -18,10 +18,14 @@ this module needs no torch, so that the agent can say which commit each file hol
 
 from __future__ import annotations
 
+import errno
 import mmap
+import os
 import struct
 import zlib
 from dataclasses import dataclass
+
+from elasticrun.errors import StateMemoryError
 
 #: what names a worker's state file in its environment (the agent sets it in restart mode)
 STATE_FILE_VAR = "ELASTICRUN_STATE_FILE"
@@ -60,6 +64,18 @@ class Record:
     world: int
     structure_at: int
     structure_bytes: int
+
+
+def reserve(fd: int, at: int, length: int, no_room: str) -> None:
+    """Make the tmpfs hold bytes [at, at + length) of file `fd` before they are written.
+
+    A full tmpfs is then StateMemoryError(`no_room`) here, never a SIGBUS in the middle of a copy."""
+    try:
+        os.posix_fallocate(fd, at, length)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EFBIG):
+            raise
+        raise StateMemoryError(no_room) from None
 
 
 def aligned(n: int) -> int:

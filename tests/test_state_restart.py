@@ -349,6 +349,16 @@ def test_a_sharded_state_is_resharded_from_every_shard_when_the_world_grows(clus
     cluster.assert_no_orphans()
 
 
+def three_nodes_at_step_6(cluster: Cluster, store: str, run_id: str, nnodes: str) -> dict[int, Proc]:
+    """Three nodes of one worker each, holding their thirds at step 6, each copied to the next: by rank."""
+    nodes = [resharding_node(cluster, store, run_id, f"n{i}", nnodes) for i in (1, 2, 3)]
+    ranks = {int(node.wait_for(r"begin rank=(\d) world=3")[1]): node for node in nodes}
+    for node in nodes:
+        node.wait_for(r"step=6 rank=\d world=3")
+    held_and_copied(cluster, store, run_id, nodes, 6)
+    return ranks
+
+
 def test_a_lost_nodes_shards_come_from_the_copy_its_buddy_kept(cluster: Cluster, c10d_store: str) -> None:
     """Of two nodes holding their halves at step 6, copied to each other, one is SIGKILLed
     with its memory: the survivor, alone at world 1, finds the lost half in the copy its
@@ -376,12 +386,7 @@ def test_a_node_lost_with_its_buddy_is_said_gone_and_the_script_starts_afresh(
     each other are SIGKILLed: the survivor holds its own third and its predecessor's copy,
     so at world 1 it is told in one line that the third rank's shard is gone, its
     `earlier` names that rank lost, and it starts from step 0."""
-    run_id = f"reshard-{os.getpid()}-lost"
-    nodes = [resharding_node(cluster, c10d_store, run_id, f"n{i}", "1:3") for i in (1, 2, 3)]
-    ranks = {int(node.wait_for(r"begin rank=(\d) world=3")[1]): node for node in nodes}
-    for node in nodes:
-        node.wait_for(r"step=6 rank=\d world=3")
-    held_and_copied(cluster, c10d_store, run_id, nodes, 6)
+    ranks = three_nodes_at_step_6(cluster, c10d_store, f"reshard-{os.getpid()}-lost", "1:3")
     survivor = ranks[0]
     ranks[1].kill()
     ranks[2].kill()
@@ -403,11 +408,7 @@ def test_a_fixed_size_job_resumes_every_shard_when_a_new_node_comes_in_elsewhere
     the round gives (the survivors may move), every rank resumes its own third of step 6,
     from its own memory, a peer or the copy its agent kept, exactly as it was."""
     run_id = f"reshard-{os.getpid()}-fixed"
-    nodes = [resharding_node(cluster, c10d_store, run_id, f"n{i}", "3") for i in (1, 2, 3)]
-    ranks = {int(node.wait_for(r"begin rank=(\d) world=3")[1]): node for node in nodes}
-    for node in nodes:
-        node.wait_for(r"step=6 rank=\d world=3")
-    held_and_copied(cluster, c10d_store, run_id, nodes, 6)
+    ranks = three_nodes_at_step_6(cluster, c10d_store, run_id, "3")
     marks = {rank: node.mark() for rank, node in ranks.items()}
     ranks[1].kill()
     for rank in (0, 2):  # the round is over and the job waits: the next forms anew

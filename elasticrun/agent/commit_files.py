@@ -15,12 +15,10 @@ StateMemoryError here, never a SIGBUS.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 from pathlib import Path
 
-from elasticrun.errors import StateMemoryError
 from elasticrun.state_layout import (
     HEADER_BYTES,
     RECORD,
@@ -31,6 +29,7 @@ from elasticrun.state_layout import (
     held,
     packed_record,
     parsed_record,
+    reserve,
     slot_bytes_of,
     slot_start,
 )
@@ -102,15 +101,11 @@ class CommitFile:
         at = slot * RECORD_SPACING
         self._map[at : at + RECORD_BYTES] = bytes(RECORD_BYTES)
         start = slot_start(slot, self.slot_bytes)
-        try:
-            os.posix_fallocate(self._fd, start, payload_bytes(record))
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EFBIG):
-                raise
-            raise StateMemoryError(
-                f"no room left in {self.path.parent} for a copy of commit {record.commits} of rank {record.rank} "
-                f"({payload_bytes(record) / (1 << 20):.1f} MiB)"
-            ) from None
+        reserve(
+            self._fd, start, payload_bytes(record),
+            f"no room left in {self.path.parent} for a copy of commit {record.commits} of rank {record.rank} "
+            f"({payload_bytes(record) / (1 << 20):.1f} MiB)",
+        )
         return slot, start
 
     def write(self, at: int, data: bytes | memoryview) -> None:

@@ -24,7 +24,6 @@ GPU yet (no GPU where it was written); the CPU path is the one the tests run.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 from collections.abc import Iterable
@@ -45,6 +44,7 @@ from elasticrun.state_layout import (
     aligned,
     held,
     packed_record,
+    reserve,
     slot_bytes_of,
     slot_start,
 )
@@ -198,15 +198,11 @@ class HostCopy:
             return
         end = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, self.slot_bytes)
         at = self._slot_start(slot) + self._reserved[slot]
-        try:
-            os.posix_fallocate(self._fd, at, end - self._reserved[slot])
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EFBIG):
-                raise
-            raise StateMemoryError(
-                f"no room left in {self.path.parent} for the state's copy (commit {commits} needs "
-                f"{_mib(end)}): give the tmpfs more room, or lower --state-memory to what it holds"
-            ) from None
+        reserve(
+            self._fd, at, end - self._reserved[slot],
+            f"no room left in {self.path.parent} for the state's copy (commit {commits} needs "
+            f"{_mib(end)}): give the tmpfs more room, or lower --state-memory to what it holds",
+        )
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # untested on a GPU (module doc)
             torch.cuda.cudart().cudaHostRegister(self._bytes[at:].data_ptr(), end - self._reserved[slot], 0)
         self._reserved[slot] = end
