@@ -17,7 +17,7 @@ otherwise it starts from step 0. It ends at --steps (exit 0).
 from __future__ import annotations
 
 import argparse
-import time
+import signal
 
 
 def main() -> int:
@@ -61,7 +61,7 @@ def main() -> int:
               f"step={state.step} intact={intact} from={state.restored_from}", flush=True)
         while state.step < args.steps:
             while fresh and state.step >= args.hold_at:
-                time.sleep(0.05)  # the test changes the world now: this worker is stopped
+                signal.pause()  # the test changes the world now: the agent stops this worker
             state.shard += 1
             state.step += 1
             flag = torch.ones(1)

@@ -23,8 +23,8 @@ attempt's rank --kill-rank is SIGKILLed:
   `mid-copy held=[...]`. With other ranks it first waits in a barrier that they enter
   once their own commit --kill-at is whole, so they hold the commit it tore.
 
-With `--hold-at=N --hold-file=F`, every rank waits after its commit N (sleeps, until it
-is stopped), once in the job (F marks it done): a test can then act while every node's
+With `--hold-at=N --hold-file=F`, every rank waits after its commit N (for the signal
+that stops it), once in the job (F marks it done): a test can then act while every node's
 newest commit is N.
 
 It ends after --steps steps (exit 0).
@@ -36,7 +36,6 @@ import argparse
 import hashlib
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +129,8 @@ def main() -> int:
                 if not held.exists():
                     held.touch()
                     print(f"holding at step={state.step} rank={rank}", flush=True)
-                    time.sleep(600)  # until the test's agents stop it
+                    while True:  # until the test's agents stop it (SIGTERM, SIGKILL)
+                        signal.pause()
 
     train(state)
     return 0
