@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.agent.boot import boot_env
-from elasticrun.agent.step_reports import STEPS_FILE_ENV, StepTimes
+from elasticrun.agent.step_reports import STEPS_AFTER_WARMING, STEPS_FILE_ENV, StepTimes
 from elasticrun.rendezvous.handler import Assignment
 from elasticrun.worker import steptime
 from elasticrun.worker.steptime import Recorder
@@ -224,6 +224,29 @@ def test_the_agent_takes_the_slowest_worker_and_reads_nothing_that_is_not_a_summ
     assert files.waiting_in(1, now=now) == "waiting in all_reduce for 61s"
     write(2, waiting="barrier", waiting_since=now - 60.0)
     assert files.report("n", at).waiting == ""  # type: ignore[union-attr] # every worker has a file
+
+
+def test_a_report_made_while_the_standbys_import_says_warming_until_the_medians_are_the_workers_own(
+    tmp_path: Path,
+) -> None:
+    def write(steps: int) -> None:
+        body = {"pid": 1, "source": "optimizer", "steps": steps, "compute": 0.2, "wall": 0.6, "waiting": "",
+                "waiting_since": 0.0, "at": 0.0}
+        (tmp_path / "rank_0.json").write_text(json.dumps(body))
+
+    files = StepTimes(tmp_path, range(1))
+    at = Assignment(round=1, node_rank=0, node_count=1, rank_offset=0, world_size=1, master_addr="x",
+                    master_port=1, restart_count=0)
+    write(10)
+    assert files.report("n", at).warming is False  # type: ignore[union-attr] # the file is there
+    write(11)
+    assert files.report("n", at, importing=True).warming is True  # type: ignore[union-attr]
+    # the worker's medians are over its last steps: more than half must come after the imports
+    warm = []
+    for steps in range(12, 12 + STEPS_AFTER_WARMING + 1):
+        write(steps)
+        warm.append(files.report("n", at).warming)  # type: ignore[union-attr]
+    assert warm == [True] * (STEPS_AFTER_WARMING - 1) + [False, False]
 
 
 def test_the_framework_callbacks_are_the_frameworks_own_and_call_heartbeat(

@@ -98,6 +98,23 @@ def test_stale_reports_neither_name_nor_clear():
     assert not judged.named and judged.scores["c"].slow_for == 1
 
 
+def test_a_warming_node_is_neither_named_nor_cleared_nor_a_measure_for_the_others():
+    """Its standbys import beside its workers: its times are not its own (StepReport.warming)."""
+    current = a_round("a", "b", "c")
+    judged = Judgement()
+    for i in range(3):  # c: slow while its standbys import
+        warming = reports({"a": 0.2, "b": 0.2, "c": 0.9}, MIN_STEPS + i)
+        warming["c"] = replace(warming["c"], warming=True)
+        judged = judge(judged, current, warming, SETTINGS, now=100.0 + i)
+    assert "c" not in judged.scores and not judged.named
+    assert round(judged.scores["a"].relative, 2) == 1.0  # against b alone (with c: 0.2 / 0.55)
+    *_, named = run([{"a": 0.2, "b": 0.2, "c": 0.9}] * 3, current, start=MIN_STEPS + 10)
+    assert list(named.named) == ["c"]  # its own times again: judged as any node
+    cleared = judge(named, current, {n: replace(r, warming=True) for n, r in
+                                     reports({"a": 0.2, "b": 0.2, "c": 0.2}, 100).items()}, SETTINGS, now=200.0)
+    assert list(cleared.named) == ["c"] and cleared.scores == named.scores  # not cleared by warming times
+
+
 def test_too_few_steps_another_round_or_a_lone_node_are_not_scored():
     current = a_round("a", "b")
     assert not judge(Judgement(), current, reports({"a": 0.2, "b": 0.6}, MIN_STEPS - 1), SETTINGS, 1.0).scores

@@ -687,7 +687,8 @@ class Agent:
         last, stalled = None, 0.0
         while True:
             await asyncio.sleep(READ_INTERVAL)
-            report = steps.report(self.spec.node_id, assignment)
+            importing = self._standbys is not None and self._standbys.importing()
+            report = steps.report(self.spec.node_id, assignment, importing=importing)
             if report is None or dataclasses.replace(report, at=0.0) == last:
                 continue
             last = dataclasses.replace(report, at=0.0)

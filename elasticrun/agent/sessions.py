@@ -95,6 +95,12 @@ def process_start(pid: int) -> int:
     return stat.start if stat is not None else 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process `pid` has used, user and system (0 when it is gone)."""
+    stat = _stat(pid)
+    return stat.cpu_ticks / _TICKS_PER_SECOND if stat is not None else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class _Stat:
     """What one process's /proc/PID/stat says that matters here."""
@@ -105,6 +111,12 @@ class _Stat:
     live: bool
     sid: int
     start: int
+    #: its user and system CPU time, in clock ticks
+    cpu_ticks: int
+
+
+#: the clock ticks of /proc/PID/stat's times
+_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
 
 def _stat(pid: int) -> _Stat | None:
@@ -114,7 +126,10 @@ def _stat(pid: int) -> _Stat | None:
         return None
     # The command name (field 2) is in parentheses and may hold spaces and parentheses.
     fields = raw[raw.rindex(b")") + 2 :].split()
-    return _Stat(pid, int(fields[1]), fields[0] not in (b"Z", b"X"), int(fields[3]), int(fields[19]))
+    return _Stat(
+        pid, int(fields[1]), fields[0] not in (b"Z", b"X"), int(fields[3]), int(fields[19]),
+        int(fields[11]) + int(fields[12]),
+    )
 
 
 def _read(path: str, limit: int) -> bytes | None:

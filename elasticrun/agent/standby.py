@@ -37,6 +37,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elasticrun.agent.cpu_use import CpuUse
 from elasticrun.agent.processes import Warden, WorkerGroup
 from elasticrun.agent.sessions import KILL_LIMIT, MARK_VAR
 from elasticrun.agent.spec import WorkerSpec
@@ -50,6 +51,9 @@ WARM_IMPORTS_ENV = "ELASTICRUN_WARM_IMPORTS"
 WARM_NICE_ENV = "ELASTICRUN_WARM_NICE"
 #: the nice value of a standby's imports while the round's workers run
 _NICE = 19
+#: the share of a CPU over which a node's standbys import beside its workers
+#: (`Standbys.importing`); an idle standby waiting for its round uses none
+_IMPORTING_CPU = 0.05
 #: how long a ready standby may take to answer the round (a few ms when it is alive)
 _ANSWER_LIMIT = 10.0
 #: the lines of a standby's own output kept (each cut to _TAIL_CHARS), for the line that says it died
@@ -139,9 +143,21 @@ class Standbys:
         self._off = ""
         self._state = StandbyState.OFF
         self._accepting = False
+        #: what the standbys used since the last `importing()`
+        self._cpu = CpuUse()
 
     def state(self) -> StandbyState:
         return self._state
+
+    def importing(self) -> bool:
+        """Whether the standbys used more than `_IMPORTING_CPU` of a CPU since the last call.
+
+        Their CPU time, not their state: under a CPU quota (a container's limit) a
+        standby's imports take from the workers' share whatever its priority, so the
+        workers' step times are not their own meanwhile (StepReport.warming); where the
+        node's CPUs are busy, a standby at its low priority gets almost none and takes
+        nothing, however long it stays `starting`."""
+        return self._cpu.share(s.pid for s in self._standbys.values()) > _IMPORTING_CPU
 
     def start(self) -> None:
         """Start a standby for every local rank that has none (they import at low priority)."""

@@ -39,6 +39,9 @@ LONG_WAIT = 5.0
 #: --progress-timeout's). A minute: a checkpoint save or an evaluation pass is no stall.
 STALL_STEPS = 20
 STALL_MIN = 60.0
+#: a worker's times are medians of its last 16 steps (elasticrun.worker.steptime.WINDOW):
+#: once more than half of them came after the node's standbys imported, they are its own
+STEPS_AFTER_WARMING = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,8 @@ class StepTimes:
         self._seen: dict[int, tuple[int, WorkerSteps]] = {}
         #: each worker's step count and when (wall clock) this agent saw it change
         self._stepped: dict[int, tuple[int, float]] = {}
+        #: the node's step count from which its times are its own again (`report`)
+        self._warm_until = 0
 
     def env(self, local_rank: int) -> dict[str, str]:
         """What to add to worker `local_rank`'s environment."""
@@ -92,11 +97,17 @@ class StepTimes:
                     self._stepped[rank] = (steps.steps, time.time())
         return {rank: steps for rank, (_, steps) in self._seen.items()}
 
-    def report(self, node_id: str, assignment: Assignment) -> StepReport | None:
-        """The node's report, once every worker has made a step; None before."""
+    def report(self, node_id: str, assignment: Assignment, *, importing: bool = False) -> StepReport | None:
+        """The node's report, once every worker has made a step; None before.
+
+        `importing`: the node's standbys import now (`Standbys.importing`). Its report
+        says `warming` until the workers' medians no longer hold a step made meanwhile."""
         workers = self.read()
         if len(workers) < len(self._files) or any(w.steps == 0 for w in workers.values()):
             return None
+        steps = min(w.steps for w in workers.values())
+        if importing:
+            self._warm_until = steps + STEPS_AFTER_WARMING
         rank, slowest = max(workers.items(), key=lambda kv: (kv[1].compute, -kv[0]))
         names = {w.waiting for w in workers.values()}
         waiting = names.pop() if len(names) == 1 else ""
@@ -109,7 +120,7 @@ class StepTimes:
         return StepReport(
             node_id=node_id,
             round=assignment.round,
-            steps=min(w.steps for w in workers.values()),
+            steps=steps,
             compute=slowest.compute,
             wall=slowest.wall,
             rank=assignment.rank_offset + rank,
@@ -119,6 +130,7 @@ class StepTimes:
             at=now,
             last_step=last_step,
             stalled_since=last_step if stalled else 0.0,
+            warming=steps < self._warm_until,
         )
 
     def waiting_in(self, local_rank: int, now: float | None = None) -> str:

@@ -371,6 +371,11 @@ class StepReport:
     #: since when the node makes no step, once that is many of its usual steps and at
     #: least a minute (elasticrun.agent.step_reports.stalled); 0: it steps
     stalled_since: float = 0.0
+    #: whether its standbys (warm restarts) import beside its workers, or did within the
+    #: steps its times are medians of: then its times are not its own, for under a CPU
+    #: quota (a container's limit) their imports take from the workers' share whatever
+    #: their priority (elasticrun.agent.step_reports)
+    warming: bool = False
 
 
 @dataclass(frozen=True, slots=True)

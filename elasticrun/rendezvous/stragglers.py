@@ -13,7 +13,11 @@ A node is slow at an evaluation when its relative score is at least
 `straggler_relative`, and named a straggler after `straggler_after` such evaluations in
 a row; it is no longer one after as many evaluations in a row that find it not slow.
 Only an evaluation with new steps from the node counts either way: a node whose steps
-stopped (a hang, a long checkpoint) is neither named nor cleared by a stale report.
+stopped (a hang, a long checkpoint) is neither named nor cleared by a stale report. Nor
+is a node whose report says `warming`: its standbys (warm restarts) import beside its
+workers, once a round, for a few seconds, and under a CPU quota (a container's limit)
+they take from the workers' share whatever their priority, so its times are not its
+own; it is no measure for the others either.
 
 The individual score names nothing by itself: when every node slows alike (a harder
 part of the data, a shared file system), every individual score rises and no node is
@@ -118,7 +122,8 @@ def judge(before: Judgement, current: Round | None, reports: Mapping[str, StepRe
     members = [p.node_id for p in current.participants]
     reported = {
         n: r for n in members
-        if (r := reports.get(n)) is not None and r.round == current.number and r.steps >= MIN_STEPS and r.compute > 0
+        if (r := reports.get(n)) is not None and r.round == current.number and r.steps >= MIN_STEPS
+        and r.compute > 0 and not r.warming
     }
     walls = sorted(r.wall for r in reported.values())
     doubted = {
