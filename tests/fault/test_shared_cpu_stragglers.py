@@ -3,13 +3,12 @@
 A plain DDP script (tests/workers/ddp_worker.py) and the repository's Lightning and
 Hugging Face examples, unchanged: nothing of elasticrun in them, their steps timed by
 the worker boot (DDP's comm hook, the optimizer's step). Two nodes train, with
---straggler=replace, each on a CPU of its own; after ten steps at full speed one node
+--straggler=replace, each on half a CPU of its own; after ten steps at full speed one node
 comes to share its CPU with a busy process (tests/fault/cpu_share.py), as on a shared
-host. The leader must name it
-and give its place to the waiting spare.
+host. The leader must name it and give its place to the waiting spare.
 
 One file, so that its tests never run at once (the suite hands whole files to each
-process): each takes half a CPU of the machine for its busy process.
+process): each takes a CPU of the machine for its nodes.
 """
 
 from __future__ import annotations
@@ -30,10 +29,16 @@ pytestmark = pytest.mark.timeout(300)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPTS = {"lightning": EXAMPLES / "lightning" / "train.py", "huggingface": EXAMPLES / "huggingface" / "train.py"}
-#: the leader judges every second and names a node slow in two evaluations in a row
-CONF = RDZV_CONF + ",is_host=false,straggler_interval=1,straggler_after=2"
+#: the leader judges every second and names a node slow in three evaluations in a row,
+#: at twice the other's compute: a node made slow here is 6 times slower or more, and
+#: 2.5 times its own best (its CPU share an eighth of the other's half), while one that
+#: is not was seen up to twice as slow as the other for a second or two (its "compute"
+#: on two busy cores is mostly waiting to be scheduled)
+CONF = RDZV_CONF + ",is_host=false,straggler_interval=1,straggler_after=3,straggler_relative=2"
 #: each wait spans a worker start (torch and the framework imported, two at once on two cores)
 WAIT = 180.0
+#: a node's standbys (warm restarts) are ready: they import no more
+READY = "standby workers ready"
 
 
 @pytest.fixture
@@ -55,16 +60,23 @@ def test_a_slow_ddp_node_is_named_and_replaced_by_the_spare(
     b = start(cluster, rdzv, "b", 3, extra=mode)
     for p in (a, b):
         shared_cpu.own(p.pid)
-    # b slows down after 10 steps, when a busy process comes to share its CPU (a shared
-    # host): compared with one other node alone, a node is replaced only when it slowed
-    # against its own best
-    b.wait_for(r"^\[\d\]<stdout>: step=10 ")
-    first = json.loads(status(cluster, rdzv, "--json"))["job"]["nodes"]  # round 1's, in node-rank order
-    shared_cpu.take(b.pid)
-    slow, fast = node_of(b), node_of(a)
+    # The spare starts while the round's workers start, before any step is judged: on two
+    # cores it shares with them, a start beside a node slows it, as no spare does on a
+    # cluster. Then b slows down after 10 steps, when a busy process comes to share its
+    # CPU (a shared host): compared with one other node alone, a node is replaced only
+    # when it slowed against its own best. Not before both nodes' standbys are ready:
+    # their imports take from their nodes' CPU quota (the leader judges no node meanwhile).
+    for p in (a, b):
+        p.wait_for(r"node rank \d/2")
     spare = start(cluster, rdzv, "spare", 4, extra=mode)
     shared_cpu.own(spare.pid)
     spare.wait_for(r"waiting: spare: ")
+    b.wait_for(r"^\[\d\]<stdout>: step=10 ")
+    for p in (a, b):
+        p.wait_for(READY, timeout=WAIT)
+    first = json.loads(status(cluster, rdzv, "--json"))["job"]["nodes"]  # round 1's, in node-rank order
+    shared_cpu.take(b.pid)
+    slow, fast = node_of(b), node_of(a)
 
     line = rf"node {re.escape(slow)} is a straggler: compute [\d.]+m?s a step, [\d.]+x the other nodes' median"
     wait_until(lambda: any(re.search(line, p.text()) for p in (a, b, spare)), timeout=60, what=f"{slow} named")
@@ -117,12 +129,14 @@ def test_a_node_sharing_its_cpu_is_named_and_replaced_in_the_examples(
     for p in (a, b):
         shared_cpu.own(p.pid)
     first = next(p for p in (a, b) if p.wait_for(r"node rank (\d)/2")[1] == "0")
-    first.wait_for(r"Step #10\s", timeout=WAIT)  # ten steps at full speed: its own best is known
-    shared_cpu.take(b.pid)
-    slow = node_id(b)
-    spare = node(cluster, "spare", 4, c10d_store, job, example)
+    spare = node(cluster, "spare", 4, c10d_store, job, example)  # while the workers start, as above
     shared_cpu.own(spare.pid)
     spare.wait_for(r"waiting: spare: ", timeout=WAIT)
+    first.wait_for(r"Step #10\s", timeout=WAIT)  # ten steps at full speed: its own best is known
+    for p in (a, b):
+        p.wait_for(READY, timeout=WAIT)
+    shared_cpu.take(b.pid)
+    slow = node_id(b)
 
     line = re.compile(rf"node {re.escape(slow)} is a straggler: compute [\d.]+m?s a step, [\d.]+x the other")
     wait_until(lambda: any(line.search(p.text()) for p in (a, b, spare)), timeout=60, what=f"{slow} named")
