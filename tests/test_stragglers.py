@@ -102,17 +102,18 @@ def test_a_warming_node_is_neither_named_nor_cleared_nor_a_measure_for_the_other
     """Its standbys import beside its workers: its times are not its own (StepReport.warming)."""
     current = a_round("a", "b", "c")
     judged = Judgement()
-    for i in range(3):  # c: slow while its standbys import
-        warming = reports({"a": 0.2, "b": 0.2, "c": 0.9}, MIN_STEPS + i)
+    for i in range(3):  # c: fast at first, then slow while its standbys import
+        warming = reports({"a": 0.2, "b": 0.2, "c": 0.2 if i == 0 else 0.9}, MIN_STEPS + i)
         warming["c"] = replace(warming["c"], warming=True)
         judged = judge(judged, current, warming, SETTINGS, now=100.0 + i)
-    assert "c" not in judged.scores and not judged.named
+    assert not judged.named and judged.scores["c"].slow_for == 0
     assert round(judged.scores["a"].relative, 2) == 1.0  # against b alone (with c: 0.2 / 0.55)
-    *_, named = run([{"a": 0.2, "b": 0.2, "c": 0.9}] * 3, current, start=MIN_STEPS + 10)
-    assert list(named.named) == ["c"]  # its own times again: judged as any node
+    # its own times again: judged as any node, and its best of the warming steps kept
+    *_, named = run([{"a": 0.2, "b": 0.2, "c": 0.6}] * 3, current, start=MIN_STEPS + 10, before=judged)
+    assert list(named.named) == ["c"] and round(named.named["c"].individual, 2) == 3.0
     cleared = judge(named, current, {n: replace(r, warming=True) for n, r in
                                      reports({"a": 0.2, "b": 0.2, "c": 0.2}, 100).items()}, SETTINGS, now=200.0)
-    assert list(cleared.named) == ["c"] and cleared.scores == named.scores  # not cleared by warming times
+    assert list(cleared.named) == ["c"] and cleared.scores["c"].fine_for == 0  # not cleared by warming times
 
 
 def test_too_few_steps_another_round_or_a_lone_node_are_not_scored():

@@ -17,7 +17,8 @@ stopped (a hang, a long checkpoint) is neither named nor cleared by a stale repo
 is a node whose report says `warming`: its standbys (warm restarts) import beside its
 workers, once a round, for a few seconds, and under a CPU quota (a container's limit)
 they take from the workers' share whatever their priority, so its times are not its
-own; it is no measure for the others either.
+own; it is no measure for the others either. Its times still count for its own best:
+they are never lower than its own.
 
 The individual score names nothing by itself: when every node slows alike (a harder
 part of the data, a shared file system), every individual score rises and no node is
@@ -120,11 +121,13 @@ def judge(before: Judgement, current: Round | None, reports: Mapping[str, StepRe
     if before.round != current.number:
         before = Judgement(round=current.number)
     members = [p.node_id for p in current.participants]
-    reported = {
+    scored = {
         n: r for n in members
-        if (r := reports.get(n)) is not None and r.round == current.number and r.steps >= MIN_STEPS
-        and r.compute > 0 and not r.warming
+        if (r := reports.get(n)) is not None and r.round == current.number and r.steps >= MIN_STEPS and r.compute > 0
     }
+    reported = {n: r for n, r in scored.items() if not r.warming}
+    if warming := {n: _best_while_warming(before.scores.get(n), r) for n, r in scored.items() if r.warming}:
+        before = replace(before, scores={**before.scores, **warming})
     walls = sorted(r.wall for r in reported.values())
     doubted = {
         n: why for n, r in reported.items()
@@ -172,6 +175,16 @@ def judge(before: Judgement, current: Round | None, reports: Mapping[str, StepRe
         named={n: s for n, s in named.items() if n in kept},
         doubted=doubted,
     )
+
+
+def _best_while_warming(old: NodeScore | None, report: StepReport) -> NodeScore:
+    """`old` (or a new score) with a warming `report`'s compute for its best, where lower.
+
+    Its standbys only ever add to its times, so its best stays a true one: a node that
+    slows down while they import is still seen to have slowed (`individual`)."""
+    if old is None:
+        return NodeScore(compute=report.compute, relative=0.0, individual=1.0, best=report.compute, steps=0)
+    return replace(old, best=min(old.best, report.compute))
 
 
 def _doubt(report: StepReport, old: NodeScore | None, others_wall: float) -> str | None:

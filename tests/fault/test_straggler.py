@@ -42,7 +42,10 @@ def node_id(agent: Proc) -> str:
 
 
 def start(cluster: Cluster, rdzv: Rdzv, name: str, addr: int, slow_dir: Path, *, mode: str, metrics: int = 0) -> Proc:
-    extra = [f"--straggler={mode}", *([f"--metrics-port=127.0.0.1:{metrics}"] if metrics else [])]
+    # No standbys: these tests count the steps to a verdict, and no node is judged while
+    # its standbys import (docs/concepts.md); tests/fault/test_shared_cpu_stragglers.py
+    # runs the verdict beside them
+    extra = [f"--straggler={mode}", "--warm-imports=off", *([f"--metrics-port=127.0.0.1:{metrics}"] if metrics else [])]
     return cluster.agent(
         name, backend=rdzv.backend, endpoint=rdzv.endpoint, run_id=rdzv.run_id, local_addr=f"127.0.0.{addr}",
         nnodes="2", conf=rdzv.conf, worker=WORKER, extra=extra,
