@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,30 @@ pytest_plugins: list[str] = [
     "tests.support.elastic_cluster",
     "tests.support.reliability_rows",
 ]
+
+
+#: the files that take a minute or more (CI's --durations), the longest first: the suite's
+#: `--dist loadfile` hands whole files out in collection order, and a long file handed out
+#: last runs alone at the end while the other process has nothing left to do
+LONG_FILES = (
+    "fault/test_ddp_jobs.py",
+    "fault/test_shared_cpu_stragglers.py",
+    "test_warm_start.py",
+    "test_example_frameworks.py",
+    "fault/test_straggler.py",
+    "fault/test_hang.py",
+    "test_state_restart.py",
+    "test_inprocess.py",
+    "test_store_model.py",
+    "test_slurm.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run LONG_FILES first, in that order; every other file keeps its place."""
+    here = Path(__file__).parent
+    rank = {here / name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path, len(LONG_FILES)))
 
 
 @pytest.fixture
