@@ -8,11 +8,13 @@ In this process, with torch on the CPU and no process group (rank 0 of 1), a mod
 size again), in an `elastic.State`, its host copy in a file on /dev/shm made as the
 agent makes it (elasticrun.agent.state_files, `--state-memory` four times the state):
 
-- commit: `state.commit()` with the host copy (restart mode: the commit copied out of
-  the process, not also in it) against `state.commit()` without one (the in-memory copy
-  of in-process mode and of elasticrun before restart mode kept commits), alternating,
-  many calls each, each also as a share of a 100 ms step; and `commit(every=10)` with
-  the host copy, per call;
+- commit: training steps (forward, backward and the optimizer's step on a batch sized
+  so that a step takes about `--step-ms`) with `state.commit()` after each, with the
+  host copy (restart mode: the parameters and momentum copied while the next step runs,
+  host_copy.py), against the same steps with no commit; and against `state.commit()`
+  without a host copy (the in-memory copy of in-process mode), and `commit(every=10)`
+  with the host copy. Variants alternate, `--steps` steps each per round; a commit's
+  cost is the median step's time over the no-commit median, as a share of that step;
 - restore: what a restarted worker does before calling the function (map the file, pick
   the newest whole commit, read it, load the model and the optimizer) against
   `torch.load` of the same state dicts from a file on local disk (`--disk-dir`, default
@@ -42,32 +44,59 @@ from elasticrun.agent.state_files import StateFiles  # noqa: E402
 from elasticrun.worker.elastic import State  # noqa: E402
 from elasticrun.worker.elastic.host_copy import HostCopy  # noqa: E402
 
-STEP_SECONDS = 0.1
-
 
 def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model of `mb` MB of float32 parameters (1 MB layers), and SGD with momentum on it."""
     layers = [torch.nn.Linear(512, 512, bias=False) for _ in range(mb)]
     model = torch.nn.Sequential(*layers)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
     model(torch.randn(2, 512)).sum().backward()
     optimizer.step()  # the momentum buffers exist
     return model, optimizer
 
 
-def time_commits(state: State, n: int, every: int | None = None) -> float:
-    start = time.perf_counter()
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    model(batch).sum().backward()
+    optimizer.step()
+
+
+def batch_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_ms: float) -> torch.Tensor:
+    """A batch whose training step takes about `step_ms` here."""
+    rows = 1
+    while True:
+        batch = torch.randn(rows, 512)
+        train_step(model, optimizer, batch)
+        start = time.perf_counter()
+        train_step(model, optimizer, batch)
+        took = (time.perf_counter() - start) * 1e3
+        if took >= step_ms or rows >= 4096:
+            return batch
+        rows = max(rows + 1, int(rows * min(4.0, step_ms / max(took, 1e-3))))
+
+
+def time_steps(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, n: int,
+    state: State | None, every: int | None = None,
+) -> float:
+    """The median time of a step followed by `state.commit(every=every)` (no commit with no state)."""
+    times = []
     for _ in range(n):
-        state.step += 1
-        state.commit(every=every)
-    return (time.perf_counter() - start) / n
+        start = time.perf_counter()
+        train_step(model, optimizer, batch)
+        if state is not None:
+            state.step += 1
+            state.commit(every=every)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=int, default=64, help="MB of parameters (the state is twice that with momentum)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--commits", type=int, default=10, help="commits timed per round and variant")
+    p.add_argument("--steps", type=int, default=10, help="steps timed per round and variant")
+    p.add_argument("--step-ms", type=float, default=100.0, help="what a training step takes, about")
     p.add_argument("--disk-dir", default=tempfile.gettempdir())
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -81,11 +110,13 @@ def main() -> int:
         kept = State(model=model, optimizer=optimizer, step=0)
         kept._keep_in(HostCopy(path))
         disk = Path(tempfile.mkdtemp(dir=args.disk_dir)) / "state.pt"
-        without, with_copy, thinned, restores, loads = [], [], [], [], []
+        batch = batch_for(model, optimizer, args.step_ms)
+        bare, without, with_copy, thinned, restores, loads = [], [], [], [], [], []
         for _ in range(args.rounds):
-            without.append(time_commits(plain, args.commits))
-            with_copy.append(time_commits(kept, args.commits))
-            thinned.append(time_commits(kept, args.commits, every=10))
+            bare.append(time_steps(model, optimizer, batch, args.steps, None))
+            without.append(time_steps(model, optimizer, batch, args.steps, plain))
+            with_copy.append(time_steps(model, optimizer, batch, args.steps, kept))
+            thinned.append(time_steps(model, optimizer, batch, args.steps, kept, every=10))
             kept.commit()  # untimed: the last step committed, whatever --commits left uncommitted
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": kept.step}, disk)
 
@@ -107,16 +138,18 @@ def main() -> int:
     finally:
         files.close()
 
-    print(f"state: {state_bytes >> 20} MB (model {args.mb} MB + momentum), {args.rounds} rounds, "
-          f"torch threads 1, load {os.getloadavg()[0]:.1f}")
+    step = statistics.median(bare)
+    print(f"state: {state_bytes >> 20} MB (model {args.mb} MB + momentum), {args.rounds} rounds of {args.steps} "
+          f"steps, a step {step * 1e3:.1f} ms with no commit (batch {batch.shape[0]}), torch threads 1, "
+          f"load {os.getloadavg()[0]:.1f}")
     for what, times in (
-        ("commit(), in-process copy only", without),
+        ("commit(), in-process copy", without),
         ("commit(), host copy", with_copy),
-        ("commit(every=10), host copy, per call", thinned),
+        ("commit(every=10), host copy", thinned),
     ):
-        median = statistics.median(times)
-        print(f"{what:40s} median {median * 1e3:8.2f} ms ({median / STEP_SECONDS:.1%} of a 100 ms step)")
-    print(f"ratio host copy / in-process copy: {statistics.median(with_copy) / statistics.median(without):.2f}")
+        cost = statistics.median(times) - step
+        print(f"{what:40s} a step {statistics.median(times) * 1e3:7.1f} ms: the commit {cost * 1e3:+7.2f} ms "
+              f"({cost / step:+.1%} of the step)")
     print(f"{'restore from host memory':40s} median {statistics.median(restores) * 1e3:8.2f} ms")
     print(f"{'torch.load from disk, load_state_dict':40s} median {statistics.median(loads) * 1e3:8.2f} ms")
     print(f"ratio restore / torch.load: {statistics.median(restores) / statistics.median(loads):.2f}")

@@ -276,3 +276,54 @@ def test_restore_rolls_back_to_the_last_commit_held_in_host_memory(tmp_path: Pat
     plain.step += 1
     plain.restore()
     assert (plain.commits, plain.step) == (1, 2)
+
+
+def test_an_optimizer_step_waits_for_the_commit_copying_its_parameters(tmp_path: Path) -> None:
+    """A commit leaves the copy of the optimizer's parameters and state to a thread and
+    returns; the optimizer's next step waits for that copy, so the commit holds the
+    values it was made with, never the step's. Buffers (a forward changes them) are
+    copied before commit() returns. The thread is held busy here, so the copy is still
+    in flight when the step is asked for."""
+    import threading
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = State(model=model, optimizer=optimizer, step=0)
+    host = HostCopy(_file(tmp_path))
+    state._keep_in(host)
+
+    def train_step() -> None:
+        optimizer.zero_grad()
+        model(torch.randn(8, 64)).sum().backward()
+        optimizer.step()
+
+    def values() -> list[torch.Tensor]:
+        return [t.clone() for t in model.state_dict().values()] + [
+            s["momentum_buffer"].clone() for s in optimizer.state.values()
+        ]
+
+    train_step()
+    state.commit()  # the first: makes the copying thread
+    host.settle()
+    release = threading.Event()
+    assert host._finisher is not None
+    busy = host._finisher.submit(release.wait)  # the thread cannot copy until released
+    train_step()
+    kept = values()
+    state.commit()
+    assert [r.commits for r in host.held()] == [1]  # commit 2's copy is in flight
+    model(torch.randn(8, 64))  # a forward: changes the BatchNorm buffers, which commit 2 holds already
+    stepping = threading.Thread(target=optimizer.step)
+    stepping.start()
+    release.set()
+    stepping.join(timeout=30)
+    busy.result(timeout=30)
+    host.settle()
+    assert not stepping.is_alive()
+    newest = host.held()[-1]
+    assert newest.commits == 2
+    committed = host.read(newest, torch.device("cpu"))
+    now = values()
+    got = list(committed["model"].values()) + [s["momentum_buffer"] for s in committed["optimizer"]["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(kept, got, strict=True))
+    assert not torch.equal(now[0], kept[0])  # the step did change the weights, after the copy

@@ -16,17 +16,27 @@ previous commit, whole; a record torn in its own write fails its CRC.
 Space on the tmpfs is reserved (`posix_fallocate`) before it is written: a full /dev/shm
 is a StateMemoryError at the commit, never a SIGBUS in the middle of a copy.
 
-CUDA tensors are copied on a side stream into the mapping (each part registered as
-pinned memory as it is reserved), and the record written once the copy is done, at the next commit or when the function
-returns, so the copy overlaps the training that follows it. That path has not run on a
-GPU yet (no GPU where it was written); the CPU path is the one the tests run.
+A commit need not stall the training: the parameters of the optimizers in the state
+and those optimizers' own state change only in `optimizer.step()`, so their copy is
+left to finish while the next step's forward and backward run, and each of those
+optimizers waits for it before its next step (a step pre-hook, `guard()`). The rest
+(buffers, which a forward may change; plain tensors) is copied before `commit()`
+returns. CPU tensors are copied by a thread of this class (torch's copy releases the
+GIL); CUDA tensors on a side stream into the mapping (each part registered as pinned
+memory as it is reserved), which the training's stream waits for on the GPU, never on
+the CPU. The slot's record is written once every copy is done, by that thread, so a
+commit whose copy is in flight when the worker dies was never whole: the previous one is
+restored. The CUDA path has run on a GPU only in bench/gpu_check.py's `state` row; the
+tests run the CPU path.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +89,16 @@ class HostCopy:
         held = self.held()
         self._generation = max((r.generation for r in held), default=0)
         self._newest_slot = max(held, key=lambda r: r.generation).slot if held else 1
-        #: a commit whose CUDA copies are in flight: its record, written once they are done
-        self._pending: tuple[Any, bytes, int] | None = None
         self._side_stream: Any = None
+        #: finishes a commit's deferred copies, then writes its record (made at the first such commit)
+        self._finisher: ThreadPoolExecutor | None = None
+        #: the commit in flight: done once its record is written
+        self._in_flight: Future[None] | None = None
+        #: set once the copies in flight no longer read what an optimizer's step changes
+        self._copied = threading.Event()
+        self._copied.set()
+        #: the end of the deferred CUDA copies, which the training's stream waits for before a step
+        self._cuda_done: Any = None
 
     @classmethod
     def from_env(cls) -> HostCopy | None:
@@ -132,10 +149,20 @@ class HostCopy:
 
     # --- writing -----------------------------------------------------------------------
 
-    def write(self, named: Iterable[tuple[str, Any]], commits: int, round_number: int, rank: int, world: int) -> None:
-        """Copy a commit (name -> payload, each taken when its turn comes) into the other slot.
+    def write(
+        self,
+        named: Iterable[tuple[str, Any]],
+        commits: int,
+        round_number: int,
+        rank: int,
+        world: int,
+        deferrable: frozenset[int] = frozenset(),
+    ) -> None:
+        """Copy a commit (name -> payload) into the other slot.
 
-        The slot's record is cleared first and written last (see the module doc)."""
+        A tensor whose `data_ptr()` is in `deferrable` changes only in a step that calls
+        `guard()` first: its copy may end after this returns (see the module doc). The
+        slot's record is cleared first and written last."""
         self.settle()
         slot = 1 - self._newest_slot
         start = self._slot_start(slot)
@@ -143,8 +170,10 @@ class HostCopy:
         used = 0
         structure: dict[str, Any] = {}
         count = 0
-        cuda_copies = False
         fits = True
+        #: (where in the mapping, the tensor): copied before this returns, or may be after
+        now: list[tuple[int, torch.Tensor]] = []
+        later: list[tuple[int, torch.Tensor]] = []
         for name, payload in named:
             tensors: list[torch.Tensor] = []
             structure[name] = _hollow(payload, tensors, count)
@@ -153,8 +182,7 @@ class HostCopy:
                 fits = fits and used + size <= self.slot_bytes  # else only counted, for the message
                 if fits and size:
                     self._reserve(slot, used + size, commits)
-                    view = self._bytes[start + used : start + used + size].view(tensor.dtype).view(tensor.shape)
-                    cuda_copies |= self._copy(view, tensor)
+                    (later if tensor.data_ptr() in deferrable else now).append((start + used, tensor.detach()))
                 used = aligned(used + size)
             count += len(tensors)
         data = encode(structure)
@@ -169,18 +197,46 @@ class HostCopy:
         self._generation += 1
         record = packed_record(self._generation, commits, round_number, rank, world, used, data)
         self._newest_slot = slot
-        if cuda_copies:
-            self._pending = (self._finish_cuda_copies(), record, slot)
-        else:
+        cuda_now = self._copy_on_side_stream([(at, t) for at, t in now if t.is_cuda])
+        self._copy_in([(at, t) for at, t in now if not t.is_cuda])
+        if cuda_now is not None:  # the training changes them next: its stream waits for their copy
+            torch.cuda.current_stream().wait_event(cuda_now)
+        self._cuda_done = self._copy_on_side_stream([(at, t) for at, t in later if t.is_cuda])
+        cpu_later = [(at, t) for at, t in later if not t.is_cuda]
+        if cuda_now is None and self._cuda_done is None and not cpu_later:
             self._put_record(slot, record)
+            return
+        if self._finisher is None:
+            self._finisher = ThreadPoolExecutor(1, thread_name_prefix="elasticrun-commit")
+        self._copied.clear()
+        last = self._cuda_done or cuda_now
+        self._in_flight = self._finisher.submit(self._finish, cpu_later, last, slot, record)
+
+    def _finish(self, copies: list[tuple[int, torch.Tensor]], cuda_done: Any, slot: int, record: bytes) -> None:
+        """The finisher thread: the deferred CPU copies, the wait for the CUDA ones, then the record."""
+        try:
+            self._copy_in(copies)
+        finally:
+            self._copied.set()
+        if cuda_done is not None:
+            cuda_done.synchronize()
+        self._put_record(slot, record)
+
+    def guard(self) -> None:
+        """Before an optimizer changes what a commit in flight is copying: wait for that copy.
+
+        CPU copies are waited for here; for CUDA ones the training's stream waits on the GPU."""
+        self._copied.wait()
+        if self._cuda_done is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_done)
+            self._cuda_done = None
 
     def settle(self) -> None:
-        """Wait for a commit's CUDA copies in flight, then write its record."""
-        if self._pending is not None:
-            event, record, slot = self._pending
-            event.synchronize()
-            self._put_record(slot, record)
-            self._pending = None
+        """Wait until the commit in flight is whole (its record written); raise what its copy raised."""
+        self.guard()
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            in_flight.result()
 
     def _put_record(self, slot: int, record: bytes) -> None:
         at = slot * RECORD_SPACING
@@ -207,28 +263,27 @@ class HostCopy:
             torch.cuda.cudart().cudaHostRegister(self._bytes[at:].data_ptr(), end - self._reserved[slot], 0)
         self._reserved[slot] = end
 
-    def _copy(self, view: torch.Tensor, tensor: torch.Tensor) -> bool:
-        """Copy `tensor` into `view`; True when it went on the CUDA side stream."""
-        if not tensor.is_cuda:
-            view.copy_(tensor.detach())
-            return False
-        # Untested on a GPU (see the module doc).
+    def _view(self, at: int, tensor: torch.Tensor) -> torch.Tensor:
+        """The bytes of the mapping at `at` as a tensor shaped as `tensor`."""
+        size = tensor.nelement() * tensor.element_size()
+        return self._bytes[at : at + size].view(tensor.dtype).view(tensor.shape)
+
+    def _copy_in(self, copies: list[tuple[int, torch.Tensor]]) -> None:
+        for at, tensor in copies:
+            self._view(at, tensor).copy_(tensor)
+
+    def _copy_on_side_stream(self, copies: list[tuple[int, torch.Tensor]]) -> Any:
+        """Start CUDA tensors' copies on the side stream, after what the training queued; their end's event."""
+        if not copies:
+            return None
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
         self._side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._side_stream):
-            view.copy_(tensor.detach(), non_blocking=True)
-        tensor.record_stream(self._side_stream)
-        return True
-
-    def _finish_cuda_copies(self) -> Any:
-        """The event that marks the end of the copies.
-
-        The training waits for them on the GPU (not on the CPU) before it changes a
-        tensor that is being copied."""
-        event = self._side_stream.record_event()
-        torch.cuda.current_stream().wait_stream(self._side_stream)
-        return event
+            for at, tensor in copies:
+                self._view(at, tensor).copy_(tensor, non_blocking=True)
+                tensor.record_stream(self._side_stream)
+        return self._side_stream.record_event()
 
 
 def _nbytes(hole: TensorHole) -> int:

@@ -232,9 +232,25 @@ class State:
 
     def _copy_out(self, host: HostCopy) -> None:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        # A generator: each object's state dict is taken when its turn to be copied comes.
         named = ((name, slot.payload()) for name, slot in self._slots.items())
-        host.write(named, self.commits, self.committed_in, rank, world)
+        host.write(named, self.commits, self.committed_in, rank, world, self._stepped())
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [s.value for s in self._slots.values() if isinstance(s.value, torch.optim.Optimizer)]
+
+    def _stepped(self) -> frozenset[int]:
+        """The tensors that only the state's optimizers change, in their step(), by `data_ptr()`.
+
+        The parameters they update and their own state: a commit copies these while the
+        next step runs (host_copy.py), and the rest of the state (buffers, which a forward
+        may change, and plain tensors) before it returns."""
+        ptrs: set[int] = set()
+        for optimizer in self._optimizers():
+            for group in optimizer.param_groups:
+                ptrs.update(p.data_ptr() for p in group["params"])
+            for per_param in optimizer.state.values():
+                ptrs.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+        return frozenset(ptrs)
 
     def _keep_in(self, host: HostCopy | None) -> None:
         """Restart mode: resume from the last commit `host` holds, and copy commits there from now on.
@@ -253,6 +269,9 @@ class State:
                 for slot in self._slots.values():
                     slot.snapshot()
         object.__setattr__(self, "_host", host)
+        if host is not None:  # a commit's copy in flight ends before an optimizer changes what it copies
+            for optimizer in self._optimizers():
+                optimizer.register_step_pre_hook(lambda *_: host.guard())
 
     def _load(self, host: HostCopy, record: Record) -> None:
         # tensors that were on a GPU go back to this process's current one
