@@ -1,4 +1,4 @@
-"""The GPU paths of elasticrun, run on a real GPU: one table, in under 8 minutes.
+"""The GPU paths of elasticrun, run on a real GPU: one table, in under 11 minutes.
 
     python bench/gpu_check.py                      # every row (a machine with one NVIDIA GPU)
     python bench/gpu_check.py --rows reclaim,inprocess
@@ -21,8 +21,17 @@ launcher (`python -m elasticrun --standalone`) on the GPU:
                in-process wrapper: the time from the abort to the first step in the new group
   lightning    examples/lightning on the GPU: its worker SIGKILLed mid-run, restarted,
                resumed from its checkpoint, to the end
+  state        a restart-mode elastic.State of 1 GiB on the GPU (a 512 MB model and its
+               momentum): a step with commit() against one without (the copy runs on a
+               side stream into pinned host memory); the worker SIGKILLed right after a
+               commit, restored exactly from host memory, timed against torch.load
+  waits        a plain DDP script on nccl under the worker boot: its steps timed from
+               the optimizer, its all-reduce waits from CUDA events
+  standby      a warm standby on the GPU node (--warm-imports, the default): NVML shows
+               no CUDA context of its own; after the worker's SIGKILL it is the next
+               worker; the time to the next worker's first GPU work, warm against cold
 
-Each row is bounded (BOUNDS, under 7 minutes in all), runs whatever it started in the
+Each row is bounded (BOUNDS, under 11 minutes in all), runs whatever it started in the
 driver's own process tree and kills it all at its end (bench.common.ProcessTracker),
 and its failure (or an exception) does not stop the rows after it. A row prints its
 line as it ends; the table comes last, then where the logs are. Exit status 0 when no
@@ -55,9 +64,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import PYTHON, REPO, WORKERS, ProcessTracker, base_env, become_subreaper, descendants  # noqa: E402
 
-#: each row's bound in seconds: 410 in all, so the table is out within 8 minutes
+#: each row's bound in seconds: 625 in all, so the table is out within 11 minutes
 #: (plus at most 20 s to ask torch what it is, and a few to kill what a row left)
-BOUNDS = {"nproc-gpu": 35.0, "health": 45.0, "reclaim": 100.0, "inprocess": 90.0, "lightning": 140.0}
+BOUNDS = {"nproc-gpu": 35.0, "health": 45.0, "reclaim": 100.0, "inprocess": 90.0, "lightning": 140.0,
+          "state": 100.0, "waits": 45.0, "standby": 70.0}
 #: what the reclaim row's worker holds: this much, or half the GPU's free memory if less
 HOLD_GIB = 8.0
 LIGHTNING = REPO / "examples" / "lightning" / "train.py"
@@ -349,12 +359,94 @@ def row_lightning(ctx: Context) -> str:
             f"{time.monotonic() - started:.0f} s in all")
 
 
+def row_state(ctx: Context) -> str:
+    """Restart-mode state on the GPU: a commit's cost per step, a SIGKILL, the restore against torch.load."""
+    ctx.need_torch_cuda()
+    mb, step_ms, memory = (512, 100, "3G") if ctx.cuda else (8, 20, "64M")
+    proc, log = ctx.launch(
+        "state", ["--nproc-per-node=1", "--max-restarts=1", f"--state-memory={memory}"],
+        [str(WORKERS / "gpu_state.py"), "--mb", str(mb), "--step-ms", str(step_ms), "--disk-dir", str(ctx.folder)],
+    )
+    code = ctx.wait_exit(proc, log)
+    text = read(log)
+    if code != 0:
+        raise RowFailed(f"exit {code}: {last_line(log)}")
+    size = re.search(r"state (\d+) MB on (\S+), a step (\S+) ms \(batch (\d+)\)", text)
+    steps = re.search(r"steps without a commit (\S+) ms, with commit\(\) (\S+) ms", text)
+    committed = dict(re.findall(r"committed step (\d+) checksum (-?\d+)", text))
+    restored = re.search(r"restored=(\w+) from=([\w ]+) step=(\d+) checksum=(-?\d+) in (\S+) s", text)
+    loaded = re.search(r"torch.load of the same state (\S+) s", text)
+    if size is None or steps is None or restored is None or loaded is None or len(committed) != 2:
+        raise RowFailed(f"not the expected run (timings, 2 commits, a restore): {last_line(log)}")
+    ok, source, step, digest, took = restored.groups()
+    if ok != "True" or source != "own memory" or committed.get(step) != digest:
+        raise RowFailed(f"restored={ok} from {source} at step {step} (checksum {digest}); committed {committed}")
+    bare, with_commit = float(steps.group(1)), float(steps.group(2))
+    return (f"{size.group(1)} MB state on {size.group(2)}: a step {bare:.1f} ms, with commit() each step "
+            f"{with_commit:.1f} ms ({(with_commit - bare) / bare:+.1%}); SIGKILLed after commit "
+            f"{max(map(int, committed))}: restored commit {step} exactly from {source} in {float(took):.3f} s, "
+            f"torch.load of the same state {float(loaded.group(1)):.3f} s "
+            f"({float(took) / float(loaded.group(1)):.2f})")
+
+
+def row_waits(ctx: Context) -> str:
+    """A plain DDP script on nccl: the boot times its steps and its all-reduce waits with CUDA events."""
+    ctx.need_torch_cuda()
+    proc, log = ctx.launch("waits", ["--nproc-per-node=1"], [str(WORKERS / "gpu_ddp.py"), "--steps", "60"])
+    code = ctx.wait_exit(proc, log)
+    found = re.search(r"steps file: (.*)$", read(log), re.M)
+    if code != 0 or found is None:
+        raise RowFailed(f"exit {code}: {last_line(log)}")
+    summary = json.loads(found.group(1))
+    if summary.get("source") != "optimizer" or summary.get("steps", 0) < 50 or "step timing is off" in read(log):
+        raise RowFailed(f"the boot did not time the optimizer's steps: {summary}")
+    compute, wall = summary["compute"], summary["wall"]
+    if not 0 < compute <= wall:
+        raise RowFailed(f"compute {compute} s of a {wall} s step")
+    backend = "nccl, CUDA events" if ctx.cuda else "gloo"
+    return (f"{summary['steps']} DDP steps timed from the optimizer ({backend}): a step {wall * 1e3:.1f} ms, "
+            f"compute {compute * 1e3:.1f} ms, waits {(wall - compute) * 1e3:.1f} ms")
+
+
+def row_standby(ctx: Context) -> str:
+    """A warm standby on a GPU node: no CUDA context of its own; after a SIGKILL it is the next worker."""
+    ctx.need_torch_cuda()
+    took = {}
+    for mode in ("warm", "cold"):
+        flags = ["--nproc-per-node=1", "--max-restarts=1", *([] if mode == "warm" else ["--warm-imports=off"])]
+        proc, log = ctx.launch(f"standby-{mode}", flags, [str(WORKERS / "gpu_hold.py"), "--gib", "1"],
+                               LOGLEVEL="INFO")
+        pid = int(ctx.wait_for(log, r"holding \S+ GiB on \S+, pid (\d+)$", proc).group(1))
+        standby = None
+        if mode == "warm":
+            standby = int(ctx.wait_for(log, r"standby workers ready \(local rank: pid 0: (\d+)\)", proc).group(1))
+            if ctx.cuda and nvml_holding(standby) is not None:
+                raise RowFailed(f"NVML lists the standby (pid {standby}): it made a CUDA context before its round")
+        killed = time.time()
+        os.kill(pid, signal.SIGKILL)
+        started = ctx.wait_for(log, r"next worker started at \S+ \(pid (\d+)\)", proc)
+        done = float(ctx.wait_for(log, r"next worker's first work on \S+ done at (\S+)", proc).group(1))
+        code = ctx.wait_exit(proc, log)
+        if code != 0:
+            raise RowFailed(f"{mode}: exit {code}: {last_line(log)}")
+        if standby is not None and int(started.group(1)) != standby:
+            raise RowFailed(f"the next worker (pid {started.group(1)}) was not the standby (pid {standby})")
+        took[mode] = done - killed
+    where = "its GPU" if ctx.cuda else "the CPU"
+    context = "no CUDA context in the standby (NVML); " if ctx.cuda else ""
+    return (f"{context}SIGKILL to the next worker's first work on {where}: warm (the standby) "
+            f"{took['warm']:.2f} s, cold {took['cold']:.2f} s ({took['warm'] / took['cold']:.2f})")
+
+
 ROWS: dict[str, Callable[[Context], str]] = {
     "nproc-gpu": row_nproc_gpu,
     "health": row_health,
     "reclaim": row_reclaim,
     "inprocess": row_inprocess,
     "lightning": row_lightning,
+    "state": row_state,
+    "waits": row_waits,
+    "standby": row_standby,
 }
 
 
