@@ -1,6 +1,7 @@
 """Every shard on two nodes: a node's commits are kept by its buddy, and a spare resumes them.
 
-End to end with real agents as nodes on 127.0.0.x, a real store, and gloo workers
+End to end with real agents as nodes on 127.0.0.x, a real store (the built-in one;
+the spare's case on etcd too: the replica posts go through either), and gloo workers
 (tests/workers/state_worker.py, a ShardedState): each agent copies its workers' commits
 to the next node of the round (elasticrun.agent.state_replicas); a node SIGKILLed in a
 fixed-size job is replaced by a spare that takes its node rank, and the spare's worker
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.agent.replica_wire import MAC, MAGIC, NONCE, job_key
-from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, run_id
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
 from tests.support.helpers import ELASTICRUN, wait_until
 from tests.test_elastic_agents import kill_node, node_id
 from tests.test_state_restart import BEGIN
@@ -38,16 +39,16 @@ STEPS = HOLD + 3
 
 
 class Job:
-    """One job's agents (`nproc` workers each) on a c10d store."""
+    """One job's agents (`nproc` workers each), meeting at `rdzv`."""
 
-    def __init__(self, cluster: Cluster, endpoint: str, nnodes: int, nproc: int = 1) -> None:
-        self.cluster, self.endpoint, self.nnodes, self.nproc = cluster, endpoint, nnodes, nproc
-        self.run_id = run_id()
+    def __init__(self, cluster: Cluster, rdzv: Rdzv, nnodes: int, nproc: int = 1) -> None:
+        self.cluster, self.rdzv, self.nnodes, self.nproc = cluster, rdzv, nnodes, nproc
+        self.where = (f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}")
 
     def agent(self, name: str, addr: int) -> Proc:
         return self.cluster.launch(
-            name, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}", f"--rdzv-conf={RDZV_CONF},is_host=false",
+            name, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc}", *self.where,
+            f"--rdzv-conf={self.rdzv.conf}",
             f"--local-addr=127.0.0.{addr}", "--max-restarts=0", "--shutdown-timeout=5", "--state-memory=64M",
             f"--log-dir={self.cluster.tmp / 'logs'}", str(WORKER), "--kind=sharded", f"--steps={STEPS}",
             f"--hold-at={HOLD}", f"--hold-file={self.cluster.tmp / 'held'}", "--numel=4096",
@@ -56,8 +57,7 @@ class Job:
     def status(self) -> dict[str, dict]:
         """Each node's status (`elasticrun status --json`), by node id."""
         done = subprocess.run(
-            [*ELASTICRUN, "status", "--json", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
-             f"--rdzv-id={self.run_id}"],
+            [*ELASTICRUN, "status", "--json", *self.where],
             capture_output=True, text=True, timeout=60,
         )
         assert done.returncode == 0, done.stderr
@@ -70,6 +70,11 @@ class Job:
             statuses = [(nodes.get(node_id(a)) or {}).get("status") or {} for a in agents]
             return all((s.get("state_held"), s.get("state_replicated")) == (commit, commit) for s in statuses)
         wait_until(done, what=f"every node's commit {commit} held and replicated")
+
+
+def c10d(endpoint: str) -> Rdzv:
+    """A job of its own on the module's store server."""
+    return Rdzv("c10d", endpoint, f"{RDZV_CONF},is_host=false", run_id())
 
 
 def holding(agents: list[Proc], nproc: int = 1) -> dict[str, int]:
@@ -103,14 +108,14 @@ def replica_port(agent: Proc) -> int:
     return int(agent.wait_for(r"state replicas: this node takes its predecessor's commits on [\d.]+:(\d+)")[1])
 
 
-def test_a_spare_resumes_a_lost_nodes_shards_from_its_buddy(cluster: Cluster, c10d_store: str) -> None:
+def test_a_spare_resumes_a_lost_nodes_shards_from_its_buddy(cluster: Cluster, rdzv: Rdzv) -> None:
     """Nodes a and b run a fixed-size job of two, two workers each; s waits as a spare. b
     is SIGKILLed while all hold after commit HOLD (held by each node and by its buddy):
     s takes b's node rank, and its workers resume b's shards at commit HOLD from a,
     exactly as b held them (restored_from "buddy"), while a's resume their own; all
     train to the end. Meanwhile, connections to a's replica port that are not the job's
     are refused with one line each, and harm nothing."""
-    job = Job(cluster, c10d_store, 2, nproc=2)
+    job = Job(cluster, rdzv, 2, nproc=2)
     a, b = job.agent("a", 2), job.agent("b", 3)
     pids = holding([a, b], nproc=2)
     spare = job.agent("s", 4)
@@ -154,7 +159,7 @@ def test_a_node_lost_with_its_buddy_is_said_and_nobody_restores(cluster: Cluster
     node ranks; d (in b's place) says that rank's state is nowhere; no rank restores
     (shards of one step or none: state.restored False on every rank, the script's own
     path), and the job trains to the end from its start."""
-    job = Job(cluster, c10d_store, 3)
+    job = Job(cluster, c10d(c10d_store), 3)
     a, b, c = job.agent("a", 2), job.agent("b", 3), job.agent("c", 4)
     pids = holding([a, b, c])
     d = job.agent("d", 5)
