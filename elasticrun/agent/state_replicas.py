@@ -19,8 +19,10 @@ In restart mode each worker commits its state into a file its agent owns
   a lost node's place: elasticrun.rendezvous.round_policy keeps node ranks where it can)
   is given the commits the node after it holds of that rank, written into its file; the
   worker's own restore then takes them (`state.restored_from` "buddy", from
-  STATE_BUDDY_VAR). A rank whose commit is nowhere (a node lost with its buddy) is said
-  in one line; its worker finds no commit and the script's own checkpoint path runs.
+  STATE_BUDDY_VAR, in that round only). In its file they are the node's own: the next
+  look sends them to this node's buddy, with no new commit needed. A rank whose commit
+  is nowhere (a node lost with its buddy) is said in one line; its worker finds no
+  commit and the script's own checkpoint path runs.
 
 Nodes find each other through one record per node rank in the store (`ReplicaPost`,
 c/replicas/<node rank>, on the node's lease): its address, its replica port, and the
@@ -128,6 +130,7 @@ class StateReplicas:
         #: the buddy a copy to failed last, said once
         self._said: str = ""
         #: per local rank, the generations of the commits fetched from a buddy into its file
+        #: at this round's start (a later round's restore of them is from this node's memory)
         self._fetched: dict[int, str] = {}
         self.held = -1
         self.replicated = -1
@@ -195,7 +198,7 @@ class StateReplicas:
         """Post where this node takes its predecessor's commits; fetch what its ranks lack.
 
         Returns what to add to each local rank's environment (STATE_BUDDY_VAR)."""
-        self._assignment, self._ring = assignment, None
+        self._assignment, self._ring, self._fetched = assignment, None, {}
         own = [self._file(self._files.path(r)) for r in range(nproc)]
         newest = max((c for f in own for c in f.held()), key=lambda c: (c.round, c.commits), default=None)
         post = ReplicaPost(
