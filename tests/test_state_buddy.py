@@ -5,9 +5,11 @@ the spare's case on etcd too: the replica posts go through either), and gloo wor
 (tests/workers/state_worker.py, a ShardedState): each agent copies its workers' commits
 to the next node of the round (elasticrun.agent.state_replicas); a node SIGKILLed in a
 fixed-size job is replaced by a spare that takes its node rank, and the spare's worker
-resumes the lost rank's shard from the buddy, exactly as it was; a node lost with its
-buddy is said plainly, and no rank restores (the script's own path runs); what is not
-an agent of the job is refused at the replica port, and the job goes on.
+resumes the lost rank's shard from the buddy, exactly as it was; the commits it fetched
+go on to its own buddies with no new commit made, so a shard outlives the nodes that
+held it lost one at a time; a node lost with its buddy is said plainly, and no rank
+restores (the script's own path runs); what is not an agent of the job is refused at
+the replica port, and the job goes on.
 
 The workers hold after commit HOLD (every rank, once): the test acts while every node's
 newest commit is HOLD, so that what must be restored is known.
@@ -41,8 +43,10 @@ STEPS = HOLD + 3
 class Job:
     """One job's agents (`nproc` workers each), meeting at `rdzv`."""
 
-    def __init__(self, cluster: Cluster, rdzv: Rdzv, nnodes: int, nproc: int = 1) -> None:
+    def __init__(self, cluster: Cluster, rdzv: Rdzv, nnodes: int, nproc: int = 1, *worker_args: str) -> None:
+        """`worker_args`: added to the worker's."""
         self.cluster, self.rdzv, self.nnodes, self.nproc = cluster, rdzv, nnodes, nproc
+        self.worker_args = worker_args
         self.where = (f"--rdzv-backend={rdzv.backend}", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}")
 
     def agent(self, name: str, addr: int) -> Proc:
@@ -51,7 +55,7 @@ class Job:
             f"--rdzv-conf={self.rdzv.conf}",
             f"--local-addr=127.0.0.{addr}", "--max-restarts=0", "--shutdown-timeout=5", "--state-memory=64M",
             f"--log-dir={self.cluster.tmp / 'logs'}", str(WORKER), "--kind=sharded", f"--steps={STEPS}",
-            f"--hold-at={HOLD}", f"--hold-file={self.cluster.tmp / 'held'}", "--numel=4096",
+            f"--hold-at={HOLD}", f"--hold-file={self.cluster.tmp / 'held'}", "--numel=4096", *self.worker_args,
         )
 
     def status(self) -> dict[str, dict]:
@@ -96,6 +100,11 @@ def resumed(agent: Proc, start: int, count: int = 1) -> dict[int, re.Match[str]]
     """The workers' `begin` lines after `start` in `agent`'s output, by rank."""
     agent.wait_for(r"begin rank=", start=start, count=count)
     return {int(m["rank"]): m for m in BEGIN.finditer(agent.text()[start:])}
+
+
+def how(begin: re.Match[str]) -> tuple[str, ...]:
+    """A `begin` line's restored, source, step and intact."""
+    return begin["restored"], begin["source"], begin["step"], begin["intact"]
 
 
 def digest(agent: Proc, rank: int, step: int) -> str:
@@ -182,5 +191,57 @@ def test_a_node_lost_with_its_buddy_is_said_and_nobody_restores(cluster: Cluster
     spare_in_first = next(p for p in (d, e) if begins[p.name]["rank"] == str(lost))
     spare_in_first.wait_for(nowhere)
     for agent in (a, d, e):
+        assert agent.wait_exit() == 0, agent.text()[-4000:]
+    cluster.assert_no_orphans()
+
+
+def test_a_fetched_commit_goes_on_to_the_next_buddy_with_no_commit_made(cluster: Cluster, c10d_store: str) -> None:
+    """A ring of three nodes (one worker each: node rank = rank), spares joining one at a
+    time, and no rank committing after HOLD: every worker that restored waits (--go-file),
+    and each step needs every rank. Rank 1's commit HOLD, made on x, travels on: x is
+    SIGKILLed and s, in its place, fetches it from y (its buddy), and s's agent holds it
+    copied at once (status: COMMIT/COPIED HOLD/HOLD); y is SIGKILLed and t takes its place,
+    s's new buddy, to which s's agent sends the commit it fetched (HOLD/HOLD again: s's
+    workers still made none); s is SIGKILLed and u, in its place, fetches rank 1's shard
+    from t, exactly as x committed it. Three nodes that held it lost, one at a time, and
+    the shard is whole; then the job trains to the end."""
+    go = cluster.tmp / "go"
+    job = Job(cluster, c10d(c10d_store), 3, 1, f"--go-file={go}")
+    first = [job.agent(name, addr) for name, addr in (("p", 2), ("q", 3), ("r", 4))]
+    pids = holding(first)
+    node = {ranks_of(p)[0]: p for p in first}  # with one worker a node, its node rank is its rank
+    z, x, y = node[0], node[1], node[2]
+    job.replicated([z, x, y], HOLD)
+    committed = digest(x, 1, HOLD)
+
+    def replace(lost: Proc, worker_pid: int, name: str, addr: int, stay: list[Proc]) -> tuple[Proc, dict]:
+        """A spare `name` waits, `lost` is SIGKILLed: the spare's and `stay`'s `begin` lines, by agent name."""
+        spare = job.agent(name, addr)
+        spare.wait_for(r"waiting: spare: ")
+        marks = {p.name: p.mark() for p in (*stay, spare)}
+        kill_node(lost, worker_pid)
+        begins = {p.name: next(iter(resumed(p, marks[p.name]).values())) for p in (*stay, spare)}
+        for m in (begins[p.name] for p in stay):
+            assert how(m) == ("True", "own memory", str(HOLD), "True"), m[0]
+        return spare, begins
+
+    s, begins = replace(x, pids[x.name], "s", 5, [z, y])
+    assert (begins["s"]["rank"], how(begins["s"])) == ("1", ("True", "buddy", str(HOLD), "True")), begins["s"][0]
+    assert begins["s"]["digest"] == committed
+    job.replicated([z, y, s], HOLD)
+
+    t, begins = replace(y, pids[y.name], "t", 6, [z, s])
+    assert (begins["t"]["rank"], how(begins["t"])) == ("2", ("True", "buddy", str(HOLD), "True")), begins["t"][0]
+    job.replicated([z, s, t], HOLD)  # s's commit HOLD, fetched from y, is on t now
+
+    s_worker = int(begins["s"]["pid"])
+    u, begins = replace(s, s_worker, "u", 7, [z, t])
+    assert (begins["u"]["rank"], how(begins["u"])) == ("1", ("True", "buddy", str(HOLD), "True")), begins["u"][0]
+    assert begins["u"]["digest"] == committed  # model and optimizer too
+    u.wait_for(rf"rank 1's state comes from its buddy node {re.escape(node_id(t))}: commit {HOLD}")
+    for p in (z, x, y, s, t, u):  # nobody committed past HOLD until now
+        assert f"step={HOLD + 1} " not in p.text(), p.name
+    go.touch()
+    for agent in (z, t, u):
         assert agent.wait_exit() == 0, agent.text()[-4000:]
     cluster.assert_no_orphans()

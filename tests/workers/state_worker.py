@@ -27,6 +27,10 @@ With `--hold-at=N --hold-file=F`, every rank waits after its commit N (for the s
 that stops it), once in the job (F marks it done): a test can then act while every node's
 newest commit is N.
 
+With `--go-file=G`, a worker that restored a commit waits, before its first step, until G
+exists: while it waits no rank can commit (each step's all-reduce needs every rank), so
+a test can look at where the restored commits are while none changes.
+
 It ends after --steps steps (exit 0).
 """
 
@@ -36,6 +40,7 @@ import argparse
 import hashlib
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,7 @@ def main() -> int:
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--hold-at", type=int, default=0)
     p.add_argument("--hold-file", type=Path)
+    p.add_argument("--go-file", type=Path)
     args = p.parse_args()
 
     import torch
@@ -107,6 +113,8 @@ def main() -> int:
             f"file={os.environ.get('ELASTICRUN_STATE_FILE', '')}",
             flush=True,
         )
+        while args.go_file and state.restored and not args.go_file.exists():
+            time.sleep(0.05)
         flag = torch.zeros(1)
         while state.step < args.steps:
             dist.all_reduce(flag)
