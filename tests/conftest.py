@@ -16,20 +16,24 @@ pytest_plugins: list[str] = [
 ]
 
 
-#: the files that take a minute or more (CI's --durations), the longest first: the suite's
+#: the files that take half a minute or more (CI's --durations), the longest first: the suite's
 #: `--dist loadfile` hands whole files out in collection order, and a long file handed out
 #: last runs alone at the end while the other process has nothing left to do
 LONG_FILES = (
-    "fault/test_ddp_jobs.py",
+    "test_state_buddy.py",
     "fault/test_shared_cpu_stragglers.py",
+    "test_gpu_check.py",
+    "fault/test_ddp_jobs.py",
     "test_warm_start.py",
     "test_example_frameworks.py",
     "fault/test_straggler.py",
-    "fault/test_hang.py",
     "test_state_restart.py",
+    "fault/test_hang.py",
     "test_inprocess.py",
+    "test_state_reshard.py",
     "test_store_model.py",
     "test_slurm.py",
+    "fault/test_inprocess_store_faults.py",
 )
 
 
