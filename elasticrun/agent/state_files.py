@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elasticrun.agent.runfolder import create_new
+from elasticrun.agent.sessions import process_start
 
 logger = logging.getLogger("elasticrun.agent")
 
@@ -47,13 +48,12 @@ _NAME = re.compile(r"elasticrun-(state|replica)-(\d+)\.(\d+)\.(\d+)-[0-9a-f]+-\d
 
 def _process(pid: int) -> tuple[int, int] | None:
     """Process `pid`'s start time (clock ticks after boot) and pid namespace (its inode), or None if none runs."""
+    started = process_start(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
         namespace = os.stat(f"/proc/{pid}/ns/pid").st_ino
-    except (OSError, IndexError):
+    except OSError:
         return None
-    return int(fields[19]), namespace
+    return (started, namespace) if started else None
 
 
 def sweep(folder: Path) -> int:
