@@ -15,9 +15,11 @@ trap 'rm -f "$mypy_report"' EXIT
 .venv/bin/python -m mypy >"$mypy_report" 2>&1 &
 mypy=$!
 # two processes, each taking whole files (module fixtures such as the Slurm cluster run
-# once): the tests wait on leases and rounds as much as they compute
+# once): the tests wait on leases and rounds as much as they compute. Files are handed
+# out in collection order, the longest first (tests/conftest.py), not xdist's default
+# of the most tests first, which left files of few long tests to run last, alone
 status=0
-.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@" || status=$?
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@" || status=$?
 wait "$mypy" || status=1
 cat "$mypy_report"
 exit "$status"

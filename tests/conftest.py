@@ -17,8 +17,9 @@ pytest_plugins: list[str] = [
 
 
 #: the files that take half a minute or more (CI's --durations), the longest first: the suite's
-#: `--dist loadfile` hands whole files out in collection order, and a long file handed out
-#: last runs alone at the end while the other process has nothing left to do
+#: `--dist loadfile --no-loadscope-reorder` (scripts/test.sh) hands whole files out in
+#: collection order, and a long file handed out last runs alone at the end while the other
+#: process has nothing left to do
 LONG_FILES = (
     "test_state_buddy.py",
     "fault/test_shared_cpu_stragglers.py",
