@@ -143,6 +143,13 @@ class Context:
         except subprocess.TimeoutExpired:
             raise RowFailed(f"still running at the row's bound; its last line: {last_line(log)}") from None
 
+    def succeeded(self, proc: subprocess.Popen[bytes], log: Path) -> str:
+        """The job's log once it exited 0; RowFailed with its last line if it did not."""
+        code = self.wait_exit(proc, log)
+        if code != 0:
+            raise RowFailed(f"exit {code}: {last_line(log)}")
+        return read(log)
+
     def wait_for(self, log: Path, pattern: str, proc: subprocess.Popen[bytes] | None = None) -> re.Match[str]:
         """The first match of `pattern` in the log, polled until the row's deadline."""
         regex = re.compile(pattern, re.M)
@@ -187,10 +194,8 @@ def row_nproc_gpu(ctx: Context) -> str:
         raise Skipped(f"no GPU ({ctx.gpu.note})")
     worker = write_worker(ctx, "nproc_worker.py", NPROC_WORKER)
     proc, log = ctx.launch("nproc-gpu", ["--nproc-per-node=gpu"], [str(worker)])
-    code = ctx.wait_exit(proc, log)
-    if code != 0:
-        raise RowFailed(f"exit {code}: {last_line(log)}")
-    seen = sorted(set(re.findall(r"worker local rank (\d+) of (\d+): CUDA_VISIBLE_DEVICES=(\S+)", read(log))))
+    text = ctx.succeeded(proc, log)
+    seen = sorted(set(re.findall(r"worker local rank (\d+) of (\d+): CUDA_VISIBLE_DEVICES=(\S+)", text)))
     if len(seen) != ctx.gpu.count or any(int(size) != ctx.gpu.count for _, size, _ in seen):
         raise RowFailed(f"{len(seen)} worker(s) for {ctx.gpu.count} GPU(s): {seen}")
     devices = ",".join(sorted({v for _, _, v in seen}))
@@ -278,10 +283,8 @@ def row_reclaim(ctx: Context) -> str:
             time.sleep(0.01)
         freed_after = time.time() - killed
     next_at = float(ctx.wait_for(log, r"next worker started at (\S+)", proc).group(1))
-    code = ctx.wait_exit(proc, log)
-    if code != 0:
-        raise RowFailed(f"exit {code}: {last_line(log)}")
-    waited = re.search(r"waiting up to \S+ for the previous workers' GPU memory", read(log)) is not None
+    text = ctx.succeeded(proc, log)
+    waited = re.search(r"waiting up to \S+ for the previous workers' GPU memory", text) is not None
     runs = f"the next worker ran {next_at - killed:.2f} s after the kill"
     if not ctx.cuda:
         return f"{gib:.1f} GiB in RAM (no GPU: nothing to reclaim); {runs}"
@@ -291,7 +294,7 @@ def row_reclaim(ctx: Context) -> str:
     if next_at < killed + freed_after - 0.05:
         raise RowFailed(f"the next worker ran {next_at - killed:.2f} s after the kill, before NVML freed its "
                         f"memory ({freed_after:.2f} s)")
-    free = re.search(r"next worker sees (.*)$", read(log), re.M)
+    free = re.search(r"next worker sees (.*)$", text, re.M)
     return (f"{listed / 2**30:.1f} GiB held by pid {pid}: freed {freed_after:.2f} s after SIGKILL; {runs} "
             f"(the agent {'waited for it' if waited else 'found it free'}); "
             f"{free.group(1) if free else 'free memory not reported'}")
@@ -302,10 +305,7 @@ def row_inprocess(ctx: Context) -> str:
     ctx.need_torch_cuda()
     proc, log = ctx.launch("inprocess", ["--elastic-mode=in-process", "--nproc-per-node=1", "--max-restarts=1"],
                            [str(WORKERS / "gpu_inprocess.py"), "--steps", "30", "--abort-at", "10"])
-    code = ctx.wait_exit(proc, log)
-    text = read(log)
-    if code != 0:
-        raise RowFailed(f"exit {code}: {last_line(log)}")
+    text = ctx.succeeded(proc, log)
     starts = re.findall(r"restart (\d+) starts at step (\d+), pid (\d+), backend (\w+)", text)
     aborted = re.search(r"aborting the group at step (\d+), at (\S+)", text)
     after = re.search(r"step (\d+) done at (\S+)", text)
@@ -345,11 +345,10 @@ def row_lightning(ctx: Context) -> str:
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
     resumed = ctx.wait_for(log, r"start at step (\d+): world size (\d+), restart count 1", proc)
-    code = ctx.wait_exit(proc, log)
-    text = read(log)
+    text = ctx.succeeded(proc, log)
     done = re.search(r"done at step (\d+)", text)
-    if code != 0 or done is None:
-        raise RowFailed(f"exit {code}: {last_line(log)}")
+    if done is None:
+        raise RowFailed(f"no end of the run: {last_line(log)}")
     used = re.search(r"GPU available: (\w+) \((\w+)\), used: (\w+)", text)
     on_gpu = used is not None and used.group(3) == "True"
     if on_gpu != ctx.cuda:
@@ -367,10 +366,7 @@ def row_state(ctx: Context) -> str:
         "state", ["--nproc-per-node=1", "--max-restarts=1", f"--state-memory={memory}"],
         [str(WORKERS / "gpu_state.py"), "--mb", str(mb), "--step-ms", str(step_ms), "--disk-dir", str(ctx.folder)],
     )
-    code = ctx.wait_exit(proc, log)
-    text = read(log)
-    if code != 0:
-        raise RowFailed(f"exit {code}: {last_line(log)}")
+    text = ctx.succeeded(proc, log)
     size = re.search(r"state (\d+) MB on (\S+), a step (\S+) ms \(batch (\d+)\)", text)
     steps = re.search(r"steps without a commit (\S+) ms, with commit\(\) (\S+) ms", text)
     committed = dict(re.findall(r"committed step (\d+) checksum (-?\d+)", text))
@@ -393,12 +389,12 @@ def row_waits(ctx: Context) -> str:
     """A plain DDP script on nccl: the boot times its steps and its all-reduce waits with CUDA events."""
     ctx.need_torch_cuda()
     proc, log = ctx.launch("waits", ["--nproc-per-node=1"], [str(WORKERS / "gpu_ddp.py"), "--steps", "60"])
-    code = ctx.wait_exit(proc, log)
-    found = re.search(r"steps file: (.*)$", read(log), re.M)
-    if code != 0 or found is None:
-        raise RowFailed(f"exit {code}: {last_line(log)}")
+    text = ctx.succeeded(proc, log)
+    found = re.search(r"steps file: (.*)$", text, re.M)
+    if found is None:
+        raise RowFailed(f"no steps file's summary: {last_line(log)}")
     summary = json.loads(found.group(1))
-    if summary.get("source") != "optimizer" or summary.get("steps", 0) < 50 or "step timing is off" in read(log):
+    if summary.get("source") != "optimizer" or summary.get("steps", 0) < 50 or "step timing is off" in text:
         raise RowFailed(f"the boot did not time the optimizer's steps: {summary}")
     compute, wall = summary["compute"], summary["wall"]
     if not 0 < compute <= wall:
@@ -426,9 +422,7 @@ def row_standby(ctx: Context) -> str:
         os.kill(pid, signal.SIGKILL)
         started = ctx.wait_for(log, r"next worker started at \S+ \(pid (\d+)\)", proc)
         done = float(ctx.wait_for(log, r"next worker's first work on \S+ done at (\S+)", proc).group(1))
-        code = ctx.wait_exit(proc, log)
-        if code != 0:
-            raise RowFailed(f"{mode}: exit {code}: {last_line(log)}")
+        ctx.succeeded(proc, log)
         if standby is not None and int(started.group(1)) != standby:
             raise RowFailed(f"the next worker (pid {started.group(1)}) was not the standby (pid {standby})")
         took[mode] = done - killed

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
 import torch.distributed as dist
+from gpu_device import join_group
 from torch.nn.parallel import DistributedDataParallel
 
 from elasticrun.worker import steptime
@@ -27,11 +27,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = join_group()
+    cuda = device.type == "cuda"
     width = 4096 if cuda else 256
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(8))).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from gpu_device import join_group
 
 from elasticrun.worker import elastic
 
@@ -50,11 +51,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--disk-dir", type=Path, required=True)
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = join_group()
+    cuda = device.type == "cuda"
     width = 2048 if cuda else 256
     layers = max(1, (args.mb << 20) // (width * width * 4))
     torch.manual_seed(0)
