@@ -22,7 +22,7 @@ import pytest
 
 from tests.fault.cpu_share import CpuShare
 from tests.fault.test_ddp_jobs import STEP, node_of, start, status
-from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
+from tests.support.elastic_cluster import RDZV_CONF, WARM, Cluster, Proc, Rdzv, run_id
 from tests.support.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,7 +55,7 @@ def test_a_slow_ddp_node_is_named_and_replaced_by_the_spare(
     cluster: Cluster, c10d_store: str, shared_cpu: CpuShare
 ) -> None:
     rdzv = Rdzv("c10d", c10d_store, CONF, run_id())
-    mode = ("--straggler=replace",)
+    mode = ("--straggler=replace", WARM)
     a = start(cluster, rdzv, "a", 2, extra=mode)
     b = start(cluster, rdzv, "b", 3, extra=mode)
     for p in (a, b):
@@ -111,7 +111,7 @@ def node(cluster: Cluster, name: str, addr: int, endpoint: str, job: str, exampl
     return cluster.launch(
         name, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={job}", f"--rdzv-conf={CONF}", f"--local-addr=127.0.0.{addr}", "--max-restarts=0",
-        "--straggler=replace", "--shutdown-timeout=5", f"--log-dir={cluster.tmp / 'logs'}",
+        "--straggler=replace", WARM, "--shutdown-timeout=5", f"--log-dir={cluster.tmp / 'logs'}",
         str(SCRIPTS[example]), "--max-steps", "100000", *ARGS[example], str(cluster.tmp / "out"),
     )
 

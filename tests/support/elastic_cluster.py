@@ -157,6 +157,10 @@ def start_store_server(port: int, log: Path) -> Proc:
     return proc
 
 
+#: the flag of a test whose agents keep standby workers, as by default (Cluster turns them off)
+WARM = "--warm-imports=torch"
+
+
 class Cluster:
     """The agents of one test (and so their workers): all tagged, all cleaned up."""
 
@@ -169,10 +173,15 @@ class Cluster:
         # node waits for, the leader's rounds), which a default run does not show.
         # The training workers sum over plain sockets unless ELASTICRUN_TEST_COLLECTIVE=gloo
         # says otherwise: why, in tests/workers/collective.py.
+        # No standby workers (--warm-imports=off, as PET_WARM_IMPORTS) unless a test asks
+        # for them: each agent's standby imports torch whatever its workers run, a fifth of
+        # the CPU of a file of torch jobs (tests/test_state_buddy.py: 86 -> 68 CPU-s), which
+        # two cores cannot spare. The tests of standbys ask (WARM).
         self._env = dict(
             os.environ, **{TAG_VAR: self.tag, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO"}
         )
         self._env.setdefault("ELASTICRUN_TEST_COLLECTIVE", "tcp")
+        self._env.setdefault("PET_WARM_IMPORTS", "off")
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
         """Start a tagged process (it and its descendants count as the test's own), with
