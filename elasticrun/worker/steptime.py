@@ -200,6 +200,11 @@ def _median(values: list[float]) -> float:
 
 #: this process's recorder, once `install` made it (None in a fork's child: not a worker)
 _recorder: Recorder | None = None
+#: set as the script ends: the writer thread stops, and is joined before the interpreter
+#: finalizes (a daemon thread that takes the GIL back then ends in pthread_exit, which
+#: aborts the process where a C++ frame is on its stack)
+_stop_writing = threading.Event()
+_writer: threading.Thread | None = None
 
 
 def install(path: str, progressed: Callable[[], None] = lambda: None) -> None:
@@ -208,7 +213,7 @@ def install(path: str, progressed: Callable[[], None] = lambda: None) -> None:
     `progressed` is called (from the writer thread) when steps were made since its last
     look: the boot passes the hang watchdog's touch of the progress file
     (elasticrun.worker.progress, which imports this module: not the other way round)."""
-    global _recorder
+    global _recorder, _writer
     if _recorder is not None:
         return
     _recorder = Recorder(path)
@@ -216,9 +221,10 @@ def install(path: str, progressed: Callable[[], None] = lambda: None) -> None:
     atexit.register(_write_last)
     sys.excepthook = _shown_without_wrappers(sys.excepthook)
     threading.excepthook = _shown_without_wrappers(threading.excepthook)
-    threading.Thread(
+    _writer = threading.Thread(
         target=_write_loop, args=(_recorder, progressed), name="elasticrun step timing", daemon=True
-    ).start()
+    )
+    _writer.start()
     if "torch" in sys.modules and hasattr(sys.modules["torch"], "optim"):
         install_torch(sys.modules["torch"])
     else:
@@ -266,7 +272,10 @@ def _drop_wrappers(exc: BaseException | None, seen: set[int]) -> None:
 
 
 def _write_last() -> None:
-    """The summary as the script ends (the writer thread, a daemon, is stopped unasked)."""
+    """The summary as the script ends, once the writer thread has stopped."""
+    _stop_writing.set()
+    if _writer is not None:
+        _writer.join(timeout=2.0)  # at most one write of its own left
     recorder = _recorder
     if recorder is not None and recorder.has_news():
         _write(recorder.path, {**recorder.summary(time.time()), "at": time.time()})
@@ -327,8 +336,7 @@ def _write_loop(recorder: Recorder, progressed: Callable[[], None]) -> None:
     Call `progressed` when the worker made steps since the last look."""
     written: dict[str, Any] = {}
     progress = (-1, 0)
-    while _recorder is recorder:
-        time.sleep(WRITE_INTERVAL)
+    while _recorder is recorder and not _stop_writing.wait(WRITE_INTERVAL):
         now = (recorder.level, recorder.steps)
         if now != progress and recorder.steps:
             progressed()
