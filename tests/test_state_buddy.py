@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -197,7 +199,7 @@ def test_a_node_lost_with_its_buddy_is_said_and_nobody_restores(cluster: Cluster
 
 def test_a_fetched_commit_goes_on_to_the_next_buddy_with_no_commit_made(cluster: Cluster, c10d_store: str) -> None:
     """A ring of three nodes (one worker each: node rank = rank), spares joining one at a
-    time, and no rank committing after HOLD: every worker that restored waits (--go-file),
+    time, and no rank committing after HOLD: every worker that restored waits (--wait-go),
     and each step needs every rank. Rank 1's commit HOLD, made on x, travels on: x is
     SIGKILLed and s, in its place, fetches it from y (its buddy), and s's agent holds it
     copied at once (status: COMMIT/COPIED HOLD/HOLD); y is SIGKILLed and t takes its place,
@@ -205,8 +207,7 @@ def test_a_fetched_commit_goes_on_to_the_next_buddy_with_no_commit_made(cluster:
     workers still made none); s is SIGKILLed and u, in its place, fetches rank 1's shard
     from t, exactly as x committed it. Three nodes that held it lost, one at a time, and
     the shard is whole; then the job trains to the end."""
-    go = cluster.tmp / "go"
-    job = Job(cluster, c10d(c10d_store), 3, 1, f"--go-file={go}")
+    job = Job(cluster, c10d(c10d_store), 3, 1, "--wait-go")
     first = [job.agent(name, addr) for name, addr in (("p", 2), ("q", 3), ("r", 4))]
     pids = holding(first)
     node = {ranks_of(p)[0]: p for p in first}  # with one worker a node, its node rank is its rank
@@ -241,7 +242,8 @@ def test_a_fetched_commit_goes_on_to_the_next_buddy_with_no_commit_made(cluster:
     u.wait_for(rf"rank 1's state comes from its buddy node {re.escape(node_id(t))}: commit {HOLD}")
     for p in (z, x, y, s, t, u):  # nobody committed past HOLD until now
         assert f"step={HOLD + 1} " not in p.text(), p.name
-    go.touch()
+    for m in begins.values():  # the workers of the last round, each waiting for its go
+        os.kill(int(m["pid"]), signal.SIGUSR1)
     for agent in (z, t, u):
         assert agent.wait_exit() == 0, agent.text()[-4000:]
     cluster.assert_no_orphans()

@@ -27,9 +27,10 @@ With `--hold-at=N --hold-file=F`, every rank waits after its commit N (for the s
 that stops it), once in the job (F marks it done): a test can then act while every node's
 newest commit is N.
 
-With `--go-file=G`, a worker that restored a commit waits, before its first step, until G
-exists: while it waits no rank can commit (each step's all-reduce needs every rank), so
-a test can look at where the restored commits are while none changes.
+With `--wait-go`, a worker that restored a commit waits, before its first step, for a
+SIGUSR1 (blocked before its `begin` line, so one sent after that line is never lost):
+while it waits no rank can commit (each step's all-reduce needs every rank), so a test
+can look at where the restored commits are while none changes.
 
 It ends after --steps steps (exit 0).
 """
@@ -40,7 +41,6 @@ import argparse
 import hashlib
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ def main() -> int:
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--hold-at", type=int, default=0)
     p.add_argument("--hold-file", type=Path)
-    p.add_argument("--go-file", type=Path)
+    p.add_argument("--wait-go", action="store_true")
     args = p.parse_args()
 
     import torch
@@ -107,14 +107,16 @@ def main() -> int:
     @elastic.run(backend="gloo")
     def train(state: Any) -> None:
         intact = torch.equal(state.shard, expected_shard(state.step))
+        if args.wait_go:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         print(
             f"begin rank={rank} restart={os.environ['TORCHELASTIC_RESTART_COUNT']} restored={state.restored} "
             f"from={state.restored_from} step={state.step} digest={digest()} intact={intact} pid={os.getpid()} "
             f"file={os.environ.get('ELASTICRUN_STATE_FILE', '')}",
             flush=True,
         )
-        while args.go_file and state.restored and not args.go_file.exists():
-            time.sleep(0.05)
+        if args.wait_go and state.restored:
+            signal.sigwait({signal.SIGUSR1})
         flag = torch.zeros(1)
         while state.step < args.steps:
             dist.all_reduce(flag)
