@@ -17,10 +17,17 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def busy_and_idle() -> Iterator[tuple[int, int]]:
-    """A process that computes without end, and one that waits for a signal."""
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
-             for code in ("while True: pass", "import signal; signal.pause()")]
+    """A process that computes without end, and one that waits for a signal.
+
+    The waiting one says when its start-up (tens of milliseconds of CPU on a loaded
+    machine) is over, so that no look at it counts that."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        for code in ("while True: pass", "import signal; print('waiting', flush=True); signal.pause()")
+    ]
     try:
+        assert procs[1].stdout is not None
+        assert procs[1].stdout.readline() == b"waiting\n"
         yield procs[0].pid, procs[1].pid
     finally:
         for p in procs:

@@ -28,7 +28,9 @@ that stops it), once in the job (F marks it done): a test can then act while eve
 newest commit is N.
 
 With `--wait-go`, a worker that restored a commit waits, before its first step, for a
-SIGUSR1 (blocked before its `begin` line, so one sent after that line is never lost):
+SIGUSR1 (caught from before its `begin` line on, so one sent after that line is never lost;
+any of the worker's threads may take it, and the byte CPython's handler writes to the
+wake-up pipe reaches the waiting main thread whichever did):
 while it waits no rank can commit (each step's all-reduce needs every rank), so a test
 can look at where the restored commits are while none changes.
 
@@ -41,6 +43,7 @@ import argparse
 import hashlib
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,19 +107,34 @@ def main() -> int:
             h.update(group["momentum_buffer"].numpy().tobytes())
         return h.hexdigest()[:12]
 
+    def go_signal() -> Callable[[], None]:
+        """Catch SIGUSR1 from now on; the function returned waits until one came.
+
+        Not sigwait: a mask set now binds only this thread, and a signal the kernel gives
+        to one of the threads torch and gloo started earlier would end the process."""
+        wake, woken = os.pipe()
+        os.set_blocking(woken, False)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+        signal.set_wakeup_fd(woken)
+
+        def wait() -> None:
+            while os.read(wake, 1)[0] != signal.SIGUSR1:
+                pass
+
+        return wait
+
     @elastic.run(backend="gloo")
     def train(state: Any) -> None:
         intact = torch.equal(state.shard, expected_shard(state.step))
-        if args.wait_go:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        go = go_signal() if args.wait_go else None
         print(
             f"begin rank={rank} restart={os.environ['TORCHELASTIC_RESTART_COUNT']} restored={state.restored} "
             f"from={state.restored_from} step={state.step} digest={digest()} intact={intact} pid={os.getpid()} "
             f"file={os.environ.get('ELASTICRUN_STATE_FILE', '')}",
             flush=True,
         )
-        if args.wait_go and state.restored:
-            signal.sigwait({signal.SIGUSR1})
+        if go is not None and state.restored:
+            go()
         flag = torch.zeros(1)
         while state.step < args.steps:
             dist.all_reduce(flag)
