@@ -42,6 +42,7 @@ def test_help_and_dry_run_name_every_row_within_11_minutes() -> None:
     assert bad.returncode == 2 and "unknown ['nosuchrow']" in bad.stderr
 
 
+@pytest.mark.slow  # every row's CPU variant, one after another; the dry run above checks the script
 def test_every_row_runs_here(tmp_path: Path) -> None:
     gpus = open_gpus()
     try:

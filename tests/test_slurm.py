@@ -88,6 +88,7 @@ def training(steps: int) -> list[str]:
     return [str(TRAIN), f"--steps={steps}", "--step-time=0.1", "--checkpoint-every=5"]
 
 
+@pytest.mark.slow  # the second allocation's test below runs the batch script too
 @pytest.mark.timeout(300)
 def test_the_spare_replaces_a_killed_node_and_the_job_completes_in_sacct(slurm: SlurmCluster, tmp_path: Path) -> None:
     ckpt, endpoint = tmp_path / "ckpt", f"localhost:{free_port()}"

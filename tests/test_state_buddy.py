@@ -197,6 +197,7 @@ def test_a_node_lost_with_its_buddy_is_said_and_nobody_restores(cluster: Cluster
     cluster.assert_no_orphans()
 
 
+@pytest.mark.slow  # three nodes lost one after another; the spare test above covers one
 def test_a_fetched_commit_goes_on_to_the_next_buddy_with_no_commit_made(cluster: Cluster, c10d_store: str) -> None:
     """A ring of three nodes (one worker each: node rank = rank), spares joining one at a
     time, and no rank committing after HOLD: every worker that restored waits (--wait-go),

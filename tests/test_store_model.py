@@ -503,6 +503,7 @@ def test_builtin_store_over_grpc_matches_the_model(loop: LoopThread, budget: set
     run_machine(loop, builtin_backend, budget)
 
 
+@pytest.mark.slow  # the built-in store's run above stays in the README's command
 @pytest.mark.timeout(TEST_TIMEOUT)
 @pytest.mark.parametrize("budget", [ETCD_BUDGET, pytest.param(ETCD_SOAK, marks=soak)], ids=["ci", "soak"])
 def test_etcd_matches_the_model(loop: LoopThread, etcd_server: EtcdCluster, budget: settings) -> None:

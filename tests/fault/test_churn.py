@@ -267,6 +267,7 @@ def _churn(
     )
 
 
+@pytest.mark.slow  # fifty changes in a row; tests/fault/test_nemesis.py's shorter runs stay
 @pytest.mark.timeout(300)
 def test_churn_fifty_changes_leaks_and_loses_nothing(fault_cluster: FaultCluster, reliability: Reliability) -> None:
     run_churn(fault_cluster, reliability, cycles=5, standbys=4, label="CI")

@@ -59,6 +59,7 @@ def node_of(agent: Proc) -> str:
     return agent.wait_for(STEP)["node"]
 
 
+@pytest.mark.slow  # a minute's wait (STALL_MIN); tests/test_stacks_jobs.py names a stuck rank sooner
 def test_a_stuck_ddp_rank_and_a_collective_mismatch_are_shown_stalled_with_no_flag(
     cluster: Cluster, c10d_store: str
 ) -> None:
