@@ -107,6 +107,7 @@ def test_a_warming_node_is_neither_named_nor_cleared_nor_a_measure_for_the_other
         warming["c"] = replace(warming["c"], warming=True)
         judged = judge(judged, current, warming, SETTINGS, now=100.0 + i)
     assert not judged.named and judged.scores["c"].slow_for == 0
+    assert set(judged.scored()) == {"a", "b"}  # c's score holds its best alone: no relative score to show
     assert round(judged.scores["a"].relative, 2) == 1.0  # against b alone (with c: 0.2 / 0.55)
     # its own times again: judged as any node, and its best of the warming steps kept
     *_, named = run([{"a": 0.2, "b": 0.2, "c": 0.6}] * 3, current, start=MIN_STEPS + 10, before=judged)

@@ -205,4 +205,4 @@ class ElasticJobControl(JobControl):
         judgement = self._member.judgement()
         if judgement is None:
             return {}
-        return {n: (s.relative, s.individual, n in judgement.named) for n, s in judgement.scores.items()}
+        return {n: (s.relative, s.individual, n in judgement.named) for n, s in judgement.scored().items()}

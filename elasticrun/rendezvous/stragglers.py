@@ -100,6 +100,14 @@ class Judgement:
         nodes = tuple(sorted(self.named.values(), key=lambda s: (-s.relative, s.node_id)))
         return StragglerReport(round=self.round, median=self.median, nodes=nodes, at=at)
 
+    def scored(self) -> dict[str, NodeScore]:
+        """The scores of the nodes evaluated at least once.
+
+        A node whose every report so far came while its standbys imported holds a score
+        for its best alone (`_best_while_warming`): its relative score is no measure yet,
+        and a metric of 0 would read as the fastest node of the job."""
+        return {n: s for n, s in self.scores.items() if s.steps > 0}
+
     def worst_first(self) -> tuple[tuple[str, str], ...]:
         """The stragglers as (node id, why), the slowest first.
 
