@@ -33,7 +33,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pyetcd import etcdrpc
 
-from tests.support.helpers import wait_until
+from tests.support.helpers import all_threads_stopped, wait_until
 
 ETCD_BINARY = shutil.which("etcd")
 #: Raft timings for members on one loopback interface (etcd's defaults: 100 and 1000).
@@ -227,6 +227,7 @@ class EtcdCluster:
         assert process is not None, f"member {index} is not running"
         process.send_signal(signal.SIGSTOP)
         try:
+            wait_until(lambda: all_threads_stopped(process.pid), READY_TIMEOUT, f"member {index} stopped")
             yield
         finally:
             process.send_signal(signal.SIGCONT)

@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import TypeVar
 
 from elasticrun.store.interface import WatchEvent
@@ -50,6 +51,21 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (state T), as after a SIGSTOP took hold.
+
+    kill() returns before that: one thread is woken to take the signal and stops the
+    others on its way, so on a loaded machine the process serves on for a while (an
+    etcd member SIGSTOPped answered a renewal sent right after it: a test's flake)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rpartition(")")[2].split()[0])
+        except (OSError, IndexError):
+            continue  # a thread that ended meanwhile
+    return bool(states) and all(s in ("T", "t") for s in states)
 
 
 async def eventually(predicate: Callable[[], object], timeout: float, interval: float = 0.01) -> None:
