@@ -401,10 +401,16 @@ async def test_a_round_superseded_while_forming_is_abandoned_for_the_next(tmp_pa
         for proc in procs:
             assert await asyncio.to_thread(proc.wait, 60) == 0
         out = [(tmp_path / f"{i}.out").read_text() for i in range(2)]
+        joined_at = []
         for rank, text in enumerate(out):
-            assert re.search(rf"joined rank={rank} world=2 round=5 .* step=0", text), text
+            joined = re.search(rf"joined rank={rank} world=2 round=5 .* step=(\d+)", text)
+            assert joined, text
+            joined_at.append(int(joined[1]))
             assert re.search(rf"step=3 rank={rank} world=2 round=5 ", text), text
             assert "Traceback" not in text, text
+        # B never was in round 4 unless told of it: then both may have made it, and trained
+        # there a step or two before leaving, together
+        assert joined_at == [0, 0] if told != "to both, both forming" else joined_at[0] == joined_at[1], out
     finally:
         for proc in procs:
             proc.kill()

@@ -21,6 +21,7 @@ import pytest
 from elasticrun.agent.boot import boot_env
 from elasticrun.agent.step_reports import STEPS_AFTER_WARMING, STEPS_FILE_ENV, StepTimes
 from elasticrun.rendezvous.handler import Assignment
+from elasticrun.rendezvous.settings import RendezvousSettings
 from elasticrun.worker import steptime
 from elasticrun.worker.steptime import Recorder
 from tests.support.helpers import free_port
@@ -290,10 +291,14 @@ def test_a_ddp_or_fsdp2_script_waits_where_torch_waits_and_the_slow_rank_stands_
     files = run_two_ranks(tmp_path, DDP_WORKER, "--steps", "25", *(["--fsdp"] if wrapper == "fsdp2" else []))
     fast, slow = files.read()[0], files.read()[1]
     assert fast.steps == slow.steps == 24
-    # three times the compute; the leader names a node at 1.25x the others (straggler_relative).
-    # Without the DDP hook both measured the same (the wait counted as compute).
-    assert slow.compute > 1.5 * fast.compute, (fast, slow)
-    assert fast.wall > 1.5 * fast.compute, fast  # the fast rank spends much of its step waiting
+    # three times the work, as much as the leader needs to name the node (straggler_relative);
+    # not three times the compute on two loaded cores, where the fast rank gets less of one
+    # (1.46x once in CI). Without the DDP hook both measured the same (the wait counted as compute).
+    named_at = RendezvousSettings(run_id="steps", min_nodes=2, max_nodes=2).straggler_relative
+    assert slow.compute > named_at * fast.compute, (fast, slow)
+    # the fast rank waits a fifth of its step at least (1.57x its compute in that CI run); without
+    # the hook its wait inside backward() counted as compute, and only the flag's all-reduce was seen
+    assert fast.wall > 1.25 * fast.compute, fast
 
 
 def test_a_workers_traceback_leaves_out_the_step_timings_wrapper(tmp_path: Path) -> None:
