@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.elastic_cluster import Cluster, Proc, Rdzv
+from tests.support.elastic_cluster import Cluster, Proc, Rdzv, etcd_run_is_slow
 from tests.support.helpers import ELASTICRUN
 from tests.test_elastic_agents import finish, kill_node, start
 
@@ -104,6 +104,7 @@ def said_in_place(agent: Proc, mark: int) -> None:
     assert "Traceback" not in since, since[-3000:]  # a lost peer's broken collective: one line
 
 
+@etcd_run_is_slow
 def test_survivors_keep_running_through_a_join_a_leave_a_kill_and_a_freeze(
     cluster: Cluster, rdzv: Rdzv
 ) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.agent.replica_wire import MAC, MAGIC, NONCE, job_key
-from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, etcd_run_is_slow, run_id
 from tests.support.helpers import ELASTICRUN, wait_until
 from tests.test_elastic_agents import kill_node, node_id
 from tests.test_state_restart import BEGIN
@@ -119,6 +119,7 @@ def replica_port(agent: Proc) -> int:
     return int(agent.wait_for(r"state replicas: this node takes its predecessor's commits on [\d.]+:(\d+)")[1])
 
 
+@etcd_run_is_slow
 def test_a_spare_resumes_a_lost_nodes_shards_from_its_buddy(cluster: Cluster, rdzv: Rdzv) -> None:
     """Nodes a and b run a fixed-size job of two, two workers each; s waits as a spare. b
     is SIGKILLed while all hold after commit HOLD (held by each node and by its buddy):
@@ -164,6 +165,7 @@ def test_a_spare_resumes_a_lost_nodes_shards_from_its_buddy(cluster: Cluster, rd
     cluster.assert_no_orphans()
 
 
+@pytest.mark.slow  # the same loss at a new world size: tests/test_state_reshard.py, in a quarter of the time
 def test_a_node_lost_with_its_buddy_is_said_and_nobody_restores(cluster: Cluster, c10d_store: str) -> None:
     """Nodes a, b, c (a ring: b keeps a's commits, c b's, a c's) with spares d and e. b
     and c are SIGKILLed at once: b's commits were only on b and c. The spares take their

@@ -241,6 +241,7 @@ async def run_past_standbys(tmp_path: Path, *flags: str, path: str = str(REPO)) 
     return proc.returncode or 0, out, rest
 
 
+@pytest.mark.slow  # a standby of its own, its script's CUDA faked; the other standby tests stay
 async def test_standby_that_initialised_cuda_is_not_used(tmp_path: Path) -> None:
     workers = REPO / "tests" / "workers"
     code, _, rest = await run_past_standbys(

@@ -298,6 +298,13 @@ def c10d_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.kill()
 
 
+#: for a test over both stores whose etcd run is long: that run goes to the slow pass
+#: (`slow`, pyproject.toml), the built-in store's stays in the README's test command
+etcd_run_is_slow = pytest.mark.parametrize(
+    "rdzv", ["c10d", pytest.param("etcd", marks=[pytest.mark.etcd, pytest.mark.slow])], indirect=True
+)
+
+
 @pytest.fixture(params=["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
 def rdzv(request: pytest.FixtureRequest, cluster: Cluster) -> Rdzv:
     if request.param == "c10d":
