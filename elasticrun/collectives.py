@@ -16,6 +16,11 @@ COLLECTIVES = (
     "barrier", "monitored_barrier", "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter",
     "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
     "recv_object_list",
+    # DDP's broadcast of a model's buffers (BatchNorm's running statistics) from rank 0 at
+    # the start of every forward, and of its parameters at its construction: a C++ call
+    # that DDP makes through torch.distributed's namespace, where the other ranks wait
+    # for rank 0
+    "_broadcast_coalesced",
 )
 
 #: elasticrun's own frames between a script and torch: the step timing's wrappers

@@ -131,10 +131,10 @@ def worker_env(tmp: Path, rank: int, port: int, node: str) -> dict[str, str]:
     return env
 
 
-def run_two_ranks(tmp: Path, script: Path, *args: str) -> StepTimes:
-    """Run `script` as ranks 0 and 1 under the boot, node-1 marked slow (--slow-dir), to their end."""
+def run_two_ranks(tmp: Path, script: Path, *args: str, slow: int = 1) -> StepTimes:
+    """Run `script` as ranks 0 and 1 under the boot, rank `slow`'s node marked slow (--slow-dir), to their end."""
     (tmp / "slow").mkdir()
-    (tmp / "slow" / "node-1").touch()
+    (tmp / "slow" / f"node-{slow}").touch()
     port = free_port()
     argv = [sys.executable, str(script), *args, "--slow-dir", str(tmp / "slow")]
     procs = [
@@ -299,6 +299,19 @@ def test_a_ddp_or_fsdp2_script_waits_where_torch_waits_and_the_slow_rank_stands_
     # the fast rank waits a fifth of its step at least (1.57x its compute in that CI run); without
     # the hook its wait inside backward() counted as compute, and only the flag's all-reduce was seen
     assert fast.wall > 1.25 * fast.compute, fast
+
+
+@pytest.mark.timeout(120)
+def test_a_ddp_model_with_buffers_waits_for_rank_0_in_its_forward_and_rank_0_stands_out(tmp_path: Path) -> None:
+    """DDP broadcasts a model's buffers (BatchNorm's running statistics) from rank 0 at the
+    start of every forward, in C++. Rank 0 computes three times as much a step, before its
+    forward: rank 1 waits for it there, not in the gradient all-reduce, and without that
+    broadcast timed both measured alike."""
+    files = run_two_ranks(tmp_path, DDP_WORKER, "--steps", "25", "--batchnorm", slow=0)
+    slow, fast = files.read()[0], files.read()[1]
+    assert fast.steps == slow.steps == 24
+    named_at = RendezvousSettings(run_id="steps", min_nodes=2, max_nodes=2).straggler_relative
+    assert slow.compute > named_at * fast.compute, (fast, slow)
 
 
 def test_a_workers_traceback_leaves_out_the_step_timings_wrapper(tmp_path: Path) -> None:

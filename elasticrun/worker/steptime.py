@@ -19,9 +19,10 @@ calls (`all_reduce`, `barrier`, `send`/`recv`, ...) and `Work.wait()` of the asy
 are wrapped: the time inside them, on the main thread, is time blocked. `waiting()`
 marks the same for a collective of the script's own. DDP's gradient all-reduce (C++,
 inside `backward()`) is timed through its communication hook (elasticrun.worker.
-ddp_waits). With NCCL a call returns once the collective is queued: its wait is timed on
-the GPU, with CUDA events (elasticrun.worker.gpu_waits). Not seen: collectives inside
-`torch.compile`d code: see docs/concepts.md, "How slow is judged".
+ddp_waits); its broadcast of the model's buffers from rank 0 at each forward, by
+wrapping the call it makes (`_broadcast_coalesced`). With NCCL a call returns once the
+collective is queued: its wait is timed on the GPU, with CUDA events (elasticrun.worker.
+gpu_waits). Not seen: collectives inside `torch.compile`d code: see docs/concepts.md, "How slow is judged".
 
 What it costs. A mark or a wrapped call is a few clock reads (about a microsecond); a
 thread writes the summary at most twice a second, and only when it changed, to the file
@@ -408,13 +409,13 @@ def install_torch(torch: Any) -> None:
         c10d = dist.distributed_c10d
         is_compiling = torch.compiler.is_compiling
         for name in COLLECTIVES:
-            original = getattr(c10d, name, None)
+            original = getattr(c10d, name, None) or getattr(dist, name, None)
             if original is None or getattr(original, "_elasticrun_timed", False):
                 continue
             timed = _timed(original, name, is_compiling)
-            setattr(c10d, name, timed)
-            if getattr(dist, name, None) is original:
-                setattr(dist, name, timed)
+            for module in (c10d, dist):  # where torch's own callers look it up
+                if getattr(module, name, None) is original:
+                    setattr(module, name, timed)
         work = torch._C._distributed_c10d.Work
         if not getattr(work.wait, "_elasticrun_timed", False):
             work.wait = _timed(work.wait, "wait", is_compiling)

@@ -8,7 +8,8 @@ optimizer step per step, and a line per step
 that the tests wait for. It ends (exit 0) once
 a rank sees --stop-file; SIGTERM ends it at once (143).
 
-`--fsdp` shards the model with FSDP2's `fully_shard` instead of DDP. A node whose id
+`--fsdp` shards the model with FSDP2's `fully_shard` instead of DDP; `--batchnorm` adds a
+BatchNorm layer (buffers, which DDP broadcasts from rank 0 before each forward). A node whose id
 (ELASTICRUN_NODE_ID) names a file in `--slow-dir` computes three times as much per step
 (two more forward and backward passes through a local copy of the model: real compute,
 no sleep, no collective); every node runs the same command, as the job spec must match. `--steps N` ends it after
@@ -54,6 +55,7 @@ def main() -> int:
     p.add_argument("--stuck", action="store_true")
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--slow-dir", default="")
+    p.add_argument("--batchnorm", action="store_true")
     p.add_argument("--steps", type=int, default=0)
     p.add_argument("--mismatch", action="store_true")
     args = p.parse_args()
@@ -63,7 +65,9 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     def mlp() -> nn.Module:
-        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+        # BatchNorm's running statistics are buffers: DDP broadcasts them from rank 0 at every forward
+        norm = [nn.BatchNorm1d(512)] if args.batchnorm else []
+        return nn.Sequential(nn.Linear(256, 512), *norm, nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
     model, extra = mlp(), mlp()  # extra: a local copy, for the slow rank's compute (no collective)
     if args.fsdp:
