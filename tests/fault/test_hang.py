@@ -108,6 +108,7 @@ def test_a_plain_script_without_heartbeat_is_watched_and_the_hang_says_where_it_
     )
 
 
+@pytest.mark.slow  # the plain script's hang above stays in the README's command
 @pytest.mark.timeout(180)
 def test_of_two_silent_workers_the_hang_is_the_one_outside_any_collective(tmp_path: Path) -> None:
     """Rank 1 stops in Python; rank 0, on the same node, waits for it in all_reduce: both

@@ -141,6 +141,7 @@ def test_a_node_three_times_slower_is_named_within_20_steps_and_only_reported_wi
     )
 
 
+@pytest.mark.slow  # a spare replacing a straggler: test_shared_cpu_stragglers.py's DDP test stays
 def test_with_a_spare_the_straggler_is_replaced_and_kept_out(
     cluster: Cluster, rdzv: Rdzv, tmp_path: Path, reliability
 ) -> None:
