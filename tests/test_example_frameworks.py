@@ -129,11 +129,10 @@ def step_line(step: int | str, world: int) -> str:
     return rf"Step #{step}\s.*\(world size {world}\)"
 
 
-# Lightning's run goes to the slow pass: the CPU-sharing straggler tests run its example
-# through a replacement in the README's command (tests/fault/test_shared_cpu_stragglers.py)
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "lightning" else n for n in EXAMPLE_CASES]
-)
+# the slow pass: the README's command runs both examples through a node's replacement
+# (tests/fault/test_shared_cpu_stragglers.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EXAMPLE_CASES))
 def test_example_resumes_after_a_lost_and_a_joined_node(
     name: str, cluster: Cluster, c10d_store: str, tmp_path: Path
 ) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from elasticrun.agent.replica_wire import MAC, MAGIC, NONCE, job_key
-from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, etcd_run_is_slow, run_id
+from tests.support.elastic_cluster import RDZV_CONF, Cluster, Proc, Rdzv, run_id
 from tests.support.helpers import ELASTICRUN, wait_until
 from tests.test_elastic_agents import kill_node, node_id
 from tests.test_state_restart import BEGIN
@@ -119,7 +119,7 @@ def replica_port(agent: Proc) -> int:
     return int(agent.wait_for(r"state replicas: this node takes its predecessor's commits on [\d.]+:(\d+)")[1])
 
 
-@etcd_run_is_slow
+@pytest.mark.slow  # the buddy's copy restored in the README's command: tests/test_state_reshard.py
 def test_a_spare_resumes_a_lost_nodes_shards_from_its_buddy(cluster: Cluster, rdzv: Rdzv) -> None:
     """Nodes a and b run a fixed-size job of two, two workers each; s waits as a spare. b
     is SIGKILLed while all hold after commit HOLD (held by each node and by its buddy):
