@@ -1,9 +1,9 @@
 """The layout of a state file: what the agent and the worker both read in it.
 
-A state file (elasticrun.agent.state_files makes them) holds two slots and, in its first
-page, one record per slot:
+A state file (elasticrun.agent.state_files makes them) holds SLOTS slots and, in its
+first page, one record per slot, then two words that pin commits:
 
-    [record 0][record 1] ... | slot 0 | slot 1 |
+    [record 0] .. [record 3] [pins] [ack] | slot 0 | slot 1 | slot 2 | slot 3 |
 
 A slot holds one commit: the bytes of its tensors, each at a 64-byte boundary, then its
 structure (elasticrun.worker.elastic.structure, nothing pickled). A record says what its
@@ -12,8 +12,21 @@ made at, where the structure is) with a CRC-32 over all that and the structure, 
 record torn in its own write, or a slot whose structure was overwritten since, reads as
 no commit.
 
-Only the worker writes a file (elasticrun.worker.elastic.host_copy, which imports torch);
-this module needs no torch, so that the agent can say which commit each file holds.
+A new commit goes to a free slot: one that holds neither the newest commit (so a worker
+killed while it writes leaves the previous one whole) nor a pinned one. Pins are a
+ShardedState's (elasticrun.worker.elastic.buddy_pins): the commit its agent is to copy
+to the buddy node (the candidate) and the last one every rank's buddy holds (the safe
+one), kept in every rank's file until a newer one is safe, so that a node lost at any
+moment leaves one commit held for each of its ranks by a buddy and by every other rank.
+The worker writes the pins; the agent writes the ack: the generation of the candidate
+its buddy holds. A replica file (elasticrun.agent.state_replicas) pins the last two
+candidates its sender sent: its agent writes them. A pin read torn names a wrong commit
+at worst, whose ack then matches no candidate: the copy waits a look. A State pins
+nothing, and its commits take two slots of the four.
+
+Only the worker writes commits to a file (elasticrun.worker.elastic.host_copy, which
+imports torch), or the agent, with what a buddy sent; this module needs no torch, so
+that the agent can say which commit each file holds.
 """
 
 from __future__ import annotations
@@ -36,7 +49,9 @@ STATE_BUDDY_VAR = "ELASTICRUN_STATE_BUDDY"
 #: given to local rank 0: a ShardedState at a new world size offers their commits too
 STATE_REPLICAS_VAR = "ELASTICRUN_STATE_REPLICAS"
 
-#: the first page: the two records
+#: the slots of a file: the newest commit, the one being written, and the two pinned
+SLOTS = 4
+#: the first page: the records, the pins, the ack
 HEADER_BYTES = 4096
 ALIGN = 64
 MAGIC = b"ERSTATE1"
@@ -45,6 +60,12 @@ RECORD = struct.Struct("<8sQqqqqQQ")
 CRC = struct.Struct("<I")
 RECORD_BYTES = RECORD.size + CRC.size
 RECORD_SPACING = 512
+#: where the worker's pins are: (the candidate's generation, the safe commit's); 0: none
+PINS_AT = 3072
+PINS = struct.Struct("<QQ")
+#: where the agent's ack is: the generation of the candidate the buddy node holds
+ACK_AT = 3584
+ACK = struct.Struct("<Q")
 #: the largest structure a record may name (elasticrun.worker.elastic.structure's bound)
 MAX_STRUCTURE_BYTES = 64 << 20
 
@@ -83,8 +104,13 @@ def aligned(n: int) -> int:
 
 
 def slot_bytes_of(file_bytes: int) -> int:
-    """Each slot's bytes in a file of `file_bytes`: half of what is left after the records, in whole pages."""
-    return (file_bytes - HEADER_BYTES) // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+    """Each slot's bytes in a file of `file_bytes`: a SLOTS-th of what is left after the first page, in whole pages."""
+    return (file_bytes - HEADER_BYTES) // SLOTS // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+def mapped_bytes(slot_bytes: int) -> int:
+    """The bytes of a file that its first page and its slots take."""
+    return HEADER_BYTES + SLOTS * slot_bytes
 
 
 def slot_start(slot: int, slot_bytes: int) -> int:
@@ -123,9 +149,31 @@ def crc_holds(raw: bytes, structure: FileBytes) -> bool:
 
 
 def held(data: FileBytes, slot_bytes: int) -> list[Record]:
-    """The whole commits a file's bytes hold (zero, one or two), oldest first."""
-    records = [r for r in (record_at(data, slot, slot_bytes) for slot in (0, 1)) if r is not None]
+    """The whole commits a file's bytes hold (up to SLOTS), oldest first."""
+    records = [r for r in (record_at(data, slot, slot_bytes) for slot in range(SLOTS)) if r is not None]
     return sorted(records, key=lambda r: r.generation)
+
+
+def pins(data: FileBytes) -> tuple[int, int]:
+    """The generations a file's worker pinned: (the candidate, the safe commit); 0 where none."""
+    candidate, safe = PINS.unpack_from(data, PINS_AT)
+    return candidate, safe
+
+
+def ack(data: FileBytes) -> int:
+    """The generation of the candidate the agent's buddy node holds (0: none)."""
+    return int(ACK.unpack_from(data, ACK_AT)[0])
+
+
+def free_slot(data: FileBytes, slot_bytes: int, keep: frozenset[int] = frozenset()) -> int:
+    """The first slot that holds neither the newest commit, nor a pinned one, nor one of the slots `keep`.
+
+    Where a new commit goes. (SLOTS leave one: the newest, two pins, and the one written.)"""
+    records = held(data, slot_bytes)
+    busy = set(keep) | {r.slot for r in records if r.generation in pins(data)}
+    if records:
+        busy.add(records[-1].slot)
+    return min(set(range(SLOTS)) - busy)
 
 
 def packed_record(

@@ -165,6 +165,39 @@ def test_a_spare_resumes_a_lost_nodes_shards_from_its_buddy(cluster: Cluster, rd
     cluster.assert_no_orphans()
 
 
+@pytest.mark.slow  # the pins run in the README's command too: tests/test_state_reshard.py's ShardedState jobs
+def test_a_node_lost_while_commits_outpace_the_copies_resumes_at_a_commit_every_rank_holds(
+    cluster: Cluster, c10d_store: str
+) -> None:
+    """Nodes a and b (a fixed-size job of two, one worker each) commit every step of 50 ms,
+    ten times each look an agent takes to copy them, and train on; s waits as a spare. b
+    is SIGKILLed mid-run. Had each agent copied its newest commit, b's buddy would hold a
+    commit a no longer holds; the ranks agreed on what their buddies hold
+    (elasticrun.worker.elastic.buddy_pins), so s's worker resumes b's shard from a's copy
+    and a's worker its own, at one step, exactly as b held it."""
+    job = Job(cluster, c10d(c10d_store), 2, 1, "--hold-at=0", "--steps=240", "--pace=0.05")
+    a, b = job.agent("a", 2), job.agent("b", 3)
+    for agent in (a, b):
+        agent.wait_for(r"begin rank=\d+ restart=0 ")
+    spare = job.agent("s", 4)
+    spare.wait_for(r"waiting: spare: ")
+    begun = BEGIN.search(b.text())
+    assert begun is not None, b.text()[-4000:]
+    rank_of_b, worker_of_b = int(begun["rank"]), int(begun["pid"])
+    b.wait_for(rf"step=60 rank={rank_of_b} ")
+    marks = {p.name: p.mark() for p in (a, spare)}
+    kill_node(b, worker_of_b)
+    (mine,), (theirs,) = resumed(a, marks["a"]).values(), resumed(spare, marks["s"]).values()
+    assert int(theirs["rank"]) == rank_of_b
+    assert how(mine)[:2] == ("True", "own memory") and how(mine)[3] == "True", mine[0]
+    assert how(theirs) == ("True", "buddy", mine["step"], "True"), theirs[0]
+    assert int(mine["step"]) > 0
+    assert theirs["digest"] == digest(b, rank_of_b, int(mine["step"]))  # model and optimizer too
+    for agent in (a, spare):
+        assert agent.wait_exit() == 0, agent.text()[-4000:]
+    cluster.assert_no_orphans()
+
+
 @pytest.mark.slow  # the same loss at a new world size: tests/test_state_reshard.py, in a quarter of the time
 def test_a_node_lost_with_its_buddy_is_said_and_nobody_restores(cluster: Cluster, c10d_store: str) -> None:
     """Nodes a, b, c (a ring: b keeps a's commits, c b's, a c's) with spares d and e. b

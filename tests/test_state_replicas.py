@@ -77,7 +77,7 @@ def test_a_copy_that_does_not_match_its_record_is_not_taken(tmp_path: Path) -> N
 
 
 def test_a_commit_larger_than_a_slot_is_refused_by_its_record(tmp_path: Path) -> None:
-    src, small = state_file(tmp_path, "own", 4 << 20), state_file(tmp_path, "small", 64 << 10)
+    src, small = state_file(tmp_path, "own", 8 << 20), state_file(tmp_path, "small", 64 << 10)
     HostCopy(src).write([("big", torch.zeros(1 << 17, dtype=torch.int64))], 1, 1, 0, 1)
     source = CommitFile(src)
     record = source.newest()

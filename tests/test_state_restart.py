@@ -118,7 +118,7 @@ def test_a_state_too_big_fails_at_its_first_commit_with_one_line(cluster: Cluste
     text = job.text()
     line = (
         "elasticrun: the state does not fit in the host memory each worker has for it: commit 1 takes 7.6 MiB, "
-        "twice (two copies are kept), in 1.0 MiB; raise --state-memory to at least 15.3 MiB"
+        "and room is made for 4 copies, of 0.2 MiB each; raise --state-memory to at least 30.5 MiB"
     )
     assert f"<stderr>: {line}\n" in text, text[-4000:]
     assert "Traceback" not in text and "step=1 " not in text, text[-4000:]
@@ -194,6 +194,38 @@ def test_a_torn_record_is_never_taken(tmp_path: Path) -> None:
     assert restored["t"]["n"] == 2 and torch.equal(restored["t"]["w"], torch.full((1000,), 2.0))
 
 
+def test_pinned_commits_outlive_the_commits_after_them_and_the_agent_sees_the_candidate(tmp_path: Path) -> None:
+    """A ShardedState's pins (elasticrun.worker.elastic.buddy_pins): the candidate and the
+    safe commit stay in the file however many commits follow, beside the newest two; the
+    agent reads the candidate and acks it, and the worker reads the ack."""
+    from elasticrun.agent.commit_files import CommitFile
+
+    path = _file(tmp_path)
+    copy = HostCopy(path)
+    _commit(copy, 1, 1.0)
+    copy.pin(copy.next_generation, 0)
+    _commit(copy, 2, 2.0)
+    candidate = copy.held()[-1]
+    for n in range(3, 7):
+        _commit(copy, n, float(n))
+    assert [r.commits for r in HostCopy(path).held()] == [2, 5, 6]
+    agent = CommitFile(path)
+    assert agent.candidate() == candidate.generation and not copy.buddy_holds(candidate.generation)
+    agent.acknowledge(candidate.generation)
+    assert copy.buddy_holds(candidate.generation)
+    copy.pin(copy.next_generation, candidate.generation)  # commit 2 is safe, commit 7 the next candidate
+    for n in range(7, 11):
+        _commit(copy, n, float(n))
+    assert [r.commits for r in HostCopy(path).held()] == [2, 7, 9, 10]
+    restored = HostCopy(path).read(HostCopy(path).held()[0], torch.device("cpu"))
+    assert restored["t"]["n"] == 2 and torch.equal(restored["t"]["w"], torch.full((1000,), 2.0))
+    copy.pin(0, 0)  # a new group: nothing pinned, the commits take the free slots again
+    _commit(copy, 11, 11.0)
+    _commit(copy, 12, 12.0)
+    assert [r.commits for r in HostCopy(path).held()][-2:] == [11, 12]
+    agent.close()
+
+
 def test_a_commit_that_never_finished_leaves_the_previous_one(tmp_path: Path) -> None:
     """The payloads are taken while the copy runs: one that fails half-way leaves the
     slot it was writing cleared, and a new worker takes the commit before."""
@@ -211,10 +243,10 @@ def test_a_commit_that_never_finished_leaves_the_previous_one(tmp_path: Path) ->
     assert [r.commits for r in HostCopy(path).held()] == [2]
 
 
-def test_a_file_too_small_for_two_copies_is_refused(tmp_path: Path) -> None:
+def test_a_file_too_small_for_its_copies_is_refused(tmp_path: Path) -> None:
     from elasticrun.errors import StateMemoryError
 
-    with pytest.raises(StateMemoryError, match="too small for two copies"):
+    with pytest.raises(StateMemoryError, match="too small for 4 copies"):
         HostCopy(_file(tmp_path, state_layout.HEADER_BYTES))
     assert os.path.exists(tmp_path / "state")
 

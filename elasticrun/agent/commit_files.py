@@ -5,7 +5,8 @@ A state file (elasticrun.agent.state_files) is written by its worker; a replica 
 the layout elasticrun.state_layout describes, and a commit moves between them as its
 record plus the bytes of its slot up to the end of its structure (the tensors, then the
 structure): `payload(record)`. A commit is written the way the worker writes one: into
-the slot that does not hold the newest, whose record is cleared first and written last,
+a slot that holds neither the newest nor a pinned one (state_layout.free_slot), whose
+record is cleared first and written last,
 with a generation above the file's, so a copy cut short leaves the newest whole commit
 as it was, and a worker reading the file takes the copy only once it is whole.
 
@@ -20,15 +21,21 @@ import os
 from pathlib import Path
 
 from elasticrun.state_layout import (
-    HEADER_BYTES,
+    ACK,
+    ACK_AT,
+    PINS,
+    PINS_AT,
     RECORD,
     RECORD_BYTES,
     RECORD_SPACING,
     Record,
     crc_holds,
+    free_slot,
     held,
+    mapped_bytes,
     packed_record,
     parsed_record,
+    pins,
     reserve,
     slot_bytes_of,
     slot_start,
@@ -49,7 +56,7 @@ class CommitFile:
         try:
             size = os.fstat(self._fd).st_size
             self.slot_bytes = slot_bytes_of(size)
-            self._map = mmap.mmap(self._fd, HEADER_BYTES + 2 * self.slot_bytes) if self.slot_bytes > 0 else None
+            self._map = mmap.mmap(self._fd, mapped_bytes(self.slot_bytes)) if self.slot_bytes > 0 else None
         except BaseException:
             os.close(self._fd)
             raise
@@ -66,6 +73,20 @@ class CommitFile:
     def newest(self) -> Record | None:
         commits = self.held()
         return commits[-1] if commits else None
+
+    def candidate(self) -> int:
+        """The generation of the commit the worker pinned for the buddy node (0: none: it pins nothing)."""
+        return pins(self._map)[0] if self._map is not None else 0
+
+    def pin(self, candidate: int, safe: int) -> None:
+        """Keep the commits of generations `candidate` and `safe` (0: none) from the next commits written here."""
+        if self._map is not None:
+            self._map[PINS_AT : PINS_AT + PINS.size] = PINS.pack(candidate, safe)
+
+    def acknowledge(self, generation: int) -> None:
+        """Tell the worker that the buddy node holds its commit of `generation`."""
+        if self._map is not None:
+            self._map[ACK_AT : ACK_AT + ACK.size] = ACK.pack(generation)
 
     def raw_record(self, record: Record) -> bytes:
         assert self._map is not None  # a record was read from it
@@ -91,13 +112,12 @@ class CommitFile:
         """The record `raw` names, if its commit fits a slot of this file; None if it is no record or too big."""
         return parsed_record(raw, 0, self.slot_bytes) if self._map is not None else None
 
-    def begin(self, record: Record) -> tuple[int, int]:
+    def begin(self, record: Record, keep: frozenset[int] = frozenset()) -> tuple[int, int]:
         """Make room for `record`'s commit: (its slot, where its bytes start in the file).
 
-        The slot that does not hold the newest commit; its record is cleared now."""
+        A free slot (state_layout.free_slot), not one of the slots `keep`; its record is cleared now."""
         assert self._map is not None
-        newest = self.newest()
-        slot = 1 - newest.slot if newest is not None else 0
+        slot = free_slot(self._map, self.slot_bytes, keep)
         at = slot * RECORD_SPACING
         self._map[at : at + RECORD_BYTES] = bytes(RECORD_BYTES)
         start = slot_start(slot, self.slot_bytes)

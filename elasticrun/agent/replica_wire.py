@@ -24,8 +24,10 @@ Then one request:
          client -> server   its commit's bytes, then b"\\x01" (whole) or b"\\x00" (the sender's
                             slot changed while it read it)
          server -> client   b"\\x01" kept, b"\\x00" not
+    NEWER                   as PUT, with b"N": a commit newer than the last one PUT, kept
+                            while it is the newest (a PUT's, until two more are PUT)
     GET  client -> server   b"G", a global rank and a world size (int64 each)
-         server -> client   a count (0, 1 or 2) of the commits it holds of that rank made at
+         server -> client   a count (up to SLOTS) of the commits it holds of that rank made at
                             that world size, then each, oldest first: a record, its bytes
 
 A record names its commit's size, and a commit larger than the receiver's slot is
@@ -46,6 +48,7 @@ MAGIC = b"ERREPL01"
 NONCE = 32
 MAC = 32
 PUT = b"P"
+NEWER = b"N"
 GET = b"G"
 WHOLE = b"\x01"
 TORN = b"\x00"

@@ -26,9 +26,9 @@ class Std(enum.IntFlag):
     ALL = 3
 
 
-#: --state-memory's default: 8 GiB per worker, so states up to about 4 GiB (two copies
-#: are kept); it takes memory only as commits fill it
-DEFAULT_STATE_MEMORY = 8 << 30
+#: --state-memory's default: 16 GiB per worker, so states up to about 4 GiB (room is
+#: made for four copies: elasticrun.state_layout); it takes memory only as commits fill it
+DEFAULT_STATE_MEMORY = 16 << 30
 
 
 class WorkerState(enum.Enum):

@@ -5,13 +5,19 @@ In restart mode each worker commits its state into a file its agent owns
 
 - **sends** each of its files' newest whole commit, when a newer one appears (it looks
   every LOOK_INTERVAL: the records only), to its buddy, the node after it in the
-  round's node-rank order (a ring; none in a round of one node). It sends at most
+  round's node-rank order (a ring; none in a round of one node). Where the worker pinned
+  a candidate (a ShardedState: elasticrun.worker.elastic.buddy_pins), it sends that
+  commit first, and once the buddy holds it, says so in the file (the ack): every rank
+  sends the same commits and keeps them until every buddy holds them, so a lost node's
+  ranks always have a commit in common with the others, however far the copies lag; the
+  newest then goes too (NEWER), for when the commits pause or come slower than the
+  copies, and the buddy keeps it while it is the newest. It sends at most
   BANDWIDTH bytes a second, so the copy never takes the network from the training's
   collectives; it reads the commit where the worker wrote it, and a commit whose slot
   the worker wrote again while it was read is not kept by the buddy (next look, the
   newer one goes).
 - **keeps** what its predecessor sends, in a replica file per global rank on /dev/shm
-  with the same layout (two slots: the last two commits received), made as the state
+  with the same layout (the last two candidates received, pinned, and the newest), made as the state
   files are (O_EXCL, 0600, removed when the agent ends, by its warden if it is killed).
   Only its predecessor's ranks of the current round are taken and kept.
 - **restores**, at a round's start and before its workers start: a local rank whose file
@@ -49,6 +55,7 @@ from elasticrun.agent.replica_wire import (
     BUFFER,
     CHUNK,
     GET,
+    NEWER,
     PUT,
     TORN,
     WHICH,
@@ -64,6 +71,7 @@ from elasticrun.rendezvous.handler import Assignment, JobControl
 from elasticrun.rendezvous.records import ReplicaPost
 from elasticrun.state_layout import (
     RECORD_BYTES,
+    SLOTS,
     STATE_BUDDY_VAR,
     STATE_REPLICAS_VAR,
     Record,
@@ -125,8 +133,11 @@ class StateReplicas:
         self._opened: dict[Path, CommitFile] = {}
         #: per global rank, a lock over its replica file: one request at a time
         self._locks: dict[int, asyncio.Lock] = {}
-        #: per global rank, what the buddy holds of it: (buddy node id, commits, round made in)
-        self._sent: dict[int, tuple[str, int, int]] = {}
+        #: per global rank and request (PUT, NEWER), what the buddy holds of it: (buddy node id,
+        #: commits, round made in)
+        self._sent: dict[tuple[int, bytes], tuple[str, int, int]] = {}
+        #: per global rank, the generation of its newest commit at the last look
+        self._seen: dict[int, int] = {}
         #: the buddy a copy to failed last, said once
         self._said: str = ""
         #: per local rank, the generations of the commits fetched from a buddy into its file
@@ -273,13 +284,14 @@ class StateReplicas:
     async def _get(self, holder: ReplicaPost, rank: int, world: int, into: CommitFile) -> list[Record]:
         """The commits `holder` keeps of `rank` at world size `world`, written into `into`, oldest first."""
         reader, writer = await connect(holder.addr, holder.port, self._key)
-        written = []
+        written: list[Record] = []
         try:
             writer.write(GET + WHICH.pack(rank, world))
             await writer.drain()
             count = (await read(reader, 1))[0]
-            if count > 2:
-                raise ReplicaProtocolError(f"{count} commits announced (at most 2)")
+            if count > SLOTS:
+                raise ReplicaProtocolError(f"{count} commits announced (at most {SLOTS})")
+            into.pin(0, 0)  # a worker's pins from another rank's commits: none of them is kept now
             for _ in range(count):
                 raw = await read(reader, RECORD_BYTES)
                 record = into.fits(raw)
@@ -289,7 +301,7 @@ class StateReplicas:
                     raise ReplicaProtocolError(
                         f"sent a commit of rank {record.rank} at world size {record.world}: not asked for"
                     )
-                slot, at = into.begin(record)
+                slot, at = into.begin(record, frozenset(r.slot for r in written))
                 await _receive(reader, into, at, payload_bytes(record))
                 done = into.finish(slot, raw)
                 if done is not None:
@@ -313,13 +325,36 @@ class StateReplicas:
             if ring.predecessor is not None and self._moved_on(a.round):
                 self._keep_only(ring.predecessor)
             for path in self._files.made().values():
-                newest = self._file(path).newest()
-                if newest is None or ring.buddy is None:
-                    continue
-                if self._sent.get(newest.rank, ("", -1, -1)) == (ring.buddy.node_id, newest.commits, newest.round):
-                    continue
-                await self._put(ring.buddy, self._file(path), newest)
+                if ring.buddy is not None:
+                    await self._send(ring.buddy, self._file(path))
             self._report()
+
+    async def _send(self, buddy: ReplicaPost, source: CommitFile) -> None:
+        """Send `source`'s candidate (else its newest) if the buddy lacks it, and ack it once the buddy holds it.
+
+        Then the newest commit, if it is the one the last look saw too: the commits paused,
+        or come slower than the looks (a newest sent while commits come faster would be
+        overwritten on the other ranks before it arrived: it would only slow the candidates)."""
+        held = source.held()
+        candidate = source.candidate()
+        pinned = [r for r in held if r.generation == candidate]
+        if not held or (candidate and not pinned):  # none, or being written: next look
+            return
+        seen = self._seen.get(held[-1].rank)
+        first = pinned[0] if pinned else held[-1]
+        if not await self._holds(buddy, source, first, PUT):
+            return
+        source.acknowledge(first.generation)
+        newest, self._seen[first.rank] = held[-1], held[-1].generation
+        if newest != first and seen == newest.generation:
+            await self._holds(buddy, source, newest, NEWER)
+
+    async def _holds(self, buddy: ReplicaPost, source: CommitFile, record: Record, op: bytes) -> bool:
+        """Whether `buddy` holds `record` (sent now with `op` if it did not)."""
+        sent = (buddy.node_id, record.commits, record.round)
+        if self._sent.get((record.rank, op)) != sent:
+            await self._put(buddy, source, record, op)
+        return self._sent.get((record.rank, op)) == sent
 
     async def _find_ring(self, a: Assignment) -> _Ring:
         after = (a.node_rank + 1) % a.node_count
@@ -351,12 +386,12 @@ class StateReplicas:
                 self._forget(path)
                 self._replicas.remove(rank)
 
-    async def _put(self, buddy: ReplicaPost, source: CommitFile, record: Record) -> None:
-        """Send one commit to `buddy`, at most BANDWIDTH bytes a second."""
+    async def _put(self, buddy: ReplicaPost, source: CommitFile, record: Record, op: bytes) -> None:
+        """Send one commit to `buddy` (request `op`: PUT or NEWER), at most BANDWIDTH bytes a second."""
         try:
             reader, writer = await connect(buddy.addr, buddy.port, self._key)
             try:
-                writer.write(PUT + source.raw_record(record))
+                writer.write(op + source.raw_record(record))
                 await writer.drain()
                 if await read(reader, 1) != WHOLE:
                     return  # the buddy does not know this node is its predecessor yet: next look
@@ -382,7 +417,7 @@ class StateReplicas:
             return
         self._said = ""  # through again: a later failure is news
         if kept:
-            self._sent[record.rank] = (buddy.node_id, record.commits, record.round)
+            self._sent[(record.rank, op)] = (buddy.node_id, record.commits, record.round)
 
     def _report(self) -> None:
         """The least commit count held, and held by the buddy too, over this node's ranks; said when it changed."""
@@ -392,9 +427,12 @@ class StateReplicas:
         buddy = self._ring.buddy if self._ring is not None else None
         replicated = -1
         if a is not None and buddy is not None and newest and all(r is not None for r in newest):
-            sent = [self._sent.get(r.rank) for r in newest if r is not None]
-            if all(s is not None and s[0] == buddy.node_id for s in sent):
-                replicated = min(s[1] for s in sent if s is not None)
+            kept = [
+                [s[1] for s in (self._sent.get((r.rank, op)) for op in (PUT, NEWER)) if s and s[0] == buddy.node_id]
+                for r in newest if r is not None
+            ]
+            if all(kept):
+                replicated = min(max(commits) for commits in kept)
         if (held, replicated) != (self.held, self.replicated):
             self.held, self.replicated = held, replicated
             self._on_change()
@@ -409,8 +447,8 @@ class StateReplicas:
         try:
             await accept(reader, writer, self._key)
             op = await read(reader, 1)
-            if op == PUT:
-                await self._take(reader, writer)
+            if op in (PUT, NEWER):
+                await self._take(reader, writer, op == PUT)
             elif op == GET:
                 await self._give(reader, writer)
             else:
@@ -423,7 +461,8 @@ class StateReplicas:
             writer.close()
             self._handlers.discard(me)
 
-    async def _take(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _take(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, candidate: bool) -> None:
+        """Keep a commit the predecessor sends; a `candidate` (a PUT) is pinned with the one before it."""
         raw = await read(reader, RECORD_BYTES)
         record = parsed_record(raw, 0, self._slot_bytes)
         if record is None:
@@ -442,8 +481,10 @@ class StateReplicas:
             slot, at = replica.begin(record)
             await _receive(reader, replica, at, payload_bytes(record))
             whole = await read(reader, 1) == WHOLE
-            kept = whole and replica.finish(slot, raw) is not None
-        writer.write(WHOLE if kept else TORN)
+            done = replica.finish(slot, raw) if whole else None
+            if done is not None and candidate:
+                replica.pin(done.generation, replica.candidate())
+        writer.write(WHOLE if done is not None else TORN)
         await writer.drain()
 
     async def _give(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -216,8 +216,8 @@ def launch_parser() -> argparse.ArgumentParser:
                "(in-process; the script uses elasticrun.worker.elastic)")
     _flag(p, "state-memory", default=None, metavar="SIZE",
           help="restart mode: host memory each worker's committed elasticrun.worker.elastic state may take, "
-               "both of its two copies (e.g. 512M, 8G; 0: keep none); a restarted worker resumes from it "
-               "(default 8G, taken only as commits fill it); the next node keeps a copy in as much again")
+               "room for four copies (e.g. 512M, 16G; 0: keep none); a restarted worker resumes from it "
+               "(default 16G, taken only as commits fill it); the next node keeps copies in as much again")
     _flag(p, "monitor-interval", type=float, default=0.1,
           help="accepted for torchrun compatibility: elasticrun reacts to events at once")
     _flag(p, "start-method", default="spawn", choices=["spawn", "fork", "forkserver"],

@@ -27,6 +27,10 @@ With `--hold-at=N --hold-file=F`, every rank waits after its commit N (for the s
 that stops it), once in the job (F marks it done): a test can then act while every node's
 newest commit is N.
 
+With `--pace=S`, each step takes S seconds more (a sleep, standing for the work of a
+real step): commits come at a known rate, as fast as a test wants them to outpace the
+agents' copies.
+
 With `--wait-go`, a worker that restored a commit waits, before its first step, for a
 SIGUSR1 (caught from before its `begin` line on, so one sent after that line is never lost;
 any of the worker's threads may take it, and the byte CPython's handler writes to the
@@ -43,6 +47,7 @@ import argparse
 import hashlib
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,6 +64,7 @@ def main() -> int:
     p.add_argument("--hold-at", type=int, default=0)
     p.add_argument("--hold-file", type=Path)
     p.add_argument("--wait-go", action="store_true")
+    p.add_argument("--pace", type=float, default=0.0)
     args = p.parse_args()
 
     import torch
@@ -138,6 +144,7 @@ def main() -> int:
         flag = torch.zeros(1)
         while state.step < args.steps:
             dist.all_reduce(flag)
+            time.sleep(args.pace)
             x = torch.randn(4, 16, generator=torch.Generator().manual_seed(state.step))
             optimizer.zero_grad()
             model(x).pow(2).sum().backward()

@@ -7,11 +7,11 @@ it was. The worker maps it; `State.commit()` copies the state into it and the ne
 worker's `@elastic.run` reads it back before calling the function: memory, never a file
 on disk, never a pickle.
 
-The file's layout (two slots, a record for each, what makes a commit whole) is
-elasticrun.state_layout's. A commit goes to the slot that does not hold the newest
-commit: first that slot's record is cleared, then the data is written, then the record,
-last. A worker killed anywhere in between leaves the other slot and its record, the
-previous commit, whole; a record torn in its own write fails its CRC.
+The file's layout (four slots, a record for each, what makes a commit whole, the pins)
+is elasticrun.state_layout's. A commit goes to a slot that holds neither the newest
+commit nor a pinned one: first that slot's record is cleared, then the data is written,
+then the record, last. A worker killed anywhere in between leaves the newest commit
+whole in its own slot; a record torn in its own write fails its CRC.
 
 Space on the tmpfs is reserved (`posix_fallocate`) before it is written: a full /dev/shm
 is a StateMemoryError at the commit, never a SIGBUS in the middle of a copy.
@@ -44,15 +44,21 @@ import torch
 
 from elasticrun.errors import StateMemoryError
 from elasticrun.state_layout import (
-    HEADER_BYTES,
+    ACK,
+    ACK_AT,
+    PINS,
+    PINS_AT,
     RECORD_BYTES,
     RECORD_SPACING,
+    SLOTS,
     STATE_BUDDY_VAR,
     STATE_FILE_VAR,
     STATE_REPLICAS_VAR,
     Record,
     aligned,
+    free_slot,
     held,
+    mapped_bytes,
     packed_record,
     reserve,
     slot_bytes_of,
@@ -74,21 +80,19 @@ class HostCopy:
         self._from_buddy = from_buddy
         self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         size = os.fstat(self._fd).st_size
-        #: each slot's bytes: half of what is left after the records
+        #: each slot's bytes: a SLOTS-th of what is left after the first page
         self.slot_bytes = slot_bytes_of(size)
         if self.slot_bytes <= 0:
             os.close(self._fd)
             raise StateMemoryError(
-                f"the state file {path} holds {size} bytes: too small for two copies (raise --state-memory)"
+                f"the state file {path} holds {size} bytes: too small for {SLOTS} copies (raise --state-memory)"
             )
-        self._map = mmap.mmap(self._fd, HEADER_BYTES + 2 * self.slot_bytes)
+        self._map = mmap.mmap(self._fd, mapped_bytes(self.slot_bytes))
         #: the whole mapping as bytes; the tensors written and read are views of it
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         #: per slot, how many of its bytes are reserved on the tmpfs
-        self._reserved = [0, 0]
-        held = self.held()
-        self._generation = max((r.generation for r in held), default=0)
-        self._newest_slot = max(held, key=lambda r: r.generation).slot if held else 1
+        self._reserved = [0] * SLOTS
+        self._generation = max((r.generation for r in self.held()), default=0)
         self._side_stream: Any = None
         #: finishes a commit's deferred copies, then writes its record (made at the first such commit)
         self._finisher: ThreadPoolExecutor | None = None
@@ -125,7 +129,7 @@ class HostCopy:
     # --- reading -----------------------------------------------------------------------
 
     def held(self) -> list[Record]:
-        """The whole commits the file holds (zero, one or two), oldest first."""
+        """The whole commits the file holds (up to SLOTS), oldest first."""
         return held(self._map, self.slot_bytes)
 
     def read(self, record: Record, device: torch.device) -> Any:
@@ -158,13 +162,13 @@ class HostCopy:
         world: int,
         deferrable: frozenset[int] = frozenset(),
     ) -> None:
-        """Copy a commit (name -> payload) into the other slot.
+        """Copy a commit (name -> payload) into a free slot (state_layout.free_slot).
 
         A tensor whose `data_ptr()` is in `deferrable` changes only in a step that calls
         `guard()` first: its copy may end after this returns (see the module doc). The
         slot's record is cleared first and written last."""
         self.settle()
-        slot = 1 - self._newest_slot
+        slot = free_slot(self._map, self.slot_bytes)
         start = self._slot_start(slot)
         self._map[slot * RECORD_SPACING : slot * RECORD_SPACING + RECORD_BYTES] = bytes(RECORD_BYTES)
         used = 0
@@ -189,14 +193,13 @@ class HostCopy:
         if not fits or used + len(data) > self.slot_bytes:
             raise StateMemoryError(
                 f"the state does not fit in the host memory each worker has for it: commit {commits} takes "
-                f"{_mib(used + len(data))}, twice (two copies are kept), in {_mib(2 * self.slot_bytes)}; "
-                f"raise --state-memory to at least {_mib(2 * aligned(used + len(data)) + HEADER_BYTES)}"
+                f"{_mib(used + len(data))}, and room is made for {SLOTS} copies, of {_mib(self.slot_bytes)} each; "
+                f"raise --state-memory to at least {_mib(mapped_bytes(aligned(used + len(data))))}"
             )
         self._reserve(slot, used + len(data), commits)
         self._map[start + used : start + used + len(data)] = data
         self._generation += 1
         record = packed_record(self._generation, commits, round_number, rank, world, used, data)
-        self._newest_slot = slot
         cuda_now = self._copy_on_side_stream([(at, t) for at, t in now if t.is_cuda])
         self._copy_in([(at, t) for at, t in now if not t.is_cuda])
         if cuda_now is not None:  # the training changes them next: its stream waits for their copy
@@ -237,6 +240,23 @@ class HostCopy:
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
             in_flight.result()
+
+    # --- pins (a ShardedState's) --------------------------------------------------------
+
+    @property
+    def next_generation(self) -> int:
+        """The generation the next commit written will have."""
+        return self._generation + 1
+
+    def pin(self, candidate: int, safe: int) -> None:
+        """Keep the commits of generations `candidate` (the one the agent is to copy to the buddy node) and `safe`.
+
+        Neither slot is written again until another pin; 0 pins nothing."""
+        self._map[PINS_AT : PINS_AT + PINS.size] = PINS.pack(candidate, safe)
+
+    def buddy_holds(self, generation: int) -> bool:
+        """Whether the agent said that its buddy node holds the commit of `generation`."""
+        return generation > 0 and ACK.unpack_from(self._map, ACK_AT)[0] == generation
 
     def _put_record(self, slot: int, record: bytes) -> None:
         at = slot * RECORD_SPACING

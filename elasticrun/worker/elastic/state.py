@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.errors import StateTransferError
+from elasticrun.worker.elastic.buddy_pins import BuddyPins
 from elasticrun.worker.elastic.host_copy import HostCopy, Record
 from elasticrun.worker.elastic.session import flag_device
 from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
@@ -379,16 +380,18 @@ class ShardedState(State):
     For what differs from rank to rank: FSDP's, tensor or pipeline parallel parameters
     and optimizer state, per-rank RNG states, data-loader positions. sync() moves
     nothing. In restart mode a restarted group resumes from the last commit that every
-    rank holds, made at the same rank and world size (each host copy keeps two commits,
-    and ranks that commit in step are at most one apart, so a worker killed during a
-    commit costs one step). Where no such commit exists (the world size changed, ranks
-    moved, a rank's copy is gone) no rank restores: `restored` is False on all, since
+    rank holds, made at the same rank and world size (each host copy keeps its last two
+    commits, and ranks that commit in step are at most one apart, so a worker killed
+    during a commit costs one step). Where no such commit exists (the world size
+    changed, ranks moved, a rank's copy is gone) no rank restores: `restored` is False on all, since
     shards of different steps would not make one model, and `earlier` offers the last
     commit the group's workers hold, made at its own world size: every shard of it to
     re-shard from (`EarlierShards.gather`), or the ranks whose shard is gone
     (`EarlierShards.lost`), when the script starts from its own checkpoint instead.
-    Each commit is also kept by a buddy node, so a node's loss loses no shard where a
-    newcomer takes its place (`restored_from` "buddy").
+    Commits are also kept by a buddy node, those every rank agreed on (buddy_pins.py), and
+    every rank keeps the last of them that every buddy holds: so a node's loss loses no
+    shard where a newcomer takes its place (`restored_from` "buddy"), and costs the steps
+    since that commit.
     """
 
     def __init__(self, **objects: Any) -> None:
@@ -398,6 +401,8 @@ class ShardedState(State):
         object.__setattr__(self, "earlier", None)
         #: the copies of other nodes' ranks this worker was handed, to offer in `earlier`
         object.__setattr__(self, "_replicas", [])
+        #: restart mode, in a group of two ranks or more: which commits the buddies are to hold
+        object.__setattr__(self, "_pins", None)
 
     def sync(self) -> None:
         """Nothing moves: each rank's values are its own."""
@@ -411,6 +416,8 @@ class ShardedState(State):
         in at another node rank): each rank takes its own rank's shard of it from whoever
         holds it, a collective."""
         super()._keep_in(host)
+        if host is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            object.__setattr__(self, "_pins", BuddyPins(host))
         earlier = self.earlier
         if earlier is None or earlier.lost or earlier.world != dist.get_world_size():
             return
@@ -425,6 +432,14 @@ class ShardedState(State):
         object.__setattr__(self, "restored_from", source)
         object.__setattr__(self, "_rollback_in_host", False)
         object.__setattr__(self, "earlier", None)
+
+    def _copy_out(self, host: HostCopy) -> None:
+        """As State's, between the steps of the agreement on what the buddy nodes hold (buddy_pins)."""
+        if self._pins is not None:
+            self._pins.before_write()
+        super()._copy_out(host)
+        if self._pins is not None:
+            self._pins.after_write()
 
     def _choose(self, held: list[Record]) -> Record | None:
         """The newest commit every rank holds for its own rank and world size (a collective).
@@ -476,8 +491,8 @@ class EarlierShards:
     `world` is the world size it was made at, `commits` its count, and `lost` the ranks
     of it whose shard no worker of the group holds (a node lost with its memory). Read
     it at the top of the function, before the round's first commits: a worker's host
-    copy keeps two commits, and its second commit of the new round overwrites the
-    earlier one.
+    copy keeps only its last two commits and the two pinned for the buddies, and the new
+    round's commits overwrite the earlier one.
     """
 
     def __init__(
