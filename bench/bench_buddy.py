@@ -37,7 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_state import build  # noqa: E402
+from bench.bench_state import build, memory_for  # noqa: E402
 from elasticrun.agent.commit_files import CommitFile  # noqa: E402
 from elasticrun.agent.replica_wire import job_key  # noqa: E402
 from elasticrun.agent.state_files import StateFiles  # noqa: E402
@@ -61,7 +61,7 @@ def _files(folder: Path, size: int, kind: str) -> StateFiles:
 async def _hold(mb: int, folder: Path) -> None:
     """The holder: one commit of rank 0 in a replica file, served until stdin closes."""
     model, optimizer = build(mb)
-    own, replicas = _files(folder, 4 * (2 * mb << 20), "state"), _files(folder, 4 * (2 * mb << 20), "replica")
+    own, replicas = _files(folder, memory_for(mb), "state"), _files(folder, memory_for(mb), "replica")
     state = State(model=model, optimizer=optimizer, step=7)
     state._keep_in(HostCopy(replicas.path(0)))
     state.commit()
@@ -102,7 +102,7 @@ def main() -> int:
     )
     assert holder.stdout is not None and holder.stdin is not None
     port = int(holder.stdout.readline())
-    files = _files(folder, 4 * (2 * args.mb << 20), "state")
+    files = _files(folder, memory_for(args.mb), "state")
     path = files.path(0)
     disk = Path(tempfile.mkdtemp(dir=args.disk_dir)) / "state.pt"
     fetches, restores, loads = [], [], []

@@ -6,7 +6,7 @@
 In this process, with torch on the CPU and no process group (rank 0 of 1), a model of
 `--mb` MB of float32 parameters with an SGD optimizer with momentum (state of the same
 size again), in an `elastic.State`, its host copy in a file on /dev/shm made as the
-agent makes it (elasticrun.agent.state_files, `--state-memory` four times the state):
+agent makes it (elasticrun.agent.state_files, `--state-memory` room for its four copies):
 
 - commit: training steps (forward, backward and the optimizer's step on a batch sized
   so that a step takes about `--step-ms`) with `state.commit()` after each, with the
@@ -41,8 +41,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from elasticrun.agent.state_files import StateFiles  # noqa: E402
+from elasticrun.state_layout import mapped_bytes  # noqa: E402
 from elasticrun.worker.elastic import State  # noqa: E402
 from elasticrun.worker.elastic.host_copy import HostCopy  # noqa: E402
+
+
+def memory_for(mb: int) -> int:
+    """The `--state-memory` that holds four copies of `build(mb)`'s state (and each copy's structure)."""
+    return mapped_bytes((2 * mb + 1) << 20)
 
 
 def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -105,8 +111,7 @@ def main() -> int:
     torch.set_num_threads(1)
 
     model, optimizer = build(args.mb)
-    state_bytes = 2 * args.mb << 20
-    files = StateFiles(Path(args.disk_dir), 4 * state_bytes, lambda path, made: None)
+    files = StateFiles(Path(args.disk_dir), memory_for(args.mb), lambda path, made: None)
     path = files.path(0)
     try:
         plain = State(model=model, optimizer=optimizer, step=0)
@@ -142,7 +147,7 @@ def main() -> int:
         files.close()
 
     step = statistics.median(bare)
-    print(f"state: {state_bytes >> 20} MB (model {args.mb} MB + momentum), {args.rounds} rounds of {args.steps} "
+    print(f"state: {2 * args.mb} MB (model {args.mb} MB + momentum), {args.rounds} rounds of {args.steps} "
           f"steps, a step {step * 1e3:.1f} ms with no commit (batch {batch.shape[0]}), torch threads 1, "
           f"load {os.getloadavg()[0]:.1f}")
     for what, times in (

@@ -361,7 +361,7 @@ def row_lightning(ctx: Context) -> str:
 def row_state(ctx: Context) -> str:
     """Restart-mode state on the GPU: a commit's cost per step, a SIGKILL, the restore against torch.load."""
     ctx.need_torch_cuda()
-    mb, step_ms, memory = (512, 100, "3G") if ctx.cuda else (8, 20, "64M")
+    mb, step_ms, memory = (512, 100, "5G") if ctx.cuda else (8, 20, "96M")  # room for four copies
     proc, log = ctx.launch(
         "state", ["--nproc-per-node=1", "--max-restarts=1", f"--state-memory={memory}"],
         [str(WORKERS / "gpu_state.py"), "--mb", str(mb), "--step-ms", str(step_ms), "--disk-dir", str(ctx.folder)],
