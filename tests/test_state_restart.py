@@ -54,13 +54,19 @@ def digest_at(job: Proc, rank: int, step: int) -> str:
     return found[0]
 
 
-def test_a_sharded_state_survives_its_workers_sigkill(cluster: Cluster) -> None:
+@pytest.mark.parametrize("model", ["plain", "fsdp"])
+def test_a_sharded_state_survives_its_workers_sigkill(cluster: Cluster, model: str) -> None:
     """Rank 1 is SIGKILLed right after its commit 12: the restarted group resumes within
     one commit of it, both ranks at the same one (rank 0 cannot commit 13 without rank
     1's step; it may be stopped while copying 12, then both resume at 11), each rank
     with its own shard exactly as it was, model and optimizer included, read from the
-    same file the agent gave the first attempt; the agent removes the files when it ends."""
-    job = launch(cluster, 2, "--kind=sharded", "--kill=after-commit", "--kill-at=12", "--kill-rank=1", "--steps=15")
+    same file the agent gave the first attempt; the agent removes the files when it ends.
+    With FSDP2 (`fsdp`) the model's parameters and their momentum are DTensors: each
+    rank's shards come back as DTensors again, and the job trains on to its end."""
+    fsdp = ("--fsdp",) if model == "fsdp" else ()
+    job = launch(
+        cluster, 2, "--kind=sharded", "--kill=after-commit", "--kill-at=12", "--kill-rank=1", "--steps=15", *fsdp
+    )
     assert job.wait_exit() == 0, job.text()[-4000:]
     first, again = {}, {}
     for m in begins(job):

@@ -7,7 +7,9 @@ flag (so the ranks stay in step, as training does), commits and prints
 
     step=7 rank=1 digest=0123456789ab
 
-(digest: a hash of everything the state holds). When the function starts it prints
+(digest: a hash of everything the state holds). With `--fsdp` the model is sharded with
+FSDP2's `fully_shard` over the ranks: its parameters and their momentum are DTensors, and
+each rank's digest hashes its local shards. When the function starts it prints
 
     begin rank=1 restart=1 restored=True from=own memory step=22 digest=... intact=True pid=... file=...
 
@@ -65,6 +67,7 @@ def main() -> int:
     p.add_argument("--hold-file", type=Path)
     p.add_argument("--wait-go", action="store_true")
     p.add_argument("--pace", type=float, default=0.0)
+    p.add_argument("--fsdp", action="store_true")
     args = p.parse_args()
 
     import torch
@@ -100,6 +103,14 @@ def main() -> int:
 
     torch.manual_seed(rank)
     model = torch.nn.Linear(16, 16)
+    if args.fsdp:  # FSDP2 shards over the group: made here, before the model (the wrapper keeps it)
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        fully_shard(model)
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if args.fsdp else t  # type: ignore[attr-defined]  # a DTensor: this rank's shard
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     killer = Killer()
     kind = elastic.ShardedState if args.kind == "sharded" else elastic.State
@@ -108,9 +119,9 @@ def main() -> int:
     def digest() -> str:
         h = hashlib.sha256(state.shard.numpy().tobytes())
         for t in model.state_dict().values():
-            h.update(t.numpy().tobytes())
+            h.update(mine(t).numpy().tobytes())
         for group in optimizer.state.values():
-            h.update(group["momentum_buffer"].numpy().tobytes())
+            h.update(mine(group["momentum_buffer"]).numpy().tobytes())
         return h.hexdigest()[:12]
 
     def go_signal() -> Callable[[], None]:

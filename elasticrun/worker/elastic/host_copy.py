@@ -64,6 +64,7 @@ from elasticrun.state_layout import (
     slot_bytes_of,
     slot_start,
 )
+from elasticrun.worker.elastic.dtensors import local
 from elasticrun.worker.elastic.structure import TensorHole, decode, encode
 
 
@@ -325,10 +326,13 @@ def _layout(structure: Any) -> dict[int, int]:
 
 
 def _hollow(obj: Any, tensors: list[torch.Tensor], first: int) -> Any:
-    """`obj` with each tensor replaced by a TensorHole numbered from `first`; the tensors go to `tensors`."""
+    """`obj` with each tensor replaced by a TensorHole numbered from `first`; the tensors go to `tensors`.
+
+    A DTensor goes as its local tensor: this rank's shard (dtensors.py)."""
     if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return TensorHole(first + len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type == "cpu")
+        mine = local(obj)
+        tensors.append(mine)
+        return TensorHole(first + len(tensors) - 1, tuple(mine.shape), mine.dtype, mine.device.type == "cpu")
     if isinstance(obj, dict):
         return {k: _hollow(v, tensors, first) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from elasticrun.errors import StateTransferError
 from elasticrun.worker.elastic.buddy_pins import BuddyPins
+from elasticrun.worker.elastic.dtensors import as_module_holds, as_optimizer_holds, local
 from elasticrun.worker.elastic.host_copy import HostCopy, Record
 from elasticrun.worker.elastic.session import flag_device
 from elasticrun.worker.elastic.structure import MAX_BYTES, TensorHole, decode, encode
@@ -121,6 +122,15 @@ class _ValueSlot:
 
     def load(self, payload: Any) -> None:
         self.value = payload
+
+
+def _as_held(slot: _ModuleSlot | _StatefulSlot | _ValueSlot, payload: Any) -> Any:
+    """A payload read back from host memory, its tensors DTensors where the slot's object holds them (dtensors.py)."""
+    if isinstance(slot, _ModuleSlot):
+        return as_module_holds(payload, slot.value)
+    if isinstance(slot.value, torch.optim.Optimizer):
+        return as_optimizer_holds(payload, slot.value)
+    return payload
 
 
 def _slot(value: Any) -> _ModuleSlot | _StatefulSlot | _ValueSlot:
@@ -248,9 +258,9 @@ class State:
         ptrs: set[int] = set()
         for optimizer in self._optimizers():
             for group in optimizer.param_groups:
-                ptrs.update(p.data_ptr() for p in group["params"])
+                ptrs.update(local(p).data_ptr() for p in group["params"])
             for per_param in optimizer.state.values():
-                ptrs.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+                ptrs.update(local(v).data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
         return frozenset(ptrs)
 
     def _keep_in(self, host: HostCopy | None) -> None:
@@ -282,7 +292,7 @@ class State:
             slot = self._slots[name]
             # A module copies the tensors into its own; anything else may keep them
             # (an optimizer keeps its state's): those get copies of their own.
-            slot.load(payload if isinstance(slot, _ModuleSlot) else _cloned(payload))
+            slot.load(_as_held(slot, payload if isinstance(slot, _ModuleSlot) else _cloned(payload)))
 
     def _choose(self, held: list[Record]) -> Record | None:
         """The commit to resume from, of those this rank's host copy holds: the newest.
@@ -378,8 +388,9 @@ class ShardedState(State):
     """A State whose values are each rank's own (its shard): never sent to another rank.
 
     For what differs from rank to rank: FSDP's, tensor or pipeline parallel parameters
-    and optimizer state, per-rank RNG states, data-loader positions. sync() moves
-    nothing. In restart mode a restarted group resumes from the last commit that every
+    and optimizer state (DTensors are kept as their local shards and made DTensors
+    again on restore: dtensors.py), per-rank RNG states, data-loader positions. sync()
+    moves nothing. In restart mode a restarted group resumes from the last commit that every
     rank holds, made at the same rank and world size (each host copy keeps its last two
     commits, and ranks that commit in step are at most one apart, so a worker killed
     during a commit costs one step). Where no such commit exists (the world size
@@ -424,7 +435,7 @@ class ShardedState(State):
         rank = dist.get_rank()
         source = earlier.source_of(rank)
         for name, payload in earlier.gather([rank])[rank].items():
-            self._slots[name].load(payload)
+            self._slots[name].load(_as_held(self._slots[name], payload))
             self._slots[name].snapshot()
         object.__setattr__(self, "commits", earlier.commits)
         object.__setattr__(self, "committed_in", earlier.round)
