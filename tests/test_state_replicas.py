@@ -6,6 +6,7 @@ End to end (agents, spares, workers) is tests/test_state_buddy.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 
 from elasticrun.agent.commit_files import CommitFile, payload_bytes
 from elasticrun.agent.replica_wire import ReplicaProtocolError, accept, connect, job_key
+from elasticrun.agent.state_replicas import _write_commit
 from elasticrun.state_layout import RECORD_BYTES
 from elasticrun.worker.elastic.host_copy import HostCopy
 
@@ -83,6 +85,33 @@ def test_a_commit_larger_than_a_slot_is_refused_by_its_record(tmp_path: Path) ->
     record = source.newest()
     assert record is not None
     assert CommitFile(small).fits(source.raw_record(record)) is None
+
+
+def test_a_send_cancelled_midway_leaves_the_file_free_to_close(tmp_path: Path) -> None:
+    """The agent closes its files when it ends, a send in flight or not (the newest
+    commit goes to the buddy just as a job's workers finish): a send cancelled while
+    the buddy reads nothing leaves no view of the mapping behind, so the file closes
+    (a view left in the cancelled send's frame made the agent exit 1 with a BufferError)."""
+    path = state_file(tmp_path, "own", 80 << 20)
+    HostCopy(path).write([("big", torch.zeros(2 << 20, dtype=torch.int64))], 1, 1, 0, 1)  # more than a socket takes
+    source = CommitFile(path)
+    record = source.newest()
+    assert record is not None
+
+    async def cancelled_midway() -> None:
+        server = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)  # reads nothing
+        _, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        sending = asyncio.create_task(_write_commit(writer, source, record))
+        while writer.transport.get_write_buffer_size() == 0:  # until the send waits for the buddy
+            await asyncio.sleep(0)
+        sending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sending
+        writer.close()
+        server.close()
+
+    asyncio.run(cancelled_midway())
+    source.close()
 
 
 async def _handshake(server_key: bytes, client_key: bytes) -> tuple[BaseException | None, BaseException | None]:

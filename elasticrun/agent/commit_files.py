@@ -94,7 +94,9 @@ class CommitFile:
         return bytes(self._map[at : at + RECORD_BYTES])
 
     def payload(self, record: Record) -> memoryview:
-        """The commit's bytes, as mapped: valid while its slot is not written again (see `still`)."""
+        """The commit's bytes, as mapped: valid while its slot is not written again (see `still`).
+
+        Release it (a `with` block) once read: the file cannot be closed while it lives."""
         assert self._map is not None
         start = slot_start(record.slot, self.slot_bytes)
         return memoryview(self._map)[start : start + payload_bytes(record)]

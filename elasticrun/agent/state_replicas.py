@@ -395,14 +395,7 @@ class StateReplicas:
                 await writer.drain()
                 if await read(reader, 1) != WHOLE:
                     return  # the buddy does not know this node is its predecessor yet: next look
-                data = source.payload(record)
-                started = time.monotonic()
-                for at in range(0, len(data), CHUNK):
-                    writer.write(data[at : at + CHUNK])
-                    await writer.drain()
-                    ahead = (at + CHUNK) / BANDWIDTH - (time.monotonic() - started)
-                    if ahead > 0:
-                        await asyncio.sleep(ahead)
+                await _write_commit(writer, source, record, BANDWIDTH)
                 writer.write(WHOLE if source.still(record) else TORN)
                 await writer.drain()
                 kept = await read(reader, 1) == WHOLE
@@ -496,11 +489,26 @@ class StateReplicas:
             for record in held:
                 replica = self._file(path)  # type: ignore[arg-type]  # held: it is there
                 writer.write(replica.raw_record(record))
-                data = replica.payload(record)
-                for at in range(0, len(data), CHUNK):
-                    writer.write(data[at : at + CHUNK])
-                    await writer.drain()
+                await _write_commit(writer, replica, record)
             await writer.drain()
+
+
+async def _write_commit(
+    writer: asyncio.StreamWriter, source: CommitFile, record: Record, bandwidth: float | None = None
+) -> None:
+    """`record`'s bytes from `source` to `writer`, a chunk at a time (at most `bandwidth` bytes a second).
+
+    Each chunk goes as bytes of its own, and the view of the file is released before
+    this returns, cancelled or not: a mapping with a view left on it cannot be closed,
+    and the agent closes its files when it ends, sends in flight or not."""
+    started = time.monotonic()
+    with source.payload(record) as data:
+        for at in range(0, len(data), CHUNK):
+            writer.write(bytes(data[at : at + CHUNK]))
+            await writer.drain()
+            ahead = (at + CHUNK) / bandwidth - (time.monotonic() - started) if bandwidth else 0.0
+            if ahead > 0:
+                await asyncio.sleep(ahead)
 
 
 async def _receive(reader: asyncio.StreamReader, into: CommitFile, at: int, size: int) -> None:
