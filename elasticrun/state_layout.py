@@ -160,9 +160,19 @@ def pins(data: FileBytes) -> tuple[int, int]:
     return candidate, safe
 
 
+def set_pins(data: mmap.mmap, candidate: int, safe: int) -> None:
+    """Pin the commits of generations `candidate` and `safe` (0: none) in a file's mapping `data`."""
+    data[PINS_AT : PINS_AT + PINS.size] = PINS.pack(candidate, safe)
+
+
 def ack(data: FileBytes) -> int:
     """The generation of the candidate the agent's buddy node holds (0: none)."""
     return int(ACK.unpack_from(data, ACK_AT)[0])
+
+
+def set_ack(data: mmap.mmap, generation: int) -> None:
+    """Say in a file's mapping `data` that the buddy node holds the commit of `generation`."""
+    data[ACK_AT : ACK_AT + ACK.size] = ACK.pack(generation)
 
 
 def free_slot(data: FileBytes, slot_bytes: int, keep: frozenset[int] = frozenset()) -> int:

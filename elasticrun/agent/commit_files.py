@@ -21,10 +21,6 @@ import os
 from pathlib import Path
 
 from elasticrun.state_layout import (
-    ACK,
-    ACK_AT,
-    PINS,
-    PINS_AT,
     RECORD,
     RECORD_BYTES,
     RECORD_SPACING,
@@ -37,6 +33,8 @@ from elasticrun.state_layout import (
     parsed_record,
     pins,
     reserve,
+    set_ack,
+    set_pins,
     slot_bytes_of,
     slot_start,
 )
@@ -81,12 +79,12 @@ class CommitFile:
     def pin(self, candidate: int, safe: int) -> None:
         """Keep the commits of generations `candidate` and `safe` (0: none) from the next commits written here."""
         if self._map is not None:
-            self._map[PINS_AT : PINS_AT + PINS.size] = PINS.pack(candidate, safe)
+            set_pins(self._map, candidate, safe)
 
     def acknowledge(self, generation: int) -> None:
         """Tell the worker that the buddy node holds its commit of `generation`."""
         if self._map is not None:
-            self._map[ACK_AT : ACK_AT + ACK.size] = ACK.pack(generation)
+            set_ack(self._map, generation)
 
     def raw_record(self, record: Record) -> bytes:
         assert self._map is not None  # a record was read from it

@@ -44,10 +44,6 @@ import torch
 
 from elasticrun.errors import StateMemoryError
 from elasticrun.state_layout import (
-    ACK,
-    ACK_AT,
-    PINS,
-    PINS_AT,
     RECORD_BYTES,
     RECORD_SPACING,
     SLOTS,
@@ -55,12 +51,14 @@ from elasticrun.state_layout import (
     STATE_FILE_VAR,
     STATE_REPLICAS_VAR,
     Record,
+    ack,
     aligned,
     free_slot,
     held,
     mapped_bytes,
     packed_record,
     reserve,
+    set_pins,
     slot_bytes_of,
     slot_start,
 )
@@ -253,11 +251,11 @@ class HostCopy:
         """Keep the commits of generations `candidate` (the one the agent is to copy to the buddy node) and `safe`.
 
         Neither slot is written again until another pin; 0 pins nothing."""
-        self._map[PINS_AT : PINS_AT + PINS.size] = PINS.pack(candidate, safe)
+        set_pins(self._map, candidate, safe)
 
     def buddy_holds(self, generation: int) -> bool:
         """Whether the agent said that its buddy node holds the commit of `generation`."""
-        return generation > 0 and ACK.unpack_from(self._map, ACK_AT)[0] == generation
+        return generation > 0 and ack(self._map) == generation
 
     def _put_record(self, slot: int, record: bytes) -> None:
         at = slot * RECORD_SPACING
